@@ -1,0 +1,241 @@
+// TIDE plan layer: everything static about one FSDP2 parameter group on one topology.
+//
+// Contract
+//   - Pure C++17, no CUDA, no allocation after make_plan() returns; a Plan is immutable.
+//   - make_plan() validates every input and throws tide::PlanError naming the field, parameter
+//     or option at fault. A plan that is returned is collision-free and stale-block-free
+//     (Prop. 4.1, App. D) or make_plan() threw.
+//   - Identical (signature, topology, options) give an identical Plan and Plan::hash on every
+//     rank; ranks agree on plans by comparing hashes.
+//   - Notation follows the TIDE paper (Table 2): M nodes, L GPUs per node, N = M*L ranks,
+//     node-major rank r = n*L + l; parameter p has (D_p, K_p), R_p = ceil(D_p/N) padded rows,
+//     shard bytes s_p = R_p*K_p*b_ag, prefix offset o_p, packed shard S = sum s_p.
+//
+// Ownership of sections (one file each, so work on them does not collide):
+//   layout.cc       — GroupLayout (Eqs. 2-3), input validation          [layout]
+//   ag_schedule.cc  — AgSchedule: Bruck rounds, stage slots, descriptors  [TIDE-AG]
+//   rs_schedule.cc  — RsSchedule: sub-slices, Latin square, waves, ...    [TIDE-RS]
+//   validator.cc    — per-wave inbox bitmask validation, validate_all     [TIDE-RS]
+//   memory.cc       — memory model (Eqs. 10-12), arena layout             [memory]
+//   solver.cc       — sizing solver (Eqs. 13-14, App. G), Eq. 1 helper    [solver]
+//   plan.cc         — make_plan() composition and Plan::hash
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "tide/errors.h"
+
+namespace tide {
+
+// ---------------------------------------------------------------------------------------------
+// Basic vocabulary
+// ---------------------------------------------------------------------------------------------
+enum class DType : uint8_t { kBF16 = 0, kFP16 = 1, kFP32 = 2 };
+int dtype_size(DType t);
+const char* dtype_name(DType t);
+DType parse_dtype(const std::string& name, const char* field);  // throws PlanError naming field
+
+enum class Mode : uint8_t { kInPlace = 0, kSlotReuse = 1 };
+const char* mode_name(Mode m);
+Mode parse_mode(const std::string& name);
+
+constexpr int kMaxGpusPerNode = 8;   // L <= 8 (one NVSwitch domain)
+constexpr int kMaxParams = 256;      // P > 256 falls back to stock collectives
+constexpr int kVectorElems = 4;      // fp32 elements per 16-byte vector (E_sub alignment)
+
+struct Topology {
+  int nodes = 1;          // M
+  int gpus_per_node = 1;  // L
+  int world() const { return nodes * gpus_per_node; }  // N
+  int node_of(int r) const { return r / gpus_per_node; }
+  int local_of(int r) const { return r % gpus_per_node; }
+  int rank(int n, int l) const { return n * gpus_per_node + l; }
+};
+
+struct ParamSpec {
+  std::string name;            // for messages only
+  std::vector<int64_t> shape;  // unsharded shape; sharded along dim 0
+};
+
+struct GroupSignature {
+  std::vector<ParamSpec> params;
+  DType ag_dtype = DType::kBF16;     // all-gather item type (b_ag)
+  DType grad_dtype = DType::kBF16;   // gradient item type (b_grad)
+  DType shard_dtype = DType::kBF16;  // sharded (master) dtype; != ag_dtype means the AG casts
+                                     // into the first receive-stage slot (mixed precision)
+  bool needs_cast() const { return shard_dtype != ag_dtype; }
+};
+
+// Versioned (struct_size first) so it can cross a C boundary later; normalised by make_plan().
+struct Options {
+  uint32_t struct_size = sizeof(Options);
+  Mode mode = Mode::kInPlace;
+  int w_wave = 0;        // W_wave, contributors per wave; 0 -> L
+  int k = 0;             // max concurrent rail transfers per round; 0 -> solver
+  int n_part = 1;        // sub-slice passes per reduce-scatter
+  int n_stg = 2;         // local bf16 staging slots
+  int64_t chunk_bytes = 0;  // RS staging chunk (bytes of one staged row piece); 0 -> whole sub-slice
+  int sum_ctas = 0;      // C_sum; 0 -> solver
+  int land_ctas = 0;     // C_mc; 0 -> solver
+  int64_t ag_head_bytes = 8ll << 20;  // total head bytes of a paced AG round (head/tail split)
+};
+
+// ---------------------------------------------------------------------------------------------
+// Layout (Section 2.1, Eqs. 2-3)                                                   [layout.cc]
+// ---------------------------------------------------------------------------------------------
+struct ParamLayout {
+  int64_t D = 0;    // dim-0 extent
+  int64_t K = 0;    // product of trailing dims
+  int64_t R = 0;    // padded per-rank rows, ceil(D/N)
+  int64_t s = 0;    // per-rank shard bytes in the AG dtype, R*K*b_ag
+  int64_t o = 0;    // prefix byte offset in the packed shard
+  int64_t e = 0;    // per-rank shard elements, R*K
+  int64_t o32 = 0;  // prefix element offset in the per-rank fp32 RS output
+};
+
+struct GroupLayout {
+  int P = 0;
+  int N = 0;
+  std::vector<ParamLayout> params;
+  int64_t S = 0;          // packed per-rank shard bytes (AG dtype)
+  int64_t S_grad = 0;     // packed per-rank gradient shard bytes (grad dtype)
+  int64_t S_fp32 = 0;     // per-rank fp32 RS output bytes
+  int64_t E = 0;          // per-rank output elements, sum R_p*K_p  (S_fp32 = 4E)
+  int64_t B_pack = 0;     // FSDP2's packed fp32 RS input (Eq. 3), for comparison
+  int64_t unsharded_bytes() const { return S * N; }  // NS
+
+  // Landing(p, r) = o_p*N + r*s_p (Eq. 2): byte offset of rank r's shard of p in the group's
+  // parameter-major unsharded buffer.
+  int64_t landing(int p, int r) const { return params[p].o * N + r * params[p].s; }
+  // Rows of I_{p,r} = [r*R_p, (r+1)*R_p) that lie below D_p (the rest are zero padding).
+  int64_t valid_rows(int p, int r) const;
+};
+
+GroupLayout build_layout(const GroupSignature& sig, const Topology& topo);
+
+// ---------------------------------------------------------------------------------------------
+// A strided (2-D) copy: `height` rows of `width` bytes. Offsets are relative to the buffers the
+// owning schedule names. Used by both schedules' descriptors.
+// ---------------------------------------------------------------------------------------------
+struct StridedCopy {
+  int64_t src_offset = 0;
+  int64_t src_pitch = 0;
+  int64_t dst_offset = 0;
+  int64_t dst_pitch = 0;
+  int64_t width = 0;
+  int64_t height = 1;
+  int param = -1;
+};
+
+// ---------------------------------------------------------------------------------------------
+// TIDE-AG schedule (Section 3)                                                 [ag_schedule.cc]
+// ---------------------------------------------------------------------------------------------
+struct AgSchedule {
+  int rounds = 0;              // R = ceil(log2 M)
+  std::vector<int> c;          // c_d = min(2^d, M - 2^d)
+  int stage_slots = 0;         // M-1 (M with a cast)
+  int64_t stage_bytes = 0;     // (M-1)S (MS with a cast)
+  // Filled by ag_schedule.cc (TIDE-AG owner): descriptor tables and counts.
+  int64_t descriptors_per_rank = 0;       // coalesced scatter descriptors, O(P log M)
+  int64_t flat_descriptors_per_rank = 0;  // one per (slot, param): O(MP)
+};
+
+// ---------------------------------------------------------------------------------------------
+// TIDE-RS schedule (Section 4)                                                 [rs_schedule.cc]
+// ---------------------------------------------------------------------------------------------
+struct RsSchedule {
+  int w_wave = 0;       // W_wave (resolved)
+  int waves = 0;        // W = ceil(M / W_wave)
+  int n_par = 0;        // inbox buffer generations: 1 for a single wave, else 2
+  int n_out = 0;        // outbox blocks per bank (Eq. 9; M-1 for one-pass In-Place)
+  int n_part = 1;       // sub-slice passes
+  int k = 0;            // resolved round width
+  int64_t E_stg = 0;    // aligned per-rank staging span (elements) of one pass
+  int64_t E_sub = 0;    // sub-slice capacity (elements), vector aligned, >= ceil(E_stg/L)
+  int64_t block_bytes = 0;  // outbox/inbox block: L rows of E_sub fp32
+  int64_t l1_descriptors_per_rank = 0;       // coalesced Level-1 copies: (L-1)PM (+ tails)
+  int64_t l1_flat_descriptors_per_rank = 0;  // (L-1)PML
+};
+
+// Contributor index (Eq. 6), sub-slice rotation (Eq. 7) and destination GPU (Eq. 8).
+inline int contributor_index(int m, int n, int M) { return n != m ? ((m - n) % M + M) % M : M; }
+inline int subslice_of(int j, int c, int M, int L) { return (j + c % M) % L; }
+inline int dest_gpu(int s, int c, int M, int L) { return ((s - c % M) % L + L) % L; }
+
+// ---------------------------------------------------------------------------------------------
+// Memory model (Section 5.4, Eqs. 10-12) and arena layout                          [memory.cc]
+// ---------------------------------------------------------------------------------------------
+struct ArenaRegion {
+  std::string name;   // "resident", "stage", "staging", "outbox", "inbox", "spare", "counters"
+  int64_t offset = 0;
+  int64_t bytes = 0;
+};
+
+struct MemoryModel {
+  int64_t area_rs_bytes = 0;          // temporary RS staging (Eq. 10) as laid out
+  double area_rs_ns = 0;              // ... in units of NS
+  double area_inplace_bound_ns = 0;   // Eq. 11
+  double area_slot_bound_ns = 0;      // Eq. 12
+  double live_tide_ns = 0;            // TIDE's live bytes during a layer's backward, units of NS
+  double live_fsdp2_ns = 4.0;         // FSDP2's 4 NS
+  std::vector<ArenaRegion> arena;     // every region's offset and size
+  int64_t arena_bytes = 0;
+};
+
+// ---------------------------------------------------------------------------------------------
+// Sizing solver (Eqs. 13-14, App. G)                                                [solver.cc]
+// ---------------------------------------------------------------------------------------------
+struct Calibration {
+  double bw_nic = 47.5e9;    // B/s sustained per rail
+  double bw_sum = 99e9;      // B/s per sum CTA (logical read + write)
+  double bw_land = 21e9;     // B/s per landing CTA
+  double bw_cap = 90e9;      // landing fabric ceiling
+  double t_rnd = 1.3e-3;     // s, per-round wait overhead
+  double gamma_skew = 1.5;
+  double eta_tail = 0.05;
+  int k_max = 4;
+};
+
+struct SolverResult {
+  int k = 0;
+  int sum_ctas = 0;
+  int land_ctas = 0;
+  int n_part = 1;
+  double t_nic = 0;  // s
+  int rounds = 0;    // N_rounds(M-1, k, W_wave)
+};
+
+// Recoverable FSDP overhead fraction (Eq. 1), up to its proportionality constant.
+double recoverable_overhead_fraction(double psi_total, double psi_active, double tokens_per_gpu);
+
+// ---------------------------------------------------------------------------------------------
+// The plan                                                                             [plan.cc]
+// ---------------------------------------------------------------------------------------------
+struct Plan {
+  GroupSignature sig;
+  Topology topo;
+  Options opt;  // normalised: every 0 ("auto") resolved
+  GroupLayout layout;
+  AgSchedule ag;
+  RsSchedule rs;
+  MemoryModel memory;
+  SolverResult solver;
+  uint64_t hash = 0;
+};
+
+Plan make_plan(const GroupSignature& sig, const Topology& topo, const Options& opt,
+               const Calibration& cal = Calibration());
+
+// Per-file builders composed by make_plan (declared here so each lives in its own file).
+void validate_inputs(const GroupSignature& sig, const Topology& topo, const Options& opt);
+SolverResult solve(const GroupLayout& layout, const Topology& topo, const Options& opt,
+                   const Calibration& cal);
+AgSchedule build_ag_schedule(const GroupLayout& layout, const GroupSignature& sig,
+                             const Topology& topo, const Options& opt);
+RsSchedule build_rs_schedule(const GroupLayout& layout, const Topology& topo, const Options& opt);
+void validate_rs(const RsSchedule& rs, const Topology& topo, const Options& opt);  // PlanError
+MemoryModel build_memory(const Plan& plan);
+
+}  // namespace tide

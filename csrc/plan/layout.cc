@@ -1,0 +1,109 @@
+// Layout (Section 2.1, Eqs. 2-3) and input validation.
+#include <algorithm>
+
+#include "tide/plan.h"
+
+namespace tide {
+
+int dtype_size(DType t) {
+  switch (t) {
+    case DType::kBF16: return 2;
+    case DType::kFP16: return 2;
+    case DType::kFP32: return 4;
+  }
+  throw Error("unknown DType");
+}
+
+const char* dtype_name(DType t) {
+  switch (t) {
+    case DType::kBF16: return "bfloat16";
+    case DType::kFP16: return "float16";
+    case DType::kFP32: return "float32";
+  }
+  return "?";
+}
+
+DType parse_dtype(const std::string& name, const char* field) {
+  if (name == "bfloat16" || name == "bf16") return DType::kBF16;
+  if (name == "float16" || name == "fp16" || name == "half") return DType::kFP16;
+  if (name == "float32" || name == "fp32" || name == "float") return DType::kFP32;
+  throw PlanError(TIDE_STR_CAT(field, ": unknown dtype '", name,
+                               "' (expected bfloat16, float16 or float32)"));
+}
+
+const char* mode_name(Mode m) { return m == Mode::kInPlace ? "in_place" : "slot_reuse"; }
+
+Mode parse_mode(const std::string& name) {
+  if (name == "in_place" || name == "inplace" || name == "In-Place") return Mode::kInPlace;
+  if (name == "slot_reuse" || name == "slotreuse" || name == "Slot-Reuse") return Mode::kSlotReuse;
+  throw PlanError(TIDE_STR_CAT("mode: unknown mode '", name, "' (expected in_place or slot_reuse)"));
+}
+
+void validate_inputs(const GroupSignature& sig, const Topology& topo, const Options& opt) {
+  TIDE_PLAN_CHECK(topo.nodes >= 1, "Topology.nodes: must be >= 1, got ", topo.nodes);
+  TIDE_PLAN_CHECK(topo.gpus_per_node >= 1 && topo.gpus_per_node <= kMaxGpusPerNode,
+                  "Topology.gpus_per_node: must be in [1, ", kMaxGpusPerNode, "], got ",
+                  topo.gpus_per_node);
+  const int P = static_cast<int>(sig.params.size());
+  TIDE_PLAN_CHECK(P >= 1, "GroupSignature.shapes: the group is empty (no parameters)");
+  TIDE_PLAN_CHECK(P <= kMaxParams, "GroupSignature.shapes: ", P, " parameters exceed TIDE's limit of ",
+                  kMaxParams, "; this group falls back to stock FSDP2 collectives");
+  for (int p = 0; p < P; ++p) {
+    const auto& ps = sig.params[p];
+    const std::string who = TIDE_STR_CAT("parameter ", p, ps.name.empty() ? "" : " ('", ps.name,
+                                         ps.name.empty() ? "" : "')");
+    TIDE_PLAN_CHECK(!ps.shape.empty(), who, ": shape is empty (0-d tensors cannot be sharded on dim 0)");
+    for (size_t i = 0; i < ps.shape.size(); ++i)
+      TIDE_PLAN_CHECK(ps.shape[i] > 0, who, ": shape[", i, "] = ", ps.shape[i], " must be > 0");
+  }
+  TIDE_PLAN_CHECK(sig.ag_dtype != DType::kFP16 || sig.grad_dtype != DType::kFP16 || true, "");
+  const int L = topo.gpus_per_node;
+  TIDE_PLAN_CHECK(opt.struct_size == sizeof(Options), "Options.struct_size: ", opt.struct_size,
+                  " does not match this build's ", sizeof(Options));
+  TIDE_PLAN_CHECK(opt.w_wave >= 0 && opt.w_wave <= L, "Options.w_wave: must be in [1, L=", L,
+                  "] (0 = L), got ", opt.w_wave);
+  TIDE_PLAN_CHECK(opt.k >= 0, "Options.k: must be >= 1 (0 = solver), got ", opt.k);
+  TIDE_PLAN_CHECK(opt.n_part >= 1, "Options.n_part: must be >= 1, got ", opt.n_part);
+  TIDE_PLAN_CHECK(opt.n_stg >= 1, "Options.n_stg: must be >= 1, got ", opt.n_stg);
+  TIDE_PLAN_CHECK(opt.chunk_bytes >= 0, "Options.chunk_bytes: must be >= 0, got ", opt.chunk_bytes);
+  TIDE_PLAN_CHECK(opt.sum_ctas >= 0, "Options.sum_ctas: must be >= 0, got ", opt.sum_ctas);
+  TIDE_PLAN_CHECK(opt.land_ctas >= 0, "Options.land_ctas: must be >= 0, got ", opt.land_ctas);
+  TIDE_PLAN_CHECK(opt.ag_head_bytes >= 0, "Options.ag_head_bytes: must be >= 0, got ", opt.ag_head_bytes);
+}
+
+int64_t GroupLayout::valid_rows(int p, int r) const {
+  const auto& pl = params[p];
+  const int64_t first = static_cast<int64_t>(r) * pl.R;
+  return std::max<int64_t>(0, std::min<int64_t>(pl.R, pl.D - first));
+}
+
+GroupLayout build_layout(const GroupSignature& sig, const Topology& topo) {
+  GroupLayout g;
+  g.P = static_cast<int>(sig.params.size());
+  g.N = topo.world();
+  const int b_ag = dtype_size(sig.ag_dtype);
+  const int b_grad = dtype_size(sig.grad_dtype);
+  int64_t o = 0, o32 = 0;
+  for (const auto& ps : sig.params) {
+    ParamLayout pl;
+    pl.D = ps.shape[0];
+    pl.K = 1;
+    for (size_t i = 1; i < ps.shape.size(); ++i) pl.K *= ps.shape[i];
+    pl.R = (pl.D + g.N - 1) / g.N;
+    pl.e = pl.R * pl.K;
+    pl.s = pl.e * b_ag;
+    pl.o = o;
+    pl.o32 = o32;
+    o += pl.s;
+    o32 += pl.e;
+    g.params.push_back(pl);
+  }
+  g.S = o;
+  g.E = o32;
+  g.S_fp32 = 4 * o32;
+  g.S_grad = static_cast<int64_t>(b_grad) * o32;
+  g.B_pack = 4 * static_cast<int64_t>(g.N) * o32;  // Eq. 3: 4 * sum_p N R_p K_p
+  return g;
+}
+
+}  // namespace tide

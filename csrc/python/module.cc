@@ -1,0 +1,30 @@
+// tide._core: the framework-neutral binding of TIDE's C++ core (raw pointers + streams only).
+// Each family binds itself in its own file; this file only wires them together.
+#include <nanobind/nanobind.h>
+
+#include "tide/errors.h"
+
+namespace nb = nanobind;
+
+void bind_plan(nb::module_& m);     // bind_plan.cc
+void bind_program(nb::module_& m);  // bind_program.cc
+void bind_exec(nb::module_& m);     // bind_exec.cc
+void bind_cuda(nb::module_& m);     // bind_cuda.cc
+
+NB_MODULE(_core, m) {
+  m.doc() = "TIDE core: planner, programs, executors";
+  // tide.PlanError is a ValueError: bad input or an unsupported group, found before data moves.
+  static nb::exception<tide::PlanError> plan_error(m, "PlanError", PyExc_ValueError);
+  // tide.TimeoutError: a wait passed its deadline (fail-stop); the message names rank/op/seq.
+  static nb::exception<tide::TimeoutError> timeout_error(m, "TimeoutError", PyExc_TimeoutError);
+  static nb::exception<tide::Error> tide_error(m, "Error", PyExc_RuntimeError);
+#ifdef TIDE_WITH_CUDA
+  m.attr("built_with_cuda") = true;
+#else
+  m.attr("built_with_cuda") = false;
+#endif
+  bind_plan(m);
+  bind_program(m);
+  bind_exec(m);
+  bind_cuda(m);
+}

@@ -1,0 +1,11 @@
+"""TIDE: layout-aware, zero-copy collectives for fully sharded training.
+
+Framework-free face of the shared C++ core: the planner (`plan`), the virtual cluster that runs
+TIDE programs (`VirtualCluster`) and the CLI. Importing `tide` needs neither torch nor jax.
+"""
+from tide import _core
+from tide._core import PlanError, TimeoutError  # noqa: A004  (tide.TimeoutError is ours)
+from tide.plan import GroupSignature, Topology, plan
+
+__all__ = ["GroupSignature", "PlanError", "TimeoutError", "Topology", "plan"]
+__version__ = "0.1.0"
