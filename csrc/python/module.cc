@@ -10,6 +10,8 @@ void bind_plan(nb::module_& m);     // bind_plan.cc
 void bind_program(nb::module_& m);  // bind_program.cc
 void bind_exec(nb::module_& m);     // bind_exec.cc
 void bind_cuda(nb::module_& m);     // bind_cuda.cc
+void bind_rs(nb::module_& m);       // bind_rs.cc
+void bind_ag(nb::module_& m);       // bind_ag.cc
 
 NB_MODULE(_core, m) {
   m.doc() = "TIDE core: planner, programs, executors";
@@ -27,4 +29,6 @@ NB_MODULE(_core, m) {
   bind_program(m);
   bind_exec(m);
   bind_cuda(m);
+  bind_rs(m);
+  bind_ag(m);
 }
