@@ -130,10 +130,14 @@ def format_plan(p, title: str, max_params: int = 12) -> str:
     row("previous layer's gradients (In-Place)", mem["prev_grad_bytes"], mem["prev_grad_ns"])
     row(f"TIDE total ({p.mode})", mem["live_tide_bytes"], mem["live_tide_ns"])
     row("FSDP2 total", mem["live_fsdp2_bytes"], mem["live_fsdp2_ns"])
-    out += [f"  closed-form bounds: In-Place staging (Eq. 11) {mem['area_inplace_bound_ns']:.3f} NS, "
-            f"Slot-Reuse staging (Eq. 12) {mem['area_slot_bound_ns']:.3f} NS; "
-            f"TIDE total bound ({p.mode}) {mem['live_tide_bound_ns']:.3f} NS vs FSDP2 "
-            f"{mem['live_fsdp2_ns']:.3f} NS",
+    in_place = p.mode == "in_place"
+    bound = mem["area_inplace_bound_ns"] if in_place else mem["area_slot_bound_ns"]
+    out += ["  closed-form bounds:",
+            f"    RS staging: In-Place staging (Eq. 11) {mem['area_inplace_bound_ns']:.3f} NS, "
+            f"Slot-Reuse staging (Eq. 12, k={rs['k']}) {mem['area_slot_bound_ns']:.3f} NS",
+            f"    TIDE total bound ({p.mode}) = (2 + 1/L) + {bound:.3f}"
+            + (f" + {mem['prev_grad_ns']:.3f} (grads)" if in_place else "")
+            + f" = {mem['live_tide_bound_ns']:.3f} NS vs FSDP2 {mem['live_fsdp2_ns']:.3f} NS",
             "", f"Arena ({_fmt_bytes(mem['arena_bytes'])}, 4 KiB-aligned regions)",
             f"  {'region':<10} {'offset':>14} {'bytes':>14}"]
     for r in mem["arena"]:
