@@ -27,6 +27,7 @@ def test_paper_bounds_at_64_nodes():
         m = p.memory()
         assert m["area_inplace_bound_ns"] == pytest.approx(in_place, abs=1e-12)
         assert m["area_slot_bound_ns"] == pytest.approx(slot, abs=1e-12)
+        assert m["area_inplace_bound_bytes"] == pytest.approx(in_place * m["NS_bytes"], abs=1)
         assert m["area_rs_ns"] == pytest.approx(bound, abs=0.005)
         assert m["area_rs_ns"] <= bound + 1e-9
         grads = 1.0 if mode == "in_place" else 0.0

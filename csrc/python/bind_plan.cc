@@ -85,9 +85,13 @@ nb::dict memory_dict(const Plan& p) {
   both("outbox", m.outbox_bytes);
   both("spare", m.spare_bytes);
   both("area_rs", m.area_rs_bytes);
-  d["area_rs_bound_ns"] = m.area_rs_bound_ns;
-  d["area_inplace_bound_ns"] = m.area_inplace_bound_ns;
-  d["area_slot_bound_ns"] = m.area_slot_bound_ns;
+  auto bound = [&](const char* key, double v) {
+    d[(std::string(key) + "_ns").c_str()] = v;
+    d[(std::string(key) + "_bytes").c_str()] = static_cast<int64_t>(v * ns + 0.5);
+  };
+  bound("area_rs_bound", m.area_rs_bound_ns);
+  bound("area_inplace_bound", m.area_inplace_bound_ns);
+  bound("area_slot_bound", m.area_slot_bound_ns);
   both("ring", m.ring_bytes);
   both("stage", m.stage_bytes);
   both("prev_grad", m.prev_grad_bytes);
@@ -173,6 +177,11 @@ void bind_plan(nb::module_& m) {
                    "Sizing-solver choices (Eqs. 13-14, App. G).")
       .def("memory", &memory_dict,
            "Memory-model terms (Eqs. 10-12) in bytes and NS units, and the arena table.")
+      .def("__repr__", [](const Plan& p) {
+        return TIDE_STR_CAT("<tide.Plan M=", p.topo.nodes, " L=", p.topo.gpus_per_node,
+                            " P=", p.layout.P, " S=", p.layout.S, " ", mode_name(p.opt.mode),
+                            " hash=0x", std::hex, p.hash, ">");
+      })
       .def("region", [](const Plan& p, const std::string& name) {
         const ArenaRegion& r = p.memory.region(name);
         return std::make_pair(r.offset, r.bytes);
