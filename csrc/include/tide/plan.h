@@ -203,6 +203,9 @@ struct MemoryModel {
   // Arena regions, in this order, names stable (executors look them up by name):
   //   ring0, ring1 (NS each), resident (S; only without a cast), stage, staging,
   //   outbox (2 banks), inbox (n_par generations x L blocks), spare (2 blocks), counters.
+  // Within a region, blocks are block_bytes apart: outbox bank b block i at (b*n_out + i),
+  // inbox generation g block j at (g*L + j), spare of bank b at b; staging slot t at
+  // t*staging_slot_bytes.
   std::vector<ArenaRegion> arena;     // every region's offset and size
   int64_t arena_bytes = 0;
   const ArenaRegion& region(const std::string& name) const;  // throws Error naming `name`
