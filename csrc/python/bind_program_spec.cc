@@ -115,6 +115,7 @@ void bind_program_spec(nb::module_& m) {
         op.alpha = get<float>(od, "alpha", 1.0f);
         op.accumulate = get<bool>(od, "accumulate", false);
         op.multicast = get<bool>(od, "multicast", false);
+        op.deadline_s = get<double>(od, "deadline_s", 0.0);
         TIDE_PLAN_CHECK(op.stream < pr.streams.size(), "program spec: rank ", pr.rank, " op stream ", int(op.stream),
                         " out of range");
         pr.ops.push_back(std::move(op));

@@ -319,11 +319,12 @@ struct Runner {
               bw->valid.store(1);
             }
           }
-          else if (std::chrono::duration<double>(now - cur.blocked_since).count() > opt.timeout_s) {
+          else if (std::chrono::duration<double>(now - cur.blocked_since).count() >
+                   (call.program->ops[idx].deadline_s > 0 ? call.program->ops[idx].deadline_s : opt.timeout_s)) {
             const Op& op = call.program->ops[idx];
             const int64_t have = static_cast<int64_t>(counter(rs, call, idx, op.counter).load());
             const auto& names = call.program->counter_names;
-            fail(2, TIDE_STR_CAT("TIDE timeout after ", opt.timeout_s, " s: ", op_name(rs, call, idx), " waits for counter ",
+            fail(2, TIDE_STR_CAT("TIDE timeout after ", op.deadline_s > 0 ? op.deadline_s : opt.timeout_s, " s: ", op_name(rs, call, idx), " waits for counter ",
                                  op.counter.index < static_cast<int>(names.size()) ? names[op.counter.index] : "?",
                                  " (#", op.counter.index, ") on rank ", op.counter.rank, " >= ", op.target(call.seq),
                                  ", has ", have, "; producer: ", producer_of(call, op.counter),

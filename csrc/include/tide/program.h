@@ -46,6 +46,7 @@
 // Backward compatibility: the RS and CUDA engineers build on this header. Changes are additive
 // only (new enum values appended, new fields with defaults appended to structs). Change log:
 //   v1 — initial IR (BufKind, BufRef, CopyDesc, SumTerm, Op, Program, Expect, ArenaSpec).
+//        Op::deadline_s (per-wait deadline) added before first merge.
 #pragma once
 
 #include <cstdint>
@@ -177,6 +178,7 @@ struct Op {
   bool multicast = false;           // COPY: descriptors form identical-offset groups to all L
                                     // local ranks; an executor may use one multicast write
   int64_t target(int64_t seq) const { return value + per_call * seq; }
+  double deadline_s = 0;            // WAIT/EVENT_WAIT: own deadline; 0 -> the executor's timeout
 };
 
 // What the user may read from a user_output / landing once done_event reaches seq: `region`
