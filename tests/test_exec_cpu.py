@@ -85,3 +85,17 @@ def test_workers_do_not_change_bytes():
     fulls = make_fulls(SHAPES, "normal", 5)
     outs = [tide.VirtualCluster(topo, workers=w).all_gather(plan, shard(fulls, plan, 16)) for w in (1, 3)]
     assert all(same_bits(outs[0][r][p], outs[1][r][p]) for r in range(16) for p in range(3))
+
+
+def test_arena_matches_the_planners_memory_model_when_present():
+    topo, plan = make_plan(3, 2, shard_dtype=None)
+    if not hasattr(plan, "memory"):
+        pytest.skip("this planner build has no memory model yet")
+    mem = plan.memory()
+    vc = tide.VirtualCluster(topo)
+    vc.all_gather(plan, shard(make_fulls(SHAPES, "int", 6), plan, 6))
+    arena = vc.arena(plan)
+    assert arena.bytes_per_rank == mem["arena_bytes"]
+    for reg in mem["arena"]:
+        if reg["name"] in _core.buf_kinds:
+            assert arena.region_bytes(_core.buf_kinds[reg["name"]]) == reg["bytes"], reg
