@@ -51,7 +51,7 @@ def test_multicast_flag_and_second_ring_slot_and_head_tail_split():
     progs = _core.build_ag_programs(plan, head_bytes=16)
     ok, errors = progs.check(2)
     assert ok, errors
-    tails = [d for d in progs.describe(0) if " PUT " in d and "tag=11" in d]
+    tails = [d for d in progs.describe(0) if " PUT " in d and "tag=RoundTail" in d]
     assert any("{" in d for d in tails), "a small head must leave bytes for a tail PUT"
 
 

@@ -90,7 +90,7 @@ struct Runner {
     return TIDE_STR_CAT("rank ", rs.rank, " (node ", pr.topo.node_of(rs.rank), ", local ",
                         pr.topo.local_of(rs.rank), ") call seq ", call.seq, " group ", pr.group,
                         ": op ", idx, " ", op_kind_name(op.kind), " [stream ", pr.streams[op.stream],
-                        "] tag ", static_cast<int>(op.tag), op.round >= 0 ? TIDE_STR_CAT(" round ", op.round) : "");
+                        "] tag ", op_tag_name(op.tag), op.round >= 0 ? TIDE_STR_CAT(" round ", op.round) : "");
   }
 
   uint8_t* resolve(const RankState& rs, const Call& call, int idx, const BufRef& b, bool write) {

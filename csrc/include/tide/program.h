@@ -161,6 +161,7 @@ enum class OpTag : uint16_t {
   kComplete,       // consumable (the event the framework waits on)
   kRsFirst = 100,  // TIDE-RS tags start here (owned by the RS builder)
 };
+const char* op_tag_name(OpTag t);  // "LocalPush", ...; "rs+N" for TIDE-RS tags
 
 struct Op {
   OpKind kind = OpKind::kCopy;
@@ -272,7 +273,8 @@ struct CheckReport {
 // per_rank[r] is rank r's calls in issue order. Simulates every rank's streams (any
 // interleaving allowed by waits), tracks happens-before exactly (vector clocks over streams),
 // data provenance (which contributor's bytes are where), and reports:
-//   I1 expects not met at done_event / a landing byte written twice in one call;
+//   I1 expects not met at done_event (missing, stale, misplaced or double-counted bytes), or a
+//      landing byte (ring0/ring1/landing) written twice by COPY/PUT/CAST in one call;
 //   I2 a user_input read not ordered before release_event (the user's rewrite);
 //   I3 any two conflicting accesses (write/write, write/read) not ordered by happens-before,
 //      including arena reuse across calls and writes into user_outputs before consumption;
