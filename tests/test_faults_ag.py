@@ -19,7 +19,7 @@ N = M * L
 @pytest.fixture()
 def setup():
     topo, plan = make_plan(M, L)
-    vc = tide.VirtualCluster(topo, timeout_s=0.5)
+    vc = tide.VirtualCluster(topo, timeout_s=1.0)
     fulls = make_fulls(SHAPES, "int", 1)
     vc.all_gather(plan, shard(fulls, plan, N))  # seq 1: arena, resident shards, counters
     return vc, plan, _core.build_ag_programs(plan)

@@ -65,6 +65,7 @@ CpuArena::CpuArena(int world, const ArenaSpec& spec, bool shared_memory)
   uint8_t* mem = static_cast<uint8_t*>(p);
   shared_ = new (mem) Shared();
   for (int i = 0; i < world * kMaxStreams; ++i) new (reinterpret_cast<BlockedWait*>(shared_ + 1) + i) BlockedWait();
+  for (int i = 0; i < world * kChecksumCounters; ++i) new (shared_->put_record(world, 0, 0) + i) PutRecord();
   base_ = mem + shared_bytes_;
   // Fresh anonymous/shm pages are zero: counters start at 0. Fill gaps and guards with canaries.
   for (int r = 0; r < world; ++r) {

@@ -190,6 +190,37 @@ struct Runner {
     return out;
   }
 
+  // FNV-1a over a PUT's source (at send) or destination (at the receiver's wait) bytes.
+  uint64_t put_hash(const RankState& rs, const Call& call, int idx, bool dst) {
+    uint64_t h = 1469598103934665603ull;
+    for (const auto& cd : call.program->ops[idx].copies) {
+      const BufRef& b = dst ? cd.dst : cd.src;
+      const uint8_t* p = dst ? arena.region(b.rank, b.kind) + b.offset : resolve(rs, call, idx, b, false);
+      for (int64_t row = 0; row < b.height; ++row)
+        for (int64_t i = 0; i < b.width; ++i) { h ^= p[row * b.pitch + i]; h *= 1099511628211ull; }
+    }
+    return h;
+  }
+
+  // After a WAIT on a PUT's counter: the delivered bytes must be unchanged (see internal.h).
+  void verify_put(const RankState& rs, const Call& call, int idx) {
+    const Op& op = call.program->ops[idx];
+    if (op.counter.index < 0 || op.counter.index >= kChecksumCounters) return;
+    auto* rec = arena.shared()->put_record(arena.world(), op.counter.rank, op.counter.index);
+    if (rec->seq.load(std::memory_order_acquire) != call.seq) return;
+    const int src = rec->src_rank.load(), op_idx = rec->op.load(), ci = rec->call.load();
+    if (src < 0 || src >= arena.world() || ci < 0 || ci >= static_cast<int>(per_rank[src].size())) return;
+    const Call& scall = per_rank[src][ci];
+    if (scall.seq != call.seq || op_idx < 0 || op_idx >= static_cast<int>(scall.program->ops.size())) return;
+    const Op& put = scall.program->ops[op_idx];
+    if (put.kind != OpKind::kPut || put.counter.index != op.counter.index || put.counter.rank != op.counter.rank) return;
+    RankState srs;
+    srs.rank = src;
+    if (put_hash(srs, scall, op_idx, true) != rec->hash.load())
+      fail(1, TIDE_STR_CAT("corruption: ", op_name(rs, call, idx), " finds the bytes delivered by rank ", src, " op ",
+                           op_idx, " PUT (call seq ", scall.seq, ") changed before they were consumed"));
+  }
+
   // Returns true when the op could run (and ran); false when its wait is unsatisfied.
   bool exec(RankState& rs, const Call& call, int idx) {
     const Op& op = call.program->ops[idx];
@@ -198,7 +229,9 @@ struct Runner {
       case OpKind::kEventWait: {
         const int64_t t = op.target(call.seq);
         if (t <= 0) return true;
-        return static_cast<int64_t>(counter(rs, call, idx, op.counter).load(std::memory_order_acquire)) >= t;
+        if (static_cast<int64_t>(counter(rs, call, idx, op.counter).load(std::memory_order_acquire)) < t) return false;
+        if (op.kind == OpKind::kWait && op.tag == OpTag::kArrivalWait) verify_put(rs, call, idx);
+        return true;
       }
       default: break;
     }
@@ -215,8 +248,18 @@ struct Runner {
           for (int64_t h = 0; h < cd.src.height; ++h)
             std::memmove(d + h * cd.dst.pitch, s + h * cd.src.pitch, static_cast<size_t>(cd.src.width));
         }
-        if (op.kind == OpKind::kPut && op.counter.index >= 0)
-          counter(rs, call, idx, op.counter).fetch_add(static_cast<uint64_t>(op.value), std::memory_order_release);
+        if (op.kind == OpKind::kPut && op.counter.index >= 0) {
+          auto& c = counter(rs, call, idx, op.counter);
+          if (op.counter.index < kChecksumCounters) {
+            auto* rec = arena.shared()->put_record(arena.world(), op.counter.rank, op.counter.index);
+            rec->hash.store(put_hash(rs, call, idx, false));
+            rec->src_rank.store(rs.rank);
+            rec->op.store(idx);
+            rec->call.store(static_cast<int32_t>(&call - rs.calls->data()));
+            rec->seq.store(call.seq, std::memory_order_release);
+          }
+          c.fetch_add(static_cast<uint64_t>(op.value), std::memory_order_release);
+        }
         break;
       case OpKind::kCast:
         for (const auto& cd : op.copies) {

@@ -151,7 +151,7 @@ enum class OpTag : uint16_t {
   kPaceSignal,     // confirm round d-1 arrival to the round-d sender
   kRoundHead,      // PUT of a round's head
   kRoundTail,      // PUT of a round's tail
-  kArrivalWait,    // wait for a round's head/tail
+  kArrivalWait,    // wait for a PUT's data; executors may verify the PUT's checksum here
   kScatter,        // received stage slots -> all local landings
   kCreditSignal,   // release a stage area to its sender
   kDoneSignal,     // completion: this rank's writes into a local peer's landing are done
