@@ -14,7 +14,11 @@
 //     round-robin interleaving: a stream advances until its head op is an unsatisfied wait.
 //   - A wait that passes `timeout_s` throws tide::TimeoutError naming rank, op index and kind,
 //     stream, tag, call seq, the counter and its producer. The first failure aborts every rank.
-//     After a run the canaries are verified (tide::Error names the rank and region on damage).
+//     After a run the canaries are verified (tide::Error names the rank and region on damage);
+//     a PUT's bytes are checksummed and re-verified by the receiver's ArrivalWait (corruption
+//     between delivery and consumption is reported naming both ops).
+//   - Bounds: every BufRef is checked against its bound user buffer / arena region; user
+//     buffers of another rank are refused (the push rule).
 //   - TIDE_DEBUG=1 (read by exec_options_from_env(), not cached) traces every op per rank to
 //     stderr.
 #pragma once
