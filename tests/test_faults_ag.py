@@ -80,6 +80,11 @@ def test_reordered_calls_on_one_rank(setup):
     assert not ok and any("I4 order: rank 6" in e for e in errors)
     with pytest.raises(_core.Error, match="collective order mismatch: rank 6"):
         vc.run(plan, calls, [[] for _ in range(N)])
+    # Without the host agreement check the ranks deadlock, and the deadline names the wait.
+    vc.faults = dict(verify_agreement=False)
+    with pytest.raises(tide.TimeoutError) as ei:
+        vc.run(plan, calls, [[] for _ in range(N)])
+    assert_names_rank_op_seq(str(ei.value))
 
 
 @pytest.mark.parametrize("tag", [0, T["RoundHead"]])
@@ -103,6 +108,8 @@ def test_different_plan_on_one_rank(setup):
     assert not ok and any("I4 plan: rank 4" in e for e in errors)
     with pytest.raises(_core.Error, match="plan mismatch: rank 4"):
         vc.run(plan, calls, [[] for _ in range(N)])
+    # [Note] Unlike a reordering, a plan disagreement need not stall anything, so it is caught
+    # before data moves: ranks compare plan hashes (the executor's agreement check above).
 
 
 @pytest.mark.parametrize("ranks_as", ["threads", "processes"])

@@ -47,6 +47,8 @@ struct ExecOptions {
   bool trace = false;   // TIDE_DEBUG=1
   int workers = 0;      // threads mode: worker threads (0: min(ranks, 4))
   bool processes = false;
+  bool verify_agreement = true;  // host check that ranks agree on (group, seq, plan) order first
+                                 // (off in tests: a disagreement must then time out, named)
   // Fault injection (tests only): a rank pauses for stall_s once it reaches op stall_op of its
   // first call, or stops for good at op dead_op (a dead peer; in processes mode it exits).
   int stall_rank = -1;
