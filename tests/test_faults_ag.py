@@ -138,3 +138,21 @@ def test_dead_peer(ranks_as):
     msg = str(ei.value)
     assert_names_rank_op_seq(msg)
     assert "producer: rank" in msg, msg
+
+
+def test_random_faults_are_always_rejected():
+    """Randomized: every safety-relevant mutation of a random AG program set is rejected."""
+    rng = np.random.default_rng(7)
+    cases = [("drop_credit", 0), ("drop_wait", T["CreditWait"]), ("drop_wait", T["ReadyGate"]),
+             ("drop_fence", 0), ("early_reuse", 0)]
+    for _ in range(20):
+        M, L = int(rng.integers(3, 9)), int(rng.choice([2, 4]))
+        P = int(rng.integers(1, 4))
+        shapes = [(int(rng.integers(1, 4 * M * L)), 2) for _ in range(P)]
+        _, plan = make_plan(M, L, shapes=shapes)
+        kind, tag = cases[int(rng.integers(len(cases)))]
+        rank = int(rng.integers(M * L))
+        ps = _core.build_ag_programs(plan, resident=bool(rng.integers(2)))
+        assert ps.inject_fault(F[kind], rank, tag), (kind, M, L)
+        ok, errors = ps.check(2)
+        assert not ok, (kind, tag, M, L, rank, shapes)
