@@ -68,7 +68,7 @@ def test_latin_square_collision_freedom(M, L, wi, n_part, k, mode):
     w_wave = divisors[wi % len(divisors)]
     assert _core.check_rs_shape(M, L, w_wave, n_part, k, mode) == ""
     rows = 4 * M * L
-    p = tide.plan(tide.GroupSignature(shapes=[(rows, 16)]), tide.Topology(M, L), mode,
+    p = tide.plan(tide.GroupSignature(shapes=[(rows, 96)]), tide.Topology(M, L), mode,
                   w_wave=w_wave, k=k, n_part=n_part)
     waves = p.rs.waves_info
     assert len(waves) == n_part * -(-M // w_wave)
@@ -91,7 +91,7 @@ def test_stale_block_zeroing_sets(M, L, w_wave, n_part):
     w_wave = min(w_wave, L)
     if colliding(M, L, w_wave):
         return
-    p = tide.plan(tide.GroupSignature(shapes=[(8 * M * L, 6)]), tide.Topology(M, L),
+    p = tide.plan(tide.GroupSignature(shapes=[(8 * M * L, 48)]), tide.Topology(M, L),
                   w_wave=w_wave, n_part=n_part)
     waves = p.rs.waves_info
     assert p.rs.n_par == (1 if -(-M // w_wave) == 1 else 2)

@@ -19,14 +19,14 @@ void build_segments(RsSchedule& rs, const GroupLayout& layout, int64_t E) {
   rs.subslices.clear();
   size_t first_param = 0;
   for (int pass = 0; pass < rs.n_part; ++pass) {
-    const int64_t pass_begin = pass * rs.E_stg;
-    const int64_t pass_end = std::min(E, pass_begin + rs.E_stg);
+    first_param = 0;
     for (int s = 0; s < rs.L; ++s) {
       RsSubslice sub;
       sub.pass = pass;
       sub.s = s;
-      sub.out_begin = std::min(pass_end, pass_begin + s * rs.E_sub);
-      const int64_t end = std::min(pass_end, sub.out_begin + rs.E_sub);
+      const int64_t cap_end = std::min(E, (s + 1) * rs.E_subslice);
+      sub.out_begin = std::min(cap_end, s * rs.E_subslice + pass * rs.E_sub);
+      const int64_t end = std::min(cap_end, sub.out_begin + rs.E_sub);
       sub.length = end - sub.out_begin;
       sub.seg_begin = static_cast<int>(rs.segments.size());
       while (first_param < layout.params.size() &&
@@ -203,11 +203,15 @@ RsSchedule build_rs_schedule(const GroupLayout& layout, const Topology& topo, co
 
   const int64_t E = layout.E;
   rs.b_grad = static_cast<int>(layout.S_grad / std::max<int64_t>(1, E));
-  rs.E_stg = round_up(ceil_div(E, opt.n_part), kVectorElems);
-  rs.E_sub = round_up(ceil_div(rs.E_stg, L), kVectorElems);
-  TIDE_PLAN_CHECK((opt.n_part - 1) * rs.E_stg < E, "Options.n_part: ", opt.n_part,
-                  " passes leave the last pass empty for a group of ", E,
-                  " output elements per rank (pass span E_stg = ", rs.E_stg, ")");
+  // Passes split every sub-slice column-wise, so an element keeps its sub-slice s (hence its
+  // owner and Latin-square position) for any n_part: passes change no operand grouping.
+  rs.E_subslice = round_up(ceil_div(E, L), kVectorElems);
+  rs.E_sub = round_up(ceil_div(rs.E_subslice, opt.n_part), kVectorElems);
+  rs.E_stg = static_cast<int64_t>(L) * rs.E_sub;
+  TIDE_PLAN_CHECK((opt.n_part - 1) * rs.E_sub < rs.E_subslice, "Options.n_part: ", opt.n_part,
+                  " passes leave the last pass empty: a sub-slice holds only ", rs.E_subslice,
+                  " elements (", E, " output elements per rank, L=", L, ", vectors of ",
+                  kVectorElems, ")");
   rs.block_bytes = 4 * static_cast<int64_t>(L) * rs.E_sub;
   rs.E_chunk = rs.E_sub;
   if (opt.chunk_bytes > 0) {

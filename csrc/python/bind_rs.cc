@@ -41,6 +41,7 @@ void bind_rs_types(nb::module_& m) {
       .def_ro("n_part", &RsSchedule::n_part).def_ro("k", &RsSchedule::k)
       .def_prop_ro("mode", [](const RsSchedule& r) { return std::string(mode_name(r.mode)); })
       .def_ro("E_stg", &RsSchedule::E_stg).def_ro("E_sub", &RsSchedule::E_sub)
+      .def_ro("E_subslice", &RsSchedule::E_subslice)
       .def_ro("block_bytes", &RsSchedule::block_bytes).def_ro("E_chunk", &RsSchedule::E_chunk)
       .def_ro("n_chunks", &RsSchedule::n_chunks).def_ro("n_stg", &RsSchedule::n_stg)
       .def_ro("b_grad", &RsSchedule::b_grad).def_ro("stg_slot_bytes", &RsSchedule::stg_slot_bytes)

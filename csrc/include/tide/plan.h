@@ -176,10 +176,11 @@ std::vector<int64_t> ag_ring_slot_bytes(const std::vector<int64_t>& group_ns_byt
 // ---------------------------------------------------------------------------------------------
 // TIDE-RS schedule (Section 4)                                                 [rs_schedule.cc]
 //
-// Geometry. Pass p covers the per-rank fp32 output elements [p*E_stg, min(E, (p+1)*E_stg)). Its
-// L sub-slices s cover E_sub consecutive elements each (the final live range may be shorter or
-// empty) and cross parameter boundaries; a segment is the part of one sub-slice inside one
-// parameter. An outbox/inbox block holds one sub-slice for the L ranks of one destination node:
+// Geometry. Sub-slice s covers the per-rank fp32 output elements [s*E_subslice, (s+1)*E_subslice)
+// (clipped to E; the final live range may be shorter or empty) and crosses parameter boundaries.
+// Pass p handles columns [p*E_sub, (p+1)*E_sub) of every sub-slice, so an element's sub-slice,
+// owner and inbox position do not depend on n_part. A segment is the part of one (pass,
+// sub-slice) piece inside one parameter. An outbox/inbox block holds one sub-slice for the L ranks of one destination node:
 // L rows of E_sub fp32 (row l = destination local rank l). Each GPU's inbox has L blocks per
 // buffer generation; block s of destination GPU j receives contributor c when j = j(s, c) (Eq. 8).
 // Level 1 stages the L-1 peers' contributions of one sub-slice in a staging slot of
@@ -248,8 +249,9 @@ struct RsSchedule {
   int n_part = 1;       // sub-slice passes
   int k = 0;            // resolved round width
   Mode mode = Mode::kInPlace;
-  int64_t E_stg = 0;    // aligned per-rank staging span (elements) of one pass
-  int64_t E_sub = 0;    // sub-slice capacity (elements), vector aligned, >= ceil(E_stg/L)
+  int64_t E_stg = 0;    // aligned per-rank staging span (elements) of one pass, L*E_sub
+  int64_t E_sub = 0;    // sub-slice capacity of one pass (elements), vector aligned, >= ceil(E_stg/L)
+  int64_t E_subslice = 0;  // sub-slice capacity over all passes, vector aligned, >= ceil(E/L)
   int64_t block_bytes = 0;  // outbox/inbox block: L rows of E_sub fp32
   int64_t E_chunk = 0;      // staged columns per staging chunk (E_sub without chunking)
   int n_chunks = 1;         // chunks per sub-slice, ceil(E_sub / E_chunk)
