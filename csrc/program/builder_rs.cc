@@ -47,7 +47,8 @@ struct Ctx {
   int ev_rail_done() const { return ev_progress() + 2; }
   int ev_release() const { return ev_progress() + 3; }
   int ev_done() const { return ev_progress() + 4; }
-  int num_counters() const { return ev_progress() + 5; }
+  int ev_spare() const { return ev_progress() + 5; }
+  int num_counters() const { return ev_progress() + 6; }
 
   int rank_of(int node, int local) const { return node * L + local; }
 
@@ -58,7 +59,7 @@ struct Ctx {
   }
   int64_t outbox_off(int x) const { return (static_cast<int64_t>(opt.bank) * rs.n_out + x) * rs.block_bytes; }
   int64_t inbox_off(int gen, int s) const { return (static_cast<int64_t>(gen) * L + s) * rs.block_bytes; }
-  int64_t spare_off(int pass) const { return (static_cast<int64_t>(opt.bank) * rs.n_spare + pass) * rs.block_bytes; }
+  int64_t spare_off() const { return static_cast<int64_t>(opt.bank) * rs.n_spare * rs.block_bytes; }
 
   Op& emit(OpKind kind, uint8_t stream, OpTag tag, int32_t round = -1) {
     prog.ops.emplace_back();
@@ -154,13 +155,13 @@ void level1_unit(Ctx& x, int pass, int c, int chunk, const std::vector<RsL1Copy>
   // With one chunk a SUM writes the whole block (1-D, element l*E_sub + col); with several,
   // one SUM per block row covers that row's chunk columns (element col - col0).
   const bool whole = rs.n_chunks == 1;
-  std::vector<Op*> sums;
+  std::vector<size_t> sums;  // op indices: emit() may reallocate prog.ops
   for (int l = 0; l < (whole ? 1 : L); ++l) {
     Op& op = x.emit(OpKind::kSum, kRead, rs_tag::kSum, static_cast<int32_t>(u));
     op.dst = whole ? x.ref(dst_kind, x.rank, dst_index, dst_block_off, rs.block_bytes)
                    : x.ref(dst_kind, x.rank, dst_index,
                            dst_block_off + (l * rs.E_sub + col0) * 4, cols * 4);
-    sums.push_back(&op);
+    sums.push_back(x.prog.ops.size() - 1);
   }
   for (int si = sub.seg_begin; si < sub.seg_end; ++si) {
     const RsSegment& seg = rs.segments[si];
@@ -173,7 +174,7 @@ void level1_unit(Ctx& x, int pass, int c, int chunk, const std::vector<RsL1Copy>
       const int r = x.rank_of(t, l);
       const int64_t v = std::min(x1 - x0, x.valid_elems(seg.param, r) - po);
       if (v <= 0) continue;
-      Op& op = *sums[whole ? 0 : l];
+      Op& op = x.prog.ops[sums[whole ? 0 : l]];
       const int64_t dst_elem = whole ? l * rs.E_sub + x0 : x0 - col0;
       int term = 0;
       for (int i = 0; i < L; ++i) {
@@ -254,6 +255,7 @@ Program build_rs_program(const Plan& plan, const RsCallOptions& opt, int rank) {
   prog.counter_names[x.ev_rail_done()] = "rail_done";
   prog.counter_names[x.ev_release()] = "release";
   prog.counter_names[x.ev_done()] = "done";
+  prog.counter_names[x.ev_spare()] = "spare_copied";
   prog.release_event = x.ev_release();
   prog.done_event = x.ev_done();
   prog.arena = arena_spec_for(plan, prog.num_counters);
@@ -314,8 +316,10 @@ Program build_rs_program(const Plan& plan, const RsCallOptions& opt, int rank) {
   for (int pass = 0; pass < rs.n_part; ++pass) {
     for (int c = 1; c <= M; ++c) {
       BufKind kind = BufKind::kSpare;
-      int index = pass;
-      int64_t off = x.spare_off(pass);
+      int index = opt.bank;
+      int64_t off = x.spare_off();
+      if (c == M && pass > 0)  // one spare per bank: the previous pass's own partial is copied out
+        x.wait(kRead, rs_tag::kOutboxWait, rank, x.ev_spare(), pass - rs.n_part, rs.n_part, true);
       if (c < M) {
         const int64_t J = static_cast<int64_t>(pass) * (M - 1) + c - 1;
         index = static_cast<int>(J % rs.n_out);
@@ -373,9 +377,10 @@ Program build_rs_program(const Plan& plan, const RsCallOptions& opt, int rank) {
       x.wait(kRail, rs_tag::kSumWait, rank, x.ev_progress(), static_cast<int64_t>(pass) * M + M - PM, PM, true);
       Op& cp = x.emit(OpKind::kCopy, kRail, rs_tag::kSpareCopy, g);
       CopyDesc d;
-      d.src = x.ref(BufKind::kSpare, rank, pass, x.spare_off(pass), rs.block_bytes);
+      d.src = x.ref(BufKind::kSpare, rank, opt.bank, x.spare_off(), rs.block_bytes);
       d.dst = x.ref(BufKind::kInbox, rank, q, x.inbox_off(q, me), rs.block_bytes);
       cp.copies.push_back(d);
+      x.record(kRail, rs_tag::kSpareCopy, x.ev_spare(), pass + 1 - rs.n_part, rs.n_part);
     }
     for (int l = 0; l < L; ++l)
       x.bump(OpKind::kSignal, kRail, rs_tag::kReady, x.rank_of(n, l), x.ready_from(me));

@@ -11,7 +11,7 @@
 //     "land" (wave landings into `out`; records completion).
 //   - Inputs: grad[p] (grad dtype, D_p x K_p, read in place; rows past D_p are never read),
 //     `out` (fp32, E elements; read too when accumulating). Arena: staging, outbox (2 banks),
-//     inbox (n_par generations of L blocks), spare (2 banks x n_part blocks).
+//     inbox (n_par generations of L blocks), spare (2 banks x 1 block, passes take turns).
 //   - Numerics (paper 4.3): an element's Level-1 partial adds the L-1 staged contributions in
 //     local-rank order, then the owner's own, in fp32; a landing adds the L aligned inbox blocks
 //     in GPU order j = 0..L-1 and folds alpha and accumulate per wave. Element -> (sub-slice,
