@@ -145,17 +145,16 @@ void build_rs_waves(RsSchedule& rs, int M, int L, int w_wave, int n_part) {
     }
   }
   // Stale-block zeroing: blocks the previous wave on the same generation wrote and this one does
-  // not. The first wave on a generation follows the last one on it in the previous call.
+  // not. The inbox holds unknown bytes when a call starts (a fresh arena is not zeroed on a GPU,
+  // and another group may have used the region), so the first wave on each generation zeroes
+  // every block it does not write; full waves (len = L) write every block and zero nothing.
   const int T = static_cast<int>(rs.wave_list.size());
+  const uint8_t all = static_cast<uint8_t>((1u << L) - 1);
   for (int gi = 0; gi < T; ++gi) {
     RsWave& cur = rs.wave_list[gi];
-    int prev = -1;
-    for (int back = 1; back <= T && prev < 0; ++back) {
-      const int cand = ((gi - back) % T + T) % T;
-      if (rs.wave_list[cand].gen == cur.gen) prev = cand;
-    }
-    const RsWave& pw = rs.wave_list[prev];
-    for (int j = 0; j < L; ++j) cur.zero_mask[j] = uint8_t(pw.write_mask[j] & ~cur.write_mask[j]);
+    const RsWave* prev = gi >= rs.n_par ? &rs.wave_list[gi - rs.n_par] : nullptr;
+    for (int j = 0; j < L; ++j)
+      cur.zero_mask[j] = uint8_t((prev ? prev->write_mask[j] : all) & ~cur.write_mask[j]);
   }
 }
 
