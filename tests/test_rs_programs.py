@@ -59,7 +59,7 @@ def test_checker_accepts_rs_programs(M, L, mode, kw):
 def test_measured_counts_equal_the_planner():
     for M, L, kw in [(3, 4, {}), (4, 8, {"n_part": 2}), (5, 2, {"chunk_bytes": 8}), (2, 8, {"w_wave": 2})]:
         plan = make(M, L, **kw)
-        rs = plan.rs
+        rs = plan.rs_schedule
         ps = _core.build_rs_programs(plan)
         worst = 0
         for r in range(M * L):
