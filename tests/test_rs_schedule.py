@@ -16,11 +16,7 @@ def make(shapes, M, L, **kw):
 @given(shapes=st.lists(st.tuples(st.integers(1, 90), st.integers(1, 7)), min_size=1, max_size=6),
        M=st.integers(1, 5), L=st.sampled_from([1, 2, 4, 8]), n_part=st.integers(1, 3))
 def test_segments_partition_the_output(shapes, M, L, n_part):
-    try:
-        p = make(shapes, M, L, n_part=n_part)
-    except tide.PlanError as e:
-        assert "n_part" in str(e)
-        return
+    p = make(shapes, M, L, n_part=n_part)
     rs, lay = p.rs_schedule, p.layout
     assert rs.E_sub % 4 == 0 and rs.E_sub >= -(-rs.E_stg // L) and rs.E_stg % 4 == 0
     assert rs.block_bytes == 4 * L * rs.E_sub
@@ -150,6 +146,6 @@ def test_sizes_and_passes():
     assert rs.n_spare == 1 and rs.d_rem == 2
     p2 = make([(1000, 3), (17,)], 3, 4, n_part=2)
     assert p2.rs_schedule.E_stg == 128 and p2.rs_schedule.E_sub == 32 and p2.rs_schedule.n_spare == 1
-    with pytest.raises(tide.PlanError, match="n_part"):
-        make([(4,)], 1, 1, n_part=4)
+    tiny = make([(4,)], 1, 2, n_part=4).rs_schedule  # passes 1..3 hold no live elements
+    assert [s.length for s in tiny.subslices] == [2, 0] + [0] * 6
     assert make([(64, 8)], 2, 4, grad_dtype="float32").rs_schedule.b_grad == 4
