@@ -212,8 +212,10 @@ RsSchedule build_rs_schedule(const GroupLayout& layout, const Topology& topo, co
   rs.block_bytes = 4 * static_cast<int64_t>(L) * rs.E_sub;
   rs.E_chunk = rs.E_sub;
   if (opt.chunk_bytes > 0) {
-    const int64_t elems = opt.chunk_bytes / rs.b_grad / kVectorElems * kVectorElems;
-    rs.E_chunk = std::min(rs.E_sub, std::max<int64_t>(kVectorElems, elems));
+    // Never above chunk_bytes (the memory model sizes staging rows by min(E_sub*b, chunk_bytes));
+    // vector aligned when at least one vector fits.
+    const int64_t elems = std::max<int64_t>(1, opt.chunk_bytes / rs.b_grad);
+    rs.E_chunk = std::min(rs.E_sub, elems >= kVectorElems ? elems / kVectorElems * kVectorElems : elems);
   }
   rs.n_chunks = static_cast<int>(ceil_div(rs.E_sub, rs.E_chunk));
   rs.n_stg = opt.n_stg;
