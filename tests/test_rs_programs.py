@@ -175,3 +175,34 @@ def test_rs_staging_stays_flat_while_fsdp2_packing_grows(capsys):
     # TIDE-RS: only the outbox depends on M, and Slot-Reuse bounds it by Eq. 9 (2 banks x 2k).
     assert sr8 - sr2 <= 2 * 2 * 2 * s and sr8 < bp8 / 2
     assert ip8 - ip2 == 2 * (7 - 1) * s            # In-Place: n_out = M - 1 outbox blocks per bank
+
+
+@pytest.mark.parametrize("M,L,mode,kw", [(2, 8, "in_place", {}), (9, 4, "slot_reuse", {"k": 2, "n_part": 2}),
+                                         (3, 4, "in_place", {"chunk_bytes": 16})])
+def test_arena_bytes_measured_by_the_executor(M, L, mode, kw):
+    """The executor allocates what the plan says: with the planner's memory model merged,
+    bytes per rank equal plan.memory()'s arena; the RS regions always cover what the RS
+    programs address (rs_arena_needs, from the RS schedule fields)."""
+    plan = make(M, L, mode, **kw)
+    N = M * L
+    grads = [[np.zeros(s, np.float32) for s in shapes_for(M, L, kw.get("n_part", 1))] for _ in range(N)]
+    vc = tide.VirtualCluster(tide.Topology(M, L), check=False)
+    vc.reduce_scatter(plan, grads)
+    arena = vc.rs_arena(plan)
+    K = _core.buf_kinds
+    measured = {k: arena.region_bytes(K[k]) for k in ("staging", "outbox", "inbox", "spare")}
+    need = dict(zip(("staging", "outbox", "inbox", "spare"), _core.rs_arena_needs(plan)))
+    rs = plan.rs_schedule
+    assert need["outbox"] == 2 * rs.n_out * rs.block_bytes
+    assert need["inbox"] == rs.n_par * L * rs.block_bytes
+    assert need["spare"] == 2 * rs.block_bytes
+    assert need["staging"] == rs.n_stg * rs.stg_slot_bytes
+    for k in need:
+        assert measured[k] >= need[k], k
+        if k != "staging":
+            assert measured[k] == need[k], k
+    if callable(getattr(plan, "memory", None)) and isinstance(plan.memory(), dict):
+        mem = plan.memory()
+        assert arena.bytes_per_rank == mem["arena_bytes"]
+        for k in need:
+            assert measured[k] == mem[f"{k}_bytes"], k
