@@ -133,7 +133,7 @@ def test_skipped_zeroing_corrupts_the_executor_result_too():
     vc = tide.VirtualCluster(tide.Topology(2, 8), check=False)
     good = vc.reduce_scatter(plan, grads)
     # second call with zeroing dropped on every rank, arena holding the first call's partials
-    st = vc._rs_groups[plan.hash]
+    st = vc._rs_groups[(plan.hash, False)]
     bad_sets = {b: _core.build_rs_programs(plan, bank=b) for b in (0, 1)}
     for ps in bad_sets.values():
         for r in range(N):

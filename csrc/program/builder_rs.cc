@@ -424,7 +424,8 @@ Program build_rs_program(const Plan& plan, const RsCallOptions& opt, int rank) {
 std::vector<Program> build_rs_programs(const Plan& plan, const RsCallOptions& opt) {
   std::vector<Program> out;
   out.reserve(plan.topo.world());
-  for (int r = 0; r < plan.topo.world(); ++r) out.push_back(build_rs_program(plan, opt, r));
+  for (int r = 0; r < plan.topo.world(); ++r)
+    out.push_back(opt.expert_lane ? build_rs_expert_program(plan, opt, r) : build_rs_program(plan, opt, r));
   return out;
 }
 

@@ -106,15 +106,17 @@ void bind_rs(nb::module_& m) {
 
   m.def(
       "build_rs_programs",
-      [](const Plan& plan, int bank, float alpha, bool accumulate, int group) {
+      [](const Plan& plan, int bank, float alpha, bool accumulate, int group, bool expert_lane) {
         RsCallOptions o;
         o.bank = bank; o.alpha = alpha; o.accumulate = accumulate; o.group = group;
+        o.expert_lane = expert_lane;
         auto ps = std::make_shared<ProgramSet>();
         ps->progs = build_rs_programs(plan, o);
         return ps;
       },
       nb::arg("plan"), nb::arg("bank") = 0, nb::arg("alpha") = 1.0f, nb::arg("accumulate") = false,
-      nb::arg("group") = 0, "One TIDE-RS Program per rank for one call (bank b = e mod 2).");
+      nb::arg("group") = 0, nb::arg("expert_lane") = false,
+      "One TIDE-RS Program per rank for one call (bank b = e mod 2; expert_lane: L_sub = 1).");
   m.def(
       "rs_program_stats",
       [](const ProgramSet& ps, int rank) {
