@@ -102,7 +102,7 @@ struct Checker {
     }
   }
   void write(const BufRef& b, int group, int64_t a, const std::vector<std::tuple<int64_t, int64_t, Label>>& pieces,
-             int64_t w, const Epoch& ep, const VC& v, const Program& pr) {
+             int64_t w, const Epoch& ep, const VC& v, const Program& pr, bool exclusive = false) {
     Region& R = mem[rkey(group, b.rank, b.kind, b.index)];
     auto it = R.carve(a, a + w);
     for (; it != R.segs().end() && it->first < a + w; ++it) {
@@ -116,6 +116,15 @@ struct Checker {
                              it->first, ", ", s.end, ") before its reader ", where(r.who), " completed"));
       s.reads.clear();
       s.w = ep;
+      const bool landing = b.kind == BufKind::kRing0 || b.kind == BufKind::kRing1 || b.kind == BufKind::kLanding;
+      if (landing && exclusive) {
+        const Call& call = calls[ep.who.rank][ep.who.call];
+        if (s.wgroup == group && s.wseq == call.seq)
+          error(TIDE_STR_CAT("I1 exactly-once: ", where(ep.who), " writes ", reg_name(b), " bytes [", it->first, ", ",
+                             s.end, ") a second time in call seq ", call.seq));
+        s.wgroup = group;
+        s.wseq = call.seq;
+      }
     }
     // Labels: carve again at piece boundaries and assign.
     for (const auto& [off, len, lab] : pieces) {
@@ -347,7 +356,7 @@ struct Checker {
                 lab.canonical();
               }
             }
-            write(cd.dst, g, cd.dst.offset + h * cd.dst.pitch, pcs, cd.dst.width, ep, v, pr);
+            write(cd.dst, g, cd.dst.offset + h * cd.dst.pitch, pcs, cd.dst.width, ep, v, pr, true);
           }
         }
         if (op.kind == OpKind::kPut && op.counter.index >= 0) {
