@@ -174,6 +174,20 @@ void bind_rs(nb::module_& m) {
         d["n_part_checked"] = r.n_part_checked;
         d["n_part_failure"] = r.first_n_part_failure;
         d["seconds"] = secs;
+        // Compact views for printing: rejected M per W_wave, and a one-line summary.
+        nb::dict by_w;
+        for (const auto& pr : r.rejected_pairs) {
+          nb::object key = nb::int_(pr.second);
+          if (!by_w.contains(key)) by_w[key] = nb::list();
+          nb::cast<nb::list>(by_w[key]).append(pr.first);
+        }
+        d["rejected_by_w_wave"] = by_w;
+        d["summary"] = TIDE_STR_CAT(
+            r.accepted, " accepted and ", r.rejected, " rejected base plans (M in [2, ", max_nodes,
+            "], W_wave in [1, ", gpus_per_node, "], k in [1, 32], In-Place and Slot-Reuse); ",
+            r.accepted_pairs.size(), " accepted and ", r.rejected_pairs.size(),
+            " rejected (M, W_wave) pairs; n_part in {2, 3, 4} ",
+            r.n_part_ok ? "valid" : "INVALID", " over ", r.n_part_checked, " checks");
         return d;
       },
       nb::arg("gpus_per_node"), nb::arg("max_nodes"),
