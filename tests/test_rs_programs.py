@@ -109,6 +109,7 @@ FAULTS = [
     ("sum fence dropped", "drop_fence", TAGS["SumWait"], (2, 8, "in_place", {}), None),
     ("bank fence dropped", "drop_fence", TAGS["BankWait"], (2, 8, "in_place", {}), None),
     ("outbox reused early", "drop_fence", TAGS["OutboxWait"], (10, 4, "slot_reuse", {"w_wave": 2, "k": 1}), None),
+    ("spare reused early", "drop_fence", TAGS["SpareWait"], (3, 4, "in_place", {"n_part": 2}), None),
 ]
 
 

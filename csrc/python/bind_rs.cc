@@ -146,11 +146,11 @@ void bind_rs(nb::module_& m) {
       nb::arg("op"), nb::arg("world"), nb::arg("premul") = 1.0, nb::arg("predivide") = 1.0,
       nb::arg("postdivide") = 1.0, "FSDP2's reduce op and divide factors folded into one alpha.");
   nb::dict tags;
-  for (int t = 100; t <= 120; ++t) {
+  for (int t = 100; t <= 121; ++t) {
     static const char* names[] = {"BankWait", "StagingWait", "Push", "PushSignal", "PushWait",
                                   "Sum", "StagingFree", "Progress", "OutboxWait", "GenWait",
                                   "Zero", "InboxCredit", "SumWait", "Put", "Sent", "SpareCopy",
-                                  "Ready", "ReadyWait", "Land", "Landed", "RailDone"};
+                                  "Ready", "ReadyWait", "Land", "Landed", "RailDone", "SpareWait"};
     tags[names[t - 100]] = t;
   }
   m.attr("rs_op_tags") = tags;

@@ -49,6 +49,7 @@ constexpr OpTag kReadyWait = static_cast<OpTag>(117);   // land: all GPUs ready
 constexpr OpTag kLand = static_cast<OpTag>(118);        // land: inbox blocks -> out
 constexpr OpTag kLanded = static_cast<OpTag>(119);      // land: tell local GPUs gen is read
 constexpr OpTag kRailDone = static_cast<OpTag>(120);    // rail: call's network phase done
+constexpr OpTag kSpareWait = static_cast<OpTag>(121);   // read: previous pass's spare copied out
 }  // namespace rs_tag
 
 // Reduction folding (FSDP2): alpha = premul * (op == AVG ? 1/world : 1) / (pre * post).
