@@ -23,7 +23,7 @@ def run_and_compare(M, L, kind="int", seed=0, shapes=SHAPES, calls=2, cast=False
 
 
 @pytest.mark.parametrize("M", [1, 2, 3, 4, 5, 7, 8, 16])
-@pytest.mark.parametrize("L", [1, 2, 4])
+@pytest.mark.parametrize("L", [1, 2, 4, 8])
 def test_grid_integer_values(M, L):
     run_and_compare(M, L, "int", seed=M * 10 + L)
 

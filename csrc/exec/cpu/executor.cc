@@ -93,8 +93,7 @@ struct Runner {
                         "] tag ", op_tag_name(op.tag), op.round >= 0 ? TIDE_STR_CAT(" round ", op.round) : "");
   }
 
-  uint8_t* resolve(const RankState& rs, const Call& call, int idx, const BufRef& b, bool write) {
-    const Program& pr = *call.program;
+  uint8_t* resolve(const RankState& rs, const Call& call, int idx, const BufRef& b) {
     if (is_user_buffer(b.kind)) {
       if (b.rank != rs.rank)
         fail(1, TIDE_STR_CAT(op_name(rs, call, idx), ": touches ", buf_kind_name(b.kind), " of rank ", b.rank,
@@ -113,8 +112,6 @@ struct Runner {
     if (b.offset < 0 || b.end() > arena.region_bytes(b.kind))
       fail(1, TIDE_STR_CAT(op_name(rs, call, idx), ": ", buf_kind_name(b.kind), " of rank ", b.rank, " bytes [",
                            b.offset, ", ", b.end(), ") exceed the region (", arena.region_bytes(b.kind), ")"));
-    (void)pr;
-    (void)write;
     return arena.region(b.rank, b.kind) + b.offset;
   }
 
@@ -195,7 +192,7 @@ struct Runner {
     uint64_t h = 1469598103934665603ull;
     for (const auto& cd : call.program->ops[idx].copies) {
       const BufRef& b = dst ? cd.dst : cd.src;
-      const uint8_t* p = dst ? arena.region(b.rank, b.kind) + b.offset : resolve(rs, call, idx, b, false);
+      const uint8_t* p = dst ? arena.region(b.rank, b.kind) + b.offset : resolve(rs, call, idx, b);
       for (int64_t row = 0; row < b.height; ++row)
         for (int64_t i = 0; i < b.width; ++i) { h ^= p[row * b.pitch + i]; h *= 1099511628211ull; }
     }
@@ -243,8 +240,8 @@ struct Runner {
         for (const auto& cd : op.copies) {
           if (cd.src.width != cd.dst.width || cd.src.height != cd.dst.height)
             fail(1, TIDE_STR_CAT(op_name(rs, call, idx), ": descriptor geometry mismatch"));
-          const uint8_t* s = resolve(rs, call, idx, cd.src, false);
-          uint8_t* d = resolve(rs, call, idx, cd.dst, true);
+          const uint8_t* s = resolve(rs, call, idx, cd.src);
+          uint8_t* d = resolve(rs, call, idx, cd.dst);
           for (int64_t h = 0; h < cd.src.height; ++h)
             std::memmove(d + h * cd.dst.pitch, s + h * cd.src.pitch, static_cast<size_t>(cd.src.width));
         }
@@ -265,8 +262,8 @@ struct Runner {
         for (const auto& cd : op.copies) {
           if (cd.src.width != 2 * cd.dst.width || cd.src.height != cd.dst.height)
             fail(1, TIDE_STR_CAT(op_name(rs, call, idx), ": CAST geometry mismatch"));
-          const uint8_t* s = resolve(rs, call, idx, cd.src, false);
-          uint8_t* d = resolve(rs, call, idx, cd.dst, true);
+          const uint8_t* s = resolve(rs, call, idx, cd.src);
+          uint8_t* d = resolve(rs, call, idx, cd.dst);
           for (int64_t h = 0; h < cd.src.height; ++h)
             for (int64_t i = 0; i < cd.dst.width / 2; ++i) {
               float f;
@@ -288,7 +285,7 @@ struct Runner {
           const int isz = dtype_size(t->dtype);
           if (t->dst_elem < 0 || t->dst_elem + t->elems > n || t->src.width < t->elems * isz)
             fail(1, TIDE_STR_CAT(op_name(rs, call, idx), ": SUM term out of range"));
-          const uint8_t* s = resolve(rs, call, idx, t->src, false);
+          const uint8_t* s = resolve(rs, call, idx, t->src);
           for (int64_t i = 0; i < t->elems; ++i) {
             const float x = load_elem(s + i * isz, t->dtype);
             const size_t k = static_cast<size_t>(t->dst_elem + i);
@@ -296,7 +293,7 @@ struct Runner {
             init[k] = 1;
           }
         }
-        uint8_t* d = resolve(rs, call, idx, op.dst, true);
+        uint8_t* d = resolve(rs, call, idx, op.dst);
         for (int64_t i = 0; i < n; ++i) {
           float v = acc[static_cast<size_t>(i)];
           if (op.kind == OpKind::kLand) {
@@ -308,7 +305,7 @@ struct Runner {
         break;
       }
       case OpKind::kZero: {
-        uint8_t* d = resolve(rs, call, idx, op.dst, true);
+        uint8_t* d = resolve(rs, call, idx, op.dst);
         for (int64_t h = 0; h < op.dst.height; ++h) std::memset(d + h * op.dst.pitch, 0, static_cast<size_t>(op.dst.width));
         break;
       }
@@ -437,7 +434,7 @@ void run_cpu(CpuArena& arena, const std::vector<std::vector<Call>>& per_rank,
   TIDE_PLAN_CHECK(static_cast<int>(per_rank.size()) == N, "run_cpu: ", per_rank.size(), " call lists for ", N, " ranks");
   TIDE_PLAN_CHECK(static_cast<int>(bindings.size()) == N, "run_cpu: ", bindings.size(), " bindings for ", N, " ranks");
   // Ranks agree on the collective before any data moves: same (group, seq, plan hash) order.
-  for (int r = 0; r < N; ++r) {
+  for (int r = 0; r < N && opt.verify_agreement; ++r) {
     TIDE_PLAN_CHECK(per_rank[r].size() == per_rank[0].size(), "run_cpu: rank ", r, " has ",
                     per_rank[r].size(), " calls, rank 0 has ", per_rank[0].size());
     for (size_t c = 0; c < per_rank[r].size(); ++c) {

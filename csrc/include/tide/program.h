@@ -170,7 +170,7 @@ struct Op {
   int32_t round = -1;               // round / wave / pass index, for messages (-1: none)
   std::vector<CopyDesc> copies;     // COPY, CAST, PUT
   std::vector<SumTerm> terms;       // SUM, LAND
-  BufRef dst;                       // SUM, LAND, ZERO
+  BufRef dst;                       // SUM, LAND (1-D, fp32), ZERO (1-D or 2-D)
   CounterRef counter;               // PUT, SIGNAL, CREDIT, WAIT, EVENT_RECORD, EVENT_WAIT
   int64_t value = 0;                // increment (PUT/SIGNAL/CREDIT) or target base (WAIT/EVENT)
   int64_t per_call = 0;             // target/record slope in seq
