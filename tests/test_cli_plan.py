@@ -99,16 +99,34 @@ def test_cli_errors(capsys, argv, match):
     assert rc == 2 and match in err
 
 
-def test_validate_all_dispatch(capsys, monkeypatch):
+def test_validate_all_missing_validator(capsys, monkeypatch):
     monkeypatch.delattr(_core, "validate_all", raising=False)
     rc, _, err = _run(capsys, "plan", "--validate-all", "--gpus-per-node", "8", "--max-nodes", "4")
     assert rc == 2 and "validate_all" in err
-    calls = []
-    monkeypatch.setattr(_core, "validate_all",
-                        lambda L, M: calls.append((L, M)) or {"accepted": 1, "rejected": 2},
-                        raising=False)
-    rc, out, _ = _run(capsys, "plan", "--validate-all", "--gpus-per-node", "4", "--max-nodes", "16")
-    assert rc == 0 and calls == [(4, 16)] and "accepted: 1" in out and "rejected: 2" in out
+
+
+def _colliding(M, w_wave, L):
+    """App. D by brute force: does any wave hold two contributors on one destination GPU?"""
+    for first in range(1, M + 1, w_wave):
+        gpus = [(-(c % M)) % L for c in range(first, min(first + w_wave, M + 1))]
+        if len(set(gpus)) != len(gpus):
+            return True
+    return False
+
+
+def test_validate_all_cli_matches_brute_force(capsys):
+    L, max_m = 8, 40
+    rc, out, _ = _run(capsys, "plan", "--validate-all", "--gpus-per-node", str(L),
+                      "--max-nodes", str(max_m))
+    assert rc == 0
+    pairs = [(m, w) for m in range(2, max_m + 1) for w in range(1, L + 1)]
+    bad = [p for p in pairs if _colliding(*p, L)]
+    per_pair = 32 * 2  # k in [1, 32] x {In-Place, Slot-Reuse}
+    assert (f"base plans (M, W_wave, k, mode): {(len(pairs) - len(bad)) * per_pair} accepted, "
+            f"{len(bad) * per_pair} rejected") in out
+    assert f"(M, W_wave) pairs: {len(pairs) - len(bad)} accepted, {len(bad)} rejected" in out
+    assert "rejected: 9, 17-18, 33" in out  # W_wave = 3, the App. D example M = 9 first
+    assert ": ok" in out
 
 
 def test_demo(capsys):

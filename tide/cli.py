@@ -145,6 +145,40 @@ def format_plan(p, title: str, max_params: int = 12) -> str:
     return "\n".join(out)
 
 
+def _ranges(values: list[int]) -> str:
+    """[2, 3, 4, 9, 17, 18] -> '2-4, 9, 17-18'."""
+    out, vs = [], sorted(values)
+    i = 0
+    while i < len(vs):
+        j = i
+        while j + 1 < len(vs) and vs[j + 1] == vs[j] + 1:
+            j += 1
+        out.append(str(vs[i]) if i == j else f"{vs[i]}-{vs[j]}")
+        i = j + 1
+    return ", ".join(out) if out else "-"
+
+
+def _format_validate_all(res: dict, L: int, max_nodes: int) -> str:
+    """The exhaustive App. D regression as a table: (M, W_wave) pairs per W_wave, M as ranges."""
+    lines = [f"TIDE-RS validator, L = {L}, M in [2, {max_nodes}] (App. D)",
+             f"base plans (M, W_wave, k, mode): {res['accepted']} accepted, "
+             f"{res['rejected']} rejected",
+             f"(M, W_wave) pairs: {len(res['accepted_pairs'])} accepted, "
+             f"{len(res['rejected_pairs'])} rejected",
+             f"{'W_wave':>6}  accepted M / rejected M"]
+    for w in range(1, L + 1):
+        acc = [m for m, ww in res["accepted_pairs"] if ww == w]
+        rej = [m for m, ww in res["rejected_pairs"] if ww == w]
+        lines.append(f"{w:>6}  accepted: {_ranges(acc)}")
+        lines.append(f"{'':>6}  rejected: {_ranges(rej)}")
+    verdict = "ok" if res["n_part_ok"] else f"FAILED: {res.get('n_part_failure', '')}"
+    lines.append(f"n_part in {{2, 3, 4}} on every eligible base plan "
+                 f"({res.get('n_part_checked', '?')} checks): {verdict}")
+    if "seconds" in res:
+        lines.append(f"took {res['seconds']:.1f} s")
+    return "\n".join(lines)
+
+
 def _cmd_plan(args: argparse.Namespace) -> int:
     import tide
     from tide import _core
@@ -155,12 +189,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
                   "validator), which this build does not have", file=sys.stderr)
             return 2
         res = _core.validate_all(args.gpus_per_node, args.max_nodes)
-        if isinstance(res, dict):
-            for k, v in res.items():
-                print(f"{k}: {v}")
-        elif res is not None:
-            print(res)
-        return 0
+        print(_format_validate_all(res, args.gpus_per_node, args.max_nodes))
+        return 0 if res["n_part_ok"] else 1
     try:
         title, sig = _signature(args)
         p = tide.plan(sig, tide.Topology(args.nodes, args.gpus_per_node), mode=args.mode,
