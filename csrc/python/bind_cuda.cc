@@ -116,6 +116,23 @@ void bind_cuda_ops(nb::module_& m) {
         nb::arg("waits"), nb::arg("stream") = 0, "WAIT: stream waits until each *counter >= value.");
   m.def("cuda_multicast_allowed", &multicast_allowed, nb::arg("device") = 0,
         "Evaluate the multicast safety gate (never creates a multicast object).");
+  // Minimal memory helpers (sanitizer cases and tests that must not load a framework).
+  m.def("cuda_malloc", [](size_t bytes) {
+    void* p = nullptr;
+    TIDE_CHECK_CUDA(cudaMalloc(&p, bytes), "cuda_malloc(", bytes, ")");
+    return static_cast<uint64_t>(reinterpret_cast<uintptr_t>(p));
+  });
+  m.def("cuda_free", [](uint64_t p) { TIDE_CHECK_CUDA(cudaFree(ptr<void>(p))); });
+  m.def("cuda_h2d", [](uint64_t dst, nb::bytes data) {
+    TIDE_CHECK_CUDA(cudaMemcpy(ptr<void>(dst), data.c_str(), data.size(), cudaMemcpyHostToDevice));
+  });
+  m.def("cuda_d2h", [](uint64_t src, size_t n) {
+    std::string out(n, '\0');
+    TIDE_CHECK_CUDA(cudaMemcpy(out.data(), ptr<const void>(src), n, cudaMemcpyDeviceToHost));
+    return nb::bytes(out.data(), out.size());
+  });
+  m.def("cuda_synchronize", []() { TIDE_CHECK_CUDA(cudaDeviceSynchronize(), "cuda_synchronize"); },
+        nb::call_guard<nb::gil_scoped_release>());
   m.def("cuda_is_capturing", [](uint64_t stream) { return stream_is_capturing(strm(stream)); });
 
   nb::class_<Watchdog>(m, "CudaWatchdog")

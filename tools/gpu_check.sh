@@ -1,0 +1,72 @@
+#!/usr/bin/env bash
+# The GPU machine's one script: build (CUDA on), GPU tests, compute-sanitizer on a small case,
+# the layout bench; prints a short table LAST. Logs and JSON go to $OUT (or ./gpu_out).
+#
+#   export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONUNBUFFERED=1
+#   bash tools/gpu_check.sh            # GPU_CHECK_SKIP="sanitize bench" skips stages
+#
+# Safety: refuses to run unless multicast is disabled in the environment (ARCHITECTURE.md).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$PWD/gpu_out}
+mkdir -p "$OUT"
+SKIP=${GPU_CHECK_SKIP:-}
+PY=${PYTHON:-python3}
+if [[ "${NCCL_NVLS_ENABLE:-}" != "0" || "${TORCH_SYMM_MEM_DISABLE_MULTICAST:-}" != "1" ]]; then
+  echo "gpu_check: export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 first" >&2
+  exit 2
+fi
+unset TIDE_ENABLE_MULTICAST
+declare -A R
+t0=$(date +%s)
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv,noheader \
+  | tee "$OUT/gpu.txt"
+
+# ---- 1. build --------------------------------------------------------------------------------
+rm -rf build/inplace
+if TIDE_CUDA=on PYTHON=$PY CMAKE_BUILD_TYPE=Release tools/build.sh >"$OUT/build.log" 2>&1; then
+  R[build]=ok
+else
+  R[build]=FAILED; tail -40 "$OUT/build.log"
+fi
+kernels=$(grep -c "Compiling entry function" "$OUT/build.log" || true)
+spills=$(grep -E "spill (stores|loads)" "$OUT/build.log" | grep -vc " 0 bytes spill stores, 0 bytes spill loads" || true)
+R[ptxas]="$kernels kernels, $spills with spills"
+grep -E "Compiling entry|registers" "$OUT/build.log" | sed -E 's/.*entry function .(_Z[^ ]*).*/\1/' \
+  | paste - - | awk '{print $1, $4, $5}' | c++filt >"$OUT/registers.txt" 2>/dev/null || true
+t1=$(date +%s); R[build_s]=$((t1 - t0))
+
+# ---- 2. GPU tests ------------------------------------------------------------------------------
+if [[ ${R[build]} == ok ]]; then
+  $PY -c "import tide, torch; from tide import _core; print('cuda_available', _core.cuda_available(), torch.__version__)"
+  $PY -m pytest -q -p no:cacheprovider tests/test_cuda_*.py -rs --timeout=300 2>&1 | tee "$OUT/tests.log"
+  R[tests]=$(tail -1 "$OUT/tests.log")
+  t2=$(date +%s); R[tests_s]=$((t2 - t1))
+
+  # ---- 3. compute-sanitizer (small case, no framework) ----------------------------------------
+  if [[ " $SKIP " != *" sanitize "* ]] && command -v compute-sanitizer >/dev/null; then
+    for tool in memcheck racecheck; do
+      timeout 240 compute-sanitizer --tool $tool --error-exitcode 9 $PY tools/gpu_sanitize_case.py \
+        >"$OUT/sanitize_$tool.log" 2>&1
+      rc=$?
+      R[sanitize_$tool]="rc=$rc $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/sanitize_$tool.log" | tail -1)"
+    done
+  fi
+  t3=$(date +%s); R[sanitize_s]=$((t3 - t2))
+
+  # ---- 4. layout bench ---------------------------------------------------------------------------
+  if [[ " $SKIP " != *" bench "* ]]; then
+    $PY -m tide.bench.layout --json "$OUT/layout.json" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log"
+    R[bench]=$([[ ${PIPESTATUS[0]} == 0 ]] && echo ok || echo FAILED)
+  fi
+  t4=$(date +%s); R[bench_s]=$((t4 - t3))
+fi
+
+# ---- summary (last) ----------------------------------------------------------------------------
+echo
+echo "================ gpu_check summary ($(date -u +%FT%TZ)) ================"
+for k in build ptxas build_s tests tests_s sanitize_memcheck sanitize_racecheck sanitize_s bench bench_s; do
+  [[ -n "${R[$k]:-}" ]] && printf '%-20s %s\n' "$k" "${R[$k]}"
+done
+[[ -f "$OUT/bench.log" ]] && grep -E "^(#|group|llama|qwen|wan|SUM| +[0-9])" "$OUT/bench.log" | tail -60
+[[ ${R[build]} == ok ]] || exit 1
