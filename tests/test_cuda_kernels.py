@@ -132,7 +132,7 @@ def test_zero_regions():
     assert torch.equal(buf.cpu(), ref)
 
 
-@pytest.mark.parametrize("capture", [False, True])
+@pytest.mark.parametrize("capture", ["default_stream", "side_stream", "graph"])
 def test_copies_1d_2d(capture):
     src = torch.randint(0, 255, (1 << 20,), dtype=torch.uint8, device=DEV)
     dst = torch.full((1 << 21,), 7, dtype=torch.uint8, device=DEV)
@@ -145,13 +145,18 @@ def test_copies_1d_2d(capture):
     ref[8192:8192 + 999] = sc[100:1099]
     for r in range(16):
         ref[100000 + 256 * r:100000 + 256 * r + 64] = sc[5000 + 100 * r:5000 + 100 * r + 64]
-    if capture:
+    if capture == "graph":
         stream = torch.cuda.Stream()
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g, stream=stream):
             assert _core.cuda_is_capturing(torch.cuda.current_stream().cuda_stream)
             _core.cuda_copies(descs, torch.cuda.current_stream().cuda_stream)
         g.replay()
+    elif capture == "side_stream":  # eager batch path (cudaMemcpyBatchAsync)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        _core.cuda_copies(descs, side.cuda_stream)
+        side.synchronize()
     else:
         _core.cuda_copies(descs, _stream())
     torch.cuda.synchronize()

@@ -32,8 +32,7 @@ fi
 kernels=$(grep -c "Compiling entry function" "$OUT/build.log" || true)
 spills=$(grep -E "spill (stores|loads)" "$OUT/build.log" | grep -vc " 0 bytes spill stores, 0 bytes spill loads" || true)
 R[ptxas]="$kernels kernels, $spills with spills"
-grep -E "Compiling entry|registers" "$OUT/build.log" | sed -E 's/.*entry function .(_Z[^ ]*).*/\1/' \
-  | paste - - | awk '{print $1, $4, $5}' | c++filt >"$OUT/registers.txt" 2>/dev/null || true
+grep -E "Compiling entry|registers|spill" "$OUT/build.log" >"$OUT/registers.txt" || true
 t1=$(date +%s); R[build_s]=$((t1 - t0))
 
 # ---- 2. GPU tests ------------------------------------------------------------------------------
@@ -46,7 +45,7 @@ if [[ ${R[build]} == ok ]]; then
   # ---- 3. compute-sanitizer (small case, no framework) ----------------------------------------
   if [[ " $SKIP " != *" sanitize "* ]] && command -v compute-sanitizer >/dev/null; then
     for tool in memcheck racecheck; do
-      timeout 240 compute-sanitizer --tool $tool --error-exitcode 9 $PY tools/gpu_sanitize_case.py \
+      PYTHONPATH=$PWD timeout 240 compute-sanitizer --tool $tool --error-exitcode 9 $PY tools/gpu_sanitize_case.py \
         >"$OUT/sanitize_$tool.log" 2>&1
       rc=$?
       R[sanitize_$tool]="rc=$rc $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/sanitize_$tool.log" | tail -1)"

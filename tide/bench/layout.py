@@ -303,6 +303,9 @@ def main(argv=None):
         return 2
     props = torch.cuda.get_device_properties(0)
     n_sm = props.multi_processor_count
+    # cudaMemcpyBatchAsync needs a real stream: run everything on one side stream.
+    bench_stream = torch.cuda.Stream()
+    torch.cuda.set_stream(bench_stream)
     ceiling = measure_ceiling(torch)
     result = dict(device=props.name, sms=n_sm, ceiling_gbps=ceiling / 1e9, ranks=args.ranks, groups=[], rows=[])
     print(f"# {props.name}, {n_sm} SMs; device-to-device ceiling {ceiling / 1e9:.0f} GB/s (read+write)")

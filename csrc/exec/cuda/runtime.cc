@@ -117,9 +117,13 @@ void submit_copies(cudaStream_t stream, const CopyDesc* d, size_t n) {
     }
   }
   if (dsts.empty()) return;
-  if (dsts.size() == 1) {
-    TIDE_CHECK_CUDA(cudaMemcpyAsync(dsts[0], srcs[0], sizes[0], cudaMemcpyDeviceToDevice, stream),
-                    "COPY (single)");
+  // cudaMemcpyBatchAsync refuses (and on some drivers crashes on) the legacy NULL stream and the
+  // per-thread default stream: those get per-copy calls.
+  const bool default_stream = stream == nullptr || stream == cudaStreamLegacy || stream == cudaStreamPerThread;
+  if (dsts.size() == 1 || default_stream) {
+    for (size_t i = 0; i < dsts.size(); ++i)
+      TIDE_CHECK_CUDA(cudaMemcpyAsync(dsts[i], srcs[i], sizes[i], cudaMemcpyDeviceToDevice, stream),
+                      "COPY ", i, " (per-copy)");
     return;
   }
   cudaMemcpyAttributes attr{};
