@@ -248,7 +248,22 @@ void launch_sum_ns(const SumArgs& a, int ctas, int vec_ok, cudaStream_t s) {
   sum_kernel<NS><<<ctas, kSumThreads, 0, s>>>(a, vec_ok);
 }
 
+__global__ void stall_kernel(uint64_t ns) {
+  uint64_t t0, t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+  do {
+    __nanosleep(100000);
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  } while (t - t0 < ns);
+}
+
 }  // namespace
+
+// Fault injection only (ExecOptions::stall_rank): one thread sleeps `seconds` on `stream`.
+void launch_stall(double seconds, cudaStream_t stream) {
+  stall_kernel<<<1, 1, 0, stream>>>(static_cast<uint64_t>(seconds * 1e9));
+  TIDE_CHECK_CUDA(cudaGetLastError(), "launching the stall kernel");
+}
 
 uint16_t float_to_bf16_rne(float f) { return f_to_bf16(f); }
 

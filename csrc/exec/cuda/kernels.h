@@ -78,6 +78,40 @@ struct ZeroArgs {
   int n_regions = 0;
 };
 
+// ---- REDUCE: the executor's generic SUM/LAND over program terms (reduce.cu) -----------------
+// The program's terms are cut, once at registration, into runs: maximal element intervals in
+// which every term is either one contiguous source or absent (zero). A run names each source as
+// (slot, byte offset); slots are resolved per call from ReduceArgs::base, so the run table is
+// call-invariant and uploaded once. For every element k of a run:
+//   t = 0.0f; for term i in order: t = t + x_i   (absent terms add nothing)
+//   SUM : dst[k] = t
+//   LAND: dst[k] = (accumulate ? dst[k] : 0.0f) + alpha * t
+// (fp32, explicit round-to-nearest; this is the CPU executor's association.)
+constexpr int kMaxTerms = 12;
+constexpr int kMaxSlots = 384;  // user grad[p] 0..255, out 256, arena of rank r at 257 + r
+constexpr int kSlotOut = 256;
+constexpr int kSlotArena0 = 257;
+struct ReduceRun {
+  int64_t dst_off;             // first element (relative to ReduceArgs::dst)
+  int64_t len;                 // elements
+  int64_t off[kMaxTerms];      // byte offset from the slot base
+  int16_t slot[kMaxTerms];     // < 0: term absent in this run
+  int16_t pad_[4];
+};
+struct ReduceArgs {
+  float* dst = nullptr;
+  const ReduceRun* runs = nullptr;  // device table
+  int n_runs = 0;
+  int n_terms = 0;
+  uint32_t fp32_terms = 0;          // bit i: term i is fp32 (else bf16)
+  int land = 0;                     // 0: SUM, 1: LAND
+  int accumulate = 0;
+  float alpha = 1.0f;
+  int64_t n = 0;                    // elements covered by the runs (sum of len)
+  const void* base[kMaxSlots] = {};
+};
+void launch_reduce(const ReduceArgs& a, int ctas, cudaStream_t stream);
+
 void launch_sum(const SumArgs& a, int ctas, cudaStream_t stream);
 void launch_land(const LandArgs& a, int ctas, cudaStream_t stream);
 void launch_cast(uint16_t* dst, const float* src, int64_t n, int ctas, cudaStream_t stream);
