@@ -11,6 +11,7 @@
 //     executors hold it through std::shared_ptr so it outlives every stream that uses it.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <vector>
 
@@ -29,11 +30,20 @@ class InProcessFabric {
   char* arena(int rank) const { return arena_[static_cast<size_t>(rank)]; }
   int64_t arena_bytes() const { return arena_bytes_; }
   bool multicast() const { return false; }
+  // Host mirror of the value last *issued* to each counter of `rank` (not yet necessarily
+  // written). Counters have a single producing stream, so "counter += v" is issued as a write of
+  // issued + v. It lives with the arena because every executor over this arena shares counters.
+  std::vector<uint64_t>& issued(int rank, size_t num_counters) {
+    auto& v = issued_[static_cast<size_t>(rank)];
+    if (v.size() < num_counters) v.resize(num_counters, 0);
+    return v;
+  }
 
  private:
   std::vector<int> rank_device_;
   std::vector<char*> arena_;
   int64_t arena_bytes_;
+  std::vector<std::vector<uint64_t>> issued_;
 };
 
 }  // namespace tide::fabric

@@ -131,6 +131,9 @@ void bind_cuda_ops(nb::module_& m) {
     TIDE_CHECK_CUDA(cudaMemcpy(out.data(), ptr<const void>(src), n, cudaMemcpyDeviceToHost));
     return nb::bytes(out.data(), out.size());
   });
+  m.def("cuda_memset", [](uint64_t dst, int value, size_t bytes, uint64_t stream) {
+    TIDE_CHECK_CUDA(cudaMemsetAsync(ptr<void>(dst), value, bytes, strm(stream)), "cuda_memset");
+  }, nb::arg("dst"), nb::arg("value"), nb::arg("bytes"), nb::arg("stream") = 0);
   m.def("cuda_synchronize", []() { TIDE_CHECK_CUDA(cudaDeviceSynchronize(), "cuda_synchronize"); },
         nb::call_guard<nb::gil_scoped_release>());
   m.def("cuda_is_capturing", [](uint64_t stream) { return stream_is_capturing(strm(stream)); });
@@ -148,7 +151,7 @@ void bind_cuda_ops(nb::module_& m) {
       .def("check", &Watchdog::check);
 }
 }  // namespace
-void bind_cuda_fabric(nb::module_& m);  // bind_cuda_fabric.cc
+void bind_cuda_exec(nb::module_& m);  // bind_cuda_exec.cc
 #endif
 
 void bind_cuda(nb::module_& m) {
@@ -168,5 +171,6 @@ void bind_cuda(nb::module_& m) {
   }, "True when this build has the CUDA executor and a CUDA device is usable.");
 #ifdef TIDE_WITH_CUDA
   bind_cuda_ops(m);
+  bind_cuda_exec(m);
 #endif
 }

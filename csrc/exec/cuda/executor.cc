@@ -56,7 +56,6 @@ CudaExecutor::CudaExecutor(std::shared_ptr<fabric::InProcessFabric> fabric,
   streams_.resize(static_cast<size_t>(n));
   stream_ops_.resize(static_cast<size_t>(n));
   reduce_.resize(static_cast<size_t>(n));
-  shadow_.resize(static_cast<size_t>(n));
   std::vector<ReduceRun> table;
   for (int r = 0; r < n; ++r) {
     const Program& p = programs_[static_cast<size_t>(r)];
@@ -69,7 +68,7 @@ CudaExecutor::CudaExecutor(std::shared_ptr<fabric::InProcessFabric> fabric,
     for (auto& s : streams_[r]) TIDE_CHECK_CUDA(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
     stream_ops_[r].resize(ns);
     reduce_[r].resize(p.ops.size());
-    shadow_[r].assign(static_cast<size_t>(p.num_counters), 0);
+    fabric_->issued(r, static_cast<size_t>(p.num_counters));
     for (size_t i = 0; i < p.ops.size(); ++i) {
       const Op& op = p.ops[i];
       TIDE_PLAN_CHECK(op.stream < ns, "rank ", r, " op ", i, ": stream ", int(op.stream), " of ", ns);
@@ -79,7 +78,7 @@ CudaExecutor::CudaExecutor(std::shared_ptr<fabric::InProcessFabric> fabric,
   }
   if (!table.empty()) {
     TIDE_CHECK_CUDA(cudaSetDevice(fabric_->device_of(0)));
-    TIDE_CHECK_CUDA(cudaMalloc(&d_runs_, table.size() * sizeof(ReduceRun)), "run tables");
+    TIDE_CHECK_CUDA(cudaMalloc(reinterpret_cast<void**>(&d_runs_), table.size() * sizeof(ReduceRun)), "run tables");
     TIDE_CHECK_CUDA(cudaMemcpy(d_runs_, table.data(), table.size() * sizeof(ReduceRun), cudaMemcpyHostToDevice),
                     "uploading run tables");
   }
@@ -220,7 +219,7 @@ void CudaExecutor::issue(int rank, int i, int64_t seq, const RankBuffers& b) {
   const std::vector<RankBuffers>& all = *bound_;
   cudaStream_t s = streams_[static_cast<size_t>(rank)][op.stream];
   auto bump = [&](const CounterRef& c, uint64_t new_value) {
-    uint64_t& sh = shadow_[static_cast<size_t>(c.rank)][static_cast<size_t>(c.index)];
+    uint64_t& sh = shadow(c);
     sh = std::max(sh, new_value);
     signal(s, counter_ptr(c.rank, c.index), sh);
   };
@@ -238,7 +237,7 @@ void CudaExecutor::issue(int rank, int i, int64_t seq, const RankBuffers& b) {
       }
       submit_copies(s, d.data(), d.size());
       if (op.kind == OpKind::kPut) {
-        const uint64_t cur = shadow_[static_cast<size_t>(op.counter.rank)][static_cast<size_t>(op.counter.index)];
+        const uint64_t cur = shadow(op.counter);
         bump(op.counter, cur + static_cast<uint64_t>(op.value));  // data first, then the bump
       }
       break;
@@ -288,7 +287,7 @@ void CudaExecutor::issue(int rank, int i, int64_t seq, const RankBuffers& b) {
     }
     case OpKind::kSignal:
     case OpKind::kCredit: {
-      const uint64_t cur = shadow_[static_cast<size_t>(op.counter.rank)][static_cast<size_t>(op.counter.index)];
+      const uint64_t cur = shadow(op.counter);
       bump(op.counter, cur + static_cast<uint64_t>(op.value));
       break;
     }
@@ -302,6 +301,12 @@ void CudaExecutor::issue(int rank, int i, int64_t seq, const RankBuffers& b) {
       break;
     }
   }
+}
+
+uint64_t& CudaExecutor::shadow(const CounterRef& c) {
+  const Program& p = programs_.at(static_cast<size_t>(c.rank));
+  TIDE_CHECK(c.index >= 0 && c.index < p.num_counters, "counter ", c.index, " of rank ", c.rank);
+  return fabric_->issued(c.rank, static_cast<size_t>(p.num_counters))[static_cast<size_t>(c.index)];
 }
 
 void CudaExecutor::fail(const std::string& msg) {
@@ -330,7 +335,7 @@ void CudaExecutor::run(int64_t seq, const std::vector<RankBuffers>& buffers) {
           while (c < ops.size()) {
             const Op& op = p.ops[static_cast<size_t>(ops[c])];
             if (is_wait(op.kind) &&
-                shadow_[static_cast<size_t>(op.counter.rank)][static_cast<size_t>(op.counter.index)] <
+                shadow(op.counter) <
                     static_cast<uint64_t>(op.target(seq)))
               break;  // its producer is not issued yet
             issue(r, ops[c], seq, buffers[static_cast<size_t>(r)]);

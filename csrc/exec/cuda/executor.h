@@ -88,6 +88,7 @@ class CudaExecutor {
   void* resolve(const BufRef& ref, const std::vector<RankBuffers>& all) const;
   std::string describe(int rank, int op_index, int64_t seq) const;
   void fail(const std::string& msg);
+  uint64_t& shadow(const CounterRef& c);  // the fabric's issued value of a counter
 
   std::shared_ptr<fabric::InProcessFabric> fabric_;
   std::vector<Program> programs_;
@@ -95,7 +96,6 @@ class CudaExecutor {
   std::vector<std::vector<cudaStream_t>> streams_;         // [rank][stream]
   std::vector<std::vector<std::vector<int>>> stream_ops_;  // [rank][stream] -> op indices
   std::vector<std::vector<ReduceOp>> reduce_;              // [rank][op]
-  std::vector<std::vector<uint64_t>> shadow_;              // [rank][counter] issued value
   ReduceRun* d_runs_ = nullptr;
   std::unique_ptr<Watchdog> watchdog_;
   const std::vector<RankBuffers>* bound_ = nullptr;        // valid during run()

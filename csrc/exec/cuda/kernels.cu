@@ -37,7 +37,7 @@ __host__ __device__ __forceinline__ uint16_t f_to_bf16(float f) {
   uint32_t u;
   std::memcpy(&u, &f, 4);
 #endif
-  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>(((u >> 16) & 0x8000u) | 0x7fc0u);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40u);  // quiet NaN
   u += 0x7fffu + ((u >> 16) & 1u);  // round to nearest, ties to even
   return static_cast<uint16_t>(u >> 16);
 }
@@ -115,7 +115,7 @@ __global__ void __launch_bounds__(kSumThreads) sum_kernel(const __grid_constant_
               set8(acc, s[0][u]);
 #pragma unroll
               for (int j = 1; j < NS; ++j) add8(acc, s[j][u]);
-              add8(acc, o[u]);
+              if (own) add8(acc, o[u]);  // an absent own term is skipped, not added as 0.0f
             } else {
               set8(acc, o[u]);
             }
@@ -133,7 +133,7 @@ __global__ void __launch_bounds__(kSumThreads) sum_kernel(const __grid_constant_
         acc = bf16_to_f(a.staged[0][k]);
 #pragma unroll
         for (int j = 1; j < NS; ++j) acc = __fadd_rn(acc, bf16_to_f(a.staged[j][k]));
-        acc = __fadd_rn(acc, x);
+        if (own) acc = __fadd_rn(acc, x);
       } else {
         acc = x;
       }

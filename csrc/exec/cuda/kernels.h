@@ -9,7 +9,7 @@
 //     so no FMA contraction changes bits. The association is fixed and documented per kernel;
 //     the CPU executor uses the same one, so both produce the same bytes.
 //   - bf16 is handled as raw uint16 bits: bf16 -> fp32 is exact (bits << 16); fp32 -> bf16 is
-//     round-to-nearest-even with NaN -> 0x7FC0 | sign (ml_dtypes' convention).
+//     round-to-nearest-even, NaN -> its top 16 bits with the quiet bit set (the CPU executor's).
 //   - All launches are graph-capturable and allocation-free. Host wrappers check the launch.
 #pragma once
 
@@ -31,8 +31,9 @@ constexpr int kZeroThreads = 256;
 
 // ---- SUM: fp32 node partial (Level 1) ------------------------------------------------------
 // dst[k] = ((stg_0[k] + stg_1[k]) + ... + stg_{n_staged-1}[k]) + own[k]   (fp32, left to right)
-// where own[k] comes from the segment covering k: grad[param][src_off + (k - dst_off)] (bf16)
-// or 0.0f where param < 0 (padding rows past D_p). With n_staged == 0, dst[k] = (float)own[k].
+// where own[k] comes from the segment covering k: grad[param][src_off + (k - dst_off)] (bf16);
+// where param < 0 (padding rows past D_p) the own term is absent and not added. With
+// n_staged == 0, dst[k] = own[k] (or 0.0f where absent). Same association as REDUCE below.
 // Segments are sorted by dst_off, disjoint, and cover [0, n) exactly.
 struct SumSegment {
   int64_t dst_off;  // first element in dst
@@ -54,7 +55,7 @@ struct SumArgs {
 
 // ---- LAND: inbox blocks -> fp32 output (Level 2) --------------------------------------------
 // For each job: t = ((src_0[k] + src_1[k]) + ... + src_{n_src-1}[k]);  v = alpha * t;
-//               dst[k] = accumulate ? dst[k] + v : v.
+//               dst[k] = accumulate ? dst[k] + v : v.   (the CPU executor's LAND)
 struct LandJob {
   float* dst = nullptr;
   const float* src[kMaxLandSrcs] = {};
@@ -83,9 +84,10 @@ struct ZeroArgs {
 // which every term is either one contiguous source or absent (zero). A run names each source as
 // (slot, byte offset); slots are resolved per call from ReduceArgs::base, so the run table is
 // call-invariant and uploaded once. For every element k of a run:
-//   t = 0.0f; for term i in order: t = t + x_i   (absent terms add nothing)
+//   t = x_first; for each later present term i in order: t = t + x_i   (absent terms are
+//   skipped; an element no term covers is 0.0f)
 //   SUM : dst[k] = t
-//   LAND: dst[k] = (accumulate ? dst[k] : 0.0f) + alpha * t
+//   LAND: v = alpha * t; dst[k] = accumulate ? dst[k] + v : v
 // (fp32, explicit round-to-nearest; this is the CPU executor's association.)
 constexpr int kMaxTerms = 12;
 constexpr int kMaxSlots = 384;  // user grad[p] 0..255, out 256, arena of rank r at 257 + r

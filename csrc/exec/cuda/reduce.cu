@@ -41,7 +41,7 @@ __device__ __forceinline__ float load1(const char* p, int64_t k, bool fp32) {
 __device__ __forceinline__ float finish(const ReduceArgs& a, float t, float old) {
   if (!a.land) return t;
   const float v = __fmul_rn(a.alpha, t);
-  return __fadd_rn(a.accumulate ? old : 0.0f, v);
+  return a.accumulate ? __fadd_rn(old, v) : v;
 }
 
 template <int T>
@@ -99,9 +99,13 @@ __global__ void __launch_bounds__(kReduceThreads) reduce_kernel(const __grid_con
 #pragma unroll
         for (int j = 0; j < kV; ++j) {
           float t = 0.0f;
+          bool have = false;  // the first present term initialises (no 0.0f + x: keeps -0.0)
 #pragma unroll
           for (int i = 0; i < T; ++i)
-            if (src[i]) t = __fadd_rn(t, x[i][j]);
+            if (src[i]) {
+              t = have ? __fadd_rn(t, x[i][j]) : x[i][j];
+              have = true;
+            }
           out[j] = finish(a, t, a.land && a.accumulate ? old[j] : 0.0f);
         }
         d[0] = make_float4(out[0], out[1], out[2], out[3]);
@@ -110,9 +114,14 @@ __global__ void __launch_bounds__(kReduceThreads) reduce_kernel(const __grid_con
     }
     for (int64_t k = b_tail + threadIdx.x; k < e; k += blockDim.x) {
       float t = 0.0f;
+      bool have = false;
 #pragma unroll
       for (int i = 0; i < T; ++i)
-        if (src[i]) t = __fadd_rn(t, load1(src[i], k - r0, (a.fp32_terms >> i) & 1));
+        if (src[i]) {
+          const float x = load1(src[i], k - r0, (a.fp32_terms >> i) & 1);
+          t = have ? __fadd_rn(t, x) : x;
+          have = true;
+        }
       a.dst[k] = finish(a, t, a.land && a.accumulate ? a.dst[k] : 0.0f);
     }
   }
