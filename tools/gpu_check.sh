@@ -17,6 +17,9 @@ if [[ "${NCCL_NVLS_ENABLE:-}" != "0" || "${TORCH_SYMM_MEM_DISABLE_MULTICAST:-}" 
   exit 2
 fi
 unset TIDE_ENABLE_MULTICAST
+# Many ranks' streams share one GPU: use every hardware queue (the executor's enqueue order is
+# deadlock-free for any mapping, see executor.h [Note: enqueue order]; this only cuts false waits).
+export CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-32}
 declare -A R
 t0=$(date +%s)
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv,noheader \

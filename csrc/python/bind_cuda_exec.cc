@@ -63,6 +63,14 @@ void bind_cuda_exec(nb::module_& m) {
     const ArenaSpec& a = ps.progs[0].arena;
     return std::make_pair(a.offset[kind], a.bytes[kind]);
   }, nb::arg("programs"), nb::arg("kind"), "(offset, bytes) of an arena region.");
+  m.def("cuda_mixed_programs", [](const ProgramSet& a, const ProgramSet& b, int rank) {
+    auto ps = std::make_shared<ProgramSet>(a);
+    TIDE_PLAN_CHECK(rank >= 0 && static_cast<size_t>(rank) < ps->progs.size() && static_cast<size_t>(rank) < b.progs.size(),
+                    "rank ", rank);
+    ps->progs[static_cast<size_t>(rank)] = b.progs[static_cast<size_t>(rank)];
+    return ps;
+  }, nb::arg("a"), nb::arg("b"), nb::arg("rank"),
+     "Tests (FaultKind other_plan): set `a` with rank's program taken from set `b`.");
   m.def("cuda_arena_total", [](const ProgramSet& ps) { return ps.progs.at(0).arena.total; });
 
   nb::class_<cuda::CudaExecutor>(m, "CudaExecutor")

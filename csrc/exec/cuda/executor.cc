@@ -292,10 +292,11 @@ void CudaExecutor::issue(int rank, int i, int64_t seq, const RankBuffers& b) {
       break;
     }
     case OpKind::kEventRecord:
-      bump(op.counter, static_cast<uint64_t>(op.target(seq)));
+      bump(op.counter, static_cast<uint64_t>(std::max<int64_t>(0, op.target(seq))));
       break;
     case OpKind::kWait:
     case OpKind::kEventWait: {
+      if (op.target(seq) <= 0) break;  // counters start at 0: trivially satisfied (first call)
       WaitSpec w{counter_ptr(op.counter.rank, op.counter.index), static_cast<uint64_t>(op.target(seq))};
       watchdog_->watched_wait(s, &w, 1, describe(rank, i, seq));
       break;
@@ -320,7 +321,7 @@ void CudaExecutor::run(int64_t seq, const std::vector<RankBuffers>& buffers) {
   bound_ = &buffers;
   TIDE_CHECK_CUDA(cudaSetDevice(fabric_->device_of(0)));
   if (opt_.stall_rank >= 0 && opt_.stall_rank < n && opt_.stall_s > 0)
-    launch_stall(opt_.stall_s, streams_[static_cast<size_t>(opt_.stall_rank)][0]);
+    for (auto st : streams_[static_cast<size_t>(opt_.stall_rank)]) launch_stall(opt_.stall_s, st);
   std::vector<std::vector<size_t>> cur(static_cast<size_t>(n));
   for (int r = 0; r < n; ++r) cur[static_cast<size_t>(r)].assign(streams_[static_cast<size_t>(r)].size(), 0);
   try {
@@ -334,9 +335,8 @@ void CudaExecutor::run(int64_t seq, const std::vector<RankBuffers>& buffers) {
           size_t& c = cur[static_cast<size_t>(r)][s];
           while (c < ops.size()) {
             const Op& op = p.ops[static_cast<size_t>(ops[c])];
-            if (is_wait(op.kind) &&
-                shadow(op.counter) <
-                    static_cast<uint64_t>(op.target(seq)))
+            if (is_wait(op.kind) && op.target(seq) > 0 &&
+                shadow(op.counter) < static_cast<uint64_t>(op.target(seq)))
               break;  // its producer is not issued yet
             issue(r, ops[c], seq, buffers[static_cast<size_t>(r)]);
             ++c;

@@ -53,8 +53,8 @@ struct ExecOptions {
   int land_ctas = 4;
   int cast_ctas = 32;
   int zero_ctas = 8;
-  // Executor-level fault injection (tests): a dead rank issues nothing; a stalled rank's first
-  // stream sleeps `stall_s` seconds before its first op.
+  // Executor-level fault injection (tests): a dead rank issues nothing; a stalled rank's streams
+  // all sleep `stall_s` seconds before its first op.
   int dead_rank = -1;
   int stall_rank = -1;
   double stall_s = 0.0;
