@@ -175,7 +175,8 @@ Program build_ag_program(const Plan& plan, const AgCallOptions& opt, int rank) {
   const int n = topo.node_of(rank), l = topo.local_of(rank);
   const BufKind ring = opt.ring_slot == 0 ? BufKind::kRing0 : BufKind::kRing1;
   const int64_t head_opt = opt.head_bytes > 0 ? opt.head_bytes : plan.opt.ag_head_bytes;
-  const int64_t head_bytes = head_opt > 0 ? head_opt : INT64_MAX;
+  // Heads end on a 16-byte boundary so no element straddles the head/tail split.
+  const int64_t head_bytes = head_opt > 0 ? std::max<int64_t>(16, head_opt / 16 * 16) : INT64_MAX;
 
   AgCounters C{L, R};
   Program prog = base_program(plan, opt, rank, C.count(), C.names());
