@@ -165,3 +165,35 @@ def test_fault_other_plan_is_refused():
 
 def test_multicast_gate_never_opens_here():
     assert not _core.cuda_multicast_allowed(0)
+
+
+RS_GRID = [(1, 1), (1, 2), (1, 4), (1, 8), (2, 1), (2, 2), (2, 4), (3, 2), (4, 2), (2, 8), (9, 2)]
+
+
+def _grads(plan, world, rng):
+    shapes = _core.plan_shapes(plan)
+    return [[rng.standard_normal(int(np.prod(s))).astype(np.float32).astype(BF16).reshape(s) for s in shapes]
+            for _ in range(world)]
+
+
+@pytest.mark.parametrize("M,L", RS_GRID)
+def test_reduce_scatter_bitwise_equals_cpu(M, L):
+    topo = tide.Topology(M, L)
+    plan = tide.plan(tide.GroupSignature(shapes=SHAPES), topo)
+    rng = np.random.default_rng(7 * M + L)
+    cpu = tide.VirtualCluster(topo, backend="cpu")
+    gpu = tide.VirtualCluster(topo, backend="cuda")
+    prev_cpu = prev_gpu = None
+    for call, scale in enumerate((1.0, 0.25, 1.0 / 3.0, 0.5)):  # banks alternate: seq mod 2
+        grads = _grads(plan, topo.world, rng)
+        acc = call >= 2
+        want = cpu.reduce_scatter(plan, grads, scale=scale, accumulate=prev_cpu if acc else None)
+        got = gpu.reduce_scatter(plan, [[_to_torch(x) for x in row] for row in grads], scale=scale,
+                                 accumulate=prev_gpu if acc else None, poison=not acc)
+        for r in range(topo.world):
+            assert not torch.isnan(got[r]).any(), f"call {call} rank {r}: unwritten output elements"
+            assert _bits(got[r]) == _bits(np.ascontiguousarray(want[r])), (call, r)
+        prev_cpu, prev_gpu = want, got
+    # fp64 reference of the last non-accumulating semantics is covered by the CPU tests; here a
+    # sanity check of the magnitude: out = prev + scale * sum_u grads
+    assert all(torch.isfinite(x).all() for x in got)

@@ -162,8 +162,67 @@ class CudaVirtualCluster(VirtualCluster):
         torch.cuda.current_stream(self.device).synchronize()
         return out
 
-    def reduce_scatter(self, plan, grads, scale: float = 1.0, accumulate=None):
-        build = getattr(_core, "build_rs_programs", None)
-        if build is None:
-            raise NotImplementedError("VirtualCluster.reduce_scatter: TIDE-RS programs are not built in yet")
-        raise NotImplementedError("VirtualCluster(backend='cuda').reduce_scatter: not wired to RS programs yet")
+    def reduce_scatter(self, plan, grads, scale: float = 1.0, accumulate=None, *, poison: bool = False):
+        """grads[r][p] (unsharded per-parameter gradients) -> outs[r] fp32 shards (torch CUDA).
+        `poison` (tests): start the outputs as NaN instead of zeros, to prove every element is
+        written.
+
+        Same programs as the CPU backend: an RS group has its own arena and call sequence, and
+        bank b = seq mod 2 alternates two program sets (two executors over one fabric, which
+        shares the counters' issued values)."""
+        torch = _torch()
+        self._check_plan(plan)
+        N = self.world
+        lay = plan.layout
+        _, grad_name, _ = _core.plan_dtypes(plan)
+        shapes = _core.plan_shapes(plan)
+        if len(grads) != N:
+            raise _core.PlanError(f"reduce_scatter: got grads for {len(grads)} ranks, the cluster has {N}")
+        if accumulate is not None and len(accumulate) != N:
+            raise _core.PlanError(f"reduce_scatter: accumulate has {len(accumulate)} outputs, expected {N}")
+        gkey = ("rs", plan.hash)
+        g = self._cuda_groups.get(gkey)
+        seq = (g.seq if g else 0) + 1
+        key = ("rs", seq % 2, float(scale), accumulate is not None)
+        progs = g.programs.get(key) if g else None
+        if progs is None:
+            progs = _core.build_rs_programs(plan, bank=seq % 2, alpha=float(scale), accumulate=accumulate is not None)
+            if self.check or (self.check is None and N <= 64):
+                ok, errors = progs.check(2)
+                if not ok:
+                    raise _core.Error("TIDE static checker rejected the RS program: " + "; ".join(errors))
+            if g is None:
+                fabric = _core.CudaFabric([self.device] * N, _core.cuda_arena_total(progs))
+                g = self._cuda_groups[gkey] = _CudaGroup(fabric)
+            g.programs[key] = progs
+        ex = g.executors.get(key)
+        if ex is None:
+            ex = g.executors[key] = _core.CudaExecutor(g.fabric, progs, self.timeout_s, self.sum_ctas, self.land_ctas)
+        ex.set_faults(self.faults.get("dead_rank", -1), self.faults.get("stall_rank", -1),
+                      float(self.faults.get("stall_s", 0.0)))
+        gdt = getattr(torch, _TORCH_DTYPES[grad_name])
+        dev = f"cuda:{self.device}"
+        bindings, outs, keep = [], [], []
+        for r in range(N):
+            if len(grads[r]) != lay.P:
+                raise _core.PlanError(f"reduce_scatter: grads[{r}] has {len(grads[r])} tensors, the group has {lay.P}")
+            row = []
+            for p in range(lay.P):
+                x = self._as_cuda(grads[r][p], gdt)
+                if x.numel() != lay.params[p].D * lay.params[p].K:
+                    raise _core.PlanError(f"reduce_scatter: grads[{r}][{p}] has {x.numel()} elements, "
+                                          f"expected shape {tuple(shapes[p])}")
+                keep.append(x)
+                row.append((KIND["grad"], p, x.data_ptr()))
+            if accumulate is None:
+                out = torch.full((lay.E,), float("nan") if poison else 0.0, dtype=torch.float32, device=dev)
+            else:
+                out = self._as_cuda(accumulate[r], torch.float32).clone()
+                if out.numel() != lay.E:
+                    raise _core.PlanError(f"reduce_scatter: accumulate[{r}] has {out.numel()} elements, expected {lay.E}")
+            row.append((KIND["out"], -1, out.data_ptr()))
+            bindings.append(row)
+            outs.append(out)
+        self._run(g, ex, bindings)  # g.seq becomes seq
+        del keep
+        return outs

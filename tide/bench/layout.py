@@ -138,7 +138,7 @@ def run_group(torch, core, name, shapes, n, ceiling, n_sm, sum_ctas, land_ctas, 
         ms, spread = _median_ms(torch, fn)
         k, c, smms = _profile(torch, fn, n_sm)
         rows.append(dict(group=name, step=label, ms=ms, spread=spread, bytes=nbytes,
-                         gbps=nbytes / ms / 1e6, floor_ms=nbytes / ceiling / 1e6, kernels=k, copies=c, sm_ms=smms))
+                         gbps=nbytes / ms / 1e6, floor_ms=nbytes / ceiling * 1e3, kernels=k, copies=c, sm_ms=smms))
     # correctness spot check: TIDE landing equals stock copy-out
     stock_ag()
     ref = [x.clone() for x in params]
@@ -159,10 +159,16 @@ def run_group(torch, core, name, shapes, n, ceiling, n_sm, sum_ctas, land_ctas, 
     out0 = torch.empty(E, dtype=torch.float32, device=dev)
     alpha = 1.0 / n
 
-    def stock_rs():
+    def stock_pack():
         torch._chunk_cat(grads[0], dim=0, num_chunks=n, out=packed_all[0])
+
+    def stock_reduce():
         torch.sum(packed_all[:, 0, :], dim=0, out=out0)
         out0.mul_(alpha)
+
+    def stock_rs():
+        stock_pack()
+        stock_reduce()
 
     e_sub = -(-E // L)
     e_sub = (e_sub + 7) // 8 * 8
@@ -239,16 +245,20 @@ def run_group(torch, core, name, shapes, n, ceiling, n_sm, sum_ctas, land_ctas, 
     stage_b = sum(2 * w * h for _, _, w, h, _, _ in copies)  # read + write
     sum_b = (L - 1) * 2 * L * e_sub + 2 * L * e_sub + 4 * L * e_sub
     land_b = 4 * E * 2
-    for label, fn, nbytes in (("RS stock: _chunk_cat fp32 pack + packed reduce", stock_rs, 3 * ns + 2 * ns + 2 * S + 2 * 4 * E),
+    for label, fn, nbytes in (("RS stock: _chunk_cat bf16 -> fp32 pack", stock_pack, 3 * ns),
+                              ("RS stock: packed fp32 reduce of the chunk + alpha", stock_reduce, 2 * ns + 2 * S + 2 * 4 * E),
+                              ("RS stock: _chunk_cat fp32 pack + packed reduce", stock_rs, 3 * ns + 2 * ns + 2 * S + 2 * 4 * E),
                               ("RS TIDE: staging copies (strided, height L)", tide_stage, stage_b),
                               (f"RS TIDE: SUM ({sum_ctas} CTAs)", tide_sum, sum_b),
                               (f"RS TIDE: LAND ({land_ctas} CTAs)", tide_land, land_b),
+                              ("RS TIDE: SUM (full grid)", lambda: tide_sum(n_sm), sum_b),
+                              ("RS TIDE: LAND (full grid)", lambda: tide_land(n_sm), land_b),
                               ("RS TIDE: staging + SUM + LAND", tide_rs, stage_b + sum_b + land_b),
                               ("RS TIDE: staging + SUM + LAND, full grid", tide_rs_full, stage_b + sum_b + land_b)):
         ms, spread = _median_ms(torch, fn)
         k, c, smms = _profile(torch, fn, n_sm)
         rows.append(dict(group=name, step=label, ms=ms, spread=spread, bytes=nbytes,
-                         gbps=nbytes / ms / 1e6, floor_ms=nbytes / ceiling / 1e6, kernels=k, copies=c, sm_ms=smms))
+                         gbps=nbytes / ms / 1e6, floor_ms=nbytes / ceiling * 1e3, kernels=k, copies=c, sm_ms=smms))
     del grads, packed_all, staging, block, out0
     torch.cuda.empty_cache()
     return rows, dict(group=name, P=P, E=E, S=S, NS=ns, ag_landing_bitwise=ag_ok)
@@ -266,7 +276,7 @@ def sum_sweep(torch, core, L, ctas_list, n_small, n_big, n_sm):
         seg = torch.tensor([[0, n, 0, 0]], dtype=torch.int64, device=dev)
         logical = n * (2 * L + 4)
         for c in ctas_list:
-            if (n == n_small) != (c <= 16):
+            if (n == n_small) != (c <= 24):
                 continue
             ms, spread = _median_ms(torch, lambda: core.cuda_sum(dst.data_ptr(), n, [s.data_ptr() for s in staged],
                                                                   seg.data_ptr(), 1, [own.data_ptr()], c, st),
@@ -315,8 +325,11 @@ def main(argv=None):
         result["rows"] += rows
         result["groups"].append(info)
     if not args.no_sweep:
-        result["sum_sweep"] = sum_sweep(torch, core, args.ranks, [1, 2, 4, 8, 12, 16, 33, 66, 132, 264],
+        result["sum_sweep"] = sum_sweep(torch, core, args.ranks, [1, 2, 4, 8, 12, 16, 24, 33, 48, 66, 99, 132, 264],
                                         8 << 20, 64 << 20, n_sm)
+        best = max(r["gbps"] for r in result["sum_sweep"])
+        sat = min(r["ctas"] for r in result["sum_sweep"] if r["gbps"] >= 0.9 * best)
+        result["sum_saturation"] = dict(best_gbps=best, best_vs_ceiling=best / (ceiling / 1e9), ctas_90pct=sat)
     print(f"{'group':9} {'step':52} {'ms':>8} {'GB':>7} {'GB/s':>7} {'x floor':>7} {'kern':>4} {'cpy':>4} {'SM*ms':>7}")
     for r in result["rows"]:
         print(f"{r['group']:9} {r['step']:52} {r['ms']:8.3f} {r['bytes'] / 1e9:7.2f} {r['gbps']:7.0f} "
@@ -325,7 +338,7 @@ def main(argv=None):
         rs = {r["step"]: r for r in result["rows"] if r["group"] == info["group"]}
         ag_s = next(r for k, r in rs.items() if k.startswith("AG stock"))
         ag_t = min((r for k, r in rs.items() if k.startswith("AG TIDE")), key=lambda r: r["ms"])
-        rs_s = next(r for k, r in rs.items() if k.startswith("RS stock"))
+        rs_s = rs["RS stock: _chunk_cat fp32 pack + packed reduce"]
         rs_t = rs["RS TIDE: staging + SUM + LAND, full grid"]
         info.update(ag_bytes_ratio=ag_t["bytes"] / ag_s["bytes"], ag_time_ratio=ag_t["ms"] / ag_s["ms"],
                     ag_tide_x_floor=ag_t["ms"] / ag_t["floor_ms"], rs_bytes_ratio=rs_t["bytes"] / rs_s["bytes"],
@@ -338,6 +351,9 @@ def main(argv=None):
         print(f"{'SUM ctas':>8} {'n':>10} {'ms':>8} {'GB/s':>8} {'GB/s/CTA':>9}")
         for r in result["sum_sweep"]:
             print(f"{r['ctas']:8d} {r['n']:10d} {r['ms']:8.3f} {r['gbps']:8.0f} {r['gbps_per_cta']:9.1f}")
+        sat = result["sum_saturation"]
+        print(f"# SUM best {sat['best_gbps']:.0f} GB/s = {100 * sat['best_vs_ceiling']:.0f}% of the ceiling; "
+              f"90% of best from {sat['ctas_90pct']} CTAs")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
