@@ -43,7 +43,7 @@ if [[ ${R[build]} == ok ]]; then
   # Plan smoke: does the planner run here (plain / after torch / after CUDA init)? A crash gets
   # a native backtrace from cuda-gdb (the machine has no gdb) in diag.log.
   SMOKE='import tide; p = tide.plan(tide.GroupSignature(shapes=[(37, 16), (5,)]), tide.Topology(1, 1)); print("plan ok", hex(p.hash))'
-  for pre in "" "import torch; " "from tide import _core; _core.cuda_available(); import torch; "; do
+  for pre in "" "import torch; " "from tide import _core; _core.cuda_available(); import numpy, ml_dtypes, torch; "; do
     echo "== smoke: ${pre}plan" >>"$OUT/diag.log"
     if ! timeout 120 $PY -X faulthandler -c "${pre}${SMOKE}" >>"$OUT/diag.log" 2>&1; then
       R[plan_smoke]="CRASH (${pre:-plain})"
