@@ -208,3 +208,10 @@ def test_multicast_gate_closed_here():
     import os
     assert os.environ.get("NCCL_NVLS_ENABLE") == "0"
     assert _core.cuda_multicast_allowed(0) is False
+
+
+def test_capability_probe():
+    caps = _core.cuda_capabilities(0)
+    assert caps["memops64"], "64-bit stream memory operations are required for signals/waits"
+    assert caps["multicast_allowed"] is False  # the gate is closed on the test machines
+    assert caps["sm_count"] > 0 and caps["async_engines"] >= 1

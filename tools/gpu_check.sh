@@ -49,7 +49,8 @@ R[ptxas]="$kernels kernels, $spills with spills"
 so=$(ls tide/_core*.so 2>/dev/null | head -1)
 if [[ -n "$so" ]]; then
   R[libstdcxx_in_core]="$(nm -D --defined-only "$so" 2>/dev/null | c++filt | grep -c ' std::') exported std:: symbols"
-  { echo "== ldd $so"; ldd "$so"; } >>"$OUT/diag.log" 2>&1
+  { echo "== ldd $so"; ldd "$so"; echo "== _M_insert<long> in _core"; nm -DC "$so" | grep "_M_insert<long>"; } \
+    >>"$OUT/diag.log" 2>&1
 fi
 t1=$(date +%s); R[build_s]=$((t1 - t0))
 

@@ -22,10 +22,8 @@ namespace nb = nanobind;
 
 #ifdef TIDE_WITH_CUDA
 #include "exec/cuda/kernels.h"
+#include "exec/cuda/probe.h"
 #include "exec/cuda/runtime.h"
-namespace tide::cuda {
-int device_count();
-}
 namespace {
 using namespace tide::cuda;
 template <typename T>
@@ -136,6 +134,15 @@ void bind_cuda_ops(nb::module_& m) {
   }, nb::arg("dst"), nb::arg("value"), nb::arg("bytes"), nb::arg("stream") = 0);
   m.def("cuda_synchronize", []() { TIDE_CHECK_CUDA(cudaDeviceSynchronize(), "cuda_synchronize"); },
         nb::call_guard<nb::gil_scoped_release>());
+  m.def("cuda_capabilities", [](int device) {
+    const Capabilities c = probe_capabilities(device);
+    nb::dict d;
+    d["device"] = c.device; d["name"] = c.name; d["cc"] = nb::make_tuple(c.cc_major, c.cc_minor);
+    d["sm_count"] = c.sm_count; d["async_engines"] = c.async_engines; d["smem_optin"] = c.smem_optin;
+    d["l2_bytes"] = c.l2_bytes; d["memops64"] = c.memops64;
+    d["multicast_supported"] = c.multicast_supported; d["multicast_allowed"] = c.multicast_allowed;
+    return d;
+  }, nb::arg("device") = 0, "Capability probe (ranks compare these; multicast fields only report).");
   m.def("cuda_is_capturing", [](uint64_t stream) { return stream_is_capturing(strm(stream)); });
 
   nb::class_<Watchdog>(m, "CudaWatchdog")

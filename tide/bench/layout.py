@@ -317,7 +317,8 @@ def main(argv=None):
     bench_stream = torch.cuda.Stream()
     torch.cuda.set_stream(bench_stream)
     ceiling = measure_ceiling(torch)
-    result = dict(device=props.name, sms=n_sm, ceiling_gbps=ceiling / 1e9, ranks=args.ranks, groups=[], rows=[])
+    result = dict(device=props.name, sms=n_sm, ceiling_gbps=ceiling / 1e9, ranks=args.ranks, groups=[], rows=[],
+                  capabilities=core.cuda_capabilities(0))
     print(f"# {props.name}, {n_sm} SMs; device-to-device ceiling {ceiling / 1e9:.0f} GB/s (read+write)")
     for name in args.groups.split(","):
         shapes = [s for _, s in GROUPS[name]]

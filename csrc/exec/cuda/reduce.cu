@@ -33,6 +33,17 @@ __device__ __forceinline__ void load8(float (&x)[kV], const char* p, bool fp32) 
   }
 }
 
+// L2 bulk prefetch of the operands ahead of the loads (see kernels.cu [Note: L2 bulk prefetch]).
+__device__ __forceinline__ void l2_prefetch(const void* p, int64_t bytes) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  bytes &= ~int64_t(15);
+  if (bytes <= 0) return;
+  if (bytes > (int64_t(1) << 20)) bytes = int64_t(1) << 20;
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(static_cast<uint32_t>(bytes))
+               : "memory");
+#endif
+}
+
 __device__ __forceinline__ float load1(const char* p, int64_t k, bool fp32) {
   if (fp32) return reinterpret_cast<const float*>(p)[k];
   return __uint_as_float(static_cast<uint32_t>(reinterpret_cast<const uint16_t*>(p)[k]) << 16);
@@ -75,7 +86,22 @@ __global__ void __launch_bounds__(kReduceThreads) reduce_kernel(const __grid_con
     if (vec) {
       const int64_t nv = (e - b) / kV;
       b_tail = b + nv * kV;
+      const int64_t chunk = static_cast<int64_t>(blockDim.x) * kV;  // elements per iteration
+      const int dist = gridDim.x <= 16 ? 4 : (gridDim.x <= 48 ? 2 : 1);
+      auto prefetch = [&](int64_t it) {  // thread i < T prefetches term i of iteration `it`
+        const int i = static_cast<int>(threadIdx.x);
+        const int64_t first = it * chunk, span = min(chunk, nv * kV - first);
+        if (i >= T || span <= 0) return;
+#pragma unroll
+        for (int t = 0; t < T; ++t)
+          if (t == i && src[t]) {
+            const int64_t size = (a.fp32_terms >> t) & 1 ? 4 : 2;
+            l2_prefetch(src[t] + (b - r0 + first) * size, span * size);
+          }
+      };
+      for (int d = 0; d < dist; ++d) prefetch(d);
       for (int64_t v = threadIdx.x; v < nv; v += blockDim.x) {
+        prefetch((v - threadIdx.x) / blockDim.x + dist);
         const int64_t k = b + v * kV;
         float x[T][kV];
 #pragma unroll
