@@ -207,15 +207,15 @@ RsSchedule build_rs_schedule(const GroupLayout& layout, const Topology& topo, co
   rs.E_subslice = round_up(ceil_div(E, L), kVectorElems);
   rs.E_sub = round_up(ceil_div(rs.E_subslice, opt.n_part), kVectorElems);
   rs.E_stg = static_cast<int64_t>(L) * rs.E_sub;
-  TIDE_PLAN_CHECK((opt.n_part - 1) * rs.E_sub < rs.E_subslice, "Options.n_part: ", opt.n_part,
-                  " passes leave the last pass empty: a sub-slice holds only ", rs.E_subslice,
-                  " elements (", E, " output elements per rank, L=", L, ", vectors of ",
-                  kVectorElems, ")");
+  // A tiny group may leave later passes without live elements; they still run (zero blocks,
+  // no landings), which keeps the plan valid for any n_part.
   rs.block_bytes = 4 * static_cast<int64_t>(L) * rs.E_sub;
   rs.E_chunk = rs.E_sub;
   if (opt.chunk_bytes > 0) {
-    const int64_t elems = opt.chunk_bytes / rs.b_grad / kVectorElems * kVectorElems;
-    rs.E_chunk = std::min(rs.E_sub, std::max<int64_t>(kVectorElems, elems));
+    // Never above chunk_bytes (the memory model sizes staging rows by min(E_sub*b, chunk_bytes));
+    // vector aligned when at least one vector fits.
+    const int64_t elems = std::max<int64_t>(1, opt.chunk_bytes / rs.b_grad);
+    rs.E_chunk = std::min(rs.E_sub, elems >= kVectorElems ? elems / kVectorElems * kVectorElems : elems);
   }
   rs.n_chunks = static_cast<int>(ceil_div(rs.E_sub, rs.E_chunk));
   rs.n_stg = opt.n_stg;

@@ -262,7 +262,8 @@ struct RsSchedule {
   int64_t stg_slot_bytes = 0;  // one staging slot: (L-1) * L * E_chunk * b_grad
   int n_spare = 1;          // own-node spare blocks per bank (passes reuse it in turn)
   int64_t d_rem = 0;        // remote destination blocks per call, n_part*(M-1)
-  int64_t l1_descriptors_per_rank = 0;       // coalesced Level-1 copies (max over ranks, with tails)
+  int64_t l1_descriptors_per_rank = 0;       // coalesced Level-1 copies per call, with tails (max
+                                             // over node 0's ranks; rs_level1_copies for any rank)
   int64_t l1_tail_descriptors_per_rank = 0;  // ... of which padded-row tails
   int64_t l1_flat_descriptors_per_rank = 0;  // (L-1)PML: one flat copy per destination row
   int64_t l1_coalesced_formula = 0;          // (L-1)PM: the paper's count without tails
