@@ -165,13 +165,15 @@ class CudaVirtualCluster(VirtualCluster):
     def reduce_scatter(self, plan, grads, scale: float = 1.0, accumulate=None, *, poison: bool = False):
         """grads[r][p] (unsharded per-parameter gradients) -> outs[r] fp32 shards (torch CUDA).
         `poison` (tests): start the outputs as NaN instead of zeros, to prove every element is
-        written.
-
-        Same programs as the CPU backend: an RS group has its own arena and call sequence, and
-        bank b = seq mod 2 alternates two program sets (two executors over one fabric, which
-        shares the counters' issued values)."""
-        torch = _torch()
+        written."""
         self._check_plan(plan)
+        return self._reduce_scatter_impl(plan, grads, scale, accumulate, _core.build_rs_programs, poison=poison)
+
+    def _reduce_scatter_impl(self, plan, grads, scale, accumulate, build, expert_lane=False, poison=False):
+        # Same programs and keys as the CPU backend: an RS group (plan, expert_lane) has its own
+        # arena and call sequence; bank b = seq mod 2 alternates the two program sets of a key
+        # (two executors over one fabric, which shares the counters' issued values).
+        torch = _torch()
         N = self.world
         lay = plan.layout
         _, grad_name, _ = _core.plan_dtypes(plan)
@@ -180,24 +182,27 @@ class CudaVirtualCluster(VirtualCluster):
             raise _core.PlanError(f"reduce_scatter: got grads for {len(grads)} ranks, the cluster has {N}")
         if accumulate is not None and len(accumulate) != N:
             raise _core.PlanError(f"reduce_scatter: accumulate has {len(accumulate)} outputs, expected {N}")
-        gkey = ("rs", plan.hash)
+        gkey = ("rs", plan.hash, expert_lane)
         g = self._cuda_groups.get(gkey)
         seq = (g.seq if g else 0) + 1
-        key = ("rs", seq % 2, float(scale), accumulate is not None)
-        progs = g.programs.get(key) if g else None
-        if progs is None:
-            progs = _core.build_rs_programs(plan, bank=seq % 2, alpha=float(scale), accumulate=accumulate is not None)
+        key = ("rs", float(scale), accumulate is not None, expert_lane)
+        banks = g.programs.get(key) if g else None
+        if banks is None:
+            banks = tuple(build(plan, bank=b, alpha=float(scale), accumulate=accumulate is not None,
+                                expert_lane=expert_lane) for b in (0, 1))
             if self.check or (self.check is None and N <= 64):
-                ok, errors = progs.check(2)
+                ok, errors = _core.check_calls([[(banks[s % 2], s) for s in (1, 2, 3)]] * N)
                 if not ok:
                     raise _core.Error("TIDE static checker rejected the RS program: " + "; ".join(errors))
             if g is None:
-                fabric = _core.CudaFabric([self.device] * N, _core.cuda_arena_total(progs))
+                fabric = _core.CudaFabric([self.device] * N, _core.cuda_arena_total(banks[0]))
                 g = self._cuda_groups[gkey] = _CudaGroup(fabric)
-            g.programs[key] = progs
-        ex = g.executors.get(key)
+            g.programs[key] = banks
+        ekey = key + (seq % 2,)
+        ex = g.executors.get(ekey)
         if ex is None:
-            ex = g.executors[key] = _core.CudaExecutor(g.fabric, progs, self.timeout_s, self.sum_ctas, self.land_ctas)
+            ex = g.executors[ekey] = _core.CudaExecutor(g.fabric, banks[seq % 2], self.timeout_s,
+                                                        self.sum_ctas, self.land_ctas)
         ex.set_faults(self.faults.get("dead_rank", -1), self.faults.get("stall_rank", -1),
                       float(self.faults.get("stall_s", 0.0)))
         gdt = getattr(torch, _TORCH_DTYPES[grad_name])
@@ -226,3 +231,16 @@ class CudaVirtualCluster(VirtualCluster):
         self._run(g, ex, bindings)  # g.seq becomes seq
         del keep
         return outs
+
+    def reduce_scatter_hsdp(self, plans, grads, scale: float = 1.0):
+        """HSDP on the CUDA backend: per-group TIDE-RS, then the replica sum in group order."""
+        if not isinstance(plans, (list, tuple)):
+            plans = [plans] * len(grads)
+        if len(plans) != len(grads) or not grads:
+            raise _core.PlanError(f"reduce_scatter_hsdp: {len(plans)} plans for {len(grads)} replica groups")
+        shard = [self.reduce_scatter(p, g, scale=scale) for p, g in zip(plans, grads)]
+        total = [shard[0][r].clone() for r in range(self.world)]
+        for g in range(1, len(shard)):
+            for r in range(self.world):
+                total[r] += shard[g][r]
+        return [[t.clone() for t in total] for _ in shard]

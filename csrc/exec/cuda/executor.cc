@@ -298,7 +298,7 @@ void CudaExecutor::issue(int rank, int i, int64_t seq, const RankBuffers& b) {
     case OpKind::kEventWait: {
       if (op.target(seq) <= 0) break;  // counters start at 0: trivially satisfied (first call)
       WaitSpec w{counter_ptr(op.counter.rank, op.counter.index), static_cast<uint64_t>(op.target(seq))};
-      watchdog_->watched_wait(s, &w, 1, describe(rank, i, seq));
+      watchdog_->watched_wait(s, &w, 1, describe(rank, i, seq), op.deadline_s);  // 0: executor's
       break;
     }
   }

@@ -177,7 +177,8 @@ Watchdog::~Watchdog() {
 }
 
 void Watchdog::watched_wait(cudaStream_t stream, const WaitSpec* specs, size_t n,
-                            const std::string& what) {
+                            const std::string& what, double timeout_s) {
+  const double limit = timeout_s > 0 ? timeout_s : timeout_s_;
   wait_geq(stream, specs, n);
   cudaEvent_t ev = nullptr;
   {
@@ -191,7 +192,7 @@ void Watchdog::watched_wait(cudaStream_t stream, const WaitSpec* specs, size_t n
   TIDE_CHECK_CUDA(cudaEventRecord(ev, stream), "watchdog event for ", what);
   Entry e{ev,
           std::chrono::steady_clock::now() +
-              std::chrono::microseconds(static_cast<int64_t>(timeout_s_ * 1e6)),
+              std::chrono::microseconds(static_cast<int64_t>(limit * 1e6)),
           std::vector<WaitSpec>(specs, specs + n), what};
   {
     std::lock_guard<std::mutex> g(mu_);
@@ -232,7 +233,7 @@ void Watchdog::loop() {
         continue;
       } else if (now > entries_[i].deadline) {
         if (error_.empty())
-          error_ = TIDE_STR_CAT("timeout after ", timeout_s_, " s: ", entries_[i].what,
+          error_ = TIDE_STR_CAT("timeout: ", entries_[i].what,
                                 " never saw its producer (fail-stop)");
         release(entries_[i]);
         entries_[i].deadline = now + std::chrono::hours(24);  // released once

@@ -104,8 +104,10 @@ class Watchdog {
   Watchdog(const Watchdog&) = delete;
   Watchdog& operator=(const Watchdog&) = delete;
 
-  // Enqueue a wait on `stream` and watch it. Returns immediately.
-  void watched_wait(cudaStream_t stream, const WaitSpec* specs, size_t n, const std::string& what);
+  // Enqueue a wait on `stream` and watch it (deadline `timeout_s`, <= 0: the watchdog's).
+  // Returns immediately.
+  void watched_wait(cudaStream_t stream, const WaitSpec* specs, size_t n, const std::string& what,
+                    double timeout_s = 0);
   // Block until every watched wait has completed or been released; throws TimeoutError then.
   void drain();
   // Throws TimeoutError if a wait was overdue.
