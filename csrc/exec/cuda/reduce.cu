@@ -56,7 +56,7 @@ __device__ __forceinline__ float finish(const ReduceArgs& a, float t, float old)
 }
 
 template <int T>
-__global__ void __launch_bounds__(kReduceThreads) reduce_kernel(const __grid_constant__ ReduceArgs a) {
+__global__ void __launch_bounds__(kReduceThreads, 1) reduce_kernel(const __grid_constant__ ReduceArgs a) {
   int64_t per = (a.n + gridDim.x - 1) / gridDim.x;
   per = (per + kV - 1) / kV * kV;
   const int64_t begin = static_cast<int64_t>(blockIdx.x) * per;
@@ -72,18 +72,21 @@ __global__ void __launch_bounds__(kReduceThreads) reduce_kernel(const __grid_con
     const int64_t r0 = run.dst_off;
     if (r0 >= end) break;
     const int64_t b = max(begin, r0), e = min(end, r0 + run.len);
+    // Vector body from the first 8-aligned element bv; [b, bv) and the tail run scalar.
+    const int64_t bv = min(e, (b + kV - 1) / kV * kV);
     const char* src[T];
-    bool vec = (b % kV) == 0 && (reinterpret_cast<uintptr_t>(a.dst) & 15) == 0;
+    bool vec = (reinterpret_cast<uintptr_t>(a.dst) & 15) == 0;
 #pragma unroll
     for (int i = 0; i < T; ++i) {
       const int s = run.slot[i];
       src[i] = s >= 0 ? static_cast<const char*>(a.base[s]) + run.off[i] : nullptr;
-      // Byte address of element b of term i: src[i] + (b - r0) * size.
+      // Byte address of element bv of term i: src[i] + (bv - r0) * size.
       const int64_t size = (a.fp32_terms >> i) & 1 ? 4 : 2;
-      if (src[i]) vec = vec && ((reinterpret_cast<uintptr_t>(src[i]) + (b - r0) * size) & 15) == 0;
+      if (src[i]) vec = vec && ((reinterpret_cast<uintptr_t>(src[i]) + (bv - r0) * size) & 15) == 0;
     }
     int64_t b_tail = b;
     if (vec) {
+      const int64_t b = bv;  // the vector body starts aligned; [run b, bv) is done below
       const int64_t nv = (e - b) / kV;
       b_tail = b + nv * kV;
       const int64_t chunk = static_cast<int64_t>(blockDim.x) * kV;  // elements per iteration
@@ -138,7 +141,9 @@ __global__ void __launch_bounds__(kReduceThreads) reduce_kernel(const __grid_con
         d[1] = make_float4(out[4], out[5], out[6], out[7]);
       }
     }
-    for (int64_t k = b_tail + threadIdx.x; k < e; k += blockDim.x) {
+    const int64_t head_end = vec ? bv : b;  // scalar head [b, bv) when the body was vectorised
+    for (int64_t k0 = threadIdx.x; k0 < (head_end - b) + (e - b_tail); k0 += blockDim.x) {
+      const int64_t k = k0 < head_end - b ? b + k0 : b_tail + (k0 - (head_end - b));
       float t = 0.0f;
       bool have = false;
 #pragma unroll
