@@ -71,6 +71,25 @@ void bind_cuda_exec(nb::module_& m) {
     return ps;
   }, nb::arg("a"), nb::arg("b"), nb::arg("rank"),
      "Tests (FaultKind other_plan): set `a` with rank's program taken from set `b`.");
+  m.def("cuda_run_table", [](const ProgramSet& ps, int rank, int op) {
+    std::vector<cuda::ReduceRun> t;
+    const auto info = cuda::build_run_table(ps.progs, rank, op, t);
+    std::vector<std::tuple<int64_t, int64_t, std::vector<int>, std::vector<int64_t>>> runs;
+    for (const auto& r : t) {
+      std::vector<int> slot(static_cast<size_t>(info.n_terms));
+      std::vector<int64_t> off(static_cast<size_t>(info.n_terms));
+      for (int k = 0; k < info.n_terms; ++k) { slot[k] = r.slot[k]; off[k] = r.off[k]; }
+      runs.emplace_back(r.dst_off, r.len, slot, off);
+    }
+    std::vector<std::tuple<int, int64_t, int64_t, int, int, int, int64_t, int>> pieces;
+    for (const auto& t : ps.progs.at(static_cast<size_t>(rank)).ops.at(static_cast<size_t>(op)).terms)
+      pieces.emplace_back(t.term, t.dst_elem, t.elems, static_cast<int>(t.src.kind), t.src.rank, t.src.index,
+                          t.src.offset, dtype_size(t.dtype));
+    return std::make_tuple(info.n, info.n_terms, info.fp32_terms, runs, pieces);
+  }, nb::arg("programs"), nb::arg("rank"), nb::arg("op"),
+     "Tests: the REDUCE run table of one SUM/LAND op: (n, n_terms, fp32 mask, [(dst_off, len, "
+     "slots, byte offsets)], [(term, dst_elem, elems, src kind, src rank, src index, src offset, "
+     "item size)]). Host only.");
   m.def("cuda_arena_total", [](const ProgramSet& ps) { return ps.progs.at(0).arena.total; });
 
   nb::class_<cuda::CudaExecutor>(m, "CudaExecutor")

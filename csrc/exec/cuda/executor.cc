@@ -73,7 +73,8 @@ CudaExecutor::CudaExecutor(std::shared_ptr<fabric::InProcessFabric> fabric,
       const Op& op = p.ops[i];
       TIDE_PLAN_CHECK(op.stream < ns, "rank ", r, " op ", i, ": stream ", int(op.stream), " of ", ns);
       stream_ops_[r][op.stream].push_back(static_cast<int>(i));
-      if (op.kind == OpKind::kSum || op.kind == OpKind::kLand) build_reduce(r, static_cast<int>(i), table);
+      if (op.kind == OpKind::kSum || op.kind == OpKind::kLand)
+        reduce_[r][i] = build_run_table(programs_, r, static_cast<int>(i), table);
     }
   }
   if (!table.empty()) {
@@ -146,15 +147,33 @@ void* CudaExecutor::resolve(const BufRef& ref, const std::vector<RankBuffers>& a
   return fabric_->arena(ref.rank) + a.offset[k] + ref.offset;
 }
 
-void CudaExecutor::build_reduce(int rank, int i, std::vector<ReduceRun>& table) {
-  const Op& op = programs_[static_cast<size_t>(rank)].ops[static_cast<size_t>(i)];
+ReduceOpInfo build_run_table(const std::vector<Program>& programs_, int rank, int i,
+                             std::vector<ReduceRun>& table) {
+  const Op& op = programs_.at(static_cast<size_t>(rank)).ops.at(static_cast<size_t>(i));
+  TIDE_PLAN_CHECK(op.kind == OpKind::kSum || op.kind == OpKind::kLand, "rank ", rank, " op ", i,
+                  " is not a SUM/LAND");
   TIDE_PLAN_CHECK(op.dst.height == 1 && op.dst.width % 4 == 0, "rank ", rank, " op ", i,
                   ": SUM/LAND dst must be one row of fp32");
-  ReduceOp& ro = reduce_[static_cast<size_t>(rank)][static_cast<size_t>(i)];
+  ReduceOpInfo ro;
   ro.n = op.dst.width / 4;
   std::map<int, std::vector<const SumTerm*>> by_term;  // term id ascending = operand order
   for (const auto& t : op.terms) by_term[t.term].push_back(&t);
   ro.n_terms = static_cast<int>(by_term.size());
+  if (ro.n_terms == 0) {
+    // No operand at all (e.g. a landing whose wave has no contributor): every element is 0.0f
+    // before alpha/accumulate, as on the CPU. One absent term keeps the kernel shape.
+    ro.n_terms = 1;
+    ro.table_offset = static_cast<int64_t>(table.size());
+    if (ro.n > 0) {
+      ReduceRun run{};
+      run.dst_off = 0;
+      run.len = ro.n;
+      for (auto& sl : run.slot) sl = -1;
+      table.push_back(run);
+    }
+    ro.n_runs = static_cast<int>(table.size() - static_cast<size_t>(ro.table_offset));
+    return ro;
+  }
   TIDE_PLAN_CHECK(ro.n_terms >= 1 && ro.n_terms <= kMaxTerms, "rank ", rank, " op ", i, ": ", ro.n_terms,
                   " terms (1..", kMaxTerms, ")");
   std::vector<std::vector<const SumTerm*>> terms;
@@ -212,6 +231,7 @@ void CudaExecutor::build_reduce(int rank, int i, std::vector<ReduceRun>& table) 
     table.push_back(run);
   }
   ro.n_runs = static_cast<int>(table.size() - static_cast<size_t>(ro.table_offset));
+  return ro;
 }
 
 void CudaExecutor::issue(int rank, int i, int64_t seq, const RankBuffers& b) {

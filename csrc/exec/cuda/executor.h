@@ -60,6 +60,18 @@ struct ExecOptions {
   double stall_s = 0.0;
 };
 
+// Cuts SUM/LAND op `op_index` of rank `rank` into REDUCE runs (kernels.h), appended to `table`.
+// Host only (no CUDA calls), so CPU tests can check the tables against the program's terms.
+struct ReduceOpInfo {
+  int64_t table_offset = 0;  // first run in the table
+  int n_runs = 0;
+  int n_terms = 0;
+  uint32_t fp32_terms = 0;
+  int64_t n = 0;             // dst elements
+};
+ReduceOpInfo build_run_table(const std::vector<Program>& programs, int rank, int op_index,
+                             std::vector<ReduceRun>& table);
+
 class CudaExecutor {
  public:
   CudaExecutor(std::shared_ptr<fabric::InProcessFabric> fabric, std::vector<Program> programs,
@@ -76,14 +88,7 @@ class CudaExecutor {
   ExecOptions& options() { return opt_; }
 
  private:
-  struct ReduceOp {
-    int64_t table_offset = 0;  // first run in the device table
-    int n_runs = 0;
-    int n_terms = 0;
-    uint32_t fp32_terms = 0;
-    int64_t n = 0;
-  };
-  void build_reduce(int rank, int op_index, std::vector<ReduceRun>& table);
+  using ReduceOp = ReduceOpInfo;
   void issue(int rank, int op_index, int64_t seq, const RankBuffers& b);
   void* resolve(const BufRef& ref, const std::vector<RankBuffers>& all) const;
   std::string describe(int rank, int op_index, int64_t seq) const;
