@@ -34,6 +34,7 @@ nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --f
 # archive's symbols (-Wl,--exclude-libs,ALL) so any static copy stays self-consistent.
 {
   echo "== toolchain"; c++ --version | head -1; cmake --version | head -1; nvcc --version | tail -1
+  echo "libstdc++.so: $(c++ -print-file-name=libstdc++.so)  libstdc++.a: $(c++ -print-file-name=libstdc++.a)"
   env | grep -E '^(CC|CXX|CUDACXX|LDFLAGS|CFLAGS|CXXFLAGS|CPPFLAGS|CUDAFLAGS|LIBRARY_PATH)=' || true
 } >>"$OUT/diag.log" 2>&1
 rm -rf build/inplace
