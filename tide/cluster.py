@@ -37,6 +37,13 @@ class VirtualCluster:
     """M x L ranks on one machine. `check`: run the static checker (I1-I4) on every new program
     set before its first use (None: when the world has at most 64 ranks)."""
 
+    def __new__(cls, topo=None, backend: str = "cpu", *args, **kwargs):
+        # Backend hook: backend="cuda" builds the CUDA virtual cluster (tide/cluster_cuda.py).
+        if cls is VirtualCluster and backend == "cuda":
+            from tide.cluster_cuda import CudaVirtualCluster
+            return super().__new__(CudaVirtualCluster)
+        return super().__new__(cls)
+
     def __init__(self, topo, backend: str = "cpu", ranks_as: str = "threads", *,
                  timeout_s: float = 30.0, check: bool | None = None, workers: int = 0):
         if backend != "cpu":

@@ -9,9 +9,13 @@
 //   Error       — everything else (a CUDA/NCCL failure, detected corruption).
 #pragma once
 
+#include <charconv>
+#include <cstdio>
 #include <sstream>
 #include <stdexcept>
 #include <string>
+#include <string_view>
+#include <type_traits>
 
 namespace tide {
 
@@ -26,17 +30,44 @@ struct TimeoutError : Error {
 };
 
 namespace detail {
-inline void append(std::ostringstream&) {}
+// Message formatting without iostreams for the common cases (strings, characters, integers,
+// floating point as "%g"): no locale is touched, so building an error message cannot fail on a
+// toolchain whose iostream/locale state is broken (seen on the GPU image, 2026-11-29: the first
+// ostream number insertion in a module crashed). Other types fall back to operator<<.
+inline void append_one(std::string& s, const std::string& v) { s += v; }
+inline void append_one(std::string& s, std::string_view v) { s.append(v.data(), v.size()); }
+inline void append_one(std::string& s, const char* v) { s += v ? v : "(null)"; }
+inline void append_one(std::string& s, char v) { s += v; }
+inline void append_one(std::string& s, signed char v) { s += static_cast<char>(v); }
+inline void append_one(std::string& s, unsigned char v) { s += static_cast<char>(v); }
+inline void append_one(std::string& s, bool v) { s += v ? '1' : '0'; }  // as ostream prints it
+template <typename T>
+void append_one(std::string& s, const T& v) {
+  if constexpr (std::is_integral_v<T>) {
+    char buf[32];
+    const auto r = std::to_chars(buf, buf + sizeof(buf), v);
+    s.append(buf, r.ptr);
+  } else if constexpr (std::is_floating_point_v<T>) {
+    char buf[64];
+    const int n = std::snprintf(buf, sizeof(buf), "%g", static_cast<double>(v));  // ostream's default
+    s.append(buf, n > 0 ? static_cast<size_t>(n) : 0);
+  } else {
+    std::ostringstream os;
+    os << v;
+    s += os.str();
+  }
+}
+inline void append(std::string&) {}
 template <typename T, typename... Rest>
-void append(std::ostringstream& os, const T& v, const Rest&... rest) {
-  os << v;
-  append(os, rest...);
+void append(std::string& s, const T& v, const Rest&... rest) {
+  append_one(s, v);
+  append(s, rest...);
 }
 template <typename... Args>
 std::string cat(const Args&... args) {
-  std::ostringstream os;
-  append(os, args...);
-  return os.str();
+  std::string s;
+  append(s, args...);
+  return s;
 }
 }  // namespace detail
 

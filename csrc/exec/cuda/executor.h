@@ -1,0 +1,110 @@
+// TIDE CUDA executor: runs the same Programs as the CPU executor (program.h) on CUDA streams.
+//
+// Contract
+//   - Construction ("registration"): takes one Program per rank of a fabric, checks that every
+//     rank runs the same plan and group (FaultKind::kOtherPlan is refused here), creates each
+//     rank's named streams (non-blocking), cuts every SUM/LAND into a run table and uploads all
+//     tables once. Nothing is allocated or uploaded per call after that.
+//   - run(seq, bindings): enqueues call `seq` of every rank and returns; user buffers are plain
+//     device pointers bound per call. synchronize() waits for the call (or throws).
+//   - Op mapping: COPY/PUT -> submit_copies (batched when eager); CAST/SUM/LAND/ZERO -> kernels;
+//     SIGNAL/CREDIT/PUT bumps and EVENT_RECORD -> cuStreamWriteValue64 of the counter's new
+//     absolute value (single producer per counter, so the host tracks it: "counter += v" is a
+//     write of shadow + v); WAIT/EVENT_WAIT -> cuStreamBatchMemOp WAIT_VALUE_64 GEQ.
+//   - Fail-stop: a wait whose producer is never enqueued (dropped credit, dead peer) raises
+//     tide::TimeoutError at enqueue time; a wait whose producer is enqueued but late past the
+//     deadline (stalled peer) is raised by the watchdog. Messages name rank, op index, kind,
+//     tag and seq. After an error the executor refuses further calls.
+//
+// [Note: enqueue order]
+// Streams share a limited number of hardware queues, and a blocked stream wait also blocks the
+// unrelated streams queued behind it in the same hardware queue (NCCL #2238). The executor
+// therefore enqueues the ranks' ops in a topological order of the program's waits: a WAIT is
+// issued only after the op producing its target has been issued. By induction the oldest
+// unfinished op always has its producers and hardware-queue predecessors finished, so any
+// mapping of streams onto hardware queues makes progress.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "exec/cuda/kernels.h"
+#include "exec/cuda/runtime.h"
+#include "fabric/inprocess.h"
+#include "tide/program.h"
+
+namespace tide::cuda {
+
+// A rank's user buffers for one call (device pointers; unused kinds may stay empty).
+struct RankBuffers {
+  std::vector<void*> shard;       // shard[p]
+  void* landing = nullptr;        // group landing (kLanding index -1)
+  std::vector<void*> landing_p;   // per-parameter landings (kLanding index p)
+  std::vector<void*> grad;        // grad[p]
+  void* out = nullptr;            // fp32 output shard
+};
+
+struct ExecOptions {
+  double timeout_s = 30.0;
+  int sum_ctas = 16;
+  int land_ctas = 4;
+  int cast_ctas = 32;
+  int zero_ctas = 8;
+  // Executor-level fault injection (tests): a dead rank issues nothing; a stalled rank's streams
+  // all sleep `stall_s` seconds before its first op.
+  int dead_rank = -1;
+  int stall_rank = -1;
+  double stall_s = 0.0;
+};
+
+// Cuts SUM/LAND op `op_index` of rank `rank` into REDUCE runs (kernels.h), appended to `table`.
+// Host only (no CUDA calls), so CPU tests can check the tables against the program's terms.
+struct ReduceOpInfo {
+  int64_t table_offset = 0;  // first run in the table
+  int n_runs = 0;
+  int n_terms = 0;
+  uint32_t fp32_terms = 0;
+  int64_t n = 0;             // dst elements
+};
+ReduceOpInfo build_run_table(const std::vector<Program>& programs, int rank, int op_index,
+                             std::vector<ReduceRun>& table);
+
+class CudaExecutor {
+ public:
+  CudaExecutor(std::shared_ptr<fabric::InProcessFabric> fabric, std::vector<Program> programs,
+               ExecOptions opt);
+  ~CudaExecutor();
+  CudaExecutor(const CudaExecutor&) = delete;
+  CudaExecutor& operator=(const CudaExecutor&) = delete;
+
+  void run(int64_t seq, const std::vector<RankBuffers>& buffers);
+  void synchronize();
+  cudaStream_t stream(int rank, int s) const;
+  const Program& program(int rank) const { return programs_[static_cast<size_t>(rank)]; }
+  uint64_t* counter_ptr(int rank, int index) const;
+  ExecOptions& options() { return opt_; }
+
+ private:
+  using ReduceOp = ReduceOpInfo;
+  void issue(int rank, int op_index, int64_t seq, const RankBuffers& b);
+  void* resolve(const BufRef& ref, const std::vector<RankBuffers>& all) const;
+  std::string describe(int rank, int op_index, int64_t seq) const;
+  void fail(const std::string& msg);
+  uint64_t& shadow(const CounterRef& c);  // the fabric's issued value of a counter
+
+  std::shared_ptr<fabric::InProcessFabric> fabric_;
+  std::vector<Program> programs_;
+  ExecOptions opt_;
+  std::vector<std::vector<cudaStream_t>> streams_;         // [rank][stream]
+  std::vector<std::vector<std::vector<int>>> stream_ops_;  // [rank][stream] -> op indices
+  std::vector<std::vector<ReduceOp>> reduce_;              // [rank][op]
+  ReduceRun* d_runs_ = nullptr;
+  std::unique_ptr<Watchdog> watchdog_;
+  const std::vector<RankBuffers>* bound_ = nullptr;        // valid during run()
+  std::string failed_;
+};
+
+}  // namespace tide::cuda

@@ -1,0 +1,375 @@
+// SUM, LAND, CAST and ZERO kernels (see kernels.h for the contract and the fixed association).
+//
+// [Note: work split and CTA retirement]
+// Each kernel splits its element space into `gridDim.x` contiguous ranges (multiples of the
+// vector width) and each CTA walks only its own range, then exits. There is no grid-stride
+// persistence and no inter-CTA communication, so the CTA budget is an exact upper bound on the
+// SMs a launch occupies and every CTA is transient (paper §2.2: short-lived CTAs).
+//
+// [Note: bytes in flight]
+// A memory-bound CTA's rate is bytes-in-flight / latency. SUM issues every load of an
+// iteration (n_staged + 1 vectors of 16 B, for kSumUnroll vectors per thread) before the first
+// add, so one 512-thread CTA keeps up to 512 * 2 * 8 * 16 B = 128 KiB in flight at L = 8.
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstring>
+
+#include "exec/cuda/kernels.h"
+#include "tide/errors.h"
+
+namespace tide::cuda {
+namespace {
+
+constexpr int kSumUnroll = 2;
+constexpr int kVec = 8;  // bf16 elements per 16-byte vector
+
+__device__ __forceinline__ float bf16_lo(uint32_t w) { return __uint_as_float(w << 16); }
+__device__ __forceinline__ float bf16_hi(uint32_t w) { return __uint_as_float(w & 0xffff0000u); }
+__device__ __forceinline__ float bf16_to_f(uint16_t h) {
+  return __uint_as_float(static_cast<uint32_t>(h) << 16);
+}
+
+__host__ __device__ __forceinline__ uint16_t f_to_bf16(float f) {
+#ifdef __CUDA_ARCH__
+  uint32_t u = __float_as_uint(f);
+#else
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+#endif
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40u);  // quiet NaN
+  u += 0x7fffu + ((u >> 16) & 1u);  // round to nearest, ties to even
+  return static_cast<uint16_t>(u >> 16);
+}
+
+// [Note: L2 bulk prefetch]
+// Register-staged loads cap a CTA at ~128 KiB in flight (the register file), ~97 GB/s per CTA at
+// HBM latency. One thread per operand therefore asks the bulk-copy engine to prefetch the chunk
+// `dist` iterations ahead into L2 (cp.async.bulk.prefetch.L2, sm_90; no registers, no shared
+// memory, no completion to wait for); the loads then mostly hit L2. The prefetch distance
+// shrinks with the grid so the prefetched working set stays well inside the 60 MB L2.
+__device__ __forceinline__ void l2_prefetch(const void* p, int64_t bytes) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  bytes &= ~int64_t(15);
+  if (bytes <= 0) return;
+  if (bytes > (int64_t(1) << 20)) bytes = int64_t(1) << 20;
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(static_cast<uint32_t>(bytes))
+               : "memory");
+#endif
+}
+__device__ __forceinline__ int prefetch_dist() { return gridDim.x <= 16 ? 4 : (gridDim.x <= 48 ? 2 : 1); }
+
+// This CTA's element range [begin, end): contiguous, `align`-aligned start.
+__device__ __forceinline__ void cta_range(int64_t n, int64_t align, int64_t* begin, int64_t* end) {
+  int64_t per = (n + gridDim.x - 1) / gridDim.x;
+  per = (per + align - 1) / align * align;
+  *begin = static_cast<int64_t>(blockIdx.x) * per;
+  *end = min(n, *begin + per);
+}
+
+// Unpack 8 bf16 of `v` and add them to acc (acc = acc + x, left to right per element).
+__device__ __forceinline__ void add8(float (&acc)[kVec], const uint4& v) {
+  const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    acc[2 * i] = __fadd_rn(acc[2 * i], bf16_lo(w[i]));
+    acc[2 * i + 1] = __fadd_rn(acc[2 * i + 1], bf16_hi(w[i]));
+  }
+}
+__device__ __forceinline__ void set8(float (&acc)[kVec], const uint4& v) {
+  const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    acc[2 * i] = bf16_lo(w[i]);
+    acc[2 * i + 1] = bf16_hi(w[i]);
+  }
+}
+
+template <int NS>
+__global__ void __launch_bounds__(kSumThreads, 1) sum_kernel(const __grid_constant__ SumArgs a,
+                                                          int vec_ok) {
+  int64_t begin, end;
+  cta_range(a.n, kVec, &begin, &end);
+  if (begin >= end) return;
+  // First segment that ends after `begin` (segments are sorted and cover [0, n)).
+  int lo = 0, hi = a.n_segs - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi) >> 1;
+    if (a.segs[mid].dst_off + a.segs[mid].len <= begin) lo = mid + 1; else hi = mid;
+  }
+  for (int si = lo; si < a.n_segs; ++si) {
+    const SumSegment sg = a.segs[si];
+    if (sg.dst_off >= end) break;
+    const int64_t b = max(begin, sg.dst_off);
+    const int64_t e = min(end, sg.dst_off + sg.len);
+    const uint16_t* own = sg.param >= 0 ? a.grad[sg.param] : nullptr;
+    const int64_t shift = sg.src_off - sg.dst_off;  // own index = k + shift
+    bool vec = vec_ok && (b % kVec) == 0;
+    if (own) vec = vec && (shift % kVec) == 0 && (reinterpret_cast<uintptr_t>(own) & 15) == 0;
+    int64_t b_tail = b;
+    if (vec) {
+      const int64_t nv = (e - b) / kVec;
+      b_tail = b + nv * kVec;
+      const int64_t chunk = static_cast<int64_t>(kSumUnroll) * blockDim.x * kVec;  // elements/iter
+      const int dist = prefetch_dist();
+      auto prefetch = [&](int64_t it) {  // operands of iteration `it`, one thread per operand
+        const int64_t first = it * chunk;
+        const int64_t span = min(chunk, nv * kVec - first);
+        if (span <= 0 || static_cast<int>(threadIdx.x) > NS) return;
+        if (static_cast<int>(threadIdx.x) < NS) l2_prefetch(a.staged[threadIdx.x] + b + first, span * 2);
+        else if (own) l2_prefetch(own + b + first + shift, span * 2);
+      };
+      for (int d = 0; d < dist; ++d) prefetch(d);
+      for (int64_t v0 = threadIdx.x; v0 < nv; v0 += kSumUnroll * blockDim.x) {
+        prefetch((v0 - threadIdx.x) / (kSumUnroll * blockDim.x) + dist);
+        uint4 s[NS > 0 ? NS : 1][kSumUnroll];
+        uint4 o[kSumUnroll];
+#pragma unroll
+        for (int u = 0; u < kSumUnroll; ++u) {
+          const int64_t v = v0 + static_cast<int64_t>(u) * blockDim.x;
+          if (v < nv) {
+            const int64_t k = b + v * kVec;
+#pragma unroll
+            for (int j = 0; j < NS; ++j) s[j][u] = __ldcs(reinterpret_cast<const uint4*>(a.staged[j] + k));
+            o[u] = own ? __ldcs(reinterpret_cast<const uint4*>(own + k + shift)) : make_uint4(0, 0, 0, 0);
+          }
+        }
+#pragma unroll
+        for (int u = 0; u < kSumUnroll; ++u) {
+          const int64_t v = v0 + static_cast<int64_t>(u) * blockDim.x;
+          if (v < nv) {
+            float acc[kVec];
+            if (NS > 0) {
+              set8(acc, s[0][u]);
+#pragma unroll
+              for (int j = 1; j < NS; ++j) add8(acc, s[j][u]);
+              if (own) add8(acc, o[u]);  // an absent own term is skipped, not added as 0.0f
+            } else {
+              set8(acc, o[u]);
+            }
+            float4* d = reinterpret_cast<float4*>(a.dst + b + v * kVec);
+            d[0] = make_float4(acc[0], acc[1], acc[2], acc[3]);
+            d[1] = make_float4(acc[4], acc[5], acc[6], acc[7]);
+          }
+        }
+      }
+    }
+    for (int64_t k = b_tail + threadIdx.x; k < e; k += blockDim.x) {  // scalar remainder
+      const float x = own ? bf16_to_f(own[k + shift]) : 0.0f;
+      float acc;
+      if (NS > 0) {
+        acc = bf16_to_f(a.staged[0][k]);
+#pragma unroll
+        for (int j = 1; j < NS; ++j) acc = __fadd_rn(acc, bf16_to_f(a.staged[j][k]));
+        if (own) acc = __fadd_rn(acc, x);
+      } else {
+        acc = x;
+      }
+      a.dst[k] = acc;
+    }
+  }
+}
+
+__device__ __forceinline__ float land_one(const LandJob& j, int64_t k, float alpha, int acc_mode) {
+  float t = j.src[0][k];
+  for (int i = 1; i < j.n_src; ++i) t = __fadd_rn(t, j.src[i][k]);
+  const float v = __fmul_rn(alpha, t);
+  return acc_mode ? __fadd_rn(j.dst[k], v) : v;
+}
+
+__global__ void __launch_bounds__(kLandThreads) land_kernel(const __grid_constant__ LandArgs a,
+                                                            int64_t total) {
+  // The jobs are laid end to end, each padded to a multiple of 4 elements.
+  int64_t begin, end;
+  cta_range(total, 4, &begin, &end);
+  int64_t base = 0;
+  for (int ji = 0; ji < a.n_jobs && base < end; ++ji) {
+    const LandJob& j = a.jobs[ji];
+    const int64_t padded = (j.n + 3) & ~int64_t(3);
+    const int64_t b = max(begin, base) - base;
+    const int64_t e = min(min(end, base + padded) - base, j.n);
+    base += padded;
+    if (b >= e) continue;
+    bool vec = (reinterpret_cast<uintptr_t>(j.dst) & 15) == 0;
+    for (int i = 0; i < j.n_src; ++i) vec = vec && (reinterpret_cast<uintptr_t>(j.src[i]) & 15) == 0;
+    int64_t b_tail = b;
+    if (vec) {
+      const int64_t nv = (e - b) / 4;
+      b_tail = b + nv * 4;
+      constexpr int kU = 2;
+      const int64_t chunk = static_cast<int64_t>(kU) * blockDim.x * 4;  // elements per iteration
+      const int dist = prefetch_dist();
+      auto prefetch = [&](int64_t it) {
+        const int64_t first = it * chunk;
+        const int64_t span = min(chunk, nv * 4 - first);
+        if (span <= 0) return;
+        const int t = static_cast<int>(threadIdx.x);
+        if (t < j.n_src) l2_prefetch(j.src[t] + b + first, span * 4);
+        else if (t == j.n_src && a.accumulate) l2_prefetch(j.dst + b + first, span * 4);
+      };
+      for (int d = 0; d < dist; ++d) prefetch(d);
+      for (int64_t v0 = threadIdx.x; v0 < nv; v0 += kU * blockDim.x) {
+        prefetch((v0 - threadIdx.x) / (kU * blockDim.x) + dist);
+        float4 in[kU][kMaxLandSrcs];
+        float4 old[kU];
+#pragma unroll
+        for (int u = 0; u < kU; ++u) {
+          const int64_t v = v0 + static_cast<int64_t>(u) * blockDim.x;
+          if (v < nv) {
+            const int64_t k = b + v * 4;
+#pragma unroll
+            for (int i = 0; i < kMaxLandSrcs; ++i)
+              if (i < j.n_src) in[u][i] = __ldcs(reinterpret_cast<const float4*>(j.src[i] + k));
+            if (a.accumulate) old[u] = *reinterpret_cast<const float4*>(j.dst + k);
+          }
+        }
+#pragma unroll
+        for (int u = 0; u < kU; ++u) {
+          const int64_t v = v0 + static_cast<int64_t>(u) * blockDim.x;
+          if (v >= nv) continue;
+          const int64_t k = b + v * 4;
+          float4 t = in[u][0];
+#pragma unroll
+          for (int i = 1; i < kMaxLandSrcs; ++i) {
+            if (i < j.n_src) {
+              t.x = __fadd_rn(t.x, in[u][i].x);
+              t.y = __fadd_rn(t.y, in[u][i].y);
+              t.z = __fadd_rn(t.z, in[u][i].z);
+              t.w = __fadd_rn(t.w, in[u][i].w);
+            }
+          }
+          float4 v4 = make_float4(__fmul_rn(a.alpha, t.x), __fmul_rn(a.alpha, t.y),
+                                  __fmul_rn(a.alpha, t.z), __fmul_rn(a.alpha, t.w));
+          if (a.accumulate)
+            v4 = make_float4(__fadd_rn(old[u].x, v4.x), __fadd_rn(old[u].y, v4.y),
+                             __fadd_rn(old[u].z, v4.z), __fadd_rn(old[u].w, v4.w));
+          *reinterpret_cast<float4*>(j.dst + k) = v4;
+        }
+      }
+    }
+    for (int64_t k = b_tail + threadIdx.x; k < e; k += blockDim.x) j.dst[k] = land_one(j, k, a.alpha, a.accumulate);
+  }
+}
+
+__global__ void __launch_bounds__(kCastThreads) cast_kernel(uint16_t* __restrict__ dst,
+                                                            const float* __restrict__ src,
+                                                            int64_t n, int vec) {
+  int64_t begin, end;
+  cta_range(n, 4, &begin, &end);
+  int64_t b_tail = begin;
+  if (vec) {
+    const int64_t nv = (end - begin) / 4;
+    b_tail = begin + nv * 4;
+    for (int64_t v = threadIdx.x; v < nv; v += blockDim.x) {
+      const int64_t k = begin + v * 4;
+      const float4 x = __ldcs(reinterpret_cast<const float4*>(src + k));
+      uint2 o;
+      o.x = static_cast<uint32_t>(f_to_bf16(x.x)) | (static_cast<uint32_t>(f_to_bf16(x.y)) << 16);
+      o.y = static_cast<uint32_t>(f_to_bf16(x.z)) | (static_cast<uint32_t>(f_to_bf16(x.w)) << 16);
+      *reinterpret_cast<uint2*>(dst + k) = o;
+    }
+  }
+  for (int64_t k = b_tail + threadIdx.x; k < end; k += blockDim.x) dst[k] = f_to_bf16(src[k]);
+}
+
+__global__ void __launch_bounds__(kZeroThreads) zero_kernel(const __grid_constant__ ZeroArgs a) {
+  const int64_t tid = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int r = 0; r < a.n_regions; ++r) {
+    char* p = static_cast<char*>(a.regions[r].ptr);
+    const int64_t bytes = a.regions[r].bytes;
+    const int64_t head = min(bytes, static_cast<int64_t>((16 - (reinterpret_cast<uintptr_t>(p) & 15)) & 15));
+    const int64_t nv = (bytes - head) / 16;
+    uint4* pv = reinterpret_cast<uint4*>(p + head);
+    for (int64_t i = tid; i < nv; i += stride) pv[i] = make_uint4(0, 0, 0, 0);
+    const int64_t tail0 = head + nv * 16;
+    for (int64_t i = tid; i < head; i += stride) p[i] = 0;
+    for (int64_t i = tail0 + tid; i < bytes; i += stride) p[i] = 0;
+  }
+}
+
+int clamp_ctas(int ctas, int64_t work_items, int threads) {
+  const int64_t need = (work_items + threads - 1) / threads;
+  int64_t c = ctas > 0 ? ctas : 1;
+  if (need < c) c = need > 0 ? need : 1;
+  return static_cast<int>(c);
+}
+
+template <int NS>
+void launch_sum_ns(const SumArgs& a, int ctas, int vec_ok, cudaStream_t s) {
+  sum_kernel<NS><<<ctas, kSumThreads, 0, s>>>(a, vec_ok);
+}
+
+__global__ void stall_kernel(uint64_t ns) {
+  uint64_t t0, t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+  do {
+    __nanosleep(100000);
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  } while (t - t0 < ns);
+}
+
+}  // namespace
+
+// Fault injection only (ExecOptions::stall_rank): one thread sleeps `seconds` on `stream`.
+void launch_stall(double seconds, cudaStream_t stream) {
+  stall_kernel<<<1, 1, 0, stream>>>(static_cast<uint64_t>(seconds * 1e9));
+  TIDE_CHECK_CUDA(cudaGetLastError(), "launching the stall kernel");
+}
+
+uint16_t float_to_bf16_rne(float f) { return f_to_bf16(f); }
+
+void launch_sum(const SumArgs& a, int ctas, cudaStream_t stream) {
+  TIDE_CHECK(a.n_staged >= 0 && a.n_staged <= kMaxStaged, "n_staged=", a.n_staged);
+  TIDE_CHECK(a.n == 0 || (a.dst && a.segs && a.n_segs > 0), "SUM needs dst and a segment table");
+  if (a.n == 0) return;
+  int vec_ok = (reinterpret_cast<uintptr_t>(a.dst) & 15) == 0;
+  for (int j = 0; j < a.n_staged; ++j) {
+    TIDE_CHECK(a.staged[j] != nullptr, "staged slice ", j, " is null");
+    vec_ok = vec_ok && (reinterpret_cast<uintptr_t>(a.staged[j]) & 15) == 0;
+  }
+  const int c = clamp_ctas(ctas, a.n / kVec + 1, kSumThreads);
+  switch (a.n_staged) {
+    case 0: launch_sum_ns<0>(a, c, vec_ok, stream); break;
+    case 1: launch_sum_ns<1>(a, c, vec_ok, stream); break;
+    case 2: launch_sum_ns<2>(a, c, vec_ok, stream); break;
+    case 3: launch_sum_ns<3>(a, c, vec_ok, stream); break;
+    case 4: launch_sum_ns<4>(a, c, vec_ok, stream); break;
+    case 5: launch_sum_ns<5>(a, c, vec_ok, stream); break;
+    case 6: launch_sum_ns<6>(a, c, vec_ok, stream); break;
+    default: launch_sum_ns<7>(a, c, vec_ok, stream); break;
+  }
+  TIDE_CHECK_CUDA(cudaGetLastError(), "launching SUM");
+}
+
+void launch_land(const LandArgs& a, int ctas, cudaStream_t stream) {
+  TIDE_CHECK(a.n_jobs >= 0 && a.n_jobs <= kMaxLandJobs, "n_jobs=", a.n_jobs);
+  int64_t total = 0;
+  for (int i = 0; i < a.n_jobs; ++i) {
+    const LandJob& j = a.jobs[i];
+    TIDE_CHECK(j.n_src >= 1 && j.n_src <= kMaxLandSrcs, "job ", i, " n_src=", j.n_src);
+    TIDE_CHECK(j.n == 0 || j.dst, "job ", i, " has no dst");
+    total += (j.n + 3) & ~int64_t(3);
+  }
+  if (total == 0) return;
+  land_kernel<<<clamp_ctas(ctas, total / 4 + 1, kLandThreads), kLandThreads, 0, stream>>>(a, total);
+  TIDE_CHECK_CUDA(cudaGetLastError(), "launching LAND");
+}
+
+void launch_cast(uint16_t* dst, const float* src, int64_t n, int ctas, cudaStream_t stream) {
+  if (n == 0) return;
+  const int vec = (reinterpret_cast<uintptr_t>(dst) & 7) == 0 && (reinterpret_cast<uintptr_t>(src) & 15) == 0;
+  cast_kernel<<<clamp_ctas(ctas, n / 4 + 1, kCastThreads), kCastThreads, 0, stream>>>(dst, src, n, vec);
+  TIDE_CHECK_CUDA(cudaGetLastError(), "launching CAST");
+}
+
+void launch_zero(const ZeroArgs& a, int ctas, cudaStream_t stream) {
+  TIDE_CHECK(a.n_regions >= 0 && a.n_regions <= kMaxZeroRegions, "n_regions=", a.n_regions);
+  int64_t bytes = 0;
+  for (int i = 0; i < a.n_regions; ++i) bytes += a.regions[i].bytes;
+  if (bytes == 0) return;
+  zero_kernel<<<clamp_ctas(ctas, bytes / 16 + 1, kZeroThreads), kZeroThreads, 0, stream>>>(a);
+  TIDE_CHECK_CUDA(cudaGetLastError(), "launching ZERO");
+}
+
+}  // namespace tide::cuda

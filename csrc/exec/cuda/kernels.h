@@ -1,0 +1,125 @@
+// TIDE CUDA kernels: SUM, LAND, CAST, ZERO (paper §4.1, §4.2, §3.1).
+//
+// Contract
+//   - Every launch takes an explicit stream and a CTA budget (`ctas`); kernels never poll peers,
+//     never spin, and each CTA retires as soon as its share of the elements is written.
+//   - Arguments travel as kernel parameters (a few KiB): no per-call metadata copy to the GPU.
+//     The only device-resident table is SUM's segment table, uploaded once at registration.
+//   - Arithmetic is fp32 with explicit round-to-nearest adds/multiplies (__fadd_rn/__fmul_rn),
+//     so no FMA contraction changes bits. The association is fixed and documented per kernel;
+//     the CPU executor uses the same one, so both produce the same bytes.
+//   - bf16 is handled as raw uint16 bits: bf16 -> fp32 is exact (bits << 16); fp32 -> bf16 is
+//     round-to-nearest-even, NaN -> its top 16 bits with the quiet bit set (the CPU executor's).
+//   - All launches are graph-capturable and allocation-free. Host wrappers check the launch.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+namespace tide::cuda {
+
+constexpr int kMaxStaged = 7;       // L - 1 staged slices, L <= 8
+constexpr int kMaxGradPtrs = 256;   // P <= 256 parameters per group
+constexpr int kMaxLandSrcs = 8;     // L inbox blocks per wave
+constexpr int kMaxLandJobs = 16;    // landing jobs (sub-slices) per launch
+constexpr int kMaxZeroRegions = 32; // stale blocks per launch
+constexpr int kSumThreads = 512;
+constexpr int kLandThreads = 512;
+constexpr int kCastThreads = 256;
+constexpr int kZeroThreads = 256;
+
+// ---- SUM: fp32 node partial (Level 1) ------------------------------------------------------
+// dst[k] = ((stg_0[k] + stg_1[k]) + ... + stg_{n_staged-1}[k]) + own[k]   (fp32, left to right)
+// where own[k] comes from the segment covering k: grad[param][src_off + (k - dst_off)] (bf16);
+// where param < 0 (padding rows past D_p) the own term is absent and not added. With
+// n_staged == 0, dst[k] = own[k] (or 0.0f where absent). Same association as REDUCE below.
+// Segments are sorted by dst_off, disjoint, and cover [0, n) exactly.
+struct SumSegment {
+  int64_t dst_off;  // first element in dst
+  int64_t len;      // elements
+  int64_t src_off;  // first element in grad[param]
+  int32_t param;    // index into SumArgs::grad; < 0: own contribution is zero
+  int32_t pad_;
+};
+
+struct SumArgs {
+  float* dst = nullptr;
+  int64_t n = 0;                                   // elements of dst
+  const uint16_t* staged[kMaxStaged] = {};         // bf16 slices, same indexing as dst
+  int n_staged = 0;                                // 0 .. L-1, in local-rank order
+  int n_segs = 0;
+  const SumSegment* segs = nullptr;                // device table (uploaded at registration)
+  const uint16_t* grad[kMaxGradPtrs] = {};         // per-parameter bf16 gradient base pointers
+};
+
+// ---- LAND: inbox blocks -> fp32 output (Level 2) --------------------------------------------
+// For each job: t = ((src_0[k] + src_1[k]) + ... + src_{n_src-1}[k]);  v = alpha * t;
+//               dst[k] = accumulate ? dst[k] + v : v.   (the CPU executor's LAND)
+struct LandJob {
+  float* dst = nullptr;
+  const float* src[kMaxLandSrcs] = {};
+  int n_src = 0;
+  int64_t n = 0;
+};
+struct LandArgs {
+  LandJob jobs[kMaxLandJobs];
+  int n_jobs = 0;
+  float alpha = 1.0f;
+  int accumulate = 0;
+};
+
+// ---- ZERO: stale inbox blocks -----------------------------------------------------------------
+struct ZeroRegion {
+  void* ptr = nullptr;
+  int64_t bytes = 0;
+};
+struct ZeroArgs {
+  ZeroRegion regions[kMaxZeroRegions];
+  int n_regions = 0;
+};
+
+// ---- REDUCE: the executor's generic SUM/LAND over program terms (reduce.cu) -----------------
+// The program's terms are cut, once at registration, into runs: maximal element intervals in
+// which every term is either one contiguous source or absent (zero). A run names each source as
+// (slot, byte offset); slots are resolved per call from ReduceArgs::base, so the run table is
+// call-invariant and uploaded once. For every element k of a run:
+//   t = x_first; for each later present term i in order: t = t + x_i   (absent terms are
+//   skipped; an element no term covers is 0.0f)
+//   SUM : dst[k] = t
+//   LAND: v = alpha * t; dst[k] = accumulate ? dst[k] + v : v
+// (fp32, explicit round-to-nearest; this is the CPU executor's association.)
+constexpr int kMaxTerms = 12;
+constexpr int kMaxSlots = 384;  // user grad[p] 0..255, out 256, arena of rank r at 257 + r
+constexpr int kSlotOut = 256;
+constexpr int kSlotArena0 = 257;
+struct ReduceRun {
+  int64_t dst_off;             // first element (relative to ReduceArgs::dst)
+  int64_t len;                 // elements
+  int64_t off[kMaxTerms];      // byte offset from the slot base
+  int16_t slot[kMaxTerms];     // < 0: term absent in this run
+  int16_t pad_[4];
+};
+struct ReduceArgs {
+  float* dst = nullptr;
+  const ReduceRun* runs = nullptr;  // device table
+  int n_runs = 0;
+  int n_terms = 0;
+  uint32_t fp32_terms = 0;          // bit i: term i is fp32 (else bf16)
+  int land = 0;                     // 0: SUM, 1: LAND
+  int accumulate = 0;
+  float alpha = 1.0f;
+  int64_t n = 0;                    // elements covered by the runs (sum of len)
+  const void* base[kMaxSlots] = {};
+};
+void launch_reduce(const ReduceArgs& a, int ctas, cudaStream_t stream);
+
+void launch_sum(const SumArgs& a, int ctas, cudaStream_t stream);
+void launch_land(const LandArgs& a, int ctas, cudaStream_t stream);
+void launch_cast(uint16_t* dst, const float* src, int64_t n, int ctas, cudaStream_t stream);
+void launch_zero(const ZeroArgs& a, int ctas, cudaStream_t stream);
+
+// Host reference of the bf16 rounding the CAST kernel uses (for tests and the CPU side).
+uint16_t float_to_bf16_rne(float f);
+
+}  // namespace tide::cuda

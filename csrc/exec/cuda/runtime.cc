@@ -1,0 +1,267 @@
+// Driver entry points, stream memory operations, copy paths, stream pool, watchdog.
+#include "exec/cuda/runtime.h"
+
+#include <cstdlib>
+#include <cstring>
+
+#include "tide/errors.h"
+
+namespace tide::cuda {
+
+// ---- driver entry points ---------------------------------------------------------------------
+namespace {
+
+template <typename Fn>
+void resolve(const char* name, Fn* out) {
+  void* fn = nullptr;
+  cudaDriverEntryPointQueryResult q = cudaDriverEntryPointSymbolNotFound;
+  // 12000: the v2 stream memory operations (CUDA >= 12.0 ABI); the name is the unversioned one.
+  TIDE_CHECK_CUDA(cudaGetDriverEntryPointByVersion(name, &fn, 12000, cudaEnableDefault, &q),
+                  "resolving ", name);
+  if (q != cudaDriverEntryPointSuccess || fn == nullptr)
+    throw ::tide::Error(TIDE_STR_CAT("driver entry point ", name, " not found (status ",
+                                     static_cast<int>(q), ")"));
+  *out = reinterpret_cast<Fn>(fn);
+}
+
+DriverApi load_driver() {
+  DriverApi d;
+  resolve("cuStreamWriteValue64", &d.stream_write_value64);
+  resolve("cuStreamWaitValue64", &d.stream_wait_value64);
+  resolve("cuStreamBatchMemOp", &d.stream_batch_mem_op);
+  resolve("cuDeviceGetAttribute", &d.device_get_attribute);
+  resolve("cuGetErrorName", &d.get_error_name);
+  return d;
+}
+
+}  // namespace
+
+const DriverApi& driver() {
+  static const DriverApi api = load_driver();  // thread-safe one-time init; throws on failure
+  return api;
+}
+
+void check_cu(CUresult r, const char* what) {
+  if (r == CUDA_SUCCESS) return;
+  const char* name = "?";
+  if (driver().get_error_name) driver().get_error_name(r, &name);
+  throw ::tide::Error(TIDE_STR_CAT("CUDA driver error ", name, " (", static_cast<int>(r), ") in ", what));
+}
+
+bool multicast_allowed(int device) {
+  const char* enable = std::getenv("TIDE_ENABLE_MULTICAST");
+  if (!enable || std::strcmp(enable, "1") != 0) return false;
+  const char* nvls = std::getenv("NCCL_NVLS_ENABLE");
+  if (!nvls || std::strcmp(nvls, "0") == 0) return false;
+  if (std::getenv("TORCH_SYMM_MEM_DISABLE_MULTICAST") != nullptr) return false;
+  int supported = 0;
+  check_cu(driver().device_get_attribute(&supported, CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED,
+                                         static_cast<CUdevice>(device)),
+           "cuDeviceGetAttribute(MULTICAST_SUPPORTED)");
+  return supported == 1;
+}
+
+// ---- signals and waits -------------------------------------------------------------------------
+void signal(cudaStream_t stream, uint64_t* counter, uint64_t value) {
+  check_cu(driver().stream_write_value64(reinterpret_cast<CUstream>(stream),
+                                         reinterpret_cast<CUdeviceptr>(counter), value,
+                                         CU_STREAM_WRITE_VALUE_DEFAULT),
+           "cuStreamWriteValue64 (SIGNAL)");
+}
+
+void wait_geq(cudaStream_t stream, const WaitSpec* specs, size_t n) {
+  constexpr size_t kMaxBatch = 255;  // cuStreamBatchMemOp takes < 256 operations
+  std::vector<CUstreamBatchMemOpParams> ops;
+  for (size_t i0 = 0; i0 < n; i0 += kMaxBatch) {
+    const size_t m = std::min(kMaxBatch, n - i0);
+    ops.assign(m, CUstreamBatchMemOpParams{});
+    for (size_t i = 0; i < m; ++i) {
+      ops[i].waitValue.operation = CU_STREAM_MEM_OP_WAIT_VALUE_64;
+      ops[i].waitValue.address = reinterpret_cast<CUdeviceptr>(specs[i0 + i].counter);
+      ops[i].waitValue.value64 = specs[i0 + i].value;
+      ops[i].waitValue.flags = CU_STREAM_WAIT_VALUE_GEQ;
+    }
+    check_cu(driver().stream_batch_mem_op(reinterpret_cast<CUstream>(stream),
+                                          static_cast<unsigned>(m), ops.data(), 0),
+             "cuStreamBatchMemOp (WAIT_VALUE_64 GEQ)");
+  }
+}
+
+// ---- copies ------------------------------------------------------------------------------------
+bool stream_is_capturing(cudaStream_t stream) {
+  cudaStreamCaptureStatus st = cudaStreamCaptureStatusNone;
+  TIDE_CHECK_CUDA(cudaStreamIsCapturing(stream, &st));
+  return st != cudaStreamCaptureStatusNone;
+}
+
+void submit_copies(cudaStream_t stream, const CopyDesc* d, size_t n) {
+  if (n == 0) return;
+  const bool capturing = stream_is_capturing(stream);
+  std::vector<void*> dsts;
+  std::vector<const void*> srcs;
+  std::vector<size_t> sizes;
+  for (size_t i = 0; i < n; ++i) {
+    const CopyDesc& c = d[i];
+    if (c.width == 0 || c.height == 0) continue;
+    if (c.height == 1 && !capturing) {
+      dsts.push_back(c.dst);
+      srcs.push_back(c.src);
+      sizes.push_back(c.width);
+    } else if (c.height == 1) {
+      TIDE_CHECK_CUDA(cudaMemcpyAsync(c.dst, c.src, c.width, cudaMemcpyDeviceToDevice, stream),
+                      "COPY ", i, " (captured)");
+    } else {
+      TIDE_CHECK_CUDA(cudaMemcpy2DAsync(c.dst, c.dpitch, c.src, c.spitch, c.width, c.height,
+                                        cudaMemcpyDeviceToDevice, stream),
+                      "COPY ", i, " (2-D, ", c.width, "x", c.height, ")");
+    }
+  }
+  if (dsts.empty()) return;
+  // cudaMemcpyBatchAsync refuses (and on some drivers crashes on) the legacy NULL stream and the
+  // per-thread default stream: those get per-copy calls.
+  const bool default_stream = stream == nullptr || stream == cudaStreamLegacy || stream == cudaStreamPerThread;
+  if (dsts.size() == 1 || default_stream) {
+    for (size_t i = 0; i < dsts.size(); ++i)
+      TIDE_CHECK_CUDA(cudaMemcpyAsync(dsts[i], srcs[i], sizes[i], cudaMemcpyDeviceToDevice, stream),
+                      "COPY ", i, " (per-copy)");
+    return;
+  }
+  cudaMemcpyAttributes attr{};
+  attr.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
+  attr.flags = cudaMemcpyFlagPreferOverlapWithCompute;
+  size_t attr_idx = 0;
+  TIDE_CHECK_CUDA(cudaMemcpyBatchAsync(dsts.data(), srcs.data(), sizes.data(), dsts.size(), &attr,
+                                       &attr_idx, 1, stream),
+                  "COPY batch of ", dsts.size());
+}
+
+// ---- stream pool -------------------------------------------------------------------------------
+StreamPool::StreamPool(int device, int n) : device_(device) {
+  TIDE_CHECK(n >= 1, "stream pool size ", n);
+  TIDE_CHECK_CUDA(cudaSetDevice(device));
+  streams_.resize(static_cast<size_t>(n), nullptr);
+  for (auto& s : streams_) TIDE_CHECK_CUDA(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+}
+
+StreamPool::~StreamPool() {
+  cudaSetDevice(device_);
+  for (auto& s : streams_) {
+    if (!s) continue;
+    cudaStreamSynchronize(s);  // destructor: errors cannot be thrown; work must finish first
+    cudaStreamDestroy(s);
+  }
+}
+
+// ---- watchdog ----------------------------------------------------------------------------------
+Watchdog::Watchdog(int device, double timeout_s) : device_(device), timeout_s_(timeout_s) {
+  TIDE_CHECK_CUDA(cudaSetDevice(device));
+  TIDE_CHECK_CUDA(cudaStreamCreateWithFlags(&rescue_, cudaStreamNonBlocking));
+  thread_ = std::thread([this] { loop(); });
+}
+
+Watchdog::~Watchdog() {
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    stop_ = true;
+  }
+  cv_.notify_all();
+  thread_.join();
+  cudaSetDevice(device_);
+  for (auto& e : entries_) {
+    release(e);  // never leave a stream blocked on a wait nobody will satisfy
+    cudaEventDestroy(e.done);
+  }
+  for (auto ev : free_events_) cudaEventDestroy(ev);
+  cudaStreamSynchronize(rescue_);
+  cudaStreamDestroy(rescue_);
+}
+
+void Watchdog::watched_wait(cudaStream_t stream, const WaitSpec* specs, size_t n,
+                            const std::string& what, double timeout_s) {
+  const double limit = timeout_s > 0 ? timeout_s : timeout_s_;
+  wait_geq(stream, specs, n);
+  cudaEvent_t ev = nullptr;
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    if (!free_events_.empty()) {
+      ev = free_events_.back();
+      free_events_.pop_back();
+    }
+  }
+  if (!ev) TIDE_CHECK_CUDA(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming));
+  TIDE_CHECK_CUDA(cudaEventRecord(ev, stream), "watchdog event for ", what);
+  Entry e{ev,
+          std::chrono::steady_clock::now() +
+              std::chrono::microseconds(static_cast<int64_t>(limit * 1e6)),
+          std::vector<WaitSpec>(specs, specs + n), what};
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    entries_.push_back(std::move(e));
+  }
+  cv_.notify_all();
+}
+
+void Watchdog::release(const Entry& e) {
+  for (const auto& s : e.specs) {
+    // Fail-stop release: satisfy the stuck wait so the stream drains (values stay monotone:
+    // the counter is below s.value while the wait is stuck).
+    driver().stream_write_value64(reinterpret_cast<CUstream>(rescue_),
+                                  reinterpret_cast<CUdeviceptr>(s.counter), s.value,
+                                  CU_STREAM_WRITE_VALUE_DEFAULT);
+  }
+}
+
+void Watchdog::loop() {
+  cudaSetDevice(device_);
+  std::unique_lock<std::mutex> lk(mu_);
+  while (!stop_) {
+    if (entries_.empty()) {
+      cv_.wait(lk);
+      continue;
+    }
+    const auto now = std::chrono::steady_clock::now();
+    for (size_t i = 0; i < entries_.size();) {
+      const cudaError_t q = cudaEventQuery(entries_[i].done);
+      if (q == cudaSuccess) {
+        free_events_.push_back(entries_[i].done);
+        entries_.erase(entries_.begin() + static_cast<long>(i));
+        continue;
+      }
+      if (q != cudaErrorNotReady) {
+        if (error_.empty()) error_ = TIDE_STR_CAT("CUDA error ", cudaGetErrorName(q), " while watching ", entries_[i].what);
+        entries_.erase(entries_.begin() + static_cast<long>(i));  // its event is unusable
+        continue;
+      } else if (now > entries_[i].deadline) {
+        if (error_.empty())
+          error_ = TIDE_STR_CAT("timeout: ", entries_[i].what,
+                                " never saw its producer (fail-stop)");
+        release(entries_[i]);
+        entries_[i].deadline = now + std::chrono::hours(24);  // released once
+      }
+      ++i;
+    }
+    cv_.notify_all();
+    cv_.wait_for(lk, std::chrono::microseconds(200));
+  }
+}
+
+void Watchdog::drain() {
+  std::unique_lock<std::mutex> lk(mu_);
+  cv_.wait(lk, [this] { return entries_.empty() || stop_; });
+  if (!error_.empty()) {
+    std::string m;
+    m.swap(error_);
+    throw ::tide::TimeoutError(m);
+  }
+}
+
+void Watchdog::check() {
+  std::lock_guard<std::mutex> g(mu_);
+  if (!error_.empty()) {
+    std::string m;
+    m.swap(error_);
+    throw ::tide::TimeoutError(m);
+  }
+}
+
+}  // namespace tide::cuda

@@ -1,0 +1,140 @@
+// TIDE CUDA runtime pieces under the executor: driver entry points, stream memory operations
+// (signals, credits, waits), copy paths, the internal stream pool and the host watchdog.
+//
+// Contract
+//   - libcuda is never linked: driver functions are resolved once through
+//     cudaGetDriverEntryPointByVersion (cudart is static), so tide._core imports with no driver.
+//   - Counters are 64-bit device words that only grow (monotonically increasing epochs); a
+//     SIGNAL writes an epoch, a WAIT blocks a stream until counter >= epoch (GEQ). No reset.
+//   - Every CUDA/driver return code is checked and turned into tide::Error; an overdue wait is
+//     turned into tide::TimeoutError naming rank, op and sequence (fail-stop, never a hang).
+//   - Multicast is never touched here. multicast_allowed() only evaluates the safety gate.
+#pragma once
+
+#include <cuda.h>  // types only; no libcuda link
+#include <cuda_runtime_api.h>
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace tide::cuda {
+
+// ---- driver entry points ---------------------------------------------------------------------
+struct DriverApi {
+  CUresult (*stream_write_value64)(CUstream, CUdeviceptr, cuuint64_t, unsigned int) = nullptr;
+  CUresult (*stream_wait_value64)(CUstream, CUdeviceptr, cuuint64_t, unsigned int) = nullptr;
+  CUresult (*stream_batch_mem_op)(CUstream, unsigned int, CUstreamBatchMemOpParams*, unsigned int) = nullptr;
+  CUresult (*device_get_attribute)(int*, CUdevice_attribute, CUdevice) = nullptr;
+  CUresult (*get_error_name)(CUresult, const char**) = nullptr;
+};
+const DriverApi& driver();  // resolved on first use; throws tide::Error when unavailable
+void check_cu(CUresult r, const char* what);
+
+// The multicast gate (ARCHITECTURE.md, Safety): true only when TIDE_ENABLE_MULTICAST=1 AND the
+// driver reports MULTICAST_SUPPORTED AND NCCL_NVLS_ENABLE != 0 (and set) AND
+// TORCH_SYMM_MEM_DISABLE_MULTICAST is unset. Querying the attribute is safe.
+bool multicast_allowed(int device);
+
+// ---- signals, credits, waits (stream memory operations) -------------------------------------
+struct WaitSpec {
+  const uint64_t* counter;  // device address (this GPU's or a peer's)
+  uint64_t value;           // wait until *counter >= value
+};
+// Writes `value` to `counter` after all prior work on `stream` (the default write flag orders it
+// after prior memory operations, like __threadfence_system).
+void signal(cudaStream_t stream, uint64_t* counter, uint64_t value);
+// One cuStreamBatchMemOp of WAIT_VALUE_64 GEQ over every spec (split in batches of 255).
+void wait_geq(cudaStream_t stream, const WaitSpec* specs, size_t n);
+
+// ---- copies ----------------------------------------------------------------------------------
+// One copy: `height` rows of `width` bytes; 1-D when height == 1.
+struct CopyDesc {
+  void* dst;
+  const void* src;
+  size_t width;
+  size_t height;
+  size_t dpitch;
+  size_t spitch;
+};
+// Eager: the 1-D copies go in one cudaMemcpyBatchAsync (CUDA 13 signature) with attributes
+// {srcAccessOrder = Stream, PreferOverlapWithCompute}; 2-D copies go per copy through
+// cudaMemcpy2DAsync. Under graph capture every copy is a per-copy call (batches cannot be
+// captured). Copies inside one call are unordered with each other (callers never put
+// dependent copies in one call).
+void submit_copies(cudaStream_t stream, const CopyDesc* d, size_t n);
+bool stream_is_capturing(cudaStream_t stream);
+
+// ---- internal stream pool --------------------------------------------------------------------
+// [Note: internal streams]
+// Every stream here is created cudaStreamNonBlocking so that the legacy default stream never
+// serialises with TIDE's work. The pool owns its streams and destroys them after synchronising;
+// callers only borrow handles, and must order any use against the caller's stream with events.
+class StreamPool {
+ public:
+  StreamPool(int device, int n);
+  ~StreamPool();
+  StreamPool(const StreamPool&) = delete;
+  StreamPool& operator=(const StreamPool&) = delete;
+  cudaStream_t at(int i) const { return streams_[static_cast<size_t>(i) % streams_.size()]; }
+  int size() const { return static_cast<int>(streams_.size()); }
+
+ private:
+  int device_;
+  std::vector<cudaStream_t> streams_;
+};
+
+// ---- watchdog --------------------------------------------------------------------------------
+// [Note: watchdog and fail-stop]
+// Each WAIT the executor enqueues is followed by an event record on the same stream and
+// registered here with its deadline and description (rank, op, sequence). A host thread polls
+// the events; when one is overdue it (1) records a TimeoutError message naming the wait, and
+// (2) releases the stuck stream by writing `release_value` into the awaited counter from a
+// dedicated non-blocking rescue stream, so the GPU never stays hung. Any later check() throws
+// tide::TimeoutError; the data produced after a release is garbage by design (fail-stop).
+class Watchdog {
+ public:
+  explicit Watchdog(int device, double timeout_s);
+  ~Watchdog();
+  Watchdog(const Watchdog&) = delete;
+  Watchdog& operator=(const Watchdog&) = delete;
+
+  // Enqueue a wait on `stream` and watch it (deadline `timeout_s`, <= 0: the watchdog's).
+  // Returns immediately.
+  void watched_wait(cudaStream_t stream, const WaitSpec* specs, size_t n, const std::string& what,
+                    double timeout_s = 0);
+  // Block until every watched wait has completed or been released; throws TimeoutError then.
+  void drain();
+  // Throws TimeoutError if a wait was overdue.
+  void check();
+  double timeout_s() const { return timeout_s_; }
+  void set_timeout(double s) { timeout_s_ = s; }
+
+ private:
+  struct Entry {
+    cudaEvent_t done;
+    std::chrono::steady_clock::time_point deadline;
+    std::vector<WaitSpec> specs;
+    std::string what;
+  };
+  void loop();
+  void release(const Entry& e);
+
+  int device_;
+  double timeout_s_;
+  cudaStream_t rescue_ = nullptr;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::vector<Entry> entries_;
+  std::vector<cudaEvent_t> free_events_;
+  std::string error_;
+  bool stop_ = false;
+  std::thread thread_;
+};
+
+}  // namespace tide::cuda

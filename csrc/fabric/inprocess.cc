@@ -1,0 +1,64 @@
+// In-process fabric (contract in inprocess.h).
+#include "fabric/inprocess.h"
+
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <set>
+
+#include "tide/errors.h"
+
+namespace tide::fabric {
+
+InProcessFabric::InProcessFabric(std::vector<int> rank_device, int64_t arena_bytes)
+    : rank_device_(std::move(rank_device)), arena_bytes_(arena_bytes) {
+  TIDE_PLAN_CHECK(!rank_device_.empty(), "InProcessFabric: at least one rank");
+  TIDE_PLAN_CHECK(arena_bytes_ > 0, "InProcessFabric: arena_bytes must be positive");
+  const std::set<int> devices(rank_device_.begin(), rank_device_.end());
+  for (int a : devices) {
+    TIDE_CHECK_CUDA(cudaSetDevice(a), "device ", a);
+    for (int b : devices) {
+      if (a == b) continue;
+      int ok = 0;
+      TIDE_CHECK_CUDA(cudaDeviceCanAccessPeer(&ok, a, b));
+      TIDE_PLAN_CHECK(ok, "InProcessFabric: device ", a, " cannot access device ", b);
+      const cudaError_t e = cudaDeviceEnablePeerAccess(b, 0);
+      if (e == cudaErrorPeerAccessAlreadyEnabled) {
+        cudaGetLastError();
+      } else {
+        TIDE_CHECK_CUDA(e, "enabling peer access ", a, " -> ", b);
+      }
+    }
+  }
+  arena_.assign(rank_device_.size(), nullptr);
+  issued_.resize(rank_device_.size());
+  try {
+    for (size_t r = 0; r < rank_device_.size(); ++r) {
+      TIDE_CHECK_CUDA(cudaSetDevice(rank_device_[r]));
+      void* p = nullptr;
+      // 256-byte aligned by cudaMalloc; region offsets are 4 KiB aligned by the arena spec.
+      TIDE_CHECK_CUDA(cudaMalloc(&p, static_cast<size_t>(arena_bytes_)), "arena of rank ", r, " (",
+                      arena_bytes_, " bytes)");
+      arena_[r] = static_cast<char*>(p);
+      TIDE_CHECK_CUDA(cudaMemset(p, 0, static_cast<size_t>(arena_bytes_)), "zeroing arena of rank ", r);
+    }
+    TIDE_CHECK_CUDA(cudaDeviceSynchronize(), "arena zeroing");
+  } catch (...) {
+    for (size_t r = 0; r < arena_.size(); ++r)
+      if (arena_[r]) {
+        cudaSetDevice(rank_device_[r]);
+        cudaFree(arena_[r]);
+      }
+    throw;
+  }
+}
+
+InProcessFabric::~InProcessFabric() {
+  for (size_t r = 0; r < arena_.size(); ++r) {
+    cudaSetDevice(rank_device_[r]);
+    cudaDeviceSynchronize();  // no stream may still touch the arena
+    cudaFree(arena_[r]);
+  }
+}
+
+}  // namespace tide::fabric

@@ -1,0 +1,1 @@
+"""Benchmarks (`tide bench ...`). Each module has a `main(argv)` entry point."""

@@ -1,0 +1,365 @@
+"""Layout bench: FSDP2's stock layout path against TIDE's layout work, on one GPU.
+
+`python -m tide.bench.layout [--groups llama70b,qwen3,wan22] [--json PATH]` (later `tide bench
+layout`). One GPU emulates the per-GPU HBM work of rank 0 in an N = 8 (M = 1, L = 8) node:
+
+  AG  stock: rank-major all-gather output (one NS copy) + torch.split_with_sizes_copy (2NS)
+      TIDE : direct landing, one strided 2-D copy per parameter (or a batch of N*P 1-D copies)
+  RS  stock: torch._chunk_cat pack to fp32 (NS read + 2NS write) + packed fp32 reduce of the
+             rank's chunk over N ranks (2NS read + 2S write)
+      TIDE : copy-engine staging of the L-1 peers' bf16 sub-slice rows (strided, height L),
+             SUM (L-1 staged + own per-parameter gradient -> fp32 block), LAND (alpha, into the
+             fp32 shard).
+On one GPU every copy is a same-device copy, which the driver runs on SMs; between GPUs the
+same descriptors run on copy engines. Bytes are HBM bytes (read + write) of the step.
+Peers' buffers live on the same GPU, so "peer" reads are local reads here.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import tempfile
+
+GROUPS = {
+    # Llama-3.1-70B decoder layer: hidden 8192, GQA 64/8 heads of 128, MLP 28672.
+    "llama70b": [("q", (8192, 8192)), ("k", (1024, 8192)), ("v", (1024, 8192)), ("o", (8192, 8192)),
+                 ("gate", (28672, 8192)), ("up", (28672, 8192)), ("down", (8192, 28672)),
+                 ("attn_norm", (8192,)), ("mlp_norm", (8192,))],
+    # Qwen3-30B-A3B block: hidden 2048, 32 q / 4 kv heads of 128, 128 experts of 768 (stacked).
+    "qwen3": [("q", (4096, 2048)), ("k", (512, 2048)), ("v", (512, 2048)), ("o", (2048, 4096)),
+              ("q_norm", (128,)), ("k_norm", (128,)), ("router", (128, 2048)),
+              ("experts.gate", (128, 768, 2048)), ("experts.up", (128, 768, 2048)),
+              ("experts.down", (128, 2048, 768)), ("attn_norm", (2048,)), ("mlp_norm", (2048,))],
+    # Wan2.2 A14B transformer block: dim 5120, FFN 13824, self + cross attention with biases.
+    "wan22": [(f"{a}.{w}", s) for a in ("self", "cross") for w, s in
+              (("q", (5120, 5120)), ("q.b", (5120,)), ("k", (5120, 5120)), ("k.b", (5120,)),
+               ("v", (5120, 5120)), ("v.b", (5120,)), ("o", (5120, 5120)), ("o.b", (5120,)),
+               ("norm_q", (5120,)), ("norm_k", (5120,)))]
+             + [("ffn.0", (13824, 5120)), ("ffn.0.b", (13824,)), ("ffn.2", (5120, 13824)),
+                ("ffn.2.b", (5120,)), ("norm3", (5120,)), ("modulation", (1, 6, 5120))],
+}
+
+
+class Layout:
+    """Per-parameter (D, K, R, e, o32) for N ranks (paper §2.1): e_p = R_p*K_p elements."""
+
+    def __init__(self, shapes, n):
+        self.n = n
+        self.D = [s[0] for s in shapes]
+        self.K = [math.prod(s[1:]) for s in shapes]
+        self.R = [-(-d // n) for d in self.D]
+        self.e = [r * k for r, k in zip(self.R, self.K)]
+        self.o = [sum(self.e[:p]) for p in range(len(self.e))]
+        self.E = sum(self.e)  # per-rank shard elements; S = 2E bytes (bf16)
+
+
+def _median_ms(torch, fn, reps=10, warmup=3):
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times), (min(times), max(times))
+
+
+def _profile(torch, fn, n_sm):
+    """Kernel count, copy count and SM*ms of one call (SMs of a kernel = min(CTAs, SMs))."""
+    if os.environ.get("TIDE_BENCH_NO_PROFILE") == "1":
+        return 0, 0, 0.0
+    from torch.profiler import ProfilerActivity, profile
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
+        path = f.name
+    prof.export_chrome_trace(path)
+    with open(path) as f:
+        trace = json.load(f)
+    os.unlink(path)
+    kernels = copies = 0
+    sm_ms = 0.0
+    for ev in trace.get("traceEvents", []):
+        cat = ev.get("cat", "")
+        if cat == "kernel":
+            kernels += 1
+            g = ev.get("args", {}).get("grid", [1, 1, 1])
+            sm_ms += min(g[0] * g[1] * g[2], n_sm) * ev.get("dur", 0) / 1e3
+        elif cat == "gpu_memcpy":
+            copies += 1
+    return kernels, copies, sm_ms
+
+
+def run_group(torch, core, name, shapes, n, ceiling, n_sm, sum_ctas, land_ctas, dev="cuda"):
+    L = n
+    lay = Layout(shapes, n)
+    E, P = lay.E, len(shapes)
+    S = 2 * E
+    st = torch.cuda.current_stream().cuda_stream
+    g = torch.Generator(device=dev).manual_seed(1)
+    rows = []
+
+    # ---------------- AG (rank 0's view) ----------------
+    shards = torch.randn(n, E, device=dev, generator=g).to(torch.bfloat16)  # row u: rank u's shard
+    ag_out = torch.empty(n * E, dtype=torch.bfloat16, device=dev)
+    params = [torch.empty(n * lay.R[p] * lay.K[p], dtype=torch.bfloat16, device=dev) for p in range(P)]
+    outs2d = [x.view(n, lay.e[p]) for p, x in enumerate(params)]
+
+    def stock_ag():
+        ag_out.copy_(shards.view(-1))  # transport into the rank-major buffer
+        torch.split_with_sizes_copy(ag_out.view(n, E), lay.e, dim=1, out=outs2d)
+
+    sp = shards.data_ptr()
+    d2 = [(params[p].data_ptr(), sp + 2 * lay.o[p], 2 * lay.e[p], n, 2 * lay.e[p], 2 * E) for p in range(P)]
+    d1 = [(params[p].data_ptr() + 2 * u * lay.e[p], sp + 2 * (u * E + lay.o[p]), 2 * lay.e[p], 1, 0, 0)
+          for u in range(n) for p in range(P)]
+
+    def tide_ag_2d():
+        core.cuda_copies(d2, st)
+
+    def tide_ag_batch():
+        core.cuda_copies(d1, st)
+
+    ns = n * S
+    for label, fn, nbytes in (("AG stock: rank-major + split_with_sizes_copy", stock_ag, 4 * ns),
+                              ("AG TIDE: direct landing, P strided copies", tide_ag_2d, 2 * ns),
+                              ("AG TIDE: direct landing, N*P batched copies", tide_ag_batch, 2 * ns)):
+        ms, spread = _median_ms(torch, fn)
+        k, c, smms = _profile(torch, fn, n_sm)
+        rows.append(dict(group=name, step=label, ms=ms, spread=spread, bytes=nbytes,
+                         gbps=nbytes / ms / 1e6, floor_ms=nbytes / ceiling * 1e3, kernels=k, copies=c, sm_ms=smms))
+    # correctness spot check: TIDE landing equals stock copy-out
+    stock_ag()
+    ref = [x.clone() for x in params]
+    for x in params:
+        x.fill_(float("nan"))
+    tide_ag_2d()
+    torch.cuda.synchronize()
+    ag_ok = all(torch.equal(a.view(torch.int16), b.view(torch.int16)) for a, b in zip(params, ref))
+    del shards, ag_out, params, outs2d, ref
+    torch.cuda.empty_cache()
+
+    # ---------------- RS (rank 0's GPU) ----------------
+    grads = [[torch.randn(*shapes[p], device=dev, generator=g).to(torch.bfloat16) for p in range(P)]
+             for _ in range(n)]
+    packed_all = torch.empty(n, n, E, dtype=torch.float32, device=dev)
+    for u in range(n):
+        torch._chunk_cat(grads[u], dim=0, num_chunks=n, out=packed_all[u])
+    out0 = torch.empty(E, dtype=torch.float32, device=dev)
+    alpha = 1.0 / n
+
+    def stock_pack():
+        torch._chunk_cat(grads[0], dim=0, num_chunks=n, out=packed_all[0])
+
+    def stock_reduce():
+        torch.sum(packed_all[:, 0, :], dim=0, out=out0)
+        out0.mul_(alpha)
+
+    def stock_rs():
+        stock_pack()
+        stock_reduce()
+
+    e_sub = -(-E // L)
+    e_sub = (e_sub + 7) // 8 * 8
+    staging = torch.zeros(L - 1, L * e_sub, dtype=torch.bfloat16, device=dev)
+    block = torch.empty(L * e_sub, dtype=torch.float32, device=dev)
+    # Pieces of sub-slice 0 = output elements [0, min(E, e_sub)) of every destination rank.
+    live0 = min(E, e_sub)
+    pieces = []  # (p, a, b): elements [a, b) of p's per-rank chunk
+    for p in range(P):
+        a, b = max(0, -lay.o[p]), min(lay.e[p], live0 - lay.o[p])
+        if a < b:
+            pieces.append((p, a, b))
+    copies = []
+    seg_rows = []
+    for i in range(L):
+        base = i * e_sub
+        pos = 0
+        for p, a, b in pieces:
+            total = lay.D[p] * lay.K[p]
+            lo, hi = i * lay.e[p] + a, i * lay.e[p] + b
+            valid = max(0, min(hi, total) - lo)
+            dst_off = base + lay.o[p] + a
+            if valid:
+                seg_rows.append((dst_off, valid, lo, p))
+            if valid < b - a:
+                seg_rows.append((dst_off + valid, b - a - valid, 0, -1))
+            pos = lay.o[p] + b
+        if pos < e_sub:
+            seg_rows.append((base + pos, e_sub - pos, 0, -1))
+    for slot, u in enumerate([u for u in range(n) if u != 0]):
+        for p, a, b in pieces:
+            total = lay.D[p] * lay.K[p]
+            full = [i for i in range(L) if i * lay.e[p] + b <= total]  # a prefix of ranks
+            src = grads[u][p].data_ptr()
+            dst = staging[slot].data_ptr()
+            if full:
+                copies.append((dst + 2 * (lay.o[p] + a), src + 2 * a, 2 * (b - a), len(full),
+                               2 * e_sub, 2 * lay.e[p]))
+            i = len(full)
+            if i < L:
+                lo = i * lay.e[p] + a
+                valid = max(0, total - lo)
+                if valid:
+                    copies.append((dst + 2 * (i * e_sub + lay.o[p] + a), src + 2 * lo, 2 * valid, 1, 0, 0))
+    seg = torch.tensor([[d, ln, s, p & 0xFFFFFFFF] for d, ln, s, p in seg_rows], dtype=torch.int64, device=dev)
+    staged_ptrs = [staging[j].data_ptr() for j in range(L - 1)]
+    grad_ptrs = [grads[0][p].data_ptr() for p in range(P)]
+    land_jobs = []
+    for s in range(L):
+        live = max(0, min(E, (s + 1) * e_sub) - s * e_sub)
+        if live:
+            land_jobs.append((out0.data_ptr() + 4 * s * e_sub, [block.data_ptr()], live))
+
+    def tide_stage():
+        core.cuda_copies(copies, st)
+
+    def tide_sum(ctas=sum_ctas):
+        core.cuda_sum(block.data_ptr(), L * e_sub, staged_ptrs, seg.data_ptr(), len(seg_rows), grad_ptrs, ctas, st)
+
+    def tide_land(ctas=land_ctas):
+        for j0 in range(0, len(land_jobs), 16):
+            core.cuda_land(land_jobs[j0:j0 + 16], alpha, False, ctas, st)
+
+    def tide_rs():
+        tide_stage()
+        tide_sum()
+        tide_land()
+
+    def tide_rs_full():
+        tide_stage()
+        tide_sum(n_sm)
+        tide_land(n_sm)
+
+    stage_b = sum(2 * w * h for _, _, w, h, _, _ in copies)  # read + write
+    sum_b = (L - 1) * 2 * L * e_sub + 2 * L * e_sub + 4 * L * e_sub
+    land_b = 4 * E * 2
+    for label, fn, nbytes in (("RS stock: _chunk_cat bf16 -> fp32 pack", stock_pack, 3 * ns),
+                              ("RS stock: packed fp32 reduce of the chunk + alpha", stock_reduce, 2 * ns + 2 * S + 2 * 4 * E),
+                              ("RS stock: _chunk_cat fp32 pack + packed reduce", stock_rs, 3 * ns + 2 * ns + 2 * S + 2 * 4 * E),
+                              ("RS TIDE: staging copies (strided, height L)", tide_stage, stage_b),
+                              (f"RS TIDE: SUM ({sum_ctas} CTAs)", tide_sum, sum_b),
+                              (f"RS TIDE: LAND ({land_ctas} CTAs)", tide_land, land_b),
+                              ("RS TIDE: SUM (full grid)", lambda: tide_sum(n_sm), sum_b),
+                              ("RS TIDE: LAND (full grid)", lambda: tide_land(n_sm), land_b),
+                              ("RS TIDE: staging + SUM + LAND", tide_rs, stage_b + sum_b + land_b),
+                              ("RS TIDE: staging + SUM + LAND, full grid", tide_rs_full, stage_b + sum_b + land_b)):
+        ms, spread = _median_ms(torch, fn)
+        k, c, smms = _profile(torch, fn, n_sm)
+        rows.append(dict(group=name, step=label, ms=ms, spread=spread, bytes=nbytes,
+                         gbps=nbytes / ms / 1e6, floor_ms=nbytes / ceiling * 1e3, kernels=k, copies=c, sm_ms=smms))
+    del grads, packed_all, staging, block, out0
+    torch.cuda.empty_cache()
+    return rows, dict(group=name, P=P, E=E, S=S, NS=ns, ag_landing_bitwise=ag_ok)
+
+
+def sum_sweep(torch, core, L, ctas_list, n_small, n_big, n_sm):
+    """SUM rate (logical read + write GB/s) per CTA count, L-1 staged slices + one own segment."""
+    dev = "cuda"
+    st = torch.cuda.current_stream().cuda_stream
+    out = []
+    for n in (n_small, n_big):
+        staged = [torch.randn(n, device=dev).to(torch.bfloat16) for _ in range(L - 1)]
+        own = torch.randn(n, device=dev).to(torch.bfloat16)
+        dst = torch.empty(n, device=dev)
+        seg = torch.tensor([[0, n, 0, 0]], dtype=torch.int64, device=dev)
+        logical = n * (2 * L + 4)
+        for c in ctas_list:
+            if (n == n_small) != (c <= 24):
+                continue
+            ms, spread = _median_ms(torch, lambda: core.cuda_sum(dst.data_ptr(), n, [s.data_ptr() for s in staged],
+                                                                  seg.data_ptr(), 1, [own.data_ptr()], c, st),
+                                    reps=7, warmup=2)
+            out.append(dict(ctas=c, n=n, ms=ms, gbps=logical / ms / 1e6, gbps_per_cta=logical / ms / 1e6 / min(c, n_sm)))
+        del staged, own, dst
+        torch.cuda.empty_cache()
+    return out
+
+
+def measure_ceiling(torch, nbytes=4 << 30):
+    a = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda").normal_()
+    b = torch.empty_like(a)
+    ms, _ = _median_ms(torch, lambda: b.copy_(a), reps=10)
+    del a, b
+    torch.cuda.empty_cache()
+    return 2 * nbytes / ms * 1e3  # bytes/s, read + write
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(prog="tide bench layout", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--groups", default="llama70b,qwen3,wan22")
+    ap.add_argument("--ranks", type=int, default=8)
+    ap.add_argument("--sum-ctas", type=int, default=16)
+    ap.add_argument("--land-ctas", type=int, default=4)
+    ap.add_argument("--json", default=None, help="write every figure here")
+    ap.add_argument("--no-sweep", action="store_true")
+    args = ap.parse_args(argv)
+    import torch
+    from tide import _core as core
+    if not core.cuda_available():
+        print("tide bench layout: needs a CUDA GPU and a CUDA build of tide._core", file=sys.stderr)
+        return 2
+    props = torch.cuda.get_device_properties(0)
+    n_sm = props.multi_processor_count
+    # cudaMemcpyBatchAsync needs a real stream: run everything on one side stream.
+    bench_stream = torch.cuda.Stream()
+    torch.cuda.set_stream(bench_stream)
+    ceiling = measure_ceiling(torch)
+    result = dict(device=props.name, sms=n_sm, ceiling_gbps=ceiling / 1e9, ranks=args.ranks, groups=[], rows=[],
+                  capabilities=core.cuda_capabilities(0))
+    print(f"# {props.name}, {n_sm} SMs; device-to-device ceiling {ceiling / 1e9:.0f} GB/s (read+write)")
+    for name in args.groups.split(","):
+        shapes = [s for _, s in GROUPS[name]]
+        rows, info = run_group(torch, core, name, shapes, args.ranks, ceiling, n_sm, args.sum_ctas, args.land_ctas)
+        result["rows"] += rows
+        result["groups"].append(info)
+    if not args.no_sweep:
+        result["sum_sweep"] = sum_sweep(torch, core, args.ranks, [1, 2, 4, 8, 12, 16, 24, 33, 48, 66, 99, 132, 264],
+                                        8 << 20, 64 << 20, n_sm)
+        best = max(r["gbps"] for r in result["sum_sweep"])
+        sat = min(r["ctas"] for r in result["sum_sweep"] if r["gbps"] >= 0.9 * best)
+        result["sum_saturation"] = dict(best_gbps=best, best_vs_ceiling=best / (ceiling / 1e9), ctas_90pct=sat)
+    print(f"{'group':9} {'step':52} {'ms':>8} {'GB':>7} {'GB/s':>7} {'x floor':>7} {'kern':>4} {'cpy':>4} {'SM*ms':>7}")
+    for r in result["rows"]:
+        print(f"{r['group']:9} {r['step']:52} {r['ms']:8.3f} {r['bytes'] / 1e9:7.2f} {r['gbps']:7.0f} "
+              f"{r['ms'] / r['floor_ms']:7.2f} {r['kernels']:4d} {r['copies']:4d} {r['sm_ms']:7.2f}")
+    for info in result["groups"]:
+        rs = {r["step"]: r for r in result["rows"] if r["group"] == info["group"]}
+        ag_s = next(r for k, r in rs.items() if k.startswith("AG stock"))
+        ag_t = min((r for k, r in rs.items() if k.startswith("AG TIDE")), key=lambda r: r["ms"])
+        rs_s = rs["RS stock: _chunk_cat fp32 pack + packed reduce"]
+        rs_t = rs["RS TIDE: staging + SUM + LAND, full grid"]
+        info.update(ag_bytes_ratio=ag_t["bytes"] / ag_s["bytes"], ag_time_ratio=ag_t["ms"] / ag_s["ms"],
+                    ag_tide_x_floor=ag_t["ms"] / ag_t["floor_ms"], rs_bytes_ratio=rs_t["bytes"] / rs_s["bytes"],
+                    rs_time_ratio=rs_t["ms"] / rs_s["ms"], rs_tide_x_floor=rs_t["ms"] / rs_t["floor_ms"])
+        print(f"# {info['group']}: P={info['P']} NS={info['NS'] / 1e9:.2f} GB | AG TIDE/stock bytes "
+              f"{info['ag_bytes_ratio']:.2f} time {info['ag_time_ratio']:.2f}, TIDE x floor {info['ag_tide_x_floor']:.2f}"
+              f" | RS TIDE/stock bytes {info['rs_bytes_ratio']:.2f} time {info['rs_time_ratio']:.2f}, TIDE x floor "
+              f"{info['rs_tide_x_floor']:.2f} | landing bitwise = copy-out: {info['ag_landing_bitwise']}")
+    if "sum_sweep" in result:
+        print(f"{'SUM ctas':>8} {'n':>10} {'ms':>8} {'GB/s':>8} {'GB/s/CTA':>9}")
+        for r in result["sum_sweep"]:
+            print(f"{r['ctas']:8d} {r['n']:10d} {r['ms']:8.3f} {r['gbps']:8.0f} {r['gbps_per_cta']:9.1f}")
+        sat = result["sum_saturation"]
+        print(f"# SUM best {sat['best_gbps']:.0f} GB/s = {100 * sat['best_vs_ceiling']:.0f}% of the ceiling; "
+              f"90% of best from {sat['ctas_90pct']} CTAs")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
