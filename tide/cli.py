@@ -226,7 +226,15 @@ def main(argv: list[str] | None = None) -> int:
     pp = sub.add_parser("plan", help="plan a parameter group and print the memory model")
     _add_plan_args(pp)
     sub.add_parser("demo", help="the main job: the planner's view of Llama-3.1-70B on 8x8 GPUs")
-    args = ap.parse_args(argv)
+    bp = sub.add_parser("bench", help="benchmarks: TIDE and the stock path side by side",
+                        add_help=False)
+    bp.add_argument("which", choices=["layout"], help="layout: one GPU, N virtual ranks")
+    args, rest = ap.parse_known_args(argv)
+    if args.cmd == "bench":
+        from tide.bench import layout
+        return layout.main(rest) or 0
+    if rest:
+        ap.error(f"unrecognized arguments: {' '.join(rest)}")
     if args.cmd == "plan":
         return _cmd_plan(args)
     return _cmd_demo(args)

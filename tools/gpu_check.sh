@@ -38,7 +38,18 @@ nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --f
   env | grep -E '^(CC|CXX|CUDACXX|LDFLAGS|CFLAGS|CXXFLAGS|CPPFLAGS|CUDAFLAGS|LIBRARY_PATH)=' || true
 } >>"$OUT/diag.log" 2>&1
 rm -rf build/inplace
-if env -u CFLAGS -u CXXFLAGS -u CPPFLAGS -u CUDAFLAGS LDFLAGS="-Wl,--exclude-libs,ALL" \
+# A runtime image may lack the libstdc++.so dev symlink: then -lstdc++ silently takes libstdc++.a
+# and the module carries a second libstdc++ (the crash above). Point the linker at the shared one.
+LINK_FLAGS="-Wl,--exclude-libs,ALL"
+if [[ "$(c++ -print-file-name=libstdc++.so)" != /* ]]; then
+  so6=$(ldconfig -p 2>/dev/null | awk '/libstdc\+\+\.so\.6 .*x86-64/{print $NF; exit}')
+  if [[ -n "$so6" ]]; then
+    mkdir -p build/linkfix && ln -sf "$so6" build/linkfix/libstdc++.so
+    LINK_FLAGS="$LINK_FLAGS -L$PWD/build/linkfix"
+    echo "libstdc++.so dev symlink missing: linking $so6" >>"$OUT/diag.log"
+  fi
+fi
+if env -u CFLAGS -u CXXFLAGS -u CPPFLAGS -u CUDAFLAGS LDFLAGS="$LINK_FLAGS" \
     TIDE_CUDA=on PYTHON=$PY CMAKE_BUILD_TYPE=Release tools/build.sh >"$OUT/build.log" 2>&1; then
   R[build]=ok
 else
