@@ -171,13 +171,17 @@ def test_signal_wait_orders_streams():
     out = torch.full((1 << 20,), float("nan"), device=DEV)
     prod, cons = torch.cuda.Stream(), torch.cuda.Stream()
     epoch = 5
+    # [Note: producer first] A stream wait enqueued before its producer can sit in the hardware
+    # queue the producer's stream maps to and never let it run (seen on the H200 on 2026-11-29:
+    # this test hung when written consumer-first). The executor enqueues every wait after its
+    # producer; so does this test. The producer sleeps, so the consumer still really waits.
+    with torch.cuda.stream(prod):
+        torch.cuda._sleep(2_000_000)
+        data.fill_(3.0)
+        _core.cuda_signal(counter.data_ptr(), epoch, prod.cuda_stream)
     with torch.cuda.stream(cons):
         _core.cuda_wait([(counter.data_ptr(), epoch)], cons.cuda_stream)
         out.copy_(data)
-    with torch.cuda.stream(prod):
-        torch.cuda._sleep(2_000_000)  # the consumer must really wait
-        data.fill_(3.0)
-        _core.cuda_signal(counter.data_ptr(), epoch, prod.cuda_stream)
     torch.cuda.synchronize()
     assert torch.all(out == 3.0)
     assert int(counter.item()) == epoch
@@ -198,8 +202,10 @@ def test_watchdog_quiet_when_signalled():
     counter = torch.zeros(1, dtype=torch.int64, device=DEV)
     wd = _core.CudaWatchdog(0, 5.0)
     s, p = torch.cuda.Stream(), torch.cuda.Stream()
+    with torch.cuda.stream(p):  # producer first: see [Note: producer first]
+        torch.cuda._sleep(2_000_000)
+        _core.cuda_signal(counter.data_ptr(), 2, p.cuda_stream)
     wd.wait([(counter.data_ptr(), 2)], "rank 0 op 1 seq 1", s.cuda_stream)
-    _core.cuda_signal(counter.data_ptr(), 2, p.cuda_stream)
     wd.drain()
     wd.check()
 
