@@ -1,0 +1,134 @@
+// TIDE-AG as an XLA FFI custom call: P shards in, P full parameters out, one call per group.
+//   AllGatherImpl -> AllGatherHandler (XLA:CPU) -> target "tide_all_gather"
+//                 -> AllGatherCudaHandler (CUDA)  -> target "tide_all_gather" on platform CUDA
+//   Python face: tide_xla/all_gather.py (AllGatherPrimitive, name "tide_all_gather").
+#include "tide_ffi.h"
+
+#ifdef TIDE_WITH_CUDA
+#include <cuda_runtime_api.h>
+#endif
+
+namespace tide::xla_ffi {
+
+namespace {
+
+// Operand p is rank r's shard (R_p, trailing...) in the shard dtype; result p is the unsharded
+// parameter (D_p, trailing...) in the AG dtype. Rows of the last ranks beyond D_p are FSDP2's
+// dim-0 padding: they travel in the shard and are not landed.
+GroupSignature all_gather_signature(const ffi::RemainingArgs& shards,
+                                    const ffi::RemainingRets& params, const GroupAttrs& a,
+                                    RankIo& io) {
+  const size_t P = a.dims0.size();
+  TIDE_PLAN_CHECK(shards.size() == P && params.size() == P, "tide_all_gather: ", shards.size(),
+                  " operands and ", params.size(), " results for a group of ", P,
+                  " parameters (dims0); one operand and one result per parameter");
+  const int64_t N = a.nodes * a.gpus_per_node;
+  GroupSignature sig;
+  for (size_t p = 0; p < P; ++p) {
+    auto in = shards.get<ffi::AnyBuffer>(p);
+    auto out = params.get<ffi::AnyBuffer>(p);
+    TIDE_CHECK(in.has_value() && out.has_value(), "parameter ", p, ": not a buffer");
+    const auto din = in->dimensions();
+    const auto dout = (*out)->dimensions();
+    const int64_t D = a.dims0[p];
+    const std::string who = TIDE_STR_CAT("parameter ", p);
+    TIDE_PLAN_CHECK(din.size() >= 1 && din.size() == dout.size(), who, ": shard ",
+                    dims_str(din), " and parameter ", dims_str(dout),
+                    " must have the same rank >= 1 (TIDE shards dim 0)");
+    TIDE_PLAN_CHECK(dout[0] == D, who, ": result has ", dout[0], " rows but dims0 says ", D);
+    TIDE_PLAN_CHECK(din[0] == (D + N - 1) / N, who, ": shard ", dims_str(din), " must have R_p = "
+                    "ceil(D_p/N) = ceil(", D, "/", N, ") = ", (D + N - 1) / N,
+                    " rows (dim-0 sharding padded as FSDP2 pads)");
+    ParamSpec spec;
+    spec.name = who;
+    spec.shape.push_back(D);
+    for (size_t i = 1; i < din.size(); ++i) {
+      TIDE_PLAN_CHECK(din[i] == dout[i], who, ": shard ", dims_str(din), " and parameter ",
+                      dims_str(dout), " differ beyond dim 0 (only dim-0 sharding is supported)");
+      spec.shape.push_back(din[i]);
+    }
+    const DType shard_t = to_tide_dtype(in->element_type(), "shard dtype");
+    const DType ag_t = to_tide_dtype((*out)->element_type(), "parameter dtype");
+    if (p == 0) {
+      sig.shard_dtype = shard_t;
+      sig.ag_dtype = ag_t;
+      sig.grad_dtype = ag_t;
+    }
+    TIDE_PLAN_CHECK(shard_t == sig.shard_dtype && ag_t == sig.ag_dtype, who, ": dtypes (",
+                    dtype_name(shard_t), " -> ", dtype_name(ag_t), ") differ from parameter 0 (",
+                    dtype_name(sig.shard_dtype), " -> ", dtype_name(sig.ag_dtype),
+                    "); one group has one shard dtype and one AG dtype");
+    sig.params.push_back(std::move(spec));
+    io.in.push_back(in->untyped_data());
+    io.out.push_back((*out)->untyped_data());
+  }
+  return sig;
+}
+
+}  // namespace
+
+ffi::Error AllGatherImpl(int32_t device_ordinal, ffi::RunId run_id, ffi::RemainingArgs shards,
+                         ffi::RemainingRets params, ffi::Span<const int64_t> dims0,
+                         ffi::Span<const int64_t> device_table, int64_t nodes,
+                         int64_t gpus_per_node, int64_t mode, int64_t op_id, int64_t timeout_ms) {
+  TIDE_FFI_BOUNDARY("tide_all_gather", {
+    const GroupAttrs attrs{dims0, device_table, nodes, gpus_per_node, mode, op_id, timeout_ms};
+    RankIo io;
+    const GroupSignature sig = all_gather_signature(shards, params, attrs, io);
+    CallSpec spec;
+    spec.op = Collective::kAllGather;
+    run_group_call(spec, device_ordinal, run_id.run_id, attrs, sig, io);
+    return ffi::Error::Success();
+  })
+}
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    AllGatherHandler, AllGatherImpl,
+    ffi::Ffi::Bind()
+        .Ctx<ffi::DeviceOrdinal>()                        // device_ordinal: key into device_table
+        .Ctx<ffi::RunId>()                                // run_id: one launch of the executable
+        .RemainingArgs()                                  // shards: P x (R_p, ...) shard dtype
+        .RemainingRets()                                  // params: P x (D_p, ...) AG dtype
+        .Attr<ffi::Span<const int64_t>>("dims0")          // D_p per parameter
+        .Attr<ffi::Span<const int64_t>>("device_table")   // (device_id, group, rank) triples
+        .Attr<int64_t>("nodes")                           // M
+        .Attr<int64_t>("gpus_per_node")                   // L
+        .Attr<int64_t>("mode")                            // 0 in_place, 1 slot_reuse
+        .Attr<int64_t>("op_id")                           // call site (trace time)
+        .Attr<int64_t>("timeout_ms"));                    // rendezvous/executor wait budget
+
+#ifdef TIDE_WITH_CUDA
+ffi::Error AllGatherCudaImpl(cudaStream_t stream, int32_t device_ordinal, ffi::RunId run_id,
+                             ffi::RemainingArgs shards, ffi::RemainingRets params,
+                             ffi::Span<const int64_t> dims0,
+                             ffi::Span<const int64_t> device_table, int64_t nodes,
+                             int64_t gpus_per_node, int64_t mode, int64_t op_id,
+                             int64_t timeout_ms) {
+  TIDE_FFI_BOUNDARY("tide_all_gather[CUDA]", {
+    const GroupAttrs attrs{dims0, device_table, nodes, gpus_per_node, mode, op_id, timeout_ms};
+    RankIo io;
+    all_gather_signature(shards, params, attrs, io);  // validates the call like the CPU path
+    throw Unimplemented(
+        "the CUDA executor is not part of this build yet; TIDE-AG on CUDA runs once "
+        "csrc/exec/cuda lands (the CPU handler is complete)");
+  })
+}
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    AllGatherCudaHandler, AllGatherCudaImpl,
+    ffi::Ffi::Bind()
+        .Ctx<ffi::PlatformStream<cudaStream_t>>()         // stream: XLA's compute stream
+        .Ctx<ffi::DeviceOrdinal>()                        // device_ordinal: key into device_table
+        .Ctx<ffi::RunId>()                                // run_id: one launch of the executable
+        .RemainingArgs()                                  // shards: P x (R_p, ...) shard dtype
+        .RemainingRets()                                  // params: P x (D_p, ...) AG dtype
+        .Attr<ffi::Span<const int64_t>>("dims0")          // D_p per parameter
+        .Attr<ffi::Span<const int64_t>>("device_table")   // (device_id, group, rank) triples
+        .Attr<int64_t>("nodes")                           // M
+        .Attr<int64_t>("gpus_per_node")                   // L
+        .Attr<int64_t>("mode")                            // 0 in_place, 1 slot_reuse
+        .Attr<int64_t>("op_id")                           // call site (trace time)
+        .Attr<int64_t>("timeout_ms"));                    // rendezvous/executor wait budget
+#endif
+
+}  // namespace tide::xla_ffi

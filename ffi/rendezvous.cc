@@ -1,0 +1,158 @@
+// In-process rendezvous of the XLA:CPU devices of one group, and the per-device call counters.
+//
+// [Note: rendezvous lifetime] A Meeting lives in the table from the first arrival until the last
+// rank that arrived has left. A rank leaves after the completion fence (success), or at once when
+// the meeting failed (timeout, plan mismatch, a rank's program threw). A rank that arrives after
+// the meeting was erased opens a fresh one and times out naming the ranks that never came; it
+// never joins a finished meeting, because the table only holds live ones.
+#include <algorithm>
+#include <chrono>
+#include <condition_variable>
+#include <map>
+#include <mutex>
+#include <sstream>
+
+#include "tide_ffi.h"
+
+namespace tide::xla_ffi {
+
+bool RendezvousKey::operator<(const RendezvousKey& o) const {
+  return std::tie(run_id, group, op_id, seq) < std::tie(o.run_id, o.group, o.op_id, o.seq);
+}
+
+namespace {
+
+struct Meeting {
+  int world = 0;
+  std::vector<const RankIo*> io;  // index = rank
+  std::vector<uint64_t> hash;
+  std::vector<bool> done;
+  int arrived = 0;
+  int finished = 0;
+  int left = 0;
+  std::string failure;  // non-empty: every rank still inside returns this error
+  bool timed_out = false;
+};
+
+std::mutex g_mu;  // guards g_meetings and every Meeting
+std::condition_variable g_cv;
+std::map<RendezvousKey, std::shared_ptr<Meeting>> g_meetings;
+
+std::string key_str(const RendezvousKey& k) {
+  return TIDE_STR_CAT("(run ", k.run_id, ", group ", k.group, ", op ", k.op_id, ", seq ", k.seq,
+                      ")");
+}
+
+std::string missing_ranks(const std::vector<bool>& present) {
+  std::ostringstream os;
+  bool first = true;
+  for (size_t r = 0; r < present.size(); ++r)
+    if (!present[r]) { os << (first ? "" : ", ") << r; first = false; }
+  return os.str();
+}
+
+// Leaves the meeting; the last rank out erases it. Caller holds g_mu.
+void leave(const RendezvousKey& key, const std::shared_ptr<Meeting>& m) {
+  if (++m->left == m->arrived) {
+    auto it = g_meetings.find(key);
+    if (it != g_meetings.end() && it->second == m) g_meetings.erase(it);
+  }
+}
+
+}  // namespace
+
+int64_t next_seq(int32_t device_ordinal, int64_t op_id, int64_t run_id) {
+  static std::mutex mu;
+  static std::map<std::pair<int32_t, int64_t>, std::pair<int64_t, int64_t>> counters;
+  std::lock_guard<std::mutex> lock(mu);
+  auto& c = counters[{device_ordinal, op_id}];
+  if (c.first != run_id || c.second < 0) c = {run_id, 0};
+  else ++c.second;
+  return c.second;
+}
+
+void rendezvous_and_run(const RendezvousKey& key, int world, const RankIo& io, uint64_t plan_hash,
+                        int64_t timeout_ms,
+                        const std::function<void(const std::vector<const RankIo*>&)>& body) {
+  const int rank = io.rank;
+  TIDE_CHECK(rank >= 0 && rank < world, "rank ", rank, " outside [0, ", world, ")");
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(timeout_ms);
+  std::unique_lock<std::mutex> lock(g_mu);
+  auto& slot = g_meetings[key];
+  if (!slot) {
+    slot = std::make_shared<Meeting>();
+    slot->world = world;
+    slot->io.assign(world, nullptr);
+    slot->hash.assign(world, 0);
+    slot->done.assign(world, false);
+  }
+  std::shared_ptr<Meeting> m = slot;
+  if (m->world != world || m->io[rank] != nullptr) {
+    const std::string why =
+        m->world != world
+            ? TIDE_STR_CAT("ranks disagree on the group size (", m->world, " vs ", world, ")")
+            : TIDE_STR_CAT("rank ", rank, " arrived twice (two devices map to one rank?)");
+    m->failure = TIDE_STR_CAT("rendezvous ", key_str(key), ": ", why);
+    g_cv.notify_all();
+    throw Error(m->failure);
+  }
+  m->io[rank] = &io;
+  m->hash[rank] = plan_hash;
+  ++m->arrived;
+  g_cv.notify_all();
+
+  auto wait_for = [&](auto ready, const char* phase) {
+    while (!ready() && m->failure.empty()) {
+      if (g_cv.wait_until(lock, deadline) == std::cv_status::timeout && !ready() &&
+          m->failure.empty()) {
+        std::vector<bool> present(world);
+        for (int r = 0; r < world; ++r)
+          present[r] = phase[0] == 'j' ? m->io[r] != nullptr : m->done[r];
+        m->failure = TIDE_STR_CAT(
+            "rendezvous ", key_str(key), ": rank ", rank, " waited ", timeout_ms,
+            " ms for ranks [", missing_ranks(present), "] to ", phase,
+            " (a device skipped this call, e.g. under a rank-dependent lax.cond, or hangs)");
+        m->timed_out = true;
+        g_cv.notify_all();
+      }
+    }
+    if (!m->failure.empty()) {
+      const std::string msg = m->failure;
+      const bool timeout = m->timed_out;
+      leave(key, m);
+      if (timeout) throw TimeoutError(msg);
+      throw Error(msg);
+    }
+  };
+
+  wait_for([&] { return m->arrived == world; }, "join");
+  for (int r = 0; r < world; ++r) {
+    if (m->hash[r] != plan_hash) {
+      m->failure = TIDE_STR_CAT("rendezvous ", key_str(key), ": rank ", r, " has plan hash ",
+                                m->hash[r], " but rank ", rank, " has ", plan_hash,
+                                " (ranks disagree on the group's shapes, dtypes or topology)");
+      g_cv.notify_all();
+      wait_for([] { return false; }, "join");
+    }
+  }
+  std::vector<const RankIo*> group = m->io;
+  lock.unlock();
+  try {
+    body(group);
+  } catch (const std::exception& e) {
+    lock.lock();
+    if (m->failure.empty())
+      m->failure = TIDE_STR_CAT("rendezvous ", key_str(key), ": rank ", rank, " failed: ", e.what());
+    g_cv.notify_all();
+    leave(key, m);
+    throw;
+  }
+  lock.lock();
+  m->done[rank] = true;
+  ++m->finished;
+  g_cv.notify_all();
+  wait_for([&] { return m->finished == world; }, "finish");
+  leave(key, m);
+}
+
+}  // namespace tide::xla_ffi
