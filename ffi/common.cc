@@ -98,10 +98,20 @@ void run_group_call(const CallSpec& spec, int32_t device_ordinal, int64_t run_id
   key.group = slot.group;
   key.op_id = attrs.op_id;
   key.seq = next_seq(device_ordinal, attrs.op_id, run_id);
-  rendezvous_and_run(key, world, io, plan->hash, attrs.timeout_ms,
-                     [&](const std::vector<const RankIo*>& group) {
-                       ExecuteRank(*plan, spec, slot.rank, group);
-                     });
+  GroupCall call;
+  call.plan = plan.get();
+  call.spec = spec;
+  call.group = slot.group;
+  rendezvous_and_run(
+      key, world, io, plan->hash, attrs.timeout_ms,
+      [&](const std::vector<const RankIo*>& ranks) {
+        call.ranks = ranks;
+        ExecuteGroup(call);
+      },
+      [&](const std::vector<const RankIo*>& ranks) {
+        call.ranks = ranks;
+        CompleteRank(call, slot.rank);
+      });
 }
 
 ffi::Error to_ffi_error(const char* op) {

@@ -1,10 +1,12 @@
-// TIDE-RS as an XLA FFI custom call: P bf16 gradients in, P fp32 shards out, one call per group.
+// TIDE-RS as an XLA FFI custom call: P bf16 gradients in, the group's packed fp32 shard out
+// (E = sum_p R_p K_p elements, parameter p at its prefix offset o32_p), one call per group. The
+// packed shard is TIDE-RS's own output buffer, so the result is written in place.
 //   ReduceScatterImpl -> ReduceScatterHandler (XLA:CPU) -> target "tide_reduce_scatter"
 //                     -> ReduceScatterCudaHandler (CUDA) -> same target on platform CUDA
 //   Python face: tide_xla/reduce_scatter.py (ReduceScatterPrimitive, "tide_reduce_scatter").
 //
-// With accumulate=1 the call takes P more operands, fp32 shards that the result adds to
-// (out = acc + scale * sum). Python aliases them to the results (input_output_aliases), so with a
+// With accumulate=1 the call takes one more operand, a packed fp32 shard the result adds to
+// (out = acc + scale * sum). Python aliases it to the result (input_output_aliases), so with a
 // donated accumulator the fp32 gradient is accumulated in place.
 #include <algorithm>
 
@@ -19,58 +21,54 @@ namespace tide::xla_ffi {
 namespace {
 
 GroupSignature reduce_scatter_signature(const ffi::RemainingArgs& args,
-                                        const ffi::RemainingRets& shards, const GroupAttrs& a,
+                                        const ffi::RemainingRets& rets, const GroupAttrs& a,
                                         bool accumulate, RankIo& io) {
   const size_t P = a.dims0.size();
-  TIDE_PLAN_CHECK(shards.size() == P && args.size() == (accumulate ? 2 : 1) * P,
-                  "tide_reduce_scatter: ", args.size(), " operands and ", shards.size(),
+  TIDE_PLAN_CHECK(rets.size() == 1 && args.size() == P + (accumulate ? 1 : 0),
+                  "tide_reduce_scatter: ", args.size(), " operands and ", rets.size(),
                   " results for a group of ", P, " parameters with accumulate=", accumulate,
-                  " (expected ", (accumulate ? 2 : 1) * P, " operands and ", P, " results)");
+                  " (expected ", P + (accumulate ? 1 : 0), " operands and 1 packed result)");
   const int64_t N = a.nodes * a.gpus_per_node;
   GroupSignature sig;
   sig.shard_dtype = DType::kFP32;
+  int64_t E = 0;  // sum_p R_p K_p: the packed per-rank fp32 output (o32 prefix offsets)
   for (size_t p = 0; p < P; ++p) {
     auto grad = args.get<ffi::AnyBuffer>(p);
-    auto out = shards.get<ffi::AnyBuffer>(p);
-    TIDE_CHECK(grad.has_value() && out.has_value(), "parameter ", p, ": not a buffer");
+    TIDE_CHECK(grad.has_value(), "parameter ", p, ": not a buffer");
     const auto dg = grad->dimensions();
-    const auto dout = (*out)->dimensions();
     const int64_t D = a.dims0[p];
-    const int64_t R = (D + N - 1) / N;
     const std::string who = TIDE_STR_CAT("parameter ", p);
-    TIDE_PLAN_CHECK(dg.size() >= 1 && dg.size() == dout.size(), who, ": gradient ",
-                    dims_str(dg), " and shard ", dims_str(dout), " must have the same rank >= 1");
-    TIDE_PLAN_CHECK(dg[0] == D, who, ": gradient has ", dg[0], " rows but dims0 says ", D);
-    TIDE_PLAN_CHECK(dout[0] == R, who, ": result ", dims_str(dout), " must have R_p = ceil(",
-                    D, "/", N, ") = ", R, " rows");
+    TIDE_PLAN_CHECK(dg.size() >= 1 && dg[0] == D, who, ": gradient ", dims_str(dg),
+                    " must have D_p = ", D, " rows (dims0)");
     ParamSpec spec;
     spec.name = who;
-    spec.shape.push_back(D);
-    for (size_t i = 1; i < dg.size(); ++i) {
-      TIDE_PLAN_CHECK(dg[i] == dout[i], who, ": gradient ", dims_str(dg), " and shard ",
-                      dims_str(dout), " differ beyond dim 0 (only dim-0 sharding is supported)");
-      spec.shape.push_back(dg[i]);
-    }
+    int64_t K = 1;
+    for (size_t i = 0; i < dg.size(); ++i) spec.shape.push_back(dg[i]);
+    for (size_t i = 1; i < dg.size(); ++i) K *= dg[i];
+    E += (D + N - 1) / N * K;
     const DType grad_t = to_tide_dtype(grad->element_type(), "gradient dtype");
-    TIDE_PLAN_CHECK((*out)->element_type() == ffi::DataType::F32, who,
-                    ": TIDE-RS writes float32 shards, the result has dtype code ",
-                    static_cast<int>((*out)->element_type()));
     if (p == 0) sig.grad_dtype = sig.ag_dtype = grad_t;
     TIDE_PLAN_CHECK(grad_t == sig.grad_dtype, who, ": gradient dtype ", dtype_name(grad_t),
                     " differs from parameter 0's ", dtype_name(sig.grad_dtype));
-    if (accumulate) {
-      auto acc = args.get<ffi::AnyBuffer>(P + p);
-      TIDE_CHECK(acc.has_value(), who, ": accumulator is not a buffer");
-      const auto da = acc->dimensions();
-      TIDE_PLAN_CHECK(acc->element_type() == ffi::DataType::F32 && da.size() == dout.size() &&
-                          std::equal(da.begin(), da.end(), dout.begin()),
-                      who, ": the accumulator must be a float32 ", dims_str(dout), " shard, got ",
-                      dims_str(da));
-      io.acc.push_back(acc->untyped_data());
-    }
     sig.params.push_back(std::move(spec));
     io.in.push_back(grad->untyped_data());
-    io.out.push_back((*out)->untyped_data());
+  }
+  auto out = rets.get<ffi::AnyBuffer>(0);
+  TIDE_CHECK(out.has_value(), "result: not a buffer");
+  TIDE_PLAN_CHECK((*out)->element_type() == ffi::DataType::F32 &&
+                      (*out)->element_count() == static_cast<size_t>(E),
+                  "result: TIDE-RS writes one packed float32 shard of E = sum_p R_p K_p = ", E,
+                  " elements, the result is ", dims_str((*out)->dimensions()), " of dtype code ",
+                  static_cast<int>((*out)->element_type()));
+  io.out.push_back((*out)->untyped_data());
+  if (accumulate) {
+    auto acc = args.get<ffi::AnyBuffer>(P);
+    TIDE_CHECK(acc.has_value(), "accumulator: not a buffer");
+    TIDE_PLAN_CHECK(acc->element_type() == ffi::DataType::F32 &&
+                        acc->element_count() == static_cast<size_t>(E),
+                    "accumulator: must be the packed float32 shard of ", E, " elements, got ",
+                    dims_str(acc->dimensions()));
+    io.acc.push_back(acc->untyped_data());
   }
   return sig;
 }
@@ -78,14 +76,14 @@ GroupSignature reduce_scatter_signature(const ffi::RemainingArgs& args,
 }  // namespace
 
 ffi::Error ReduceScatterImpl(int32_t device_ordinal, ffi::RunId run_id, ffi::RemainingArgs args,
-                             ffi::RemainingRets shards, ffi::Span<const int64_t> dims0,
+                             ffi::RemainingRets rets, ffi::Span<const int64_t> dims0,
                              ffi::Span<const int64_t> device_table, int64_t nodes,
                              int64_t gpus_per_node, int64_t mode, int64_t op_id,
                              int64_t timeout_ms, float scale, int64_t accumulate) {
   TIDE_FFI_BOUNDARY("tide_reduce_scatter", {
     const GroupAttrs attrs{dims0, device_table, nodes, gpus_per_node, mode, op_id, timeout_ms};
     RankIo io;
-    const GroupSignature sig = reduce_scatter_signature(args, shards, attrs, accumulate != 0, io);
+    const GroupSignature sig = reduce_scatter_signature(args, rets, attrs, accumulate != 0, io);
     CallSpec spec;
     spec.op = Collective::kReduceScatter;
     spec.scale = scale;
@@ -100,8 +98,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
     ffi::Ffi::Bind()
         .Ctx<ffi::DeviceOrdinal>()                        // device_ordinal: key into device_table
         .Ctx<ffi::RunId>()                                // run_id: one launch of the executable
-        .RemainingArgs()                                  // grads: P x (D_p, ...) [+ P acc fp32]
-        .RemainingRets()                                  // shards: P x (R_p, ...) float32
+        .RemainingArgs()                                  // grads: P x (D_p, ...) [+ acc (E,)]
+        .RemainingRets()                                  // shard: (E,) float32, packed
         .Attr<ffi::Span<const int64_t>>("dims0")          // D_p per parameter
         .Attr<ffi::Span<const int64_t>>("device_table")   // (device_id, group, rank) triples
         .Attr<int64_t>("nodes")                           // M
@@ -114,7 +112,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
 
 #ifdef TIDE_WITH_CUDA
 ffi::Error ReduceScatterCudaImpl(cudaStream_t stream, int32_t device_ordinal, ffi::RunId run_id,
-                                 ffi::RemainingArgs args, ffi::RemainingRets shards,
+                                 ffi::RemainingArgs args, ffi::RemainingRets rets,
                                  ffi::Span<const int64_t> dims0,
                                  ffi::Span<const int64_t> device_table, int64_t nodes,
                                  int64_t gpus_per_node, int64_t mode, int64_t op_id,
@@ -122,7 +120,7 @@ ffi::Error ReduceScatterCudaImpl(cudaStream_t stream, int32_t device_ordinal, ff
   TIDE_FFI_BOUNDARY("tide_reduce_scatter[CUDA]", {
     const GroupAttrs attrs{dims0, device_table, nodes, gpus_per_node, mode, op_id, timeout_ms};
     RankIo io;
-    reduce_scatter_signature(args, shards, attrs, accumulate != 0, io);
+    reduce_scatter_signature(args, rets, attrs, accumulate != 0, io);
     throw Unimplemented(
         "the CUDA executor is not part of this build yet; TIDE-RS on CUDA runs once "
         "csrc/exec/cuda lands (the CPU handler is complete)");
@@ -135,8 +133,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Ctx<ffi::PlatformStream<cudaStream_t>>()         // stream: XLA's compute stream
         .Ctx<ffi::DeviceOrdinal>()                        // device_ordinal: key into device_table
         .Ctx<ffi::RunId>()                                // run_id: one launch of the executable
-        .RemainingArgs()                                  // grads: P x (D_p, ...) [+ P acc fp32]
-        .RemainingRets()                                  // shards: P x (R_p, ...) float32
+        .RemainingArgs()                                  // grads: P x (D_p, ...) [+ acc (E,)]
+        .RemainingRets()                                  // shard: (E,) float32, packed
         .Attr<ffi::Span<const int64_t>>("dims0")          // D_p per parameter
         .Attr<ffi::Span<const int64_t>>("device_table")   // (device_id, group, rank) triples
         .Attr<int64_t>("nodes")                           // M

@@ -28,6 +28,7 @@ struct Meeting {
   std::vector<uint64_t> hash;
   std::vector<bool> done;
   int arrived = 0;
+  bool ran = false;  // rank 0 finished group_body
   int finished = 0;
   int left = 0;
   std::string failure;  // non-empty: every rank still inside returns this error
@@ -73,7 +74,8 @@ int64_t next_seq(int32_t device_ordinal, int64_t op_id, int64_t run_id) {
 
 void rendezvous_and_run(const RendezvousKey& key, int world, const RankIo& io, uint64_t plan_hash,
                         int64_t timeout_ms,
-                        const std::function<void(const std::vector<const RankIo*>&)>& body) {
+                        const std::function<void(const std::vector<const RankIo*>&)>& group_body,
+                        const std::function<void(const std::vector<const RankIo*>&)>& rank_body) {
   const int rank = io.rank;
   TIDE_CHECK(rank >= 0 && rank < world, "rank ", rank, " outside [0, ", world, ")");
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(timeout_ms);
@@ -107,7 +109,9 @@ void rendezvous_and_run(const RendezvousKey& key, int world, const RankIo& io, u
           m->failure.empty()) {
         std::vector<bool> present(world);
         for (int r = 0; r < world; ++r)
-          present[r] = phase[0] == 'j' ? m->io[r] != nullptr : m->done[r];
+          present[r] = phase[0] == 'j'   ? m->io[r] != nullptr
+                       : phase[0] == 'f' ? m->done[r]
+                                         : r != 0;
         m->failure = TIDE_STR_CAT(
             "rendezvous ", key_str(key), ": rank ", rank, " waited ", timeout_ms,
             " ms for ranks [", missing_ranks(present), "] to ", phase,
@@ -136,18 +140,29 @@ void rendezvous_and_run(const RendezvousKey& key, int world, const RankIo& io, u
     }
   }
   std::vector<const RankIo*> group = m->io;
-  lock.unlock();
-  try {
-    body(group);
-  } catch (const std::exception& e) {
+  auto run = [&](const std::function<void()>& fn) {
+    lock.unlock();
+    try {
+      fn();
+    } catch (const std::exception& e) {
+      lock.lock();
+      if (m->failure.empty())
+        m->failure =
+            TIDE_STR_CAT("rendezvous ", key_str(key), ": rank ", rank, " failed: ", e.what());
+      g_cv.notify_all();
+      leave(key, m);
+      throw;
+    }
     lock.lock();
-    if (m->failure.empty())
-      m->failure = TIDE_STR_CAT("rendezvous ", key_str(key), ": rank ", rank, " failed: ", e.what());
+  };
+  if (rank == 0) {
+    run([&] { group_body(group); });
+    m->ran = true;
     g_cv.notify_all();
-    leave(key, m);
-    throw;
+  } else {
+    wait_for([&] { return m->ran; }, "run the group (rank 0)");
   }
-  lock.lock();
+  run([&] { rank_body(group); });
   m->done[rank] = true;
   ++m->finished;
   g_cv.notify_all();

@@ -12,8 +12,9 @@
 //     never used as the rank (a permuted mesh maps ordinals to other ranks).
 //   - On XLA:CPU all devices of one process form one in-process virtual cluster: XLA runs each
 //     device's call on its own thread, concurrently, so the ranks of a group meet in the
-//     Rendezvous (keyed by RunId, group, op_id, seq) and then each runs its own per-rank program
-//     through ExecuteRank() (executor.cc), the one place that calls TIDE's executor.
+//     Rendezvous (keyed by RunId, group, op_id, seq); then the group's per-rank programs run
+//     through ExecuteGroup()/CompleteRank() (executor.cc), the one place that calls TIDE's
+//     executor.
 //   - Every exception stops at the handler boundary (TIDE_FFI_BOUNDARY) and becomes ffi::Error:
 //     PlanError -> INVALID_ARGUMENT, TimeoutError -> DEADLINE_EXCEEDED, anything else -> INTERNAL.
 #pragma once
@@ -65,9 +66,9 @@ struct RankIo {
   int rank = -1;
   // AG: P shards (R_p x K_p, shard dtype).      RS: P gradients (D_p x K_p, grad dtype).
   std::vector<const void*> in;
-  // AG: P parameters (D_p x K_p, AG dtype).      RS: P fp32 shards (R_p x K_p).
+  // AG: P parameters (D_p x K_p, AG dtype).      RS: 1 packed fp32 shard (E elements, o32_p).
   std::vector<void*> out;
-  // RS with accumulate: P fp32 shards added to the result (may alias `out`, in place).
+  // RS with accumulate: 1 packed fp32 shard added to the result (aliased to `out` by XLA).
   std::vector<const void*> acc;
 };
 
@@ -77,12 +78,21 @@ struct CallSpec {
   bool accumulate = false;  // RS: out = acc + alpha * sum
 };
 
-// [Note: the executor boundary] Runs rank `rank`'s TIDE program for `plan` and `spec`. `group`
-// holds every rank's RankIo, index = rank, all registered before the call; the function returns
-// when this rank's program finished (its outputs written, its inputs no longer read). Throws
-// tide::Error / TimeoutError. This is the only function of ffi/ that reaches the executor.
-void ExecuteRank(const Plan& plan, const CallSpec& spec, int rank,
-                 const std::vector<const RankIo*>& group);
+// Everything the executor needs about one call of one group, once every rank joined.
+struct GroupCall {
+  const Plan* plan = nullptr;
+  CallSpec spec;
+  int64_t group = 0;                    // which FSDP group of the mesh
+  std::vector<const RankIo*> ranks;     // index = rank
+};
+
+// [Note: the executor boundary] executor.cc is the only file of ffi/ that reaches TIDE's
+// executor. ExecuteGroup runs one call of the group's per-rank TIDE programs over every rank's
+// buffers; the rendezvous calls it on rank 0 of the group once all ranks joined. CompleteRank
+// then runs on every rank (its own thread) after ExecuteGroup returned, for per-rank completion
+// work. Both throw tide::Error / TimeoutError / Unimplemented.
+void ExecuteGroup(const GroupCall& call);
+void CompleteRank(const GroupCall& call, int rank);
 bool executor_available();
 std::string executor_description();
 
@@ -101,18 +111,20 @@ struct RendezvousKey {
 // call site several times per launch, and every device replays it in the same order.
 int64_t next_seq(int32_t device_ordinal, int64_t op_id, int64_t run_id);
 
-// Joins the rendezvous of `key` as `io.rank`, runs `body` once every rank of the group has
-// joined (all RankIo visible), then waits until every rank finished its body (completion fence:
-// peers may read this rank's inputs and write its outputs until then). Throws TimeoutError
-// naming the missing ranks after `timeout_ms`, or Error if another rank failed or disagrees on
-// the plan hash.
+// Joins the rendezvous of `key` as `io.rank`. Once every rank of the group has joined (all
+// RankIo visible), rank 0 runs `group_body`; then every rank runs `rank_body`; then all wait
+// until every rank finished (completion fence: until then peers may still touch this rank's
+// buffers). Throws TimeoutError naming the missing ranks after `timeout_ms`, or Error when
+// another rank failed or the ranks disagree on the plan hash.
 void rendezvous_and_run(const RendezvousKey& key, int world, const RankIo& io, uint64_t plan_hash,
                         int64_t timeout_ms,
-                        const std::function<void(const std::vector<const RankIo*>&)>& body);
+                        const std::function<void(const std::vector<const RankIo*>&)>& group_body,
+                        const std::function<void(const std::vector<const RankIo*>&)>& rank_body);
 
 // ---------------------------------------------------------------------------------------------
 // One group call, shared by both ops (common.cc): checks the device table, builds or reuses the
-// plan, takes the next sequence number, meets the other ranks and runs ExecuteRank().
+// plan, takes the next sequence number, meets the other ranks and runs
+// ExecuteGroup() (rank 0) and CompleteRank() (every rank).
 // ---------------------------------------------------------------------------------------------
 struct GroupAttrs {
   ffi::Span<const int64_t> dims0;         // D_p of every parameter

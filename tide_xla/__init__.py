@@ -24,13 +24,14 @@ bf16 compute, TIDE-AG forward / TIDE-RS backward):
 The gradient is the sum over ranks of each rank's local-loss gradient (the transpose of
 jax.lax.all_gather); pass `gather(..., grad_scale=1/N)` or average the loss for a mean.
 For gradient accumulation over micro-batches, take gradients w.r.t. the gathered parameters and
-call `reduce_scatter(full_grads, layout, accumulate=acc)` with `acc` donated: the fp32 shards
-are accumulated in place (input_output_aliases).
+call `acc = reduce_scatter(full_grads, layout, accumulate=acc)` (acc from `zeros_packed(layout)`,
+passed in with in_specs P("fsdp") and donated): the packed fp32 shards are accumulated in place
+(input_output_aliases); `unpack_grads(acc, layout)` gives the shard tree for the optimizer.
 """
 from tide_xla.context import TideContext, init
-from tide_xla.gather import gather, reduce_scatter
+from tide_xla.gather import gather, packed_sizes, reduce_scatter, unpack_grads, zeros_packed
 from tide_xla.sharding import ShardLayout, TideGroup, default_group_key, shard
 
 __all__ = ["ShardLayout", "TideContext", "TideGroup", "default_group_key", "gather", "init",
-           "reduce_scatter", "shard"]
+           "packed_sizes", "reduce_scatter", "shard", "unpack_grads", "zeros_packed"]
 __version__ = "0.1.0"

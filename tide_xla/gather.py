@@ -22,7 +22,7 @@ import jax.numpy as jnp
 
 from tide_xla.all_gather import AllGatherPrimitive
 from tide_xla.context import TideContext, context_for
-from tide_xla.reduce_scatter import ReduceScatterPrimitive
+from tide_xla.reduce_scatter import ReduceScatterPrimitive, packed_offsets, unpack
 from tide_xla.sharding import ShardLayout
 
 
@@ -75,15 +75,14 @@ def _gather_group_fwd(ctx, dims0, ag_dtype, scale, shard_dtype, shard_vma, shard
 
 def _gather_group_bwd(ctx, dims0, ag_dtype, scale, shard_dtype, shard_vma, _, cts):
     cts = tuple(jnp.asarray(c, ag_dtype) for c in cts)
-    grads = ReduceScatterPrimitive.bind(ctx, cts, scale=scale)
-    out = []
-    for g, ct, want in zip(grads, cts, shard_vma):
-        g = _mark_varying(g, _vma(ct) | {ctx.axis})
-        extra = tuple(sorted(_vma(g) - want - {ctx.axis}))
+    packed = ReduceScatterPrimitive.bind(ctx, cts, scale=scale)
+    if shard_vma[0]:  # check_vma on: see [Note: device-varying outputs]
+        packed = _mark_varying(packed, frozenset().union(*(_vma(c) for c in cts)))
+        extra = tuple(sorted(_vma(packed) - shard_vma[0]))
         if extra:
-            g = jax.lax.psum(g, extra)
-        out.append(g.astype(shard_dtype))
-    return (tuple(out),)
+            packed = jax.lax.psum(packed, extra)
+    grads = unpack(packed, [c.shape for c in cts], ctx.world)
+    return (tuple(g.astype(shard_dtype) for g in grads),)
 
 
 _gather_group.defvjp(_gather_group_fwd, _gather_group_bwd)
@@ -123,22 +122,49 @@ def gather(shards, layout: ShardLayout, *, grad_scale: float = 1.0):
 
 
 def reduce_scatter(grads, layout: ShardLayout, *, scale: float = 1.0, accumulate=None):
-    """Full gradients (inside shard_map) -> fp32 local shards, one TIDE-RS call per group.
+    """Full gradients (inside shard_map) -> one packed fp32 shard per group (a list, in
+    `layout.groups` order), one TIDE-RS call per group; `unpack_grads` turns it into the tree.
 
-    accumulate: an fp32 shard tree to add to (out = accumulate + scale * sum over ranks). Its
-    buffers are aliased to the results; donate them to the jitted step (donate_argnums) and the
-    accumulation happens in place.
+    accumulate: the packed list of a previous call (or `zeros_packed` inside shard_map) to add to:
+    out = accumulate + scale * sum over ranks. Each buffer is aliased to its result; donate the
+    accumulators to the jitted step (donate_argnums) and the accumulation happens in place.
     """
     _check_mesh(layout)
     ctx = context_for(layout.mesh, layout.axis)
     flat = _local_leaves(layout, grads, "reduce_scatter", expect_rows=False)
-    acc = (None if accumulate is None
-           else _local_leaves(layout, accumulate, "reduce_scatter(accumulate)", expect_rows=True))
-    out = [None] * len(flat)
-    for grp in layout.groups:
+    if accumulate is not None and len(accumulate) != len(layout.groups):
+        raise ValueError(f"tide_xla.reduce_scatter: {len(accumulate)} accumulators for "
+                         f"{len(layout.groups)} groups")
+    out = []
+    for g, grp in enumerate(layout.groups):
         gs = tuple(jnp.asarray(flat[i], layout.ag_dtype) for i in grp.leaves)
-        accs = None if acc is None else tuple(acc[i] for i in grp.leaves)
-        res = ReduceScatterPrimitive.bind(ctx, gs, scale=scale, accumulate=accs)
-        for i, r in zip(grp.leaves, res):
-            out[i] = _mark_varying(r, _vma(flat[i]) | {ctx.axis})
+        res = ReduceScatterPrimitive.bind(
+            ctx, gs, scale=scale, accumulate=None if accumulate is None else accumulate[g])
+        want = frozenset().union(*(_vma(x) for x in gs))
+        out.append(_mark_varying(res, want | {ctx.axis}) if want else res)
+    return out
+
+
+def packed_sizes(layout: ShardLayout) -> list[int]:
+    """E_g = sum_p R_p K_p of every group: the length of its local packed fp32 shard."""
+    return [sum(e for _, e in packed_offsets([layout.leaves[i].shape for i in grp.leaves],
+                                             layout.world)) for grp in layout.groups]
+
+
+def zeros_packed(layout: ShardLayout):
+    """Global zero accumulators for reduce_scatter(accumulate=...): one (N E_g,) fp32 array per
+    group, sharded P(axis) (each rank holds its E_g)."""
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    sh = NamedSharding(layout.mesh, P(layout.axis))
+    return [jax.device_put(jnp.zeros((layout.world * e,), jnp.float32), sh)
+            for e in packed_sizes(layout)]
+
+
+def unpack_grads(packed, layout: ShardLayout):
+    """Local packed fp32 shards (inside shard_map) -> the fp32 shard tree of `layout`."""
+    out = [None] * len(layout.leaves)
+    for grp, buf in zip(layout.groups, packed):
+        shapes = [layout.leaves[i].shape for i in grp.leaves]
+        for i, x in zip(grp.leaves, unpack(buf, shapes, layout.world)):
+            out[i] = x
     return jax.tree_util.tree_unflatten(layout.treedef, out)
