@@ -5,7 +5,8 @@ TIDE programs (`VirtualCluster`) and the CLI. Importing `tide` needs neither tor
 """
 from tide import _core
 from tide._core import PlanError, TimeoutError  # noqa: A004  (tide.TimeoutError is ours)
+from tide.cluster import VirtualCluster
 from tide.plan import GroupSignature, Topology, plan
 
-__all__ = ["GroupSignature", "PlanError", "TimeoutError", "Topology", "plan"]
+__all__ = ["GroupSignature", "PlanError", "TimeoutError", "Topology", "VirtualCluster", "plan"]
 __version__ = "0.1.0"
