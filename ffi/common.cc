@@ -102,6 +102,7 @@ void run_group_call(const CallSpec& spec, int32_t device_ordinal, int64_t run_id
   call.plan = plan.get();
   call.spec = spec;
   call.group = slot.group;
+  call.timeout_ms = attrs.timeout_ms;
   rendezvous_and_run(
       key, world, io, plan->hash, attrs.timeout_ms,
       [&](const std::vector<const RankIo*>& ranks) {

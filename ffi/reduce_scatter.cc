@@ -29,8 +29,7 @@ GroupSignature reduce_scatter_signature(const ffi::RemainingArgs& args,
                   " results for a group of ", P, " parameters with accumulate=", accumulate,
                   " (expected ", P + (accumulate ? 1 : 0), " operands and 1 packed result)");
   const int64_t N = a.nodes * a.gpus_per_node;
-  GroupSignature sig;
-  sig.shard_dtype = DType::kFP32;
+  GroupSignature sig;  // TIDE-RS reads gradients and writes fp32: no AG cast stage
   int64_t E = 0;  // sum_p R_p K_p: the packed per-rank fp32 output (o32 prefix offsets)
   for (size_t p = 0; p < P; ++p) {
     auto grad = args.get<ffi::AnyBuffer>(p);
@@ -47,7 +46,7 @@ GroupSignature reduce_scatter_signature(const ffi::RemainingArgs& args,
     for (size_t i = 1; i < dg.size(); ++i) K *= dg[i];
     E += (D + N - 1) / N * K;
     const DType grad_t = to_tide_dtype(grad->element_type(), "gradient dtype");
-    if (p == 0) sig.grad_dtype = sig.ag_dtype = grad_t;
+    if (p == 0) sig.grad_dtype = sig.ag_dtype = sig.shard_dtype = grad_t;
     TIDE_PLAN_CHECK(grad_t == sig.grad_dtype, who, ": gradient dtype ", dtype_name(grad_t),
                     " differs from parameter 0's ", dtype_name(sig.grad_dtype));
     sig.params.push_back(std::move(spec));

@@ -83,6 +83,7 @@ struct GroupCall {
   const Plan* plan = nullptr;
   CallSpec spec;
   int64_t group = 0;                    // which FSDP group of the mesh
+  int64_t timeout_ms = 0;               // the executor's wait deadline
   std::vector<const RankIo*> ranks;     // index = rank
 };
 
