@@ -56,22 +56,23 @@ def model_loss(graphdef, params, tokens):
     return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), tokens[:, 1:, None], -1))
 
 
-def setup(mesh, topology):
+def setup(mesh, topology, state):
     tide_xla.init(mesh, "fsdp", topology=topology)
-    graphdef, state = nnx.split(Transformer(nnx.Rngs(0)), nnx.Param)
-    sharded, layout = tide_xla.shard(state, mesh, "fsdp")
-    return graphdef, state, sharded, layout
+    return tide_xla.shard(state, mesh, "fsdp")
 
 
 def reference_grads(graphdef, state, tokens_per_device):
     """Per-device bf16 gradients (one device, vmapped), upcast and summed in fp32."""
-    bf = jax.tree.map(lambda x: x.astype(jnp.bfloat16), state)
-    g = jax.vmap(jax.grad(lambda p, t: model_loss(graphdef, p, t)), in_axes=(None, 0))(
-        bf, tokens_per_device)
-    return jax.tree.map(lambda x: jnp.sum(x.astype(jnp.float32), 0), g)
+    @jax.jit
+    def grads(state, tokens):
+        bf = jax.tree.map(lambda x: x.astype(jnp.bfloat16), state)
+        g = jax.vmap(jax.grad(lambda p, t: model_loss(graphdef, p, t)), in_axes=(None, 0))(
+            bf, tokens)
+        return jax.tree.map(lambda x: jnp.sum(x.astype(jnp.float32), 0), g)
+    return grads(state, tokens_per_device)
 
 
-def tide_grads(mesh, graphdef, layout, sharded, tokens, check_vma, remat=False):
+def tide_grads(mesh, layout, graphdef, sharded, tokens, check_vma, remat=False):
     def local(s, t):
         def loss(s):
             return model_loss(graphdef, tide_xla.gather(s, layout), t)
@@ -92,24 +93,31 @@ def assert_close(got, want):
                                    err_msg=jax.tree_util.keystr(path))
 
 
-@pytest.mark.parametrize("topology,check_vma", [((2, 4), True), ((4, 2), False)])
-def test_transformer_grads_match_single_device(topology, check_vma):
-    mesh = Mesh(np.array(jax.devices()[:8]), ("fsdp",))
-    graphdef, state, sharded, layout = setup(mesh, topology)
+@pytest.fixture(scope="module")
+def reference():
+    """Model, per-device token blocks (8 devices x 2 sequences) and the reference gradients,
+    computed once for every mesh below (each device sees one block either way)."""
+    graphdef, state = nnx.split(Transformer(nnx.Rngs(0)), nnx.Param)
     tokens = jax.random.randint(jax.random.key(1), (8, 2, SEQ + 1), 0, VOCAB)
-    want = reference_grads(graphdef, state, tokens)
-    got = tide_grads(mesh, graphdef, layout, sharded, tokens.reshape(16, SEQ + 1), check_vma)
+    return graphdef, state, tokens, reference_grads(graphdef, state, tokens)
+
+
+@pytest.mark.parametrize("topology,check_vma", [((2, 4), True), ((4, 2), False)])
+def test_transformer_grads_match_single_device(reference, topology, check_vma):
+    graphdef, state, tokens, want = reference
+    mesh = Mesh(np.array(jax.devices()[:8]), ("fsdp",))
+    sharded, layout = setup(mesh, topology, state)
+    got = tide_grads(mesh, layout, graphdef, sharded, tokens.reshape(16, SEQ + 1), check_vma)
     assert_close(got, want)
 
 
-def test_grads_with_remat_and_2d_mesh():
+def test_grads_with_remat_and_2d_mesh(reference):
     """fsdp x data: TIDE-RS inside each fsdp group, then the replica sum over `data`; the gather
     is replayed by jax.checkpoint in the backward pass."""
+    graphdef, state, tokens, want = reference
     mesh = Mesh(np.array(jax.devices()[:8]).reshape(4, 2), ("fsdp", "data"))
-    graphdef, state, sharded, layout = setup(mesh, (2, 2))
-    tokens = jax.random.randint(jax.random.key(2), (8, 2, SEQ + 1), 0, VOCAB)
-    want = reference_grads(graphdef, state, tokens)
-    got = tide_grads(mesh, graphdef, layout, sharded, tokens.reshape(16, SEQ + 1), True,
+    sharded, layout = setup(mesh, (2, 2), state)
+    got = tide_grads(mesh, layout, graphdef, sharded, tokens.reshape(16, SEQ + 1), True,
                      remat=True)
     assert_close(got, want)
 
