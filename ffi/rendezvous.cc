@@ -146,9 +146,11 @@ void rendezvous_and_run(const RendezvousKey& key, int world, const RankIo& io, u
       fn();
     } catch (const std::exception& e) {
       lock.lock();
-      if (m->failure.empty())
+      if (m->failure.empty()) {
         m->failure =
             TIDE_STR_CAT("rendezvous ", key_str(key), ": rank ", rank, " failed: ", e.what());
+        m->timed_out = dynamic_cast<const TimeoutError*>(&e) != nullptr;  // same code everywhere
+      }
       g_cv.notify_all();
       leave(key, m);
       throw;

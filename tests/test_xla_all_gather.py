@@ -87,3 +87,14 @@ def test_gather_under_scan_replays_the_call_site():
     want = sum(np.asarray(jnp.asarray(c * (i + 1), jnp.bfloat16), np.float32) for i in range(3))
     for r in range(8):
         np.testing.assert_allclose(got[r], want, rtol=0, atol=0)
+
+
+def test_slot_reuse_mode_gives_the_same_bytes():
+    mesh = Mesh(np.array(jax.devices()[:8]), ("fsdp",))
+    sharded, layout = tide_xla.shard(params(3), mesh, "fsdp", group_key=lambda path: "one")
+    tide_xla.init(mesh, "fsdp", topology=(4, 2), mode="slot_reuse")
+    got = gathered_copies(mesh, "fsdp", layout, sharded, use_tide=True)
+    tide_xla.init(mesh, "fsdp", topology=(4, 2), mode="in_place")
+    want = gathered_copies(mesh, "fsdp", layout, sharded, use_tide=True)
+    for k in SHAPES:
+        np.testing.assert_array_equal(got[k].view(np.uint16), want[k].view(np.uint16), err_msg=k)

@@ -76,3 +76,18 @@ def test_rank_comes_from_the_device_table_not_the_ordinal():
     ctx = tide_xla.init(mesh, "fsdp")
     table = np.asarray(ctx.device_table).reshape(-1, 3)
     assert table[0].tolist() == [7, 0, 0] and table[7].tolist() == [0, 0, 7]
+
+
+def test_handler_rejects_a_shard_that_is_not_padded_dim0():
+    """The C++ boundary checks shapes itself: a bad call is INVALID_ARGUMENT naming the rule."""
+    from tide_xla.all_gather import AllGatherPrimitive
+    mesh = mesh_1d()
+    ctx = tide_xla.init(mesh, "fsdp", topology=(2, 4))
+
+    def local(x):  # local shard (2, 4) but dims0 claims D = 40 -> R_p should be 5
+        return AllGatherPrimitive.bind(ctx, [x], [40], jnp.bfloat16)[0][None]
+
+    fn = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P("fsdp"),), out_specs=P("fsdp"),
+                               check_vma=False))
+    with pytest.raises(Exception, match=r"INVALID_ARGUMENT.*R_p = ceil\(D_p/N\)"):
+        jax.block_until_ready(fn(jnp.ones((16, 4), jnp.bfloat16)))
