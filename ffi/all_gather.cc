@@ -22,7 +22,6 @@ GroupSignature all_gather_signature(const ffi::RemainingArgs& shards,
   TIDE_PLAN_CHECK(shards.size() == P && params.size() == P, "tide_all_gather: ", shards.size(),
                   " operands and ", params.size(), " results for a group of ", P,
                   " parameters (dims0); one operand and one result per parameter");
-  const int64_t N = a.nodes * a.gpus_per_node;
   GroupSignature sig;
   for (size_t p = 0; p < P; ++p) {
     auto in = shards.get<ffi::AnyBuffer>(p);
@@ -36,9 +35,6 @@ GroupSignature all_gather_signature(const ffi::RemainingArgs& shards,
                     dims_str(din), " and parameter ", dims_str(dout),
                     " must have the same rank >= 1 (TIDE shards dim 0)");
     TIDE_PLAN_CHECK(dout[0] == D, who, ": result has ", dout[0], " rows but dims0 says ", D);
-    TIDE_PLAN_CHECK(din[0] == (D + N - 1) / N, who, ": shard ", dims_str(din), " must have R_p = "
-                    "ceil(D_p/N) = ceil(", D, "/", N, ") = ", (D + N - 1) / N,
-                    " rows (dim-0 sharding padded as FSDP2 pads)");
     ParamSpec spec;
     spec.name = who;
     spec.shape.push_back(D);
@@ -61,6 +57,13 @@ GroupSignature all_gather_signature(const ffi::RemainingArgs& shards,
     sig.params.push_back(std::move(spec));
     io.in.push_back(in->untyped_data());
     io.out.push_back((*out)->untyped_data());
+  }
+  const GroupLayout lay = build_layout(sig, group_topology(a));  // R_p as the plan computes it
+  for (size_t p = 0; p < P; ++p) {
+    const auto din = shards.get<ffi::AnyBuffer>(p)->dimensions();
+    TIDE_PLAN_CHECK(din[0] == lay.params[p].R, "parameter ", p, ": shard ", dims_str(din),
+                    " must have R_p = ceil(D_p/N) = ceil(", lay.params[p].D, "/", lay.N, ") = ",
+                    lay.params[p].R, " rows (dim-0 sharding padded as FSDP2 pads)");
   }
   return sig;
 }

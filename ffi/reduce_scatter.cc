@@ -28,9 +28,7 @@ GroupSignature reduce_scatter_signature(const ffi::RemainingArgs& args,
                   "tide_reduce_scatter: ", args.size(), " operands and ", rets.size(),
                   " results for a group of ", P, " parameters with accumulate=", accumulate,
                   " (expected ", P + (accumulate ? 1 : 0), " operands and 1 packed result)");
-  const int64_t N = a.nodes * a.gpus_per_node;
   GroupSignature sig;  // TIDE-RS reads gradients and writes fp32: no AG cast stage
-  int64_t E = 0;  // sum_p R_p K_p: the packed per-rank fp32 output (o32 prefix offsets)
   for (size_t p = 0; p < P; ++p) {
     auto grad = args.get<ffi::AnyBuffer>(p);
     TIDE_CHECK(grad.has_value(), "parameter ", p, ": not a buffer");
@@ -41,10 +39,7 @@ GroupSignature reduce_scatter_signature(const ffi::RemainingArgs& args,
                     " must have D_p = ", D, " rows (dims0)");
     ParamSpec spec;
     spec.name = who;
-    int64_t K = 1;
-    for (size_t i = 0; i < dg.size(); ++i) spec.shape.push_back(dg[i]);
-    for (size_t i = 1; i < dg.size(); ++i) K *= dg[i];
-    E += (D + N - 1) / N * K;
+    spec.shape.assign(dg.begin(), dg.end());
     const DType grad_t = to_tide_dtype(grad->element_type(), "gradient dtype");
     if (p == 0) sig.grad_dtype = sig.ag_dtype = sig.shard_dtype = grad_t;
     TIDE_PLAN_CHECK(grad_t == sig.grad_dtype, who, ": gradient dtype ", dtype_name(grad_t),
@@ -52,6 +47,8 @@ GroupSignature reduce_scatter_signature(const ffi::RemainingArgs& args,
     sig.params.push_back(std::move(spec));
     io.in.push_back(grad->untyped_data());
   }
+  // E = sum_p R_p K_p: the packed per-rank fp32 output, parameter p at o32_p (plan layout).
+  const int64_t E = build_layout(sig, group_topology(a)).E;
   auto out = rets.get<ffi::AnyBuffer>(0);
   TIDE_CHECK(out.has_value(), "result: not a buffer");
   TIDE_PLAN_CHECK((*out)->element_type() == ffi::DataType::F32 &&
