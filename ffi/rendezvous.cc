@@ -78,7 +78,6 @@ void rendezvous_and_run(const RendezvousKey& key, int world, const RankIo& io, u
                         const std::function<void(const std::vector<const RankIo*>&)>& rank_body) {
   const int rank = io.rank;
   TIDE_CHECK(rank >= 0 && rank < world, "rank ", rank, " outside [0, ", world, ")");
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(timeout_ms);
   std::unique_lock<std::mutex> lock(g_mu);
   auto& slot = g_meetings[key];
   if (!slot) {
@@ -103,42 +102,46 @@ void rendezvous_and_run(const RendezvousKey& key, int world, const RankIo& io, u
   ++m->arrived;
   g_cv.notify_all();
 
-  auto wait_for = [&](auto ready, const char* phase) {
+  // Leaves the meeting with its failure (TimeoutError when it is a timeout). Caller holds g_mu.
+  auto fail = [&]() {
+    const std::string msg = m->failure;
+    const bool timeout = m->timed_out;
+    leave(key, m);
+    if (timeout) throw TimeoutError(msg);
+    throw Error(msg);
+  };
+  // Waits (each phase with its own deadline) until `ready`; on timeout names the ranks for which
+  // `present(r)` is false.
+  auto wait_for = [&](auto ready, auto present, const char* what) {
+    const auto deadline =
+        std::chrono::steady_clock::now() + std::chrono::milliseconds(timeout_ms);
     while (!ready() && m->failure.empty()) {
       if (g_cv.wait_until(lock, deadline) == std::cv_status::timeout && !ready() &&
           m->failure.empty()) {
-        std::vector<bool> present(world);
-        for (int r = 0; r < world; ++r)
-          present[r] = phase[0] == 'j'   ? m->io[r] != nullptr
-                       : phase[0] == 'f' ? m->done[r]
-                                         : r != 0;
+        std::vector<bool> seen(world);
+        for (int r = 0; r < world; ++r) seen[r] = present(r);
         m->failure = TIDE_STR_CAT(
             "rendezvous ", key_str(key), ": rank ", rank, " waited ", timeout_ms,
-            " ms for ranks [", missing_ranks(present), "] to ", phase,
+            " ms for ranks [", missing_ranks(seen), "] to ", what,
             " (a device skipped this call, e.g. under a rank-dependent lax.cond, or hangs)");
         m->timed_out = true;
         g_cv.notify_all();
       }
     }
-    if (!m->failure.empty()) {
-      const std::string msg = m->failure;
-      const bool timeout = m->timed_out;
-      leave(key, m);
-      if (timeout) throw TimeoutError(msg);
-      throw Error(msg);
-    }
+    if (!m->failure.empty()) fail();
   };
 
-  wait_for([&] { return m->arrived == world; }, "join");
-  for (int r = 0; r < world; ++r) {
+  wait_for([&] { return m->arrived == world; }, [&](int r) { return m->io[r] != nullptr; },
+           "join");
+  for (int r = 0; r < world && m->failure.empty(); ++r) {
     if (m->hash[r] != plan_hash) {
       m->failure = TIDE_STR_CAT("rendezvous ", key_str(key), ": rank ", r, " has plan hash ",
                                 m->hash[r], " but rank ", rank, " has ", plan_hash,
                                 " (ranks disagree on the group's shapes, dtypes or topology)");
       g_cv.notify_all();
-      wait_for([] { return false; }, "join");
     }
   }
+  if (!m->failure.empty()) fail();
   std::vector<const RankIo*> group = m->io;
   auto run = [&](const std::function<void()>& fn) {
     lock.unlock();
@@ -162,13 +165,14 @@ void rendezvous_and_run(const RendezvousKey& key, int world, const RankIo& io, u
     m->ran = true;
     g_cv.notify_all();
   } else {
-    wait_for([&] { return m->ran; }, "run the group (rank 0)");
+    wait_for([&] { return m->ran; }, [](int r) { return r != 0; }, "run the group's programs");
   }
   run([&] { rank_body(group); });
   m->done[rank] = true;
   ++m->finished;
   g_cv.notify_all();
-  wait_for([&] { return m->finished == world; }, "finish");
+  wait_for([&] { return m->finished == world; }, [&](int r) { return bool(m->done[r]); },
+           "finish");
   leave(key, m);
 }
 

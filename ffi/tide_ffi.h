@@ -115,8 +115,9 @@ int64_t next_seq(int32_t device_ordinal, int64_t op_id, int64_t run_id);
 // Joins the rendezvous of `key` as `io.rank`. Once every rank of the group has joined (all
 // RankIo visible), rank 0 runs `group_body`; then every rank runs `rank_body`; then all wait
 // until every rank finished (completion fence: until then peers may still touch this rank's
-// buffers). Throws TimeoutError naming the missing ranks after `timeout_ms`, or Error when
-// another rank failed or the ranks disagree on the plan hash.
+// buffers). Throws TimeoutError naming the missing ranks when one phase (join, rank 0's run,
+// finish) waits longer than `timeout_ms`, or Error when another rank failed or the ranks
+// disagree on the plan hash.
 void rendezvous_and_run(const RendezvousKey& key, int world, const RankIo& io, uint64_t plan_hash,
                         int64_t timeout_ms,
                         const std::function<void(const std::vector<const RankIo*>&)>& group_body,
