@@ -70,12 +70,15 @@ GroupSignature all_gather_signature(const ffi::RemainingArgs& shards,
 
 }  // namespace
 
-ffi::Error AllGatherImpl(int32_t device_ordinal, ffi::RunId run_id, ffi::RemainingArgs shards,
+ffi::Error AllGatherImpl(int32_t device_ordinal, ffi::RunId run_id,
+                         WhereBuffer where, ffi::RemainingArgs shards,
                          ffi::RemainingRets params, ffi::Span<const int64_t> dims0,
                          ffi::Span<const int64_t> device_table, int64_t nodes,
                          int64_t gpus_per_node, int64_t mode, int64_t op_id, int64_t timeout_ms) {
   TIDE_FFI_BOUNDARY("tide_all_gather", {
-    const GroupAttrs attrs{dims0, device_table, nodes, gpus_per_node, mode, op_id, timeout_ms};
+    GroupAttrs attrs{dims0, device_table, nodes, gpus_per_node, mode, op_id, timeout_ms};
+    TIDE_PLAN_CHECK(where.element_count() == 2, "where: expected (axis index, group index)");
+    attrs.where = where.typed_data();  // host memory on XLA:CPU
     RankIo io;
     const GroupSignature sig = all_gather_signature(shards, params, attrs, io);
     CallSpec spec;
@@ -90,6 +93,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
     ffi::Ffi::Bind()
         .Ctx<ffi::DeviceOrdinal>()                        // device_ordinal: key into device_table
         .Ctx<ffi::RunId>()                                // run_id: one launch of the executable
+        .Arg<WhereBuffer>()                  // where: (axis index, group index)
         .RemainingArgs()                                  // shards: P x (R_p, ...) shard dtype
         .RemainingRets()                                  // params: P x (D_p, ...) AG dtype
         .Attr<ffi::Span<const int64_t>>("dims0")          // D_p per parameter
@@ -102,8 +106,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
 
 #ifdef TIDE_WITH_CUDA
 ffi::Error AllGatherCudaImpl(cudaStream_t stream, int32_t device_ordinal, ffi::RunId run_id,
-                             ffi::RemainingArgs shards, ffi::RemainingRets params,
-                             ffi::Span<const int64_t> dims0,
+                             WhereBuffer where, ffi::RemainingArgs shards,
+                             ffi::RemainingRets params, ffi::Span<const int64_t> dims0,
                              ffi::Span<const int64_t> device_table, int64_t nodes,
                              int64_t gpus_per_node, int64_t mode, int64_t op_id,
                              int64_t timeout_ms) {
@@ -123,6 +127,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Ctx<ffi::PlatformStream<cudaStream_t>>()         // stream: XLA's compute stream
         .Ctx<ffi::DeviceOrdinal>()                        // device_ordinal: key into device_table
         .Ctx<ffi::RunId>()                                // run_id: one launch of the executable
+        .Arg<WhereBuffer>()                  // where: (axis index, group index)
         .RemainingArgs()                                  // shards: P x (R_p, ...) shard dtype
         .RemainingRets()                                  // params: P x (D_p, ...) AG dtype
         .Attr<ffi::Span<const int64_t>>("dims0")          // D_p per parameter

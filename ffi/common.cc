@@ -98,6 +98,18 @@ void run_group_call(const CallSpec& spec, int32_t device_ordinal, int64_t run_id
   key.group = slot.group;
   key.op_id = attrs.op_id;
   key.seq = next_seq(device_ordinal, attrs.op_id, run_id);
+  if (attrs.where != nullptr) {
+    const bool group_ok = attrs.where[1] < 0 || attrs.where[1] == slot.group;
+    if (attrs.where[0] != slot.rank || !group_ok) {
+      const std::string why = TIDE_STR_CAT(
+          "mesh mismatch: device ", device_ordinal, " is rank ", slot.rank, " of group ",
+          slot.group, " in the mesh given to tide_xla.init(), but has index ", attrs.where[0],
+          " along the FSDP axis (group ", attrs.where[1], ") in the shard_map running this "
+          "call; trace with the mesh init() was given");
+      rendezvous_fail(key, world, slot.rank, why);
+      throw PlanError(why);
+    }
+  }
   GroupCall call;
   call.plan = plan.get();
   call.spec = spec;

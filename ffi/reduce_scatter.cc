@@ -71,13 +71,16 @@ GroupSignature reduce_scatter_signature(const ffi::RemainingArgs& args,
 
 }  // namespace
 
-ffi::Error ReduceScatterImpl(int32_t device_ordinal, ffi::RunId run_id, ffi::RemainingArgs args,
+ffi::Error ReduceScatterImpl(int32_t device_ordinal, ffi::RunId run_id,
+                             WhereBuffer where, ffi::RemainingArgs args,
                              ffi::RemainingRets rets, ffi::Span<const int64_t> dims0,
                              ffi::Span<const int64_t> device_table, int64_t nodes,
                              int64_t gpus_per_node, int64_t mode, int64_t op_id,
                              int64_t timeout_ms, float scale, int64_t accumulate) {
   TIDE_FFI_BOUNDARY("tide_reduce_scatter", {
-    const GroupAttrs attrs{dims0, device_table, nodes, gpus_per_node, mode, op_id, timeout_ms};
+    GroupAttrs attrs{dims0, device_table, nodes, gpus_per_node, mode, op_id, timeout_ms};
+    TIDE_PLAN_CHECK(where.element_count() == 2, "where: expected (axis index, group index)");
+    attrs.where = where.typed_data();  // host memory on XLA:CPU
     RankIo io;
     const GroupSignature sig = reduce_scatter_signature(args, rets, attrs, accumulate != 0, io);
     CallSpec spec;
@@ -94,6 +97,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
     ffi::Ffi::Bind()
         .Ctx<ffi::DeviceOrdinal>()                        // device_ordinal: key into device_table
         .Ctx<ffi::RunId>()                                // run_id: one launch of the executable
+        .Arg<WhereBuffer>()                  // where: (axis index, group index)
         .RemainingArgs()                                  // grads: P x (D_p, ...) [+ acc (E,)]
         .RemainingRets()                                  // shard: (E,) float32, packed
         .Attr<ffi::Span<const int64_t>>("dims0")          // D_p per parameter
@@ -108,8 +112,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
 
 #ifdef TIDE_WITH_CUDA
 ffi::Error ReduceScatterCudaImpl(cudaStream_t stream, int32_t device_ordinal, ffi::RunId run_id,
-                                 ffi::RemainingArgs args, ffi::RemainingRets rets,
-                                 ffi::Span<const int64_t> dims0,
+                                 WhereBuffer where, ffi::RemainingArgs args,
+                                 ffi::RemainingRets rets, ffi::Span<const int64_t> dims0,
                                  ffi::Span<const int64_t> device_table, int64_t nodes,
                                  int64_t gpus_per_node, int64_t mode, int64_t op_id,
                                  int64_t timeout_ms, float scale, int64_t accumulate) {
@@ -129,6 +133,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Ctx<ffi::PlatformStream<cudaStream_t>>()         // stream: XLA's compute stream
         .Ctx<ffi::DeviceOrdinal>()                        // device_ordinal: key into device_table
         .Ctx<ffi::RunId>()                                // run_id: one launch of the executable
+        .Arg<WhereBuffer>()                  // where: (axis index, group index)
         .RemainingArgs()                                  // grads: P x (D_p, ...) [+ acc (E,)]
         .RemainingRets()                                  // shard: (E,) float32, packed
         .Attr<ffi::Span<const int64_t>>("dims0")          // D_p per parameter

@@ -1,10 +1,11 @@
 // In-process rendezvous of the XLA:CPU devices of one group, and the per-device call counters.
 //
-// [Note: rendezvous lifetime] A Meeting lives in the table from the first arrival until the last
-// rank that arrived has left. A rank leaves after the completion fence (success), or at once when
-// the meeting failed (timeout, plan mismatch, a rank's program threw). A rank that arrives after
-// the meeting was erased opens a fresh one and times out naming the ranks that never came; it
-// never joins a finished meeting, because the table only holds live ones.
+// [Note: rendezvous lifetime] A Meeting lives in the table from the first arrival until every
+// rank of the group has left it. A rank leaves after the completion fence (success), or at once
+// when the meeting failed (timeout, plan mismatch, a rank's program threw, a rank posted a
+// failure before joining). A failed meeting whose missing rank never comes stays in the table
+// (a few hundred bytes per failed call): a late rank then fails at once with the meeting's
+// error instead of waiting for peers that already gave up.
 #include <algorithm>
 #include <chrono>
 #include <condition_variable>
@@ -52,13 +53,28 @@ std::string missing_ranks(const std::vector<bool>& present) {
   return os.str();
 }
 
-// Leaves the meeting; the last rank out erases it. Caller holds g_mu.
+// Leaves the meeting; the last of the `world` ranks out erases it. Caller holds g_mu.
 void leave(const RendezvousKey& key, const std::shared_ptr<Meeting>& m) {
-  if (++m->left == m->arrived) {
+  if (++m->left == m->world) {
     auto it = g_meetings.find(key);
     if (it != g_meetings.end() && it->second == m) g_meetings.erase(it);
   }
 }
+
+// The meeting of `key`, created on first use. Caller holds g_mu.
+std::shared_ptr<Meeting> meeting(const RendezvousKey& key, int world) {
+  auto& slot = g_meetings[key];
+  if (!slot) {
+    slot = std::make_shared<Meeting>();
+    slot->world = world;
+    slot->io.assign(world, nullptr);
+    slot->hash.assign(world, 0);
+    slot->done.assign(world, false);
+  }
+  return slot;
+}
+
+const RankIo kFailedRank;  // marks a rank that posted a failure instead of joining
 
 }  // namespace
 
@@ -72,6 +88,19 @@ int64_t next_seq(int32_t device_ordinal, int64_t op_id, int64_t run_id) {
   return c.second;
 }
 
+void rendezvous_fail(const RendezvousKey& key, int world, int rank, const std::string& why) {
+  std::lock_guard<std::mutex> lock(g_mu);
+  std::shared_ptr<Meeting> m = meeting(key, world);
+  if (m->failure.empty())
+    m->failure = TIDE_STR_CAT("rendezvous ", key_str(key), ": rank ", rank, " failed: ", why);
+  if (rank >= 0 && rank < m->world && m->io[rank] == nullptr) {
+    m->io[rank] = &kFailedRank;
+    ++m->arrived;
+    leave(key, m);
+  }
+  g_cv.notify_all();
+}
+
 void rendezvous_and_run(const RendezvousKey& key, int world, const RankIo& io, uint64_t plan_hash,
                         int64_t timeout_ms,
                         const std::function<void(const std::vector<const RankIo*>&)>& group_body,
@@ -79,15 +108,7 @@ void rendezvous_and_run(const RendezvousKey& key, int world, const RankIo& io, u
   const int rank = io.rank;
   TIDE_CHECK(rank >= 0 && rank < world, "rank ", rank, " outside [0, ", world, ")");
   std::unique_lock<std::mutex> lock(g_mu);
-  auto& slot = g_meetings[key];
-  if (!slot) {
-    slot = std::make_shared<Meeting>();
-    slot->world = world;
-    slot->io.assign(world, nullptr);
-    slot->hash.assign(world, 0);
-    slot->done.assign(world, false);
-  }
-  std::shared_ptr<Meeting> m = slot;
+  std::shared_ptr<Meeting> m = meeting(key, world);
   if (m->world != world || m->io[rank] != nullptr) {
     const std::string why =
         m->world != world

@@ -37,6 +37,9 @@ namespace tide::xla_ffi {
 
 namespace ffi = ::xla::ffi;
 
+// The handlers' first operand: (index along the FSDP axis, group index), int32.
+using WhereBuffer = ffi::Buffer<ffi::DataType::S32, 1>;
+
 enum class Collective : int { kAllGather = 0, kReduceScatter = 1 };
 const char* collective_name(Collective c);
 
@@ -123,6 +126,10 @@ void rendezvous_and_run(const RendezvousKey& key, int world, const RankIo& io, u
                         const std::function<void(const std::vector<const RankIo*>&)>& group_body,
                         const std::function<void(const std::vector<const RankIo*>&)>& rank_body);
 
+// Posts a failure into the meeting of `key` on behalf of `rank`, which will not join (its call
+// failed before the rendezvous, e.g. a mesh mismatch): the other ranks fail at once naming it.
+void rendezvous_fail(const RendezvousKey& key, int world, int rank, const std::string& why);
+
 // ---------------------------------------------------------------------------------------------
 // One group call, shared by both ops (common.cc): checks the device table, builds or reuses the
 // plan, takes the next sequence number, meets the other ranks and runs
@@ -136,6 +143,9 @@ struct GroupAttrs {
   int64_t mode = 0;                       // Mode (0 in_place, 1 slot_reuse)
   int64_t op_id = 0;                      // call site, fixed at trace time
   int64_t timeout_ms = 0;                 // rendezvous and executor wait budget
+  // The device's (axis index, group index) as seen inside the shard_map (host memory, XLA:CPU),
+  // or nullptr: checked against the device table to catch a mesh mismatch. Group -1: unchecked.
+  const int32_t* where = nullptr;
 };
 
 // Fills io.rank; `sig` must already hold the parameter shapes and dtypes.

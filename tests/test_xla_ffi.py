@@ -12,7 +12,7 @@ import pytest
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 jax = pytest.importorskip("jax")
 import jax.numpy as jnp  # noqa: E402
-from jax.sharding import Mesh, PartitionSpec as P  # noqa: E402
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
 import tide_xla  # noqa: E402
 from tide_xla import _ffi  # noqa: E402
@@ -91,3 +91,15 @@ def test_handler_rejects_a_shard_that_is_not_padded_dim0():
                                check_vma=False))
     with pytest.raises(Exception, match=r"INVALID_ARGUMENT.*R_p = ceil\(D_p/N\)"):
         jax.block_until_ready(fn(jnp.ones((16, 4), jnp.bfloat16)))
+
+
+def test_mesh_with_the_same_shape_but_other_devices_is_caught_at_run_time():
+    """Same axis names and sizes, devices in another order: only the device table can tell."""
+    mesh_a, mesh_b = mesh_1d(), mesh_1d(order=[1, 0, 2, 3, 4, 5, 6, 7])
+    tide_xla.init(mesh_a, "fsdp")
+    _, layout = tide_xla.shard({"a": jnp.ones((16, 4))}, mesh_a, "fsdp")
+    shards = {"a": jax.device_put(jnp.ones((16, 4)), NamedSharding(mesh_b, P("fsdp")))}
+    fn = jax.jit(jax.shard_map(lambda s: tide_xla.gather(s, layout)["a"][None], mesh=mesh_b,
+                               in_specs=(layout.specs,), out_specs=P("fsdp")))
+    with pytest.raises(Exception, match=r"INVALID_ARGUMENT.*mesh mismatch: device 1 is rank 1"):
+        jax.block_until_ready(fn(shards))

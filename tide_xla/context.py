@@ -35,6 +35,24 @@ class TideContext:
         """N = M * L, the size of `axis`."""
         return self.nodes * self.gpus_per_node
 
+    def where(self):
+        """This device's (index along `axis`, group index) inside the running shard_map, as the
+        handler's first operand: it checks them against the device table (mesh mismatch).
+        The group is the flat index over the other axes, or -1 when one of them is not manual."""
+        import jax
+        import jax.numpy as jnp
+        manual = set(getattr(jax.sharding.get_abstract_mesh(), "manual_axes", ()))
+        rank = jax.lax.axis_index(self.axis)
+        group = jnp.int32(0)
+        for name in self.mesh.axis_names:
+            if name == self.axis:
+                continue
+            if name not in manual:
+                group = jnp.int32(-1)
+                break
+            group = group * self.mesh.shape[name] + jax.lax.axis_index(name)
+        return jnp.stack([rank, group]).astype(jnp.int32)
+
     def attrs(self, op_id: int) -> dict[str, Any]:
         """FFI attributes shared by both ops (types as XLA checks them at run time)."""
         return dict(

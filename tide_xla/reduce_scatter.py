@@ -59,9 +59,9 @@ class ReduceScatterPrimitive:
                                  f"{accumulate.dtype} must be the group's packed float32 shard "
                                  f"of shape {out_type.shape}")
             operands.append(accumulate)
-            aliases = {len(grads): 0}
+            aliases = {1 + len(grads): 0}  # operand 0 is `where`
         call = jax.ffi.ffi_call(cls.name, out_type, vmap_method="sequential",
                                 input_output_aliases=aliases)
-        return call(*operands, dims0=np.asarray([g.shape[0] for g in grads], np.int64),
+        return call(ctx.where(), *operands, dims0=np.asarray([g.shape[0] for g in grads], np.int64),
                     scale=np.float32(scale), accumulate=np.int64(accumulate is not None),
                     **ctx.attrs(next_op_id()))
