@@ -68,7 +68,8 @@ def _gather_group(ctx: TideContext, dims0: tuple, ag_dtype: Any, scale: float, s
 
 
 def _gather_group_fwd(ctx, dims0, ag_dtype, scale, shard_dtype, shard_vma, shards):
-    axes = _manual_axes() if shard_vma[0] else frozenset()  # empty: check_vma is off
+    # Shards vary over the FSDP axis whenever check_vma is on; no vma at all means it is off.
+    axes = _manual_axes() if shard_vma[0] else frozenset()
     outs = AllGatherPrimitive.bind(ctx, shards, dims0, ag_dtype)
     return tuple(_mark_varying(o, axes) for o in outs), None
 
@@ -78,7 +79,7 @@ def _gather_group_bwd(ctx, dims0, ag_dtype, scale, shard_dtype, shard_vma, _, ct
     packed = ReduceScatterPrimitive.bind(ctx, cts, scale=scale)
     if shard_vma[0]:  # check_vma on: see [Note: device-varying outputs]
         packed = _mark_varying(packed, frozenset().union(*(_vma(c) for c in cts)))
-        extra = tuple(sorted(_vma(packed) - shard_vma[0]))
+        extra = tuple(sorted(_vma(packed) - frozenset.intersection(*shard_vma)))
         if extra:
             packed = jax.lax.psum(packed, extra)
     grads = unpack(packed, [c.shape for c in cts], ctx.world)
