@@ -21,7 +21,7 @@ pytestmark = [
     pytest.mark.skipif(not _ffi.executor_available(), reason=_ffi.executor_description()),
 ]
 
-VOCAB, DIM, HEADS, FF, LAYERS, SEQ = 37, 16, 2, 20, 2, 8
+VOCAB, DIM, HEADS, FF, LAYERS, SEQ = 37, 16, 2, 20, 1, 8
 
 
 class Block(nnx.Module):
