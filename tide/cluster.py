@@ -115,7 +115,7 @@ class VirtualCluster:
                     st.arena.write(r, KIND["resident"], lay.params[p].o, padded[r][p].view(np.uint8))
                 bindings.append([])
             else:
-                bindings.append([(KIND["shard"], p, padded[r][p]) for p in range(lay.P)])
+                bindings.append([(KIND["shard"], p, padded[r][p].view(np.uint8)) for p in range(lay.P)])
         ring = KIND["ring0" if ring_slot == 0 else "ring1"]
         if poison:
             for r in range(N):

@@ -35,7 +35,7 @@ std::vector<std::vector<Call>> calls_from_python(const nb::list& per_rank) {
 std::string describe_op(const Program& pr, int i) {
   const Op& op = pr.ops[i];
   std::string s = TIDE_STR_CAT(i, " ", op_kind_name(op.kind), " [", pr.streams[op.stream], "] tag=",
-                               static_cast<int>(op.tag));
+                               op_tag_name(op.tag));
   if (op.round >= 0) s += TIDE_STR_CAT(" round=", op.round);
   if (op.counter.index >= 0)
     s += TIDE_STR_CAT(" counter=", op.counter.index < static_cast<int>(pr.counter_names.size())
@@ -49,7 +49,10 @@ std::string describe_op(const Program& pr, int i) {
 }
 }  // namespace tide
 
+void bind_program_spec(nb::module_& m);  // bind_program_spec.cc
+
 void bind_program(nb::module_& m) {
+  bind_program_spec(m);
   nb::class_<ProgramSet>(m, "ProgramSet")
       .def("__len__", [](const ProgramSet& s) { return s.progs.size(); })
       .def("copy", [](const ProgramSet& s) { return std::make_shared<ProgramSet>(s); })
