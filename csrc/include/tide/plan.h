@@ -217,8 +217,8 @@ struct RsWave {
   // Per destination GPU j: bit s set when inbox block s of generation `gen` receives a partial
   // in this wave (write_mask), or must be zeroed before this wave's puts because the previous
   // wave on the same generation wrote it and this wave does not (zero_mask; stale-block zeroing).
-  // The previous wave of the first wave on a generation is the last wave on that generation of
-  // the previous call of the same plan (steady state; a fresh arena is all zero).
+  // Each call starts from unknown inbox contents, so the first wave on a generation zeroes
+  // every block it does not write.
   uint8_t write_mask[kMaxGpusPerNode] = {};
   uint8_t zero_mask[kMaxGpusPerNode] = {};
 };
@@ -263,7 +263,8 @@ struct RsSchedule {
   int64_t stg_slot_bytes = 0;  // one staging slot: (L-1) * L * E_chunk * b_grad
   int n_spare = 1;          // own-node spare blocks per bank (passes reuse it in turn)
   int64_t d_rem = 0;        // remote destination blocks per call, n_part*(M-1)
-  int64_t l1_descriptors_per_rank = 0;       // coalesced Level-1 copies (max over ranks, with tails)
+  int64_t l1_descriptors_per_rank = 0;       // coalesced Level-1 copies per call, with tails (max
+                                             // over node 0's ranks; rs_level1_copies for any rank)
   int64_t l1_tail_descriptors_per_rank = 0;  // ... of which padded-row tails
   int64_t l1_flat_descriptors_per_rank = 0;  // (L-1)PML: one flat copy per destination row
   int64_t l1_coalesced_formula = 0;          // (L-1)PM: the paper's count without tails
