@@ -58,6 +58,10 @@ GroupSignature all_gather_signature(const ffi::RemainingArgs& shards,
     io.in.push_back(in->untyped_data());
     io.out.push_back((*out)->untyped_data());
   }
+  TIDE_PLAN_CHECK(!sig.needs_cast() || (sig.shard_dtype == DType::kFP32 &&
+                                         sig.ag_dtype == DType::kBF16),
+                  "tide_all_gather: a ", dtype_name(sig.shard_dtype), " shard cannot be gathered as ",
+                  dtype_name(sig.ag_dtype), " (TIDE-AG casts float32 shards to bfloat16 only)");
   const GroupLayout lay = build_layout(sig, group_topology(a));  // R_p as the plan computes it
   for (size_t p = 0; p < P; ++p) {
     const auto din = shards.get<ffi::AnyBuffer>(p)->dimensions();
