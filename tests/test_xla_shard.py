@@ -109,3 +109,9 @@ def test_scalar_leaves_and_bad_topology_are_rejected():
         tide_xla.shard({"s": jnp.ones(())}, m, "fsdp")
     with pytest.raises(ValueError, match="3x2"):
         tide_xla.init(m, "fsdp", topology=(3, 2))
+
+
+def test_unsupported_cast_is_rejected():
+    with pytest.raises(ValueError, match="casts float32 shards to bfloat16"):
+        tide_xla.shard({"w": jnp.ones((8, 2))}, mesh(), "fsdp", shard_dtype=jnp.bfloat16,
+                       ag_dtype=jnp.float32)

@@ -112,6 +112,10 @@ def shard(params, mesh: Mesh, axis: str = "fsdp", *, shard_dtype=jnp.float32,
         raise ValueError(f"shard: axis {axis!r} is not an axis of the mesh {mesh.axis_names}")
     if not 1 <= max_group_params <= MAX_GROUP_PARAMS:
         raise ValueError(f"shard: max_group_params must be in [1, {MAX_GROUP_PARAMS}]")
+    sd, ad = jnp.dtype(shard_dtype), jnp.dtype(ag_dtype)
+    if sd != ad and (sd, ad) != (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
+        raise ValueError(f"shard: shard_dtype {sd} with ag_dtype {ad}: TIDE-AG gathers in the "
+                         f"shard dtype or casts float32 shards to bfloat16")
     n = mesh.shape[axis]
     flat, treedef = jax.tree_util.tree_flatten_with_path(params)
     if not flat:
