@@ -143,7 +143,8 @@ def main(argv=None):
     args = ap.parse_args(argv)
     devices = jax.devices()
     if len(devices) < 2:
-        raise SystemExit("needs several devices: XLA_FLAGS=--xla_force_host_platform_device_count=8")
+        raise SystemExit("needs several devices: "
+                         "XLA_FLAGS=--xla_force_host_platform_device_count=8")
     n = min(8, len(devices))
     mesh = Mesh(np.array(devices[:n]), ("fsdp",))
     graphdef, params = nnx.split(Transformer(nnx.Rngs(0)), nnx.Param)
@@ -152,7 +153,8 @@ def main(argv=None):
     tx = optax.adamw(3e-3)
     tide = train_tide(mesh, graphdef, params, tx, args.steps, args.batch)
     gspmd = train_gspmd(mesh, graphdef, params, tx, args.steps, args.batch)
-    print(f"max |loss difference| tide vs gspmd: {max(abs(a - b) for a, b in zip(tide, gspmd)):.2e}")
+    diff = max(abs(a - b) for a, b in zip(tide, gspmd))
+    print(f"max |loss difference| tide vs gspmd: {diff:.2e}")
 
 
 if __name__ == "__main__":

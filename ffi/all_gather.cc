@@ -60,8 +60,9 @@ GroupSignature all_gather_signature(const ffi::RemainingArgs& shards,
   }
   TIDE_PLAN_CHECK(!sig.needs_cast() || (sig.shard_dtype == DType::kFP32 &&
                                          sig.ag_dtype == DType::kBF16),
-                  "tide_all_gather: a ", dtype_name(sig.shard_dtype), " shard cannot be gathered as ",
-                  dtype_name(sig.ag_dtype), " (TIDE-AG casts float32 shards to bfloat16 only)");
+                  "tide_all_gather: a ", dtype_name(sig.shard_dtype),
+                  " shard cannot be gathered as ", dtype_name(sig.ag_dtype),
+                  " (TIDE-AG casts float32 shards to bfloat16 only)");
   const GroupLayout lay = build_layout(sig, group_topology(a));  // R_p as the plan computes it
   for (size_t p = 0; p < P; ++p) {
     const auto din = shards.get<ffi::AnyBuffer>(p)->dimensions();
@@ -92,21 +93,9 @@ ffi::Error AllGatherImpl(int32_t device_ordinal, ffi::RunId run_id,
   })
 }
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    AllGatherHandler, AllGatherImpl,
-    ffi::Ffi::Bind()
-        .Ctx<ffi::DeviceOrdinal>()                        // device_ordinal: key into device_table
-        .Ctx<ffi::RunId>()                                // run_id: one launch of the executable
-        .Arg<WhereBuffer>()                  // where: (axis index, group index)
-        .RemainingArgs()                                  // shards: P x (R_p, ...) shard dtype
-        .RemainingRets()                                  // params: P x (D_p, ...) AG dtype
-        .Attr<ffi::Span<const int64_t>>("dims0")          // D_p per parameter
-        .Attr<ffi::Span<const int64_t>>("device_table")   // (device_id, group, rank) triples
-        .Attr<int64_t>("nodes")                           // M
-        .Attr<int64_t>("gpus_per_node")                   // L
-        .Attr<int64_t>("mode")                            // 0 in_place, 1 slot_reuse
-        .Attr<int64_t>("op_id")                           // call site (trace time)
-        .Attr<int64_t>("timeout_ms"));                    // rendezvous/executor wait budget
+// Operands: P shards (R_p, ...) in the shard dtype; results: P parameters (D_p, ...), AG dtype.
+XLA_FFI_DEFINE_HANDLER_SYMBOL(AllGatherHandler, AllGatherImpl,
+                              BindGroupCall(ffi::Ffi::Bind()));
 
 #ifdef TIDE_WITH_CUDA
 ffi::Error AllGatherCudaImpl(cudaStream_t stream, int32_t device_ordinal, ffi::RunId run_id,
@@ -127,20 +116,7 @@ ffi::Error AllGatherCudaImpl(cudaStream_t stream, int32_t device_ordinal, ffi::R
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     AllGatherCudaHandler, AllGatherCudaImpl,
-    ffi::Ffi::Bind()
-        .Ctx<ffi::PlatformStream<cudaStream_t>>()         // stream: XLA's compute stream
-        .Ctx<ffi::DeviceOrdinal>()                        // device_ordinal: key into device_table
-        .Ctx<ffi::RunId>()                                // run_id: one launch of the executable
-        .Arg<WhereBuffer>()                  // where: (axis index, group index)
-        .RemainingArgs()                                  // shards: P x (R_p, ...) shard dtype
-        .RemainingRets()                                  // params: P x (D_p, ...) AG dtype
-        .Attr<ffi::Span<const int64_t>>("dims0")          // D_p per parameter
-        .Attr<ffi::Span<const int64_t>>("device_table")   // (device_id, group, rank) triples
-        .Attr<int64_t>("nodes")                           // M
-        .Attr<int64_t>("gpus_per_node")                   // L
-        .Attr<int64_t>("mode")                            // 0 in_place, 1 slot_reuse
-        .Attr<int64_t>("op_id")                           // call site (trace time)
-        .Attr<int64_t>("timeout_ms"));                    // rendezvous/executor wait budget
+    BindGroupCall(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()));  // XLA's stream
 #endif
 
 }  // namespace tide::xla_ffi

@@ -92,23 +92,11 @@ ffi::Error ReduceScatterImpl(int32_t device_ordinal, ffi::RunId run_id,
   })
 }
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    ReduceScatterHandler, ReduceScatterImpl,
-    ffi::Ffi::Bind()
-        .Ctx<ffi::DeviceOrdinal>()                        // device_ordinal: key into device_table
-        .Ctx<ffi::RunId>()                                // run_id: one launch of the executable
-        .Arg<WhereBuffer>()                  // where: (axis index, group index)
-        .RemainingArgs()                                  // grads: P x (D_p, ...) [+ acc (E,)]
-        .RemainingRets()                                  // shard: (E,) float32, packed
-        .Attr<ffi::Span<const int64_t>>("dims0")          // D_p per parameter
-        .Attr<ffi::Span<const int64_t>>("device_table")   // (device_id, group, rank) triples
-        .Attr<int64_t>("nodes")                           // M
-        .Attr<int64_t>("gpus_per_node")                   // L
-        .Attr<int64_t>("mode")                            // 0 in_place, 1 slot_reuse
-        .Attr<int64_t>("op_id")                           // call site (trace time)
-        .Attr<int64_t>("timeout_ms")                      // rendezvous/executor wait budget
-        .Attr<float>("scale")                             // alpha on the reduced sum
-        .Attr<int64_t>("accumulate"));                    // 1: out = acc + alpha * sum
+// Operands: P gradients (D_p, ...) [+ the packed fp32 accumulator]; result: packed fp32 (E,).
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ReduceScatterHandler, ReduceScatterImpl,
+                              BindGroupCall(ffi::Ffi::Bind())
+                                  .Attr<float>("scale")           // alpha on the reduced sum
+                                  .Attr<int64_t>("accumulate"));  // 1: out = acc + alpha*sum
 
 #ifdef TIDE_WITH_CUDA
 ffi::Error ReduceScatterCudaImpl(cudaStream_t stream, int32_t device_ordinal, ffi::RunId run_id,
@@ -129,22 +117,9 @@ ffi::Error ReduceScatterCudaImpl(cudaStream_t stream, int32_t device_ordinal, ff
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     ReduceScatterCudaHandler, ReduceScatterCudaImpl,
-    ffi::Ffi::Bind()
-        .Ctx<ffi::PlatformStream<cudaStream_t>>()         // stream: XLA's compute stream
-        .Ctx<ffi::DeviceOrdinal>()                        // device_ordinal: key into device_table
-        .Ctx<ffi::RunId>()                                // run_id: one launch of the executable
-        .Arg<WhereBuffer>()                  // where: (axis index, group index)
-        .RemainingArgs()                                  // grads: P x (D_p, ...) [+ acc (E,)]
-        .RemainingRets()                                  // shard: (E,) float32, packed
-        .Attr<ffi::Span<const int64_t>>("dims0")          // D_p per parameter
-        .Attr<ffi::Span<const int64_t>>("device_table")   // (device_id, group, rank) triples
-        .Attr<int64_t>("nodes")                           // M
-        .Attr<int64_t>("gpus_per_node")                   // L
-        .Attr<int64_t>("mode")                            // 0 in_place, 1 slot_reuse
-        .Attr<int64_t>("op_id")                           // call site (trace time)
-        .Attr<int64_t>("timeout_ms")                      // rendezvous/executor wait budget
-        .Attr<float>("scale")                             // alpha on the reduced sum
-        .Attr<int64_t>("accumulate"));                    // 1: out = acc + alpha * sum
+    BindGroupCall(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>())  // XLA's stream
+        .Attr<float>("scale")                                                  // alpha
+        .Attr<int64_t>("accumulate"));                                         // out += ...
 #endif
 
 }  // namespace tide::xla_ffi

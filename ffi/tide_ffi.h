@@ -148,6 +148,26 @@ struct GroupAttrs {
   const int32_t* where = nullptr;
 };
 
+// The binding both ops share after their platform context (the CUDA handlers put
+// PlatformStream first); the decoded values are the handler's parameters in this order. TIDE-RS
+// appends Attr<float>("scale") and Attr<int64_t>("accumulate").
+template <typename Binding>
+auto BindGroupCall(Binding b) {
+  return std::move(b)
+      .template Ctx<ffi::DeviceOrdinal>()                        // key into device_table
+      .template Ctx<ffi::RunId>()                                // one launch of the executable
+      .template Arg<WhereBuffer>()                               // (axis index, group index)
+      .RemainingArgs()                                           // the op's operands
+      .RemainingRets()                                           // the op's results
+      .template Attr<ffi::Span<const int64_t>>("dims0")          // D_p per parameter
+      .template Attr<ffi::Span<const int64_t>>("device_table")   // (device_id, group, rank)
+      .template Attr<int64_t>("nodes")                           // M
+      .template Attr<int64_t>("gpus_per_node")                   // L
+      .template Attr<int64_t>("mode")                            // 0 in_place, 1 slot_reuse
+      .template Attr<int64_t>("op_id")                           // call site (trace time)
+      .template Attr<int64_t>("timeout_ms");                     // wait budget per phase
+}
+
 // Fills io.rank; `sig` must already hold the parameter shapes and dtypes.
 void run_group_call(const CallSpec& spec, int32_t device_ordinal, int64_t run_id,
                     const GroupAttrs& attrs, const GroupSignature& sig, RankIo& io);

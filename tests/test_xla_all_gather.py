@@ -1,4 +1,5 @@
-"""TIDE-AG through XLA FFI equals jax.lax.all_gather (2 x 4 and 4 x 2 virtual clusters, 2-D mesh)."""
+"""TIDE-AG through XLA FFI equals jax.lax.all_gather (2 x 4 and 4 x 2 virtual clusters, and an
+fsdp x data mesh)."""
 import os
 
 import numpy as np

@@ -131,7 +131,8 @@ def test_exact_sum_bit_equal_to_psum_scatter(topology):
                                group_key=lambda path: "one")
     rng = np.random.default_rng(0)
     # rank-stamped small integers: every partial sum is exact in fp32
-    grads = {k: jnp.asarray(rng.integers(-64, 64, (8, *s)), jnp.bfloat16) for k, s in shapes.items()}
+    grads = {k: jnp.asarray(rng.integers(-64, 64, (8, *s)), jnp.bfloat16)
+             for k, s in shapes.items()}
 
     def local(g):
         g = jax.tree.map(lambda x: x[0], g)

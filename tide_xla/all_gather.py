@@ -35,4 +35,5 @@ class AllGatherPrimitive:
     def bind(cls, ctx: TideContext, shards: Sequence[jax.Array], dims0: Sequence[int], ag_dtype):
         out_types = cls.abstract(shards, dims0, ag_dtype)
         call = jax.ffi.ffi_call(cls.name, out_types, vmap_method="sequential")
-        return call(ctx.where(), *shards, dims0=np.asarray(dims0, np.int64), **ctx.attrs(next_op_id()))
+        return call(ctx.where(), *shards, dims0=np.asarray(dims0, np.int64),
+                    **ctx.attrs(next_op_id()))

@@ -114,7 +114,8 @@ def init(mesh: Mesh, axis: str = "fsdp", topology: Any = None, mode: str = "in_p
       DEADLINE_EXCEEDED naming the missing ranks.
     """
     if not isinstance(mesh, Mesh):
-        raise TypeError(f"init: mesh must be a concrete jax.sharding.Mesh, got {type(mesh).__name__}")
+        raise TypeError(f"init: mesh must be a concrete jax.sharding.Mesh, "
+                        f"got {type(mesh).__name__}")
     if axis not in mesh.axis_names:
         raise ValueError(f"init: axis {axis!r} is not an axis of the mesh {mesh.axis_names}")
     if mode not in MODES:
