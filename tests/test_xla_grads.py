@@ -181,3 +181,32 @@ def test_fp32_accumulation_in_place_through_donation():
         np.testing.assert_array_equal(got[r, : valid * 3], 24.0)   # 3 calls x 8 ranks x 1.0
         np.testing.assert_array_equal(got[r, valid * 3: e_a], 0.0)  # FSDP2 padding rows
         np.testing.assert_array_equal(got[r, e_a:], 24.0)
+
+
+def test_grads_through_a_scan_body():
+    """The gather call site runs 3 times in a scan and TIDE-RS 3 times in its transpose."""
+    mesh = Mesh(np.array(jax.devices()[:8]), ("fsdp",))
+    tide_xla.init(mesh, "fsdp", topology=(4, 2))
+    w = jax.random.normal(jax.random.key(3), (12, 4))
+    sharded, layout = tide_xla.shard({"w": w}, mesh, "fsdp")
+    xs = jax.random.normal(jax.random.key(4), (8, 3, 4))  # per device, per step
+
+    def local(s, x):
+        def loss(s):
+            def body(c, xi):
+                full = tide_xla.gather(s, layout)["w"].astype(jnp.float32)
+                return c + jnp.sum(jnp.tanh(full @ xi[0])), None
+            c0 = jax.lax.pcast(jnp.float32(0), ("fsdp",), to="varying")
+            return jax.lax.scan(body, c0, x[0])[0]
+        return jax.grad(loss)(s)
+
+    fn = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(layout.specs, P("fsdp")),
+                               out_specs=layout.specs))
+    got = np.asarray(layout.unshard(fn(sharded, xs[:, :, None]))["w"])
+
+    def ref_one(x):  # one device's loss on bf16 parameters, as TIDE computes it
+        wb = w.astype(jnp.bfloat16)
+        return jax.grad(lambda p: sum(jnp.sum(jnp.tanh(p.astype(jnp.float32) @ x[i]))
+                                      for i in range(3)))(wb).astype(jnp.float32)
+    want = np.asarray(jnp.sum(jax.vmap(ref_one)(xs), 0))
+    np.testing.assert_allclose(got, want, rtol=0, atol=2e-2 * max(1.0, np.abs(want).max()))
