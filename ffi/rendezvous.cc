@@ -1,0 +1,200 @@
+// In-process rendezvous of the XLA:CPU devices of one group, and the per-device call counters.
+//
+// [Note: rendezvous lifetime] A Meeting lives in the table from the first arrival until every
+// rank of the group has left it. A rank leaves after the completion fence (success), or at once
+// when the meeting failed (timeout, plan mismatch, a rank's program threw, a rank posted a
+// failure before joining). A failed meeting whose missing rank never comes stays in the table
+// (a few hundred bytes per failed call): a late rank then fails at once with the meeting's
+// error instead of waiting for peers that already gave up.
+#include <algorithm>
+#include <chrono>
+#include <condition_variable>
+#include <map>
+#include <mutex>
+#include <sstream>
+
+#include "tide_ffi.h"
+
+namespace tide::xla_ffi {
+
+bool RendezvousKey::operator<(const RendezvousKey& o) const {
+  return std::tie(run_id, group, op_id, seq) < std::tie(o.run_id, o.group, o.op_id, o.seq);
+}
+
+namespace {
+
+struct Meeting {
+  int world = 0;
+  std::vector<const RankIo*> io;  // index = rank
+  std::vector<uint64_t> hash;
+  std::vector<bool> done;
+  int arrived = 0;
+  bool ran = false;  // rank 0 finished group_body
+  int finished = 0;
+  int left = 0;
+  std::string failure;  // non-empty: every rank still inside returns this error
+  bool timed_out = false;
+};
+
+std::mutex g_mu;  // guards g_meetings and every Meeting
+std::condition_variable g_cv;
+std::map<RendezvousKey, std::shared_ptr<Meeting>> g_meetings;
+
+std::string key_str(const RendezvousKey& k) {
+  return TIDE_STR_CAT("(run ", k.run_id, ", group ", k.group, ", op ", k.op_id, ", seq ", k.seq,
+                      ")");
+}
+
+std::string missing_ranks(const std::vector<bool>& present) {
+  std::ostringstream os;
+  bool first = true;
+  for (size_t r = 0; r < present.size(); ++r)
+    if (!present[r]) { os << (first ? "" : ", ") << r; first = false; }
+  return os.str();
+}
+
+// Leaves the meeting; the last of the `world` ranks out erases it. Caller holds g_mu.
+void leave(const RendezvousKey& key, const std::shared_ptr<Meeting>& m) {
+  if (++m->left == m->world) {
+    auto it = g_meetings.find(key);
+    if (it != g_meetings.end() && it->second == m) g_meetings.erase(it);
+  }
+}
+
+// The meeting of `key`, created on first use. Caller holds g_mu.
+std::shared_ptr<Meeting> meeting(const RendezvousKey& key, int world) {
+  auto& slot = g_meetings[key];
+  if (!slot) {
+    slot = std::make_shared<Meeting>();
+    slot->world = world;
+    slot->io.assign(world, nullptr);
+    slot->hash.assign(world, 0);
+    slot->done.assign(world, false);
+  }
+  return slot;
+}
+
+const RankIo kFailedRank;  // marks a rank that posted a failure instead of joining
+
+}  // namespace
+
+int64_t next_seq(int32_t device_ordinal, int64_t op_id, int64_t run_id) {
+  static std::mutex mu;
+  static std::map<std::pair<int32_t, int64_t>, std::pair<int64_t, int64_t>> counters;
+  std::lock_guard<std::mutex> lock(mu);
+  auto& c = counters[{device_ordinal, op_id}];
+  if (c.first != run_id || c.second < 0) c = {run_id, 0};
+  else ++c.second;
+  return c.second;
+}
+
+void rendezvous_fail(const RendezvousKey& key, int world, int rank, const std::string& why) {
+  std::lock_guard<std::mutex> lock(g_mu);
+  std::shared_ptr<Meeting> m = meeting(key, world);
+  if (m->failure.empty())
+    m->failure = TIDE_STR_CAT("rendezvous ", key_str(key), ": rank ", rank, " failed: ", why);
+  if (rank >= 0 && rank < m->world && m->io[rank] == nullptr) {
+    m->io[rank] = &kFailedRank;
+    ++m->arrived;
+    leave(key, m);
+  }
+  g_cv.notify_all();
+}
+
+void rendezvous_and_run(const RendezvousKey& key, int world, const RankIo& io, uint64_t plan_hash,
+                        int64_t timeout_ms,
+                        const std::function<void(const std::vector<const RankIo*>&)>& group_body,
+                        const std::function<void(const std::vector<const RankIo*>&)>& rank_body) {
+  const int rank = io.rank;
+  TIDE_CHECK(rank >= 0 && rank < world, "rank ", rank, " outside [0, ", world, ")");
+  std::unique_lock<std::mutex> lock(g_mu);
+  std::shared_ptr<Meeting> m = meeting(key, world);
+  if (m->world != world || m->io[rank] != nullptr) {
+    const std::string why =
+        m->world != world
+            ? TIDE_STR_CAT("ranks disagree on the group size (", m->world, " vs ", world, ")")
+            : TIDE_STR_CAT("rank ", rank, " arrived twice (two devices map to one rank?)");
+    m->failure = TIDE_STR_CAT("rendezvous ", key_str(key), ": ", why);
+    g_cv.notify_all();
+    throw Error(m->failure);
+  }
+  m->io[rank] = &io;
+  m->hash[rank] = plan_hash;
+  ++m->arrived;
+  g_cv.notify_all();
+
+  // Leaves the meeting with its failure (TimeoutError when it is a timeout). Caller holds g_mu.
+  auto fail = [&]() {
+    const std::string msg = m->failure;
+    const bool timeout = m->timed_out;
+    leave(key, m);
+    if (timeout) throw TimeoutError(msg);
+    throw Error(msg);
+  };
+  // Waits (each phase with its own deadline) until `ready`; on timeout names the ranks for which
+  // `present(r)` is false.
+  auto wait_for = [&](auto ready, auto present, const char* what) {
+    const auto deadline =
+        std::chrono::steady_clock::now() + std::chrono::milliseconds(timeout_ms);
+    while (!ready() && m->failure.empty()) {
+      if (g_cv.wait_until(lock, deadline) == std::cv_status::timeout && !ready() &&
+          m->failure.empty()) {
+        std::vector<bool> seen(world);
+        for (int r = 0; r < world; ++r) seen[r] = present(r);
+        m->failure = TIDE_STR_CAT(
+            "rendezvous ", key_str(key), ": rank ", rank, " waited ", timeout_ms,
+            " ms for ranks [", missing_ranks(seen), "] to ", what,
+            " (a device skipped this call, e.g. under a rank-dependent lax.cond, or hangs)");
+        m->timed_out = true;
+        g_cv.notify_all();
+      }
+    }
+    if (!m->failure.empty()) fail();
+  };
+
+  wait_for([&] { return m->arrived == world; }, [&](int r) { return m->io[r] != nullptr; },
+           "join");
+  for (int r = 0; r < world && m->failure.empty(); ++r) {
+    if (m->hash[r] != plan_hash) {
+      m->failure = TIDE_STR_CAT("rendezvous ", key_str(key), ": rank ", r, " has plan hash ",
+                                m->hash[r], " but rank ", rank, " has ", plan_hash,
+                                " (ranks disagree on the group's shapes, dtypes or topology)");
+      g_cv.notify_all();
+    }
+  }
+  if (!m->failure.empty()) fail();
+  std::vector<const RankIo*> group = m->io;
+  auto run = [&](const std::function<void()>& fn) {
+    lock.unlock();
+    try {
+      fn();
+    } catch (const std::exception& e) {
+      lock.lock();
+      if (m->failure.empty()) {
+        m->failure =
+            TIDE_STR_CAT("rendezvous ", key_str(key), ": rank ", rank, " failed: ", e.what());
+        m->timed_out = dynamic_cast<const TimeoutError*>(&e) != nullptr;  // same code everywhere
+      }
+      g_cv.notify_all();
+      leave(key, m);
+      throw;
+    }
+    lock.lock();
+  };
+  if (rank == 0) {
+    run([&] { group_body(group); });
+    m->ran = true;
+    g_cv.notify_all();
+  } else {
+    wait_for([&] { return m->ran; }, [](int r) { return r != 0; }, "run the group's programs");
+  }
+  run([&] { rank_body(group); });
+  m->done[rank] = true;
+  ++m->finished;
+  g_cv.notify_all();
+  wait_for([&] { return m->finished == world; }, [&](int r) { return bool(m->done[r]); },
+           "finish");
+  leave(key, m);
+}
+
+}  // namespace tide::xla_ffi

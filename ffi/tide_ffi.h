@@ -1,0 +1,195 @@
+// tide_xla._ffi: XLA FFI custom calls for TIDE-AG and TIDE-RS over the shared C++ core.
+//
+// Contract
+//   - One handler per (op, platform): AllGatherHandler ("tide_all_gather") and
+//     ReduceScatterHandler ("tide_reduce_scatter") on XLA:CPU; the *CudaHandler twins on CUDA.
+//     Python registers them from the one `registrations()` dict of this module.
+//   - A call carries one TIDE group: P operands in, P results out. Everything static about the
+//     group travels as attributes (dims0, the device table, topology, mode, op_id, timeout), so a
+//     handler needs no state beyond the process-wide plan cache below.
+//   - Rank and group come from the static device table (device id -> fsdp group, rank), built in
+//     Python from the concrete Mesh. The device ordinal is only the key into that table; it is
+//     never used as the rank (a permuted mesh maps ordinals to other ranks).
+//   - On XLA:CPU all devices of one process form one in-process virtual cluster: XLA runs each
+//     device's call on its own thread, concurrently, so the ranks of a group meet in the
+//     Rendezvous (keyed by RunId, group, op_id, seq); then the group's per-rank programs run
+//     through ExecuteGroup()/CompleteRank() (executor.cc), the one place that calls TIDE's
+//     executor.
+//   - Every exception stops at the handler boundary (TIDE_FFI_BOUNDARY) and becomes ffi::Error:
+//     PlanError -> INVALID_ARGUMENT, TimeoutError -> DEADLINE_EXCEEDED, anything else -> INTERNAL.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "tide/errors.h"
+#include "tide/plan.h"
+// The vendored headers end some switch functions without a return; silence only that warning.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wreturn-type"
+#include "xla/ffi/api/ffi.h"
+#pragma GCC diagnostic pop
+
+namespace tide::xla_ffi {
+
+namespace ffi = ::xla::ffi;
+
+// The handlers' first operand: (index along the FSDP axis, group index), int32.
+using WhereBuffer = ffi::Buffer<ffi::DataType::S32, 1>;
+
+enum class Collective : int { kAllGather = 0, kReduceScatter = 1 };
+const char* collective_name(Collective c);
+
+// ---------------------------------------------------------------------------------------------
+// Static attributes shared by both ops.
+// ---------------------------------------------------------------------------------------------
+struct DeviceSlot {
+  int64_t group = -1;  // which FSDP group (index over the mesh axes other than `axis`)
+  int rank = -1;       // node-major rank r = n*L + l inside the group
+};
+
+// device_table: flat (device_id, group, rank) triples, one per device of the mesh.
+DeviceSlot lookup_device(ffi::Span<const int64_t> device_table, int32_t device_ordinal,
+                         int world);
+
+// The plan for one group: shapes from dims0 (D_p) and the result/operand trailing dims.
+std::shared_ptr<const Plan> cached_plan(const GroupSignature& sig, const Topology& topo,
+                                        Mode mode);
+
+DType to_tide_dtype(ffi::DataType t, const char* what);  // throws PlanError on others
+std::string dims_str(ffi::Span<const int64_t> dims);
+
+// ---------------------------------------------------------------------------------------------
+// One rank's XLA buffers for one call, visible to every rank of the group (one address space).
+// ---------------------------------------------------------------------------------------------
+struct RankIo {
+  int rank = -1;
+  // AG: P shards (R_p x K_p, shard dtype).      RS: P gradients (D_p x K_p, grad dtype).
+  std::vector<const void*> in;
+  // AG: P parameters (D_p x K_p, AG dtype).      RS: 1 packed fp32 shard (E elements, o32_p).
+  std::vector<void*> out;
+  // RS with accumulate: 1 packed fp32 shard added to the result (aliased to `out` by XLA).
+  std::vector<const void*> acc;
+};
+
+struct CallSpec {
+  Collective op = Collective::kAllGather;
+  float scale = 1.0f;       // RS: alpha applied to the reduced sum
+  bool accumulate = false;  // RS: out = acc + alpha * sum
+};
+
+// Everything the executor needs about one call of one group, once every rank joined.
+struct GroupCall {
+  const Plan* plan = nullptr;
+  CallSpec spec;
+  int64_t group = 0;                    // which FSDP group of the mesh
+  int64_t timeout_ms = 0;               // the executor's wait deadline
+  std::vector<const RankIo*> ranks;     // index = rank
+};
+
+// [Note: the executor boundary] executor.cc is the only file of ffi/ that reaches TIDE's
+// executor. ExecuteGroup runs one call of the group's per-rank TIDE programs over every rank's
+// buffers; the rendezvous calls it on rank 0 of the group once all ranks joined. CompleteRank
+// then runs on every rank (its own thread) after ExecuteGroup returned, for per-rank completion
+// work. Both throw tide::Error / TimeoutError / Unimplemented.
+void ExecuteGroup(const GroupCall& call);
+void CompleteRank(const GroupCall& call, int rank);
+bool executor_available();
+std::string executor_description();
+
+// ---------------------------------------------------------------------------------------------
+// In-process rendezvous (rendezvous.cc)
+// ---------------------------------------------------------------------------------------------
+struct RendezvousKey {
+  int64_t run_id = 0;
+  int64_t group = 0;
+  int64_t op_id = 0;
+  int64_t seq = 0;
+  bool operator<(const RendezvousKey& o) const;
+};
+
+// Per-(device, op_id) call counter, reset when RunId changes: `lax.scan` and remat replay one
+// call site several times per launch, and every device replays it in the same order.
+int64_t next_seq(int32_t device_ordinal, int64_t op_id, int64_t run_id);
+
+// Joins the rendezvous of `key` as `io.rank`. Once every rank of the group has joined (all
+// RankIo visible), rank 0 runs `group_body`; then every rank runs `rank_body`; then all wait
+// until every rank finished (completion fence: until then peers may still touch this rank's
+// buffers). Throws TimeoutError naming the missing ranks when one phase (join, rank 0's run,
+// finish) waits longer than `timeout_ms`, or Error when another rank failed or the ranks
+// disagree on the plan hash.
+void rendezvous_and_run(const RendezvousKey& key, int world, const RankIo& io, uint64_t plan_hash,
+                        int64_t timeout_ms,
+                        const std::function<void(const std::vector<const RankIo*>&)>& group_body,
+                        const std::function<void(const std::vector<const RankIo*>&)>& rank_body);
+
+// Posts a failure into the meeting of `key` on behalf of `rank`, which will not join (its call
+// failed before the rendezvous, e.g. a mesh mismatch): the other ranks fail at once naming it.
+void rendezvous_fail(const RendezvousKey& key, int world, int rank, const std::string& why);
+
+// ---------------------------------------------------------------------------------------------
+// One group call, shared by both ops (common.cc): checks the device table, builds or reuses the
+// plan, takes the next sequence number, meets the other ranks and runs
+// ExecuteGroup() (rank 0) and CompleteRank() (every rank).
+// ---------------------------------------------------------------------------------------------
+struct GroupAttrs {
+  ffi::Span<const int64_t> dims0;         // D_p of every parameter
+  ffi::Span<const int64_t> device_table;  // (device_id, group, rank) triples
+  int64_t nodes = 1;                      // M
+  int64_t gpus_per_node = 1;              // L
+  int64_t mode = 0;                       // Mode (0 in_place, 1 slot_reuse)
+  int64_t op_id = 0;                      // call site, fixed at trace time
+  int64_t timeout_ms = 0;                 // rendezvous and executor wait budget
+  // The device's (axis index, group index) as seen inside the shard_map (host memory, XLA:CPU),
+  // or nullptr: checked against the device table to catch a mesh mismatch. Group -1: unchecked.
+  const int32_t* where = nullptr;
+};
+
+// The binding both ops share after their platform context (the CUDA handlers put
+// PlatformStream first); the decoded values are the handler's parameters in this order. TIDE-RS
+// appends Attr<float>("scale") and Attr<int64_t>("accumulate").
+template <typename Binding>
+auto BindGroupCall(Binding b) {
+  return std::move(b)
+      .template Ctx<ffi::DeviceOrdinal>()                        // key into device_table
+      .template Ctx<ffi::RunId>()                                // one launch of the executable
+      .template Arg<WhereBuffer>()                               // (axis index, group index)
+      .RemainingArgs()                                           // the op's operands
+      .RemainingRets()                                           // the op's results
+      .template Attr<ffi::Span<const int64_t>>("dims0")          // D_p per parameter
+      .template Attr<ffi::Span<const int64_t>>("device_table")   // (device_id, group, rank)
+      .template Attr<int64_t>("nodes")                           // M
+      .template Attr<int64_t>("gpus_per_node")                   // L
+      .template Attr<int64_t>("mode")                            // 0 in_place, 1 slot_reuse
+      .template Attr<int64_t>("op_id")                           // call site (trace time)
+      .template Attr<int64_t>("timeout_ms");                     // wait budget per phase
+}
+
+// Fills io.rank; `sig` must already hold the parameter shapes and dtypes.
+void run_group_call(const CallSpec& spec, int32_t device_ordinal, int64_t run_id,
+                    const GroupAttrs& attrs, const GroupSignature& sig, RankIo& io);
+
+// Topology (M, L) from the attributes; PlanError when out of range.
+Topology group_topology(const GroupAttrs& attrs);
+
+// ---------------------------------------------------------------------------------------------
+// Error boundary
+// ---------------------------------------------------------------------------------------------
+// Thrown where a path exists in the API but not (yet) in this build: maps to UNIMPLEMENTED.
+struct Unimplemented : Error {
+  using Error::Error;
+};
+ffi::Error to_ffi_error(const char* op);  // call inside catch(...): maps the active exception
+
+}  // namespace tide::xla_ffi
+
+// Wraps a handler body: every exception becomes an ffi::Error naming the op.
+#define TIDE_FFI_BOUNDARY(op, ...)                     \
+  try {                                                \
+    __VA_ARGS__                                        \
+  } catch (...) {                                      \
+    return ::tide::xla_ffi::to_ffi_error(op);          \
+  }

@@ -1,0 +1,117 @@
+"""tide_xla.shard / layout / input validation (no collective runs here)."""
+import os
+
+import numpy as np
+import pytest
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+jax = pytest.importorskip("jax")
+import jax.numpy as jnp  # noqa: E402
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
+
+import tide_xla  # noqa: E402
+
+pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 host devices (XLA_FLAGS)")
+
+
+def mesh(shape=(8,), names=("fsdp",)):
+    return Mesh(np.array(jax.devices()[:8]).reshape(shape), names)
+
+
+def test_padding_as_fsdp2_pads():
+    m = mesh()
+    params = {"w": jnp.arange(10 * 3, dtype=jnp.float32).reshape(10, 3), "b": jnp.ones((5,))}
+    sharded, layout = tide_xla.shard(params, m, "fsdp")
+    assert sharded["w"].shape == (16, 3) and sharded["b"].shape == (8,)  # N * ceil(D/N)
+    assert [leaf.rows for leaf in layout.leaves] == [1, 2]  # sorted keys: b, w
+    assert sharded["w"].dtype == jnp.float32
+    assert sharded["w"].sharding.spec == P("fsdp")
+    np.testing.assert_array_equal(np.asarray(sharded["w"])[10:], 0)  # zero padding rows
+    back = layout.unshard(sharded)
+    np.testing.assert_array_equal(np.asarray(back["w"]), np.asarray(params["w"]))
+
+
+def test_groups_per_layer_and_cap():
+    m = mesh()
+    params = {"blocks": [{"q": jnp.ones((8, 8)), "k": jnp.ones((8, 8))} for _ in range(3)],
+              "embed": jnp.ones((16, 8)), "head": {"w": jnp.ones((8, 16))}}
+    _, layout = tide_xla.shard(params, m, "fsdp")
+    names = sorted(g.name for g in layout.groups)
+    assert names == ["blocks/0", "blocks/1", "blocks/2", "embed", "head"]
+    many = {f"p{i:03d}": jnp.ones((8,)) for i in range(300)}
+    _, layout = tide_xla.shard(many, m, "fsdp", group_key=lambda path: "all")
+    assert [len(g.leaves) for g in layout.groups] == [256, 44]
+
+
+def test_flax_nnx_state_and_linen_variables():
+    from flax import linen as nn, nnx
+    m = mesh()
+
+    class Block(nnx.Module):
+        def __init__(self, rngs):
+            self.lin = nnx.Linear(12, 12, rngs=rngs)
+
+    class Model(nnx.Module):
+        def __init__(self, rngs):
+            self.blocks = nnx.List([Block(rngs) for _ in range(2)])
+            self.out = nnx.Linear(12, 3, rngs=rngs)
+
+    _, state = nnx.split(Model(nnx.Rngs(0)), nnx.Param)
+    sharded, layout = tide_xla.shard(state, m, "fsdp")
+    assert sorted(g.name for g in layout.groups) == ["blocks/0", "blocks/1", "out"]
+    assert jax.tree.structure(sharded) == jax.tree.structure(state)
+
+    variables = nn.Dense(5).init(jax.random.key(0), jnp.ones((1, 7)))
+    sharded, layout = tide_xla.shard(variables, m, "fsdp")
+    assert sharded["params"]["kernel"].shape == (8, 5)
+
+
+def test_non_dim0_sharding_is_rejected():
+    m = mesh()
+    x = jax.device_put(jnp.ones((4, 16)), NamedSharding(m, P(None, "fsdp")))
+    with pytest.raises(ValueError, match="sharded on dim 1.*dim 0 only"):
+        tide_xla.shard({"x": x}, m, "fsdp")
+
+
+def test_mesh_mismatch_is_rejected():
+    m1 = mesh()
+    m2 = mesh((4, 2), ("fsdp", "data"))
+    x = jax.device_put(jnp.ones((16, 4)), NamedSharding(m2, P("fsdp")))
+    with pytest.raises(ValueError, match="mesh mismatch"):
+        tide_xla.shard({"x": x}, m1, "fsdp")
+    with pytest.raises(ValueError, match="not an axis"):
+        tide_xla.shard({"x": jnp.ones((8,))}, m1, "data")
+    # gather inside a shard_map over another mesh
+    tide_xla.init(m1, "fsdp")
+    sharded, layout = tide_xla.shard({"x": jnp.ones((16, 4))}, m1, "fsdp")
+    f = jax.shard_map(lambda s: tide_xla.gather(s, layout)["x"], mesh=m2,
+                      in_specs=(P("fsdp"),), out_specs=P())
+    with pytest.raises(ValueError, match="mesh mismatch"):
+        jax.eval_shape(f, {"x": jax.ShapeDtypeStruct((16, 4), jnp.float32)})
+
+
+def test_gather_outside_shard_map_and_without_init():
+    m = mesh()
+    sharded, layout = tide_xla.shard({"x": jnp.ones((16, 4))}, m, "fsdp")
+    with pytest.raises(ValueError, match="inside jax.shard_map"):
+        tide_xla.gather(sharded, layout)
+    m3 = Mesh(np.array(jax.devices()[:4]), ("fsdp",))
+    sharded, layout = tide_xla.shard({"x": jnp.ones((16, 4))}, m3, "fsdp")
+    f = jax.shard_map(lambda s: tide_xla.gather(s, layout)["x"], mesh=m3,
+                      in_specs=(layout.specs,), out_specs=P())
+    with pytest.raises(ValueError, match="call tide_xla.init"):
+        jax.eval_shape(f, sharded)
+
+
+def test_scalar_leaves_and_bad_topology_are_rejected():
+    m = mesh()
+    with pytest.raises(ValueError, match="dim 0"):
+        tide_xla.shard({"s": jnp.ones(())}, m, "fsdp")
+    with pytest.raises(ValueError, match="3x2"):
+        tide_xla.init(m, "fsdp", topology=(3, 2))
+
+
+def test_unsupported_cast_is_rejected():
+    with pytest.raises(ValueError, match="casts float32 shards to bfloat16"):
+        tide_xla.shard({"w": jnp.ones((8, 2))}, mesh(), "fsdp", shard_dtype=jnp.bfloat16,
+                       ag_dtype=jnp.float32)

@@ -1,0 +1,141 @@
+"""`tide_xla.init`: the TIDE context of one mesh axis (topology, mode, device table)."""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import numpy as np
+from jax.sharding import Mesh
+
+from tide_xla._registration import ensure_registered
+
+MODES = {"in_place": 0, "slot_reuse": 1}
+
+
+@dataclasses.dataclass(frozen=True)
+class TideContext:
+    """Everything static a TIDE call needs about the mesh axis it runs over.
+
+    Ranks of one FSDP group are the devices along `axis`; rank r = n*L + l (node-major), which is
+    the device's index along `axis`. Devices that differ in the other mesh axes (e.g. `data` in an
+    fsdp x data mesh) form separate groups, named by `group` in the device table.
+    """
+
+    mesh: Mesh
+    axis: str
+    nodes: int           # M
+    gpus_per_node: int   # L
+    mode: str            # "in_place" | "slot_reuse"
+    timeout_ms: int      # rendezvous/executor wait budget of one call
+    device_table: tuple[int, ...]  # flat (device_id, group, rank) triples
+
+    @property
+    def world(self) -> int:
+        """N = M * L, the size of `axis`."""
+        return self.nodes * self.gpus_per_node
+
+    def where(self):
+        """This device's (index along `axis`, group index) inside the running shard_map, as the
+        handler's first operand: it checks them against the device table (mesh mismatch).
+        The group is the flat index over the other axes, or -1 when one of them is not manual."""
+        import jax
+        import jax.numpy as jnp
+        manual = set(getattr(jax.sharding.get_abstract_mesh(), "manual_axes", ()))
+        rank = jax.lax.axis_index(self.axis)
+        group = jnp.int32(0)
+        for name in self.mesh.axis_names:
+            if name == self.axis:
+                continue
+            if name not in manual:
+                group = jnp.int32(-1)
+                break
+            group = group * self.mesh.shape[name] + jax.lax.axis_index(name)
+        return jnp.stack([rank, group]).astype(jnp.int32)
+
+    def attrs(self, op_id: int) -> dict[str, Any]:
+        """FFI attributes shared by both ops (types as XLA checks them at run time)."""
+        return dict(
+            device_table=np.asarray(self.device_table, np.int64),
+            nodes=np.int64(self.nodes),
+            gpus_per_node=np.int64(self.gpus_per_node),
+            mode=np.int64(MODES[self.mode]),
+            op_id=np.int64(op_id),
+            timeout_ms=np.int64(self.timeout_ms),
+        )
+
+
+_CONTEXTS: dict[tuple[Mesh, str], TideContext] = {}
+
+
+def _resolve_topology(topology: Any, n: int) -> tuple[int, int]:
+    if topology is None:
+        if n <= 8:
+            return 1, n
+        if n % 8:
+            raise ValueError(f"topology=None: cannot split {n} ranks into nodes of 8; pass "
+                             f"topology=(nodes, gpus_per_node)")
+        return n // 8, 8
+    if isinstance(topology, (tuple, list)) and len(topology) == 2:
+        m, l_ = (int(v) for v in topology)
+    elif hasattr(topology, "nodes") and hasattr(topology, "gpus_per_node"):
+        m, l_ = int(topology.nodes), int(topology.gpus_per_node)
+    else:
+        raise TypeError(f"topology: expected None, (nodes, gpus_per_node) or tide.Topology, "
+                        f"got {topology!r}")
+    if m * l_ != n:
+        raise ValueError(f"topology {m}x{l_} has {m * l_} ranks but mesh axis has {n} devices")
+    if not 1 <= l_ <= 8:
+        raise ValueError(f"topology: gpus_per_node must be in [1, 8], got {l_}")
+    return m, l_
+
+
+def device_table(mesh: Mesh, axis: str) -> tuple[int, ...]:
+    """(device_id, group, rank) for every device of `mesh`: rank = index along `axis`, group =
+    flat index over the other axes. Built from the concrete Mesh, never from device ordinals."""
+    ax = mesh.axis_names.index(axis)
+    devs = np.moveaxis(np.asarray(mesh.devices), ax, -1)
+    devs = devs.reshape(-1, devs.shape[-1])
+    table = []
+    for group, row in enumerate(devs):
+        for rank, d in enumerate(row):
+            table += [int(d.id), group, rank]
+    return tuple(table)
+
+
+def init(mesh: Mesh, axis: str = "fsdp", topology: Any = None, mode: str = "in_place", *,
+         timeout_s: float = 60.0) -> TideContext:
+    """Sets up TIDE for the FSDP axis `axis` of `mesh` and registers the FFI handlers.
+
+    topology: None (one node of up to 8 ranks, or nodes of 8), `(nodes, gpus_per_node)` or a
+      `tide.Topology`; the virtual cluster on XLA:CPU emulates M nodes of L ranks.
+    mode: "in_place" or "slot_reuse" (same bytes out; Section 5 of the paper).
+    timeout_s: how long a rank waits for the others before the call fails with
+      DEADLINE_EXCEEDED naming the missing ranks.
+    """
+    if not isinstance(mesh, Mesh):
+        raise TypeError(f"init: mesh must be a concrete jax.sharding.Mesh, "
+                        f"got {type(mesh).__name__}")
+    if axis not in mesh.axis_names:
+        raise ValueError(f"init: axis {axis!r} is not an axis of the mesh {mesh.axis_names}")
+    if mode not in MODES:
+        raise ValueError(f"init: mode must be one of {sorted(MODES)}, got {mode!r}")
+    n = mesh.shape[axis]
+    nodes, gpus = _resolve_topology(topology, n)
+    ctx = TideContext(mesh=mesh, axis=axis, nodes=nodes, gpus_per_node=gpus, mode=mode,
+                      timeout_ms=max(1, math.ceil(timeout_s * 1000)),
+                      device_table=device_table(mesh, axis))
+    ensure_registered()
+    _CONTEXTS[(mesh, axis)] = ctx
+    return ctx
+
+
+def context_for(mesh: Mesh, axis: str) -> TideContext:
+    """The context init() made for (mesh, axis); a clear error when there is none."""
+    try:
+        return _CONTEXTS[(mesh, axis)]
+    except KeyError:
+        known = [f"{tuple(m.shape.items())}/{a}" for m, a in _CONTEXTS]
+        raise ValueError(
+            f"no TIDE context for axis {axis!r} of mesh {tuple(mesh.shape.items())}: call "
+            f"tide_xla.init(mesh, axis={axis!r}) first (initialised: {known or 'none'})") from None

@@ -1,0 +1,164 @@
+"""`tide_xla.shard`: dim-0 sharding padded as FSDP2 pads, and TIDE groups of leaves.
+
+Every leaf of shape (D_p, ...) becomes a global array of shape (N * R_p, ...) with
+R_p = ceil(D_p / N), sharded over the mesh axis on dim 0 (rank r holds rows [r R_p, (r+1) R_p));
+the N R_p - D_p padding rows are zero, as FSDP2 pads them. Leaves are grouped into TIDE groups
+(one per module or layer, at most 256 parameters each); one group = one FFI call.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Hashable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+MAX_GROUP_PARAMS = 256  # tide::kMaxParams
+
+
+@dataclasses.dataclass(frozen=True)
+class LeafLayout:
+    path: str                 # jax.tree_util.keystr of the leaf
+    shape: tuple[int, ...]    # unsharded shape (D_p, ...)
+    rows: int                 # R_p = ceil(D_p / N)
+    group: int                # index into ShardLayout.groups
+
+
+@dataclasses.dataclass(frozen=True)
+class TideGroup:
+    name: str
+    leaves: tuple[int, ...]   # indices into ShardLayout.leaves (flattened tree order)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class ShardLayout:
+    """How a parameter tree was sharded: static, shared by shard(), gather() and unshard()."""
+
+    mesh: Mesh
+    axis: str
+    world: int                            # N
+    treedef: Any
+    leaves: tuple[LeafLayout, ...]
+    groups: tuple[TideGroup, ...]
+    shard_dtype: Any                      # dtype of the sharded (master) leaves
+    ag_dtype: Any                         # dtype of gathered parameters (and their gradients)
+
+    @property
+    def specs(self):
+        """shard_map in/out specs for the sharded tree: P(axis) on every leaf."""
+        return jax.tree_util.tree_unflatten(self.treedef, [P(self.axis)] * len(self.leaves))
+
+    @property
+    def sharding(self):
+        return jax.tree_util.tree_unflatten(
+            self.treedef, [NamedSharding(self.mesh, P(self.axis))] * len(self.leaves))
+
+    def unshard(self, sharded):
+        """Global padded shards -> the unsharded tree (padding rows dropped), e.g. to save it."""
+        flat = self.treedef.flatten_up_to(sharded)
+        return jax.tree_util.tree_unflatten(
+            self.treedef, [x[: l.shape[0]] for x, l in zip(flat, self.leaves)])
+
+
+def default_group_key(path: tuple) -> Hashable:
+    """Group by layer: the path up to its first integer key (('blocks', 3)), else the first key
+    (('embed',)). Flax NNX lists, linen `layers_3` names and plain lists all land per layer."""
+    names = []
+    for k in path:
+        name = getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))
+        names.append(name)
+        if isinstance(name, int) or (isinstance(name, str) and name.rsplit("_", 1)[-1].isdigit()):
+            return tuple(names)
+    return tuple(names[:1])
+
+
+def _check_existing_sharding(x, path: str, mesh: Mesh, axis: str) -> None:
+    """A leaf that already lives sharded must be sharded on dim 0 over `axis` of `mesh`."""
+    sh = getattr(x, "sharding", None)
+    if not isinstance(sh, NamedSharding):
+        return
+    spec = tuple(sh.spec)
+    used = [(d, s) for d, s in enumerate(spec) if s is not None]
+    if not used:
+        return
+    for d, s in used:
+        if d != 0:
+            raise ValueError(f"shard: leaf {path} is sharded on dim {d} ({sh.spec}); TIDE shards "
+                             f"dim 0 only (FSDP2's Shard(0)). Replicate it or reshard it to "
+                             f"P({axis!r}) first")
+    if sh.mesh.shape != mesh.shape or sh.mesh.axis_names != mesh.axis_names:
+        raise ValueError(f"shard: leaf {path} lives on mesh {dict(sh.mesh.shape)} but shard() was "
+                         f"given mesh {dict(mesh.shape)} (mesh mismatch)")
+    axes = spec[0] if isinstance(spec[0], tuple) else (spec[0],)
+    if tuple(axes) != (axis,):
+        raise ValueError(f"shard: leaf {path} is sharded on dim 0 over {spec[0]!r}, not over the "
+                         f"FSDP axis {axis!r} (mesh mismatch)")
+
+
+def shard(params, mesh: Mesh, axis: str = "fsdp", *, shard_dtype=jnp.float32,
+          ag_dtype=jnp.bfloat16, group_key: Callable[[tuple], Hashable] = default_group_key,
+          max_group_params: int = MAX_GROUP_PARAMS):
+    """Shards a Flax NNX state, linen variables or any pytree of arrays for TIDE.
+
+    Returns `(sharded, layout)`: `sharded` has the tree structure of `params` with global
+    (N R_p, ...) leaves in `shard_dtype` (fp32 master weights by default), sharded P(axis);
+    `layout` is the static ShardLayout that `gather` and `reduce_scatter` take.
+    """
+    if not isinstance(mesh, Mesh):
+        raise TypeError(f"shard: mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
+    if axis not in mesh.axis_names:
+        raise ValueError(f"shard: axis {axis!r} is not an axis of the mesh {mesh.axis_names}")
+    if not 1 <= max_group_params <= MAX_GROUP_PARAMS:
+        raise ValueError(f"shard: max_group_params must be in [1, {MAX_GROUP_PARAMS}]")
+    sd, ad = jnp.dtype(shard_dtype), jnp.dtype(ag_dtype)
+    if sd != ad and (sd, ad) != (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
+        raise ValueError(f"shard: shard_dtype {sd} with ag_dtype {ad}: TIDE-AG gathers in the "
+                         f"shard dtype or casts float32 shards to bfloat16")
+    n = mesh.shape[axis]
+    flat, treedef = jax.tree_util.tree_flatten_with_path(params)
+    if not flat:
+        raise ValueError("shard: params has no array leaves")
+    keys: dict[Hashable, list[int]] = {}
+    leaves, arrays = [], []
+    for i, (path, x) in enumerate(flat):
+        name = jax.tree_util.keystr(path)
+        shape = tuple(int(d) for d in np.shape(x))
+        if not shape or shape[0] == 0:
+            raise ValueError(f"shard: leaf {name} has shape {shape}; TIDE shards dim 0, which "
+                             f"must exist and be non-empty (keep scalars out of the sharded tree)")
+        if not jnp.issubdtype(jnp.result_type(x), jnp.floating):
+            raise ValueError(f"shard: leaf {name} has dtype {jnp.result_type(x)}; only floating "
+                             f"parameters are sharded")
+        _check_existing_sharding(x, name, mesh, axis)
+        keys.setdefault(group_key(path), []).append(i)
+        leaves.append((name, shape))
+        arrays.append(x)
+    groups, leaf_group = [], {}
+    for key, idx in keys.items():
+        for start in range(0, len(idx), max_group_params):
+            chunk = tuple(idx[start:start + max_group_params])
+            gname = "/".join(str(k) for k in key) + (f"#{start // max_group_params}"
+                                                      if len(idx) > max_group_params else "")
+            for i in chunk:
+                leaf_group[i] = len(groups)
+            groups.append(TideGroup(name=gname, leaves=chunk))
+    layouts = tuple(LeafLayout(path=name, shape=shape, rows=-(-shape[0] // n),
+                               group=leaf_group[i]) for i, (name, shape) in enumerate(leaves))
+    layout = ShardLayout(mesh=mesh, axis=axis, world=n, treedef=treedef, leaves=layouts,
+                         groups=tuple(groups), shard_dtype=jnp.dtype(shard_dtype),
+                         ag_dtype=jnp.dtype(ag_dtype))
+    target = NamedSharding(mesh, P(axis))
+
+    def pad(x, l):
+        x = jnp.asarray(x, shard_dtype)
+        extra = n * l.rows - l.shape[0]
+        return jnp.pad(x, [(0, extra)] + [(0, 0)] * (x.ndim - 1)) if extra else x
+
+    sharded = [jax.device_put(pad(x, l), target) for x, l in zip(arrays, layouts)]
+    return jax.tree_util.tree_unflatten(treedef, sharded), layout
+
+
+def group_leaves(layout: ShardLayout, flat: Sequence[Any], g: int) -> tuple:
+    return tuple(flat[i] for i in layout.groups[g].leaves)
