@@ -1,0 +1,84 @@
+"""Per-model runtime state shared by the AG and RS faces: arena, transport, ring-slot ownership.
+
+[Note: ring-slot ownership]
+A ring slot belongs to the group that last landed in it. Before group g lands, the previous
+owner must be resharded (its unsharded parameters are dead) — FSDP2's prefetch depth of 1 makes
+that true for groups in slot g mod 2 — and, under Slot-Reuse, the reduce-scatter that reads the
+previous owner's gradients out of the slot must have finished: the copy-in stream waits for the
+event recorded after that reduce-scatter. A violated assumption raises instead of silently
+overwriting live parameters. The one tolerated case is the folded ring tail under no-grad
+evaluation (App. F): it stays unsharded after forward, so TIDE reshards it before reusing its slot.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+import torch
+from torch.distributed.device_mesh import _get_device_handle
+
+from tide_torch import _patches
+
+
+class Runtime:
+    def __init__(self, mode: str, groups: list[Any], arena: Any, device: torch.device):
+        self.mode = mode
+        self.groups = groups
+        self.arena = arena
+        self.device = device
+        self.transport: Any = None
+        self.stats: Counter = Counter(ag_tide=0, ag_stock=0, rs_tide=0, rs_stock=0)
+        self._owner: dict[str, Any] = {}
+        self._release_event: dict[str, Any] = {}
+        self._tail = max((g for g in groups if g.eligible and g.slot.startswith("ring")),
+                         key=lambda g: g.ring_index, default=None)
+
+    @staticmethod
+    def _key(tg: Any) -> str:
+        return tg.slot if tg.slot != "fixed" else f"fixed:{tg.index}"
+
+    def acquire_slot(self, tg: Any, stream: Any) -> None:
+        """Called on the copy-in stream before tg lands. See [Note: ring-slot ownership]."""
+        key = self._key(tg)
+        owner = self._owner.get(key)
+        if owner is not None and owner is not tg and _is_live(owner):
+            if (owner is self._tail and not torch.is_grad_enabled()
+                    and owner.pg._all_gather_result is None):
+                owner.pg.reshard()  # the folded ring tail, during no-grad evaluation
+            else:
+                raise RuntimeError(
+                    f"tide_torch: group {tg.fqn} would land in ring slot {tg.slot} while group "
+                    f"{owner.fqn} is still unsharded there. TIDE's 2-slot ring assumes FSDP2's "
+                    "prefetch depth 1 and module order = execution order; disable TIDE or set "
+                    "reshard_after_forward=False on one of the two groups (fixed storage)")
+        event = self._release_event.pop(key, None)
+        if event is not None:
+            stream.wait_event(event)
+        self._owner[key] = tg
+
+    def slot_is_free(self, tg: Any) -> bool:
+        """Whether tg's own landing storage may hold its gradients (Slot-Reuse)."""
+        return self._owner.get(self._key(tg)) is tg and tg.pg.is_sharded
+
+    def hold_slot_for_grads(self, tg: Any) -> None:
+        self._owner[self._key(tg)] = tg
+
+    def release_slot_after_rs(self, tg: Any) -> None:
+        """On the reduce-scatter stream, after TIDE-RS has read the gradients out of the slot."""
+        handle = _get_device_handle(self.device.type)
+        self._release_event[self._key(tg)] = handle.current_stream().record_event()
+
+
+def _is_live(tg: Any) -> bool:
+    pg = tg.pg
+    return pg.is_unsharded or pg._all_gather_result is not None
+
+
+def free_in_arena(fsdp_param: Any) -> Any:
+    """Per-instance FSDPParam.free_unsharded_param for parameters living in the arena: the ring
+    slot is released logically (ownership), the storage keeps its size."""
+    def free_unsharded_param() -> None:
+        if _patches.compiled_autograd_enabled():
+            raise RuntimeError("tide_torch does not support compiled autograd; disable TIDE")
+        # Nothing to free: see [Note: zero-offset views] in arena.py.
+    return free_unsharded_param
