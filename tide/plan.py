@@ -1,10 +1,43 @@
-"""Planner face: Topology, GroupSignature and plan() over tide._core."""
+"""Planner face: Topology, GroupSignature and plan() over tide._core.
+
+`plan()` returns a `tide._core.Plan`: `plan.layout` (R_p, s_p, o_p, S, landing(p, r), rows(p, r),
+valid_rows(p, r), S_fp32, B_pack, NS), `plan.ag` / `plan.rs` / `plan.solver` / `plan.options`
+(dicts), `plan.memory()` (memory-model terms in bytes and NS units plus the arena table),
+`plan.region(name)` and `plan.hash`.
+"""
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Any, Mapping, Sequence
 
 from tide import _core
+
+PlanError = _core.PlanError
+
+# Options accepted by plan(); 0 means "let the solver choose" where the solver owns the value.
+_INT_OPTIONS = {
+    "w_wave": 0,        # W_wave, contributors per wave (0 -> L)
+    "k": 0,             # max concurrent rail transfers per round (0 -> solver)
+    "n_part": 1,        # sub-slice passes per reduce-scatter
+    "n_stg": 2,         # local bf16 staging slots
+    "chunk_bytes": 0,   # RS staging chunk (0 -> whole sub-slice)
+    "sum_ctas": 0,      # C_sum (0 -> solver, Eq. 13)
+    "land_ctas": 0,     # C_mc (0 -> solver, Eq. 14)
+    "ag_head_bytes": 8 << 20,
+}
+
+
+def _as_int(value: Any, where: str, bits: int = 64) -> int:
+    if isinstance(value, bool):
+        raise PlanError(f"{where}: {value!r} is a bool, not an integer")
+    try:
+        v = operator.index(value)
+    except TypeError:
+        raise PlanError(f"{where}: {value!r} is not an integer") from None
+    if not -(1 << (bits - 1)) <= v < (1 << (bits - 1)):
+        raise PlanError(f"{where}: {v} does not fit in {bits} bits")
+    return v
 
 
 @dataclass(frozen=True)
@@ -29,22 +62,53 @@ class GroupSignature:
     shard_dtype: str | None = None  # None: same as ag_dtype (no cast)
     names: Sequence[str] = field(default_factory=tuple)
 
+    @classmethod
+    def from_json(cls, obj: Any, **dtypes) -> "GroupSignature":
+        """A list of shapes, or a {name: shape} mapping (the `tide plan --shapes` file format)."""
+        if isinstance(obj, Mapping):
+            return cls(shapes=tuple(obj.values()), names=tuple(str(k) for k in obj), **dtypes)
+        if isinstance(obj, (list, tuple)):
+            return cls(shapes=tuple(obj), **dtypes)
+        raise PlanError(f"GroupSignature.shapes: expected a list of shapes or a {{name: shape}} "
+                        f"mapping, got {type(obj).__name__}")
 
-def plan(sig: GroupSignature, topo: Topology, mode: str = "in_place", *, w_wave: int = 0,
-         k: int = 0, n_part: int = 1, n_stg: int = 2, chunk_bytes: int = 0, sum_ctas: int = 0,
-         land_ctas: int = 0):
-    """Plan one group on one topology; raises tide.PlanError naming the field at fault."""
+
+def _check_shapes(sig: GroupSignature) -> list[list[int]]:
+    if isinstance(sig.shapes, (str, bytes)) or not isinstance(sig.shapes, Sequence):
+        raise PlanError(f"GroupSignature.shapes: expected a sequence of shapes, got {sig.shapes!r}")
+    names = list(sig.names)
     shapes = []
     for i, s in enumerate(sig.shapes):
-        try:
-            dims = [int(d) for d in s]
-        except TypeError as e:
-            raise _core.PlanError(f"GroupSignature.shapes[{i}]: {s!r} is not a sequence of ints") from e
-        for j, d in enumerate(s):
-            if int(d) != d:
-                raise _core.PlanError(f"GroupSignature.shapes[{i}][{j}]: {d!r} is not an integer")
-        shapes.append(dims)
+        who = f"GroupSignature.shapes[{i}]" + (f" ('{names[i]}')" if i < len(names) else "")
+        if isinstance(s, (int, str, bytes)) or not isinstance(s, Sequence):
+            raise PlanError(f"{who}: {s!r} is not a sequence of ints")
+        shapes.append([_as_int(d, f"{who}[{j}]") for j, d in enumerate(s)])
+    return shapes
+
+
+def plan(sig: GroupSignature, topo: Topology, mode: str = "in_place",
+         calibration: Mapping[str, float] | None = None, **options: int):
+    """Plan one group on one topology; raises tide.PlanError naming the field at fault.
+
+    options: w_wave, k, n_part, n_stg, chunk_bytes, sum_ctas, land_ctas, ag_head_bytes
+    (see tide/plan.py); calibration overrides the solver's Calibration fields (bw_nic, ...).
+    """
+    unknown = sorted(set(options) - set(_INT_OPTIONS))
+    if unknown:
+        raise PlanError(f"options: unknown option(s) {', '.join(unknown)} "
+                        f"(expected some of {', '.join(_INT_OPTIONS)})")
+    opts = {k: _as_int(options.get(k, v), f"Options.{k}",
+                    64 if k.endswith("bytes") else 32) for k, v in _INT_OPTIONS.items()}
+    if not isinstance(mode, str):
+        raise PlanError(f"mode: expected 'in_place' or 'slot_reuse', got {mode!r}")
+    for f in ("ag_dtype", "grad_dtype", "shard_dtype"):
+        v = getattr(sig, f)
+        if v is not None and not isinstance(v, str):
+            raise PlanError(f"GroupSignature.{f}: expected a dtype name, got {v!r}")
+    shapes = _check_shapes(sig)
+    nodes = _as_int(topo.nodes, "Topology.nodes", 32)
+    gpus = _as_int(topo.gpus_per_node, "Topology.gpus_per_node", 32)
     return _core.make_plan(
-        shapes, list(sig.names), sig.ag_dtype, sig.grad_dtype, sig.shard_dtype or sig.ag_dtype,
-        int(topo.nodes), int(topo.gpus_per_node), mode, w_wave, k, n_part, n_stg, chunk_bytes,
-        sum_ctas, land_ctas)
+        shapes, [str(n) for n in sig.names], sig.ag_dtype, sig.grad_dtype,
+        sig.shard_dtype or sig.ag_dtype, nodes, gpus, mode, calibration=dict(calibration or {}),
+        **opts)

@@ -1,5 +1,6 @@
 // Layout (Section 2.1, Eqs. 2-3) and input validation.
 #include <algorithm>
+#include <cmath>
 
 #include "tide/plan.h"
 
@@ -40,10 +41,13 @@ Mode parse_mode(const std::string& name) {
 }
 
 void validate_inputs(const GroupSignature& sig, const Topology& topo, const Options& opt) {
-  TIDE_PLAN_CHECK(topo.nodes >= 1, "Topology.nodes: must be >= 1, got ", topo.nodes);
-  TIDE_PLAN_CHECK(topo.gpus_per_node >= 1 && topo.gpus_per_node <= kMaxGpusPerNode,
-                  "Topology.gpus_per_node: must be in [1, ", kMaxGpusPerNode, "], got ",
+  TIDE_PLAN_CHECK(topo.nodes >= 1 && topo.nodes <= kMaxNodes, "Topology.nodes: must be in [1, ",
+                  kMaxNodes, "], got ", topo.nodes);
+  TIDE_PLAN_CHECK(topo.gpus_per_node >= 1, "Topology.gpus_per_node: must be >= 1, got ",
                   topo.gpus_per_node);
+  TIDE_PLAN_CHECK(topo.gpus_per_node <= kMaxGpusPerNode, "Topology.gpus_per_node: L = ",
+                  topo.gpus_per_node, " exceeds one NVSwitch domain (L <= ", kMaxGpusPerNode,
+                  "); this group falls back to stock FSDP2 collectives");
   const int P = static_cast<int>(sig.params.size());
   TIDE_PLAN_CHECK(P >= 1, "GroupSignature.shapes: the group is empty (no parameters)");
   TIDE_PLAN_CHECK(P <= kMaxParams, "GroupSignature.shapes: ", P, " parameters exceed TIDE's limit of ",
@@ -56,12 +60,24 @@ void validate_inputs(const GroupSignature& sig, const Topology& topo, const Opti
     for (size_t i = 0; i < ps.shape.size(); ++i)
       TIDE_PLAN_CHECK(ps.shape[i] > 0, who, ": shape[", i, "] = ", ps.shape[i], " must be > 0");
   }
-  TIDE_PLAN_CHECK(sig.ag_dtype != DType::kFP16 || sig.grad_dtype != DType::kFP16 || true, "");
+  // The group must stay addressable: NS = N * S bytes (and the fp32 RS input B_pack = 4N*E)
+  // must fit in int64 with room for the arena's other regions.
+  const long double limit = 1.0L * (1ll << 60);
+  long double ns = 0;
+  for (int p = 0; p < P; ++p) {
+    const auto& sh = sig.params[p].shape;
+    long double padded = std::ceil(static_cast<long double>(sh[0]) / topo.world()) * topo.world();
+    for (size_t i = 1; i < sh.size(); ++i) padded *= sh[i];
+    ns += padded * 4;
+  }
+  TIDE_PLAN_CHECK(ns < limit, "GroupSignature.shapes: the group is too large (", (double)ns,
+                  " fp32 bytes unsharded)");
   const int L = topo.gpus_per_node;
   TIDE_PLAN_CHECK(opt.struct_size == sizeof(Options), "Options.struct_size: ", opt.struct_size,
                   " does not match this build's ", sizeof(Options));
-  TIDE_PLAN_CHECK(opt.w_wave >= 0 && opt.w_wave <= L, "Options.w_wave: must be in [1, L=", L,
-                  "] (0 = L), got ", opt.w_wave);
+  TIDE_PLAN_CHECK(opt.w_wave >= 0, "Options.w_wave: must be >= 1 (0 = L), got ", opt.w_wave);
+  TIDE_PLAN_CHECK(opt.w_wave <= L, "Options.w_wave: W_wave = ", opt.w_wave,
+                  " exceeds L = ", L, " (a wave's partials must fit one NVSwitch reduction)");
   TIDE_PLAN_CHECK(opt.k >= 0, "Options.k: must be >= 1 (0 = solver), got ", opt.k);
   TIDE_PLAN_CHECK(opt.n_part >= 1, "Options.n_part: must be >= 1, got ", opt.n_part);
   TIDE_PLAN_CHECK(opt.n_stg >= 1, "Options.n_stg: must be >= 1, got ", opt.n_stg);

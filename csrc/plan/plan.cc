@@ -4,6 +4,7 @@
 namespace tide {
 
 namespace {
+constexpr uint32_t kPlanHashVersion = 1;  // bump when the plan's meaning changes
 // FNV-1a over the inputs that determine a plan; identical on every rank for identical inputs.
 struct Hasher {
   uint64_t h = 1469598103934665603ull;
@@ -25,22 +26,27 @@ Plan make_plan(const GroupSignature& sig, const Topology& topo, const Options& o
   plan.layout = build_layout(sig, topo);
   plan.solver = solve(plan.layout, topo, opt_in, cal);
   if (plan.opt.w_wave == 0) plan.opt.w_wave = topo.gpus_per_node;
-  if (plan.opt.k == 0) plan.opt.k = plan.solver.k;
-  if (plan.opt.sum_ctas == 0) plan.opt.sum_ctas = plan.solver.sum_ctas;
-  if (plan.opt.land_ctas == 0) plan.opt.land_ctas = plan.solver.land_ctas;
+  // solve() already applied every explicit (nonzero) option; these are the resolved values.
+  plan.opt.k = plan.solver.k;
+  plan.opt.sum_ctas = plan.solver.sum_ctas;
+  plan.opt.land_ctas = plan.solver.land_ctas;
+  plan.opt.n_part = plan.solver.n_part;
   plan.ag = build_ag_schedule(plan.layout, sig, topo, plan.opt);
   plan.rs = build_rs_schedule(plan.layout, topo, plan.opt);
   validate_rs(plan.rs, topo, plan.opt);
   plan.memory = build_memory(plan);
 
+  // Hash only fixed-width fields, in a fixed order, so every rank (and every build of this
+  // version) gets the same value for the same inputs; parameter names do not change the plan.
   Hasher h;
+  h.pod(kPlanHashVersion);
   h.pod(topo.nodes);
   h.pod(topo.gpus_per_node);
   h.pod(sig.ag_dtype);
   h.pod(sig.grad_dtype);
   h.pod(sig.shard_dtype);
   for (const auto& p : sig.params) {
-    h.pod(p.shape.size());
+    h.pod(static_cast<uint64_t>(p.shape.size()));
     for (auto d : p.shape) h.pod(d);
   }
   const Options& o = plan.opt;

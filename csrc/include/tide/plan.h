@@ -42,6 +42,7 @@ const char* mode_name(Mode m);
 Mode parse_mode(const std::string& name);
 
 constexpr int kMaxGpusPerNode = 8;   // L <= 8 (one NVSwitch domain)
+constexpr int kMaxNodes = 1 << 16;   // M: far beyond any deployment; keeps N*S in int64
 constexpr int kMaxParams = 256;      // P > 256 falls back to stock collectives
 constexpr int kVectorElems = 4;      // fp32 elements per 16-byte vector (E_sub alignment)
 
@@ -168,20 +169,47 @@ inline int dest_gpu(int s, int c, int M, int L) { return ((s - c % M) % L + L) %
 // Memory model (Section 5.4, Eqs. 10-12) and arena layout                          [memory.cc]
 // ---------------------------------------------------------------------------------------------
 struct ArenaRegion {
-  std::string name;   // "resident", "stage", "staging", "outbox", "inbox", "spare", "counters"
+  std::string name;   // see MemoryModel::arena for the names
   int64_t offset = 0;
   int64_t bytes = 0;
 };
 
+constexpr int64_t kArenaAlign = 4096;          // every arena region starts on a 4 KiB boundary
+constexpr int64_t kCounterBytes = 64ll << 10;  // "counters" region: signal/credit counters
+
+// All byte counts are per rank. NS = N*S is the group's unsharded bytes in the AG dtype.
 struct MemoryModel {
+  int64_t ns_bytes = 0;               // NS
+  // Temporary RS staging as laid out (Eq. 10's terms): staging + inbox + outbox + spares.
+  int64_t staging_slot_bytes = 0;     // one local bf16 staging slot: (L-1)*L*E_sub*b_grad
+  int64_t staging_bytes = 0;          // n_stg slots
+  int64_t inbox_bytes = 0;            // n_par generations x L blocks
+  int64_t outbox_bytes = 0;           // 2 banks x n_out blocks
+  int64_t spare_bytes = 0;            // one own-node spare block per bank
   int64_t area_rs_bytes = 0;          // temporary RS staging (Eq. 10) as laid out
   double area_rs_ns = 0;              // ... in units of NS
-  double area_inplace_bound_ns = 0;   // Eq. 11
-  double area_slot_bound_ns = 0;      // Eq. 12
+  double area_rs_bound_ns = 0;        // Eq. 10 closed-form bound for this plan's n_out
+  double area_inplace_bound_ns = 0;   // Eq. 11 (n_out = M-1)
+  double area_slot_bound_ns = 0;      // Eq. 12 (n_out = 2k)
+  // Live bytes during a layer's backward (Section 5.4).
+  int64_t ring_bytes = 0;             // two AG ring slots, 2 NS
+  int64_t stage_bytes = 0;            // AG receive stage, (M-1)S or MS with a cast
+  int64_t prev_grad_bytes = 0;        // In-Place only: previous layer's gradients, N*S_grad
+  int64_t live_tide_bytes = 0;        // ring + stage + area_rs + prev_grad
   double live_tide_ns = 0;            // TIDE's live bytes during a layer's backward, units of NS
-  double live_fsdp2_ns = 4.0;         // FSDP2's 4 NS
+  double live_tide_bound_ns = 0;      // (2 + 1/L) + Eq. 11/12 bound (+1 NS of grads for In-Place)
+  int64_t live_fsdp2_bytes = 0;       // 2 NS + B_pack (unsharded, prefetched AG, fp32 RS input)
+  double live_fsdp2_ns = 4.0;         // FSDP2's 4 NS (bf16)
+  // Arena regions, in this order, names stable (executors look them up by name):
+  //   ring0, ring1 (NS each), resident (S; only without a cast), stage, staging,
+  //   outbox (2 banks), inbox (n_par generations x L blocks), spare (2 blocks), counters.
+  // Within a region, blocks are block_bytes apart: outbox bank b block i at (b*n_out + i),
+  // inbox generation g block j at (g*L + j), spare of bank b at b; staging slot t at
+  // t*staging_slot_bytes.
   std::vector<ArenaRegion> arena;     // every region's offset and size
   int64_t arena_bytes = 0;
+  const ArenaRegion& region(const std::string& name) const;  // throws Error naming `name`
+  bool has_region(const std::string& name) const;
 };
 
 // ---------------------------------------------------------------------------------------------
@@ -198,14 +226,20 @@ struct Calibration {
   int k_max = 4;
 };
 
+// The solver's choices; a nonzero Options field overrides the matching choice (flagged below),
+// and the values here are the resolved ones the plan uses.
 struct SolverResult {
   int k = 0;
   int sum_ctas = 0;
   int land_ctas = 0;
   int n_part = 1;
-  double t_nic = 0;  // s
+  double t_nic = 0;  // s, (M-1) S_fp32 / BW_NIC
   int rounds = 0;    // N_rounds(M-1, k, W_wave)
+  bool k_given = false, sum_ctas_given = false, land_ctas_given = false;
 };
+
+// N_rounds(M-1, k, W_wave): network rounds of one reduce-scatter (App. G).
+int n_rounds(int M, int k, int w_wave);
 
 // Recoverable FSDP overhead fraction (Eq. 1), up to its proportionality constant.
 double recoverable_overhead_fraction(double psi_total, double psi_active, double tokens_per_gpu);
