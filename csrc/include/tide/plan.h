@@ -139,9 +139,39 @@ struct AgSchedule {
   int stage_slots = 0;         // M-1 (M with a cast)
   int64_t stage_bytes = 0;     // (M-1)S (MS with a cast)
   // Filled by ag_schedule.cc (TIDE-AG owner): descriptor tables and counts.
-  int64_t descriptors_per_rank = 0;       // coalesced scatter descriptors, O(P log M)
+  int64_t descriptors_per_rank = 0;       // coalesced scatter descriptors, O(P log M) (max over nodes)
   int64_t flat_descriptors_per_rank = 0;  // one per (slot, param): O(MP)
+  int last_round_groups = 0;              // the last round's slots split into <= 4 scatter groups
+  int64_t local_push_descriptors = 0;     // P: own shard to every local landing (one multicast)
 };
+
+// Bruck peers on one rail (Section 3.1): in round d node n sends its first c_d stage slots to
+// (n - 2^d) mod M and receives as many from (n + 2^d) mod M into slots [2^d, 2^d + c_d).
+// Stage slot i of node n holds the shard of node (n + i) mod M on the same rail; slot 0 is the
+// own shard (read in place, or the cast output in stage position 0 with a cast).
+inline int ag_send_peer(int n, int d, int M) { return ((n - (1 << d)) % M + M) % M; }
+inline int ag_recv_peer(int n, int d, int M) { return (n + (1 << d)) % M; }
+// Byte offset of stage slot i (i >= 1; i >= 0 with a cast) in the receive stage.
+inline int64_t ag_stage_offset(int slot, int64_t S, bool cast) { return (cast ? slot : slot - 1) * S; }
+
+// One scatter run: stage slots [first_slot, first_slot + slots) received in `round`, from
+// consecutive rail-peer nodes (never across the mod-M wrap), so each parameter's rows form one
+// strided copy (src pitch S, dst pitch L*s_p) when slots >= 4, else one copy per slot.
+struct AgScatterRun {
+  int round = 0;
+  int first_slot = 0;
+  int slots = 0;
+};
+constexpr int kAgMinStridedRun = 4;     // runs of >= 4 slots become one strided copy per param
+constexpr int kAgLastRoundGroups = 4;   // the last round is split into <= 4 scatter groups
+std::vector<AgScatterRun> ag_scatter_runs(const AgSchedule& ag, int M, int node);
+inline int64_t ag_run_descriptors(const AgScatterRun& run, int P) {
+  return run.slots >= kAgMinStridedRun ? P : static_cast<int64_t>(run.slots) * P;
+}
+int64_t ag_scatter_descriptors(const AgSchedule& ag, int M, int P, int node);
+// Position-aware 2-slot ring (App. F): group g (execution order) lands in slot g mod 2, and
+// each slot is sized for the groups assigned to it. Returns {slot0 bytes, slot1 bytes}.
+std::vector<int64_t> ag_ring_slot_bytes(const std::vector<int64_t>& group_ns_bytes);
 
 // ---------------------------------------------------------------------------------------------
 // TIDE-RS schedule (Section 4)                                                 [rs_schedule.cc]
