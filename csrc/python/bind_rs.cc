@@ -1,4 +1,160 @@
-// Bindings for the TIDE-RS schedule, validator and RS programs (owner: TIDE-RS). Placeholder.
+// Bindings for the TIDE-RS schedule and validator (owner: TIDE-RS): Plan.rs (read-only view of
+// the RsSchedule), rs_level1_copies(plan, rank) and validate_all(gpus_per_node, max_nodes).
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/pair.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
+
+#include <chrono>
+
+#include "tide/plan.h"
+
 namespace nb = nanobind;
-void bind_rs(nb::module_& m) {}
+using namespace tide;
+
+namespace {
+
+nb::list mask_list(const uint8_t* m, int L) {
+  nb::list out;
+  for (int j = 0; j < L; ++j) out.append(int(m[j]));
+  return out;
+}
+
+void bind_rs_types(nb::module_& m) {
+  nb::class_<RsSegment>(m, "RsSegment")
+      .def_ro("param", &RsSegment::param).def_ro("param_offset", &RsSegment::param_offset)
+      .def_ro("out_offset", &RsSegment::out_offset).def_ro("sub_offset", &RsSegment::sub_offset)
+      .def_ro("length", &RsSegment::length);
+  nb::class_<RsSubslice>(m, "RsSubslice")
+      .def_ro("pass_", &RsSubslice::pass).def_ro("s", &RsSubslice::s)
+      .def_ro("out_begin", &RsSubslice::out_begin).def_ro("length", &RsSubslice::length)
+      .def_ro("seg_begin", &RsSubslice::seg_begin).def_ro("seg_end", &RsSubslice::seg_end);
+  nb::class_<RsRound>(m, "RsRound")
+      .def_ro("pass_", &RsRound::pass).def_ro("wave", &RsRound::wave)
+      .def_ro("c_begin", &RsRound::c_begin).def_ro("c_end", &RsRound::c_end);
+  // The masks are per destination GPU; the schedule's L is needed to size them, so waves are
+  // exported as dicts by RsSchedule.waves_info.
+  nb::class_<RsSchedule>(m, "RsSchedule")
+      .def_ro("M", &RsSchedule::M).def_ro("L", &RsSchedule::L)
+      .def_ro("w_wave", &RsSchedule::w_wave).def_ro("waves", &RsSchedule::waves)
+      .def_ro("n_par", &RsSchedule::n_par).def_ro("n_out", &RsSchedule::n_out)
+      .def_ro("n_part", &RsSchedule::n_part).def_ro("k", &RsSchedule::k)
+      .def_prop_ro("mode", [](const RsSchedule& r) { return std::string(mode_name(r.mode)); })
+      .def_ro("E_stg", &RsSchedule::E_stg).def_ro("E_sub", &RsSchedule::E_sub)
+      .def_ro("E_subslice", &RsSchedule::E_subslice)
+      .def_ro("block_bytes", &RsSchedule::block_bytes).def_ro("E_chunk", &RsSchedule::E_chunk)
+      .def_ro("n_chunks", &RsSchedule::n_chunks).def_ro("n_stg", &RsSchedule::n_stg)
+      .def_ro("b_grad", &RsSchedule::b_grad).def_ro("stg_slot_bytes", &RsSchedule::stg_slot_bytes)
+      .def_ro("n_spare", &RsSchedule::n_spare).def_ro("d_rem", &RsSchedule::d_rem)
+      .def_ro("l1_descriptors_per_rank", &RsSchedule::l1_descriptors_per_rank)
+      .def_ro("l1_tail_descriptors_per_rank", &RsSchedule::l1_tail_descriptors_per_rank)
+      .def_ro("l1_flat_descriptors_per_rank", &RsSchedule::l1_flat_descriptors_per_rank)
+      .def_ro("l1_coalesced_formula", &RsSchedule::l1_coalesced_formula)
+      .def_ro("segments", &RsSchedule::segments).def_ro("subslices", &RsSchedule::subslices)
+      .def_ro("rounds", &RsSchedule::rounds)
+      .def_prop_ro("waves_info", [](const RsSchedule& r) {
+        nb::list out;
+        for (const RsWave& w : r.wave_list) {
+          nb::dict d;
+          d["pass"] = w.pass; d["w"] = w.w; d["gen"] = w.gen;
+          d["c_begin"] = w.c_begin; d["c_end"] = w.c_end; d["own"] = w.own;
+          d["round_begin"] = w.round_begin; d["round_end"] = w.round_end;
+          d["write_mask"] = mask_list(w.write_mask, r.L);
+          d["zero_mask"] = mask_list(w.zero_mask, r.L);
+          out.append(d);
+        }
+        return out;
+      });
+}
+
+}  // namespace
+
+void bind_rs(nb::module_& m) {
+  if (!nb::type<RsSchedule>().is_valid()) bind_rs_types(m);
+  // Plan.rs: bound here so the RS section stays in one file (bind_plan.cc binds Plan itself).
+  nb::object property = nb::module_::import_("builtins").attr("property");
+  nb::setattr(nb::type<Plan>(), "rs",
+              property(nb::cpp_function([](const Plan& p) -> const RsSchedule& { return p.rs; },
+                                        nb::is_method(), nb::rv_policy::reference_internal)));
+
+  m.def(
+      "rs_level1_copies",
+      [](const Plan& plan, int rank) {
+        TIDE_PLAN_CHECK(rank >= 0 && rank < plan.topo.world(), "rank: ", rank,
+                        " is outside [0, ", plan.topo.world(), ")");
+        nb::list out;
+        for (const RsL1Copy& c : rs_level1_copies(plan.layout, plan.rs, rank)) {
+          nb::dict d;
+          d["c"] = c.c; d["t"] = c.t; d["owner"] = c.owner; d["pass"] = c.pass; d["s"] = c.s;
+          d["chunk"] = c.chunk; d["tail"] = c.tail; d["param"] = c.copy.param;
+          d["src_offset"] = c.copy.src_offset; d["src_pitch"] = c.copy.src_pitch;
+          d["dst_offset"] = c.copy.dst_offset; d["dst_pitch"] = c.copy.dst_pitch;
+          d["width"] = c.copy.width; d["height"] = c.copy.height;
+          out.append(d);
+        }
+        return out;
+      },
+      nb::arg("plan"), nb::arg("rank"),
+      "Level-1 pushes of one rank for one call, in issue order (byte offsets, grad dtype).");
+
+  m.def(
+      "validate_all",
+      [](int gpus_per_node, int max_nodes) {
+        const auto t0 = std::chrono::steady_clock::now();
+        ValidateAllResult r;
+        {
+          nb::gil_scoped_release unlocked;
+          r = validate_all(gpus_per_node, max_nodes);
+        }
+        const double secs =
+            std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+        nb::dict d;
+        d["accepted"] = r.accepted;
+        d["rejected"] = r.rejected;
+        d["accepted_pairs"] = r.accepted_pairs;
+        d["rejected_pairs"] = r.rejected_pairs;
+        d["n_part_ok"] = r.n_part_ok;
+        d["n_part_checked"] = r.n_part_checked;
+        d["n_part_failure"] = r.first_n_part_failure;
+        d["seconds"] = secs;
+        return d;
+      },
+      nb::arg("gpus_per_node"), nb::arg("max_nodes"),
+      "Exhaustive RS validator regression (App. D): every base plan (M in [2, max_nodes], "
+      "W_wave in [1, L], k in [1, 32], In-Place and Slot-Reuse) is simulated; returns accepted "
+      "and rejected counts, the (M, W_wave) pairs, and whether n_part in {2, 3, 4} is valid for "
+      "every accepted base plan.");
+  m.def(
+      "check_rs_shape",
+      [](int M, int L, int w_wave, int n_part, int k, const std::string& mode,
+         const std::string& fault) {
+        RsSchedule rs;
+        build_rs_waves(rs, M, L, w_wave, n_part);
+        // Validator negative tests: corrupt the schedule the way a planner bug would.
+        if (fault == "skip_zeroing") {
+          bool dropped = false;
+          for (RsWave& w : rs.wave_list)
+            for (int j = 0; j < L && !dropped; ++j)
+              if (w.zero_mask[j]) {
+                w.zero_mask[j] = 0;
+                dropped = true;
+              }
+        } else if (fault == "single_generation") {
+          for (RsWave& w : rs.wave_list) w.gen = 0;
+          rs.n_par = 1;
+        } else if (fault == "zero_written_block") {
+          rs.wave_list.back().zero_mask[0] |= rs.wave_list.back().write_mask[0];
+        } else if (!fault.empty()) {
+          throw PlanError(TIDE_STR_CAT("fault: unknown schedule fault '", fault, "'"));
+        }
+        std::string why = check_rs_waves(rs);
+        if (why.empty()) {
+          build_rs_rounds(rs, k, parse_mode(mode));
+          why = check_rs_rounds(rs);
+        }
+        return why;
+      },
+      nb::arg("M"), nb::arg("L"), nb::arg("w_wave"), nb::arg("n_part") = 1, nb::arg("k") = 4,
+      nb::arg("mode") = "in_place", nb::arg("fault") = "",
+      "Validate one schedule shape without a parameter group; '' when valid, else why not.");
+}

@@ -23,6 +23,7 @@
 
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "tide/errors.h"
@@ -175,20 +176,125 @@ std::vector<int64_t> ag_ring_slot_bytes(const std::vector<int64_t>& group_ns_byt
 
 // ---------------------------------------------------------------------------------------------
 // TIDE-RS schedule (Section 4)                                                 [rs_schedule.cc]
+//
+// Geometry. Sub-slice s covers the per-rank fp32 output elements [s*E_subslice, (s+1)*E_subslice)
+// (clipped to E; the final live range may be shorter or empty) and crosses parameter boundaries.
+// Pass p handles columns [p*E_sub, (p+1)*E_sub) of every sub-slice, so an element's sub-slice,
+// owner and inbox position do not depend on n_part. A segment is the part of one (pass,
+// sub-slice) piece inside one parameter. An outbox/inbox block holds one sub-slice for the L ranks of one destination node:
+// L rows of E_sub fp32 (row l = destination local rank l). Each GPU's inbox has L blocks per
+// buffer generation; block s of destination GPU j receives contributor c when j = j(s, c) (Eq. 8).
+// Level 1 stages the L-1 peers' contributions of one sub-slice in a staging slot of
+// (L-1) peer areas x L rows x E_chunk grad elements (peer areas in local-rank order, owner skipped).
 // ---------------------------------------------------------------------------------------------
+struct RsSegment {
+  int param = -1;
+  int64_t param_offset = 0;  // element offset inside the per-rank shard of p, in [0, e_p)
+  int64_t out_offset = 0;    // element offset in the per-rank fp32 output (= o32_p + param_offset)
+  int64_t sub_offset = 0;    // column inside the sub-slice row, in [0, E_sub)
+  int64_t length = 0;        // elements
+};
+
+struct RsSubslice {
+  int pass = 0;
+  int s = 0;
+  int64_t out_begin = 0;           // first per-rank output element
+  int64_t length = 0;              // live elements, <= E_sub (0 when the pass is shorter)
+  int seg_begin = 0, seg_end = 0;  // its segments: RsSchedule::segments[seg_begin, seg_end)
+};
+
+// One wave of one pass: contributors [c_begin, c_end) in send order (c = M, the own node, is the
+// last contributor of the last wave of every pass).
+struct RsWave {
+  int pass = 0;
+  int w = 0;    // wave index inside the pass, [0, W)
+  int gen = 0;  // inbox buffer generation q (global wave index mod n_par)
+  int c_begin = 1, c_end = 1;
+  bool own = false;  // holds c = M: the own-node spare is copied into inbox block j of GPU j first
+  int round_begin = 0, round_end = 0;  // its network rounds: RsSchedule::rounds[...]
+  // Per destination GPU j: bit s set when inbox block s of generation `gen` receives a partial
+  // in this wave (write_mask), or must be zeroed before this wave's puts because the previous
+  // wave on the same generation wrote it and this wave does not (zero_mask; stale-block zeroing).
+  // The previous wave of the first wave on a generation is the last wave on that generation of
+  // the previous call of the same plan (steady state; a fresh arena is all zero).
+  uint8_t write_mask[kMaxGpusPerNode] = {};
+  uint8_t zero_mask[kMaxGpusPerNode] = {};
+};
+
+// One network round: up to k remote contributors [c_begin, c_end) of one wave. Remote destination
+// block J (0-based over all passes: J = pass*(M-1) + c-1) uses outbox block J mod n_out of bank b.
+struct RsRound {
+  int pass = 0;
+  int wave = 0;  // global wave index into RsSchedule::wave_list
+  int c_begin = 1, c_end = 1;
+};
+
+// One coalesced Level-1 push: a pusher's contribution to `height` consecutive destination rows of
+// one segment (chunk piece) of sub-slice s for destination node t. Offsets in bytes of the grad
+// dtype: src relative to the pusher's gradient G_p, dst relative to the peer area of the owner's
+// staging chunk (row-major L x E_chunk). height == 1 with a short width is a padded-row tail.
+struct RsL1Copy {
+  StridedCopy copy;
+  int c = 0;          // send-order step (c = M: the own node)
+  int t = 0;          // destination node
+  int owner = 0;      // owner local rank j = j(s, c)
+  int pass = 0, s = 0, chunk = 0;
+  bool tail = false;
+};
+
 struct RsSchedule {
   int w_wave = 0;       // W_wave (resolved)
-  int waves = 0;        // W = ceil(M / W_wave)
+  int waves = 0;        // W = ceil(M / W_wave), waves per pass
   int n_par = 0;        // inbox buffer generations: 1 for a single wave, else 2
   int n_out = 0;        // outbox blocks per bank (Eq. 9; M-1 for one-pass In-Place)
   int n_part = 1;       // sub-slice passes
   int k = 0;            // resolved round width
-  int64_t E_stg = 0;    // aligned per-rank staging span (elements) of one pass
-  int64_t E_sub = 0;    // sub-slice capacity (elements), vector aligned, >= ceil(E_stg/L)
+  Mode mode = Mode::kInPlace;
+  int64_t E_stg = 0;    // aligned per-rank staging span (elements) of one pass, L*E_sub
+  int64_t E_sub = 0;    // sub-slice capacity of one pass (elements), vector aligned, >= ceil(E_stg/L)
+  int64_t E_subslice = 0;  // sub-slice capacity over all passes, vector aligned, >= ceil(E/L)
   int64_t block_bytes = 0;  // outbox/inbox block: L rows of E_sub fp32
-  int64_t l1_descriptors_per_rank = 0;       // coalesced Level-1 copies: (L-1)PM (+ tails)
-  int64_t l1_flat_descriptors_per_rank = 0;  // (L-1)PML
+  int64_t E_chunk = 0;      // staged columns per staging chunk (E_sub without chunking)
+  int n_chunks = 1;         // chunks per sub-slice, ceil(E_sub / E_chunk)
+  int n_stg = 2;            // staging slots
+  int b_grad = 2;           // gradient item size
+  int64_t stg_slot_bytes = 0;  // one staging slot: (L-1) * L * E_chunk * b_grad
+  int n_spare = 1;          // own-node spare blocks per bank (one per pass)
+  int64_t d_rem = 0;        // remote destination blocks per call, n_part*(M-1)
+  int64_t l1_descriptors_per_rank = 0;       // coalesced Level-1 copies (max over ranks, with tails)
+  int64_t l1_tail_descriptors_per_rank = 0;  // ... of which padded-row tails
+  int64_t l1_flat_descriptors_per_rank = 0;  // (L-1)PML: one flat copy per destination row
+  int64_t l1_coalesced_formula = 0;          // (L-1)PM: the paper's count without tails
+  std::vector<RsSegment> segments;
+  std::vector<RsSubslice> subslices;  // index pass*L + s
+  std::vector<RsWave> wave_list;      // global order: pass-major, then w
+  std::vector<RsRound> rounds;        // global order
+
+  int M = 0, L = 0;  // topology the schedule was built for
+
+  const RsSubslice& subslice(int pass, int s) const { return subslices[pass * L + s]; }
 };
+
+// The static shape of a schedule, without a parameter group (validate_all enumerates these):
+// waves, generations, write/zero masks (build_rs_waves), rounds and outbox depth (build_rs_rounds).
+void build_rs_waves(RsSchedule& rs, int M, int L, int w_wave, int n_part);
+void build_rs_rounds(RsSchedule& rs, int k, Mode mode);
+// Level-1 pushes of one rank for one call (all passes), in issue order: step c, sub-slice, chunk,
+// segment. Their count is what l1_descriptors_per_rank reports for the worst rank.
+std::vector<RsL1Copy> rs_level1_copies(const GroupLayout& layout, const RsSchedule& rs, int rank);
+
+// Validator (Prop. 4.1, App. D)                                                    [validator.cc]
+// check_* return "" when the schedule is valid, else why not; validate_rs throws that as PlanError.
+std::string check_rs_waves(const RsSchedule& rs);   // collisions, stale blocks, generations
+std::string check_rs_rounds(const RsSchedule& rs);  // rounds inside waves, <= k, Eq. 9 depth
+struct ValidateAllResult {
+  int64_t accepted = 0, rejected = 0;  // base plans (M, W_wave, k, me)
+  std::vector<std::pair<int, int>> accepted_pairs, rejected_pairs;  // (M, W_wave)
+  bool n_part_ok = true;               // n_part in {2,3,4} valid for every accepted base plan
+  int64_t n_part_checked = 0;
+  std::string first_n_part_failure;
+};
+ValidateAllResult validate_all(int gpus_per_node, int max_nodes);
 
 // Contributor index (Eq. 6), sub-slice rotation (Eq. 7) and destination GPU (Eq. 8).
 inline int contributor_index(int m, int n, int M) { return n != m ? ((m - n) % M + M) % M : M; }
