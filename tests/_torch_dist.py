@@ -92,6 +92,11 @@ class TinyLlama(nn.Module):
         return self.output(self.norm(h))
 
 
+def mesh_1d():
+    from torch.distributed.device_mesh import init_device_mesh
+    return init_device_mesh("cpu", (dist.get_world_size(),))
+
+
 def build(seed: int = 0, *, n_layers: int = 3, mesh=None, reshard_after_forward: Any = True,
           mp_policy=None, shard_placement_fn=None, last_no_reshard: bool = False,
           dtype=torch.float32) -> nn.Module:
@@ -159,7 +164,7 @@ def spawn(fn: Callable, *args: Any, world: int = 4) -> None:
     os.unlink(init_file)
     try:
         mp.start_processes(_entry, args=(world, init_file, fn, args), nprocs=world,
-                           join=True, start_method="spawn")
+                           join=True, start_method=os.environ.get("TIDE_TEST_START", "fork"))
     finally:
         if os.path.exists(init_file):
             os.unlink(init_file)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 import tide
-from _torch_dist import batches, build, local_shards, spawn, train
+from _torch_dist import batches, build, local_shards, mesh_1d, spawn, train
 
 STEPS = 5
 
@@ -26,13 +26,14 @@ def _run(model_kwargs, data, mode, topo):
 
 def _parity(rank, world, nodes, gpn):
     topo = tide.Topology(nodes=nodes, gpus_per_node=gpn)
+    mesh = mesh_1d()
     for exact in (True, False):
         data = batches(STEPS, same_on_all_ranks=exact)
-        stock = build()
+        stock = build(mesh=mesh)
         stock_losses = train(stock, data)
         ref = local_shards(stock)
         for mode in ("in_place", "slot_reuse"):
-            model, handle, losses = _run({}, data, mode, topo)
+            model, handle, losses = _run({"mesh": mesh}, data, mode, topo)
             assert not handle.fallbacks, handle.fallbacks
             assert handle.stats["ag_tide"] > 0 and handle.stats["rs_tide"] > 0, handle.stats
             assert handle.stats["rs_stock"] == 0, handle.stats

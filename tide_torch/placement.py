@@ -12,8 +12,6 @@ slot whose previous group is still unsharded raises instead of corrupting parame
 """
 from __future__ import annotations
 
-import torch
-
 from tide_torch.arena import Arena, align_up
 from tide_torch.groups import TideGroup
 
@@ -56,7 +54,21 @@ def assign(groups: list[TideGroup]) -> dict[str, int]:
         else:
             stage_slot = max(stage_slot, align_up(g.plan.layout.S))
     sizes["stage"] = 2 * stage_slot
+    # TIDE-RS scratch (staging/outbox/inbox/spare/counters): reduce-scatters run one group at a
+    # time in collective order, so one set sized for the largest group serves all of them.
+    for name in EXECUTOR_REGIONS:
+        sizes[name] = max((_plan_region_bytes(g.plan, name) for g in served), default=0)
     return sizes
+
+
+EXECUTOR_REGIONS = ("staging", "outbox", "inbox", "spare", "counters")
+
+
+def _plan_region_bytes(plan, name: str) -> int:
+    try:
+        return int(plan.region(name)[1])
+    except (AttributeError, KeyError, ValueError, TypeError):
+        return 0  # planner without this region
 
 
 def bind(groups: list[TideGroup], arena: Arena) -> None:
@@ -101,9 +113,11 @@ def region_summary(groups: list[TideGroup], arena: Arena) -> dict:
             "slot": g.slot, "unsharded_bytes": ns, "S": g.plan.layout.S,
             "rs_output_bytes": g.plan.layout.S_fp32, "stock_rs_input_bytes": g.plan.layout.B_pack,
         }
+        model = getattr(g.plan, "memory", None)
+        if model is not None:
+            m = model()
+            out["groups"][g.fqn].update(
+                {k: m[k] for k in ("live_tide_ns", "live_fsdp2_ns", "area_rs_ns") if k in m})
     out["stock_unsharded_bytes"] = stock_ag
     return out
 
-
-def dtype_of(name: str) -> torch.dtype:
-    return {"bfloat16": torch.bfloat16, "float32": torch.float32}[name]
