@@ -7,7 +7,6 @@ on identical per-rank data (exact gradient sums, so results must be bitwise equa
 """
 from __future__ import annotations
 
-
 import torch
 
 import tide
