@@ -6,8 +6,9 @@ TIDE programs (`VirtualCluster`) and the CLI. Importing `tide` needs neither tor
 from tide import _core
 from tide._core import PlanError, TimeoutError  # noqa: A004  (tide.TimeoutError is ours)
 from tide._core import n_rounds, recoverable_overhead_fraction
+from tide.cluster import VirtualCluster
 from tide.plan import GroupSignature, Topology, plan
 
-__all__ = ["GroupSignature", "PlanError", "TimeoutError", "Topology", "n_rounds", "plan",
-           "recoverable_overhead_fraction"]
+__all__ = ["GroupSignature", "PlanError", "TimeoutError", "Topology", "VirtualCluster", "n_rounds",
+           "plan", "recoverable_overhead_fraction"]
 __version__ = "0.1.0"

@@ -1,4 +1,112 @@
-// Bindings for csrc/program (owner: programs). Placeholder.
+// Bindings for csrc/program: program sets (one Program per rank), the checker, fault injection.
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/pair.h>
+#include <nanobind/stl/shared_ptr.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
+#include <nanobind/stl/vector.h>
+
+#include <memory>
+
+#include "python/bind_common.h"
+#include "tide/program.h"
+
 namespace nb = nanobind;
-void bind_program(nb::module_& m) {}
+using namespace tide;
+
+namespace tide {
+std::vector<std::vector<Call>> calls_from_python(const nb::list& per_rank) {
+  std::vector<std::vector<Call>> out;
+  for (auto rank_calls : per_rank) {
+    std::vector<Call> v;
+    const int r = static_cast<int>(out.size());
+    for (auto item : nb::cast<nb::list>(rank_calls)) {
+      auto tup = nb::cast<nb::tuple>(item);
+      auto ps = nb::cast<std::shared_ptr<ProgramSet>>(tup[0]);
+      const int64_t seq = nb::cast<int64_t>(tup[1]);
+      TIDE_PLAN_CHECK(r < static_cast<int>(ps->progs.size()), "calls: rank ", r, " has no program in its set");
+      v.push_back({&ps->progs[r], seq});
+    }
+    out.push_back(std::move(v));
+  }
+  return out;
+}
+
+std::string describe_op(const Program& pr, int i) {
+  const Op& op = pr.ops[i];
+  std::string s = TIDE_STR_CAT(i, " ", op_kind_name(op.kind), " [", pr.streams[op.stream], "] tag=",
+                               static_cast<int>(op.tag));
+  if (op.round >= 0) s += TIDE_STR_CAT(" round=", op.round);
+  if (op.counter.index >= 0)
+    s += TIDE_STR_CAT(" counter=", op.counter.index < static_cast<int>(pr.counter_names.size())
+                                       ? pr.counter_names[op.counter.index] : "?",
+                      "@", op.counter.rank, " value=", op.value, " per_call=", op.per_call);
+  for (const auto& cd : op.copies)
+    s += TIDE_STR_CAT(" {", buf_kind_name(cd.src.kind), "@", cd.src.rank, "+", cd.src.offset, " -> ",
+                      buf_kind_name(cd.dst.kind), "@", cd.dst.rank, "+", cd.dst.offset, " ", cd.src.width,
+                      "x", cd.src.height, "}");
+  return s;
+}
+}  // namespace tide
+
+void bind_program(nb::module_& m) {
+  nb::class_<ProgramSet>(m, "ProgramSet")
+      .def("__len__", [](const ProgramSet& s) { return s.progs.size(); })
+      .def("copy", [](const ProgramSet& s) { return std::make_shared<ProgramSet>(s); })
+      .def_prop_ro("plan_hash", [](const ProgramSet& s) { return s.progs.empty() ? 0 : s.progs[0].plan_hash; })
+      .def("num_ops", [](const ProgramSet& s, int r) { return s.progs.at(r).ops.size(); })
+      .def("streams", [](const ProgramSet& s, int r) { return s.progs.at(r).streams; })
+      .def("describe", [](const ProgramSet& s, int r) {
+        std::vector<std::string> v;
+        for (size_t i = 0; i < s.progs.at(r).ops.size(); ++i) v.push_back(describe_op(s.progs[r], static_cast<int>(i)));
+        return v;
+      })
+      .def("arena_bytes", [](const ProgramSet& s) { return s.progs.at(0).arena.total; })
+      .def("ag_stats", [](const ProgramSet& s, int r) {
+        auto st = ag_program_stats(s.progs.at(r));
+        return std::make_tuple(st.scatter_descriptors, st.put_ops, st.ops);
+      })
+      .def("check", [](const ProgramSet& s, int calls) {
+        auto rep = check_program_set(s.progs, calls);
+        return std::make_pair(rep.ok, rep.errors);
+      }, nb::arg("calls") = 2)
+      .def("inject_fault", [](ProgramSet& s, int kind, int rank, int tag) {
+        return inject_fault(s.progs, static_cast<FaultKind>(kind), rank, static_cast<OpTag>(tag));
+      }, nb::arg("kind"), nb::arg("rank"), nb::arg("tag") = 0);
+
+  m.def("build_ag_programs", [](const Plan& plan, int ring_slot, bool resident, bool multicast,
+                                bool expert_lane, int group, int64_t head_bytes, bool with_expects) {
+    AgCallOptions o;
+    o.ring_slot = ring_slot; o.resident = resident; o.multicast = multicast;
+    o.expert_lane = expert_lane; o.group = group; o.head_bytes = head_bytes; o.with_expects = with_expects;
+    auto ps = std::make_shared<ProgramSet>();
+    ps->progs = build_ag_programs(plan, o);
+    return ps;
+  }, nb::arg("plan"), nb::arg("ring_slot") = 0, nb::arg("resident") = true, nb::arg("multicast") = false,
+     nb::arg("expert_lane") = false, nb::arg("group") = 0, nb::arg("head_bytes") = 0,
+     nb::arg("with_expects") = true);
+
+  m.def("check_calls", [](const nb::list& per_rank, int max_errors) {
+    auto calls = calls_from_python(per_rank);
+    auto rep = check_programs(calls, max_errors);
+    return std::make_pair(rep.ok, rep.errors);
+  }, nb::arg("calls"), nb::arg("max_errors") = 8,
+     "Check per-rank call lists [[(ProgramSet, seq), ...] per rank]; returns (ok, errors).");
+
+  nb::dict tags;
+  tags["ReadyGate"] = static_cast<int>(OpTag::kReadyGate);
+  tags["CreditWait"] = static_cast<int>(OpTag::kCreditWait);
+  tags["PaceWait"] = static_cast<int>(OpTag::kPaceWait);
+  tags["ArrivalWait"] = static_cast<int>(OpTag::kArrivalWait);
+  tags["DoneWait"] = static_cast<int>(OpTag::kDoneWait);
+  tags["Fence"] = static_cast<int>(OpTag::kFence);
+  tags["ReadyWait"] = static_cast<int>(OpTag::kReadyWait);
+  tags["Scatter"] = static_cast<int>(OpTag::kScatter);
+  tags["RoundHead"] = static_cast<int>(OpTag::kRoundHead);
+  tags["RoundTail"] = static_cast<int>(OpTag::kRoundTail);
+  m.attr("op_tags") = tags;
+  nb::dict faults;
+  for (int k = 0; k <= static_cast<int>(FaultKind::kDeadPeer); ++k)
+    faults[fault_kind_name(static_cast<FaultKind>(k))] = k;
+  m.attr("fault_kinds") = faults;
+}

@@ -237,6 +237,8 @@ struct AgCallOptions {
   bool multicast = false;     // mark local pushes/scatters multicast-capable
   bool expert_lane = false;   // L_sub = 1 lane: recursive doubling landing to landing, no stage
   int32_t group = 0;
+  int64_t head_bytes = 0;     // per-round head bytes; 0 -> plan.opt.ag_head_bytes
+  bool with_expects = true;   // fill Program::expects (N*P entries; off for large executor runs)
 };
 std::vector<Program> build_ag_programs(const Plan& plan, const AgCallOptions& opt);
 Program build_ag_program(const Plan& plan, const AgCallOptions& opt, int rank);

@@ -1,0 +1,120 @@
+// CpuArena: N symmetric arenas in one mapping (private, or POSIX shared memory for processes).
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cerrno>
+#include <cstdlib>
+#include <cstring>
+#include <new>
+
+#include "exec/cpu/internal.h"
+#include "tide/exec_cpu.h"
+
+namespace tide {
+
+namespace {
+constexpr int64_t kGuard = 4096;   // canary bytes after each rank's arena
+constexpr uint8_t kCanary = 0xA5;
+constexpr int64_t kSharedBytes = 8192;
+
+int64_t round_up(int64_t v, int64_t a) { return (v + a - 1) / a * a; }
+}  // namespace
+
+void RankBindings::bind(BufKind kind, int index, void* data, int64_t bytes) {
+  const int k = static_cast<int>(kind);
+  TIDE_PLAN_CHECK(is_user_buffer(kind), "bind: ", buf_kind_name(kind), " is an arena region, not a user buffer");
+  auto& v = by_kind[k];
+  if (static_cast<int>(v.size()) < index + 2) v.resize(index + 2);
+  v[index + 1] = {data, bytes};
+}
+
+ExecOptions exec_options_from_env() {
+  ExecOptions o;
+  const char* dbg = std::getenv("TIDE_DEBUG");
+  o.trace = dbg && dbg[0] && std::strcmp(dbg, "0") != 0;
+  return o;
+}
+
+CpuArena::CpuArena(int world, const ArenaSpec& spec, bool shared_memory)
+    : world_(world), spec_(spec), shm_(shared_memory) {
+  TIDE_PLAN_CHECK(world >= 1, "CpuArena: world must be >= 1, got ", world);
+  stride_ = round_up(spec.total, 4096) + kGuard;
+  map_bytes_ = static_cast<size_t>(kSharedBytes + stride_ * world);
+  void* p = MAP_FAILED;
+  if (shm_) {
+    // [Note: shared-memory lifetime] The segment is created 0600 with a unique name, mapped, and
+    // unlinked at once: forked ranks inherit the mapping, and no name survives a crash.
+    std::string name = TIDE_STR_CAT("/tide-vc-", getpid(), "-", reinterpret_cast<uintptr_t>(this));
+    int fd = shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
+    if (fd < 0) throw Error(TIDE_STR_CAT("CpuArena: shm_open(", name, ") failed: ", std::strerror(errno)));
+    if (ftruncate(fd, static_cast<off_t>(map_bytes_)) == 0)
+      p = mmap(nullptr, map_bytes_, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    const int err = errno;
+    close(fd);
+    shm_unlink(name.c_str());
+    if (p == MAP_FAILED)
+      throw Error(TIDE_STR_CAT("CpuArena: mapping ", map_bytes_, " bytes of shared memory failed: ",
+                               std::strerror(err)));
+  } else {
+    p = mmap(nullptr, map_bytes_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (p == MAP_FAILED)
+      throw Error(TIDE_STR_CAT("CpuArena: mapping ", map_bytes_, " bytes failed: ", std::strerror(errno)));
+  }
+  uint8_t* mem = static_cast<uint8_t*>(p);
+  shared_ = new (mem) Shared();
+  base_ = mem + kSharedBytes;
+  // Fresh anonymous/shm pages are zero: counters start at 0. Fill gaps and guards with canaries.
+  for (int r = 0; r < world; ++r) {
+    uint8_t* a = base_ + stride_ * r;
+    std::memset(a + spec.total, kCanary, static_cast<size_t>(stride_ - spec.total));
+    for (int k = 4; k < kNumBufKinds; ++k) {
+      // Gap between this region's end and the next region's start.
+      const int64_t end = spec.offset[k] + spec.bytes[k];
+      int64_t next = spec.total;
+      for (int j = 4; j < kNumBufKinds; ++j)
+        if (spec.offset[j] >= end && spec.offset[j] < next && (spec.bytes[j] > 0 || j != k)) next = spec.offset[j];
+      if (spec.counters_offset >= end && spec.counters_offset < next) next = spec.counters_offset;
+      if (next > end) std::memset(a + end, kCanary, static_cast<size_t>(next - end));
+    }
+  }
+}
+
+CpuArena::~CpuArena() {
+  if (shared_) shared_->~Shared();
+  if (base_) munmap(base_ - kSharedBytes, map_bytes_);
+}
+
+uint8_t* CpuArena::region(int rank, BufKind kind) const {
+  TIDE_CHECK(rank >= 0 && rank < world_, "rank ", rank);
+  TIDE_CHECK(!is_user_buffer(kind), "region(", buf_kind_name(kind), ")");
+  return base_ + stride_ * rank + spec_.offset[static_cast<int>(kind)];
+}
+
+std::atomic<uint64_t>* CpuArena::counters(int rank) const {
+  return reinterpret_cast<std::atomic<uint64_t>*>(base_ + stride_ * rank + spec_.counters_offset);
+}
+
+void CpuArena::check_canaries() const {
+  for (int r = 0; r < world_; ++r) {
+    const uint8_t* a = base_ + stride_ * r;
+    for (int64_t i = spec_.total; i < stride_; ++i)
+      if (a[i] != kCanary)
+        throw Error(TIDE_STR_CAT("corruption: rank ", r, "'s arena guard overwritten at byte ", i,
+                                 " past the arena end (", spec_.total, " bytes)"));
+    for (int k = 4; k < kNumBufKinds; ++k) {
+      const int64_t end = spec_.offset[k] + spec_.bytes[k];
+      int64_t next = spec_.total;
+      for (int j = 4; j < kNumBufKinds; ++j)
+        if (spec_.offset[j] >= end && spec_.offset[j] < next && (spec_.bytes[j] > 0 || j != k)) next = spec_.offset[j];
+      if (spec_.counters_offset >= end && spec_.counters_offset < next) next = spec_.counters_offset;
+      for (int64_t i = end; i < next; ++i)
+        if (a[i] != kCanary)
+          throw Error(TIDE_STR_CAT("corruption: rank ", r, ": canary after region '",
+                                   buf_kind_name(static_cast<BufKind>(k)), "' overwritten at offset ", i));
+    }
+  }
+}
+
+}  // namespace tide

@@ -1,0 +1,429 @@
+// CPU executor: steps every rank's streams over the shared arena (threads or processes).
+#include <sys/mman.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <thread>
+
+#include "exec/cpu/internal.h"
+#include "tide/exec_cpu.h"
+
+namespace tide {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+uint16_t fp32_to_bf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40);  // quiet NaN
+  u += 0x7fffu + ((u >> 16) & 1u);  // round to nearest even
+  return static_cast<uint16_t>(u >> 16);
+}
+float bf16_to_fp32(uint16_t h) {
+  uint32_t u = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+float fp16_to_fp32(uint16_t h) {
+  const uint32_t s = (h >> 15) & 1, e = (h >> 10) & 0x1f, m = h & 0x3ff;
+  float v = e == 0 ? std::ldexp(static_cast<float>(m), -24)
+            : e == 31 ? (m ? NAN : INFINITY)
+                      : std::ldexp(static_cast<float>(m | 0x400), static_cast<int>(e) - 25);
+  return s ? -v : v;
+}
+float load_elem(const uint8_t* p, DType t) {
+  if (t == DType::kFP32) { float f; std::memcpy(&f, p, 4); return f; }
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return t == DType::kBF16 ? bf16_to_fp32(h) : fp16_to_fp32(h);
+}
+
+// Per-rank run state: stream cursors over the rank's calls.
+struct StreamCursor {
+  size_t call = 0;
+  size_t pos = 0;  // index into the call's per-stream op list
+  Clock::time_point blocked_since{};
+  bool blocked = false;
+};
+
+struct RankState {
+  int rank = 0;
+  const std::vector<Call>* calls = nullptr;
+  std::vector<std::vector<std::vector<int>>> stream_ops;  // [call][stream] -> op indices
+  std::vector<StreamCursor> cursors;
+  int64_t ops_done = 0;
+  bool dead = false;
+  bool stall_armed = false;
+  Clock::time_point stall_until{};
+  bool finished = false;
+};
+
+struct Runner {
+  CpuArena& arena;
+  const std::vector<std::vector<Call>>& per_rank;
+  std::vector<RankBindings>& bindings;
+  const ExecOptions& opt;
+
+  [[noreturn]] void fail(int kind, const std::string& msg) {
+    auto* sh = arena.shared();
+    int expected = 0;
+    if (sh->claimed.compare_exchange_strong(expected, 1)) {
+      std::snprintf(sh->message, sizeof(sh->message), "%s", msg.c_str());
+      sh->error_kind.store(kind);
+    }
+    sh->abort.store(1);
+    if (kind == 2) throw TimeoutError(msg);
+    throw Error(msg);
+  }
+
+  std::string op_name(const RankState& rs, const Call& call, int idx) const {
+    const Op& op = call.program->ops[idx];
+    const Program& pr = *call.program;
+    return TIDE_STR_CAT("rank ", rs.rank, " (node ", pr.topo.node_of(rs.rank), ", local ",
+                        pr.topo.local_of(rs.rank), ") call seq ", call.seq, " group ", pr.group,
+                        ": op ", idx, " ", op_kind_name(op.kind), " [stream ", pr.streams[op.stream],
+                        "] tag ", static_cast<int>(op.tag), op.round >= 0 ? TIDE_STR_CAT(" round ", op.round) : "");
+  }
+
+  uint8_t* resolve(const RankState& rs, const Call& call, int idx, const BufRef& b, bool write) {
+    const Program& pr = *call.program;
+    if (is_user_buffer(b.kind)) {
+      if (b.rank != rs.rank)
+        fail(1, TIDE_STR_CAT(op_name(rs, call, idx), ": touches ", buf_kind_name(b.kind), " of rank ", b.rank,
+                             " (user buffers are rank-local)"));
+      const auto& v = bindings[rs.rank].by_kind[static_cast<int>(b.kind)];
+      const size_t slot = static_cast<size_t>(b.index + 1);
+      if (slot >= v.size() || !v[slot].data)
+        fail(1, TIDE_STR_CAT(op_name(rs, call, idx), ": ", buf_kind_name(b.kind), "[", b.index, "] is not bound"));
+      if (b.offset < 0 || b.end() > v[slot].bytes)
+        fail(1, TIDE_STR_CAT(op_name(rs, call, idx), ": ", buf_kind_name(b.kind), "[", b.index, "] bytes [",
+                             b.offset, ", ", b.end(), ") exceed the bound ", v[slot].bytes));
+      return static_cast<uint8_t*>(v[slot].data) + b.offset;
+    }
+    if (b.rank < 0 || b.rank >= arena.world())
+      fail(1, TIDE_STR_CAT(op_name(rs, call, idx), ": rank ", b.rank, " out of range"));
+    if (b.offset < 0 || b.end() > arena.region_bytes(b.kind))
+      fail(1, TIDE_STR_CAT(op_name(rs, call, idx), ": ", buf_kind_name(b.kind), " of rank ", b.rank, " bytes [",
+                           b.offset, ", ", b.end(), ") exceed the region (", arena.region_bytes(b.kind), ")"));
+    (void)pr;
+    (void)write;
+    return arena.region(b.rank, b.kind) + b.offset;
+  }
+
+  std::atomic<uint64_t>& counter(const RankState& rs, const Call& call, int idx, const CounterRef& c) {
+    if (c.rank < 0 || c.rank >= arena.world() || c.index < 0 || c.index >= arena.num_counters())
+      fail(1, TIDE_STR_CAT(op_name(rs, call, idx), ": counter ", c.index, " on rank ", c.rank, " out of range"));
+    return arena.counters(c.rank)[c.index];
+  }
+
+  std::string producer_of(const Call& call, const CounterRef& c) const {
+    for (const auto& calls : per_rank) {
+      if (calls.empty()) continue;
+      const Program& pr = *calls.front().program;
+      for (size_t i = 0; i < pr.ops.size(); ++i) {
+        const Op& op = pr.ops[i];
+        const bool produces = op.kind == OpKind::kSignal || op.kind == OpKind::kCredit ||
+                              op.kind == OpKind::kPut || op.kind == OpKind::kEventRecord;
+        if (produces && op.counter.rank == c.rank && op.counter.index == c.index)
+          return TIDE_STR_CAT("rank ", pr.rank, " op ", i, " ", op_kind_name(op.kind), " [", pr.streams[op.stream], "]");
+      }
+    }
+    return "no producer";
+  }
+
+  // Returns true when the op could run (and ran); false when its wait is unsatisfied.
+  bool exec(RankState& rs, const Call& call, int idx) {
+    const Op& op = call.program->ops[idx];
+    switch (op.kind) {
+      case OpKind::kWait:
+      case OpKind::kEventWait: {
+        const int64_t t = op.target(call.seq);
+        if (t <= 0) return true;
+        return static_cast<int64_t>(counter(rs, call, idx, op.counter).load(std::memory_order_acquire)) >= t;
+      }
+      default: break;
+    }
+    if (opt.trace)
+      std::fprintf(stderr, "[tide] %s\n", op_name(rs, call, idx).c_str());
+    switch (op.kind) {
+      case OpKind::kCopy:
+      case OpKind::kPut:
+        for (const auto& cd : op.copies) {
+          if (cd.src.width != cd.dst.width || cd.src.height != cd.dst.height)
+            fail(1, TIDE_STR_CAT(op_name(rs, call, idx), ": descriptor geometry mismatch"));
+          const uint8_t* s = resolve(rs, call, idx, cd.src, false);
+          uint8_t* d = resolve(rs, call, idx, cd.dst, true);
+          for (int64_t h = 0; h < cd.src.height; ++h)
+            std::memmove(d + h * cd.dst.pitch, s + h * cd.src.pitch, static_cast<size_t>(cd.src.width));
+        }
+        if (op.kind == OpKind::kPut && op.counter.index >= 0)
+          counter(rs, call, idx, op.counter).fetch_add(static_cast<uint64_t>(op.value), std::memory_order_release);
+        break;
+      case OpKind::kCast:
+        for (const auto& cd : op.copies) {
+          if (cd.src.width != 2 * cd.dst.width || cd.src.height != cd.dst.height)
+            fail(1, TIDE_STR_CAT(op_name(rs, call, idx), ": CAST geometry mismatch"));
+          const uint8_t* s = resolve(rs, call, idx, cd.src, false);
+          uint8_t* d = resolve(rs, call, idx, cd.dst, true);
+          for (int64_t h = 0; h < cd.src.height; ++h)
+            for (int64_t i = 0; i < cd.dst.width / 2; ++i) {
+              float f;
+              std::memcpy(&f, s + h * cd.src.pitch + 4 * i, 4);
+              const uint16_t b = fp32_to_bf16(f);
+              std::memcpy(d + h * cd.dst.pitch + 2 * i, &b, 2);
+            }
+        }
+        break;
+      case OpKind::kSum:
+      case OpKind::kLand: {
+        const int64_t n = op.dst.width / 4;
+        std::vector<float> acc(static_cast<size_t>(n), 0.0f);
+        std::vector<uint8_t> init(static_cast<size_t>(n), 0);
+        std::vector<const SumTerm*> order;
+        for (const auto& t : op.terms) order.push_back(&t);
+        std::stable_sort(order.begin(), order.end(), [](const SumTerm* a, const SumTerm* b) { return a->term < b->term; });
+        for (const SumTerm* t : order) {
+          const int isz = dtype_size(t->dtype);
+          if (t->dst_elem < 0 || t->dst_elem + t->elems > n || t->src.width < t->elems * isz)
+            fail(1, TIDE_STR_CAT(op_name(rs, call, idx), ": SUM term out of range"));
+          const uint8_t* s = resolve(rs, call, idx, t->src, false);
+          for (int64_t i = 0; i < t->elems; ++i) {
+            const float x = load_elem(s + i * isz, t->dtype);
+            const size_t k = static_cast<size_t>(t->dst_elem + i);
+            acc[k] = init[k] ? acc[k] + x : x;
+            init[k] = 1;
+          }
+        }
+        uint8_t* d = resolve(rs, call, idx, op.dst, true);
+        for (int64_t i = 0; i < n; ++i) {
+          float v = acc[static_cast<size_t>(i)];
+          if (op.kind == OpKind::kLand) {
+            v = op.alpha * v;
+            if (op.accumulate) { float o; std::memcpy(&o, d + 4 * i, 4); v = o + v; }
+          }
+          std::memcpy(d + 4 * i, &v, 4);
+        }
+        break;
+      }
+      case OpKind::kZero: {
+        uint8_t* d = resolve(rs, call, idx, op.dst, true);
+        for (int64_t h = 0; h < op.dst.height; ++h) std::memset(d + h * op.dst.pitch, 0, static_cast<size_t>(op.dst.width));
+        break;
+      }
+      case OpKind::kSignal:
+      case OpKind::kCredit:
+        counter(rs, call, idx, op.counter).fetch_add(static_cast<uint64_t>(op.value), std::memory_order_release);
+        break;
+      case OpKind::kEventRecord: {
+        auto& c = counter(rs, call, idx, op.counter);
+        const uint64_t v = static_cast<uint64_t>(std::max<int64_t>(0, op.target(call.seq)));
+        uint64_t cur = c.load(std::memory_order_relaxed);
+        while (cur < v && !c.compare_exchange_weak(cur, v, std::memory_order_release)) {}
+        break;
+      }
+      default: break;
+    }
+    return true;
+  }
+
+  // Advances every stream of the rank as far as it can. Returns true on progress.
+  bool step(RankState& rs) {
+    if (rs.finished || rs.dead) return false;
+    const auto now = Clock::now();
+    if (rs.stall_armed && now < rs.stall_until) return false;
+    bool progress = false, all_done = true;
+    for (size_t s = 0; s < rs.cursors.size(); ++s) {
+      auto& cur = rs.cursors[s];
+      while (cur.call < rs.calls->size()) {
+        const auto& list = rs.stream_ops[cur.call][s];
+        if (cur.pos >= list.size()) { ++cur.call; cur.pos = 0; continue; }
+        const Call& call = (*rs.calls)[cur.call];
+        const int idx = list[cur.pos];
+        if (cur.call == 0 && rs.rank == opt.dead_rank && idx >= opt.dead_op) { rs.dead = true; return progress; }
+        if (cur.call == 0 && rs.rank == opt.stall_rank && idx >= opt.stall_op && !rs.stall_armed) {
+          rs.stall_armed = true;
+          rs.stall_until = now + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(opt.stall_s));
+          return true;
+        }
+        if (!exec(rs, call, idx)) {
+          if (!cur.blocked) { cur.blocked = true; cur.blocked_since = now; }
+          else if (std::chrono::duration<double>(now - cur.blocked_since).count() > opt.timeout_s) {
+            const Op& op = call.program->ops[idx];
+            const int64_t have = static_cast<int64_t>(counter(rs, call, idx, op.counter).load());
+            const auto& names = call.program->counter_names;
+            fail(2, TIDE_STR_CAT("TIDE timeout after ", opt.timeout_s, " s: ", op_name(rs, call, idx), " waits for counter ",
+                                 op.counter.index < static_cast<int>(names.size()) ? names[op.counter.index] : "?",
+                                 " (#", op.counter.index, ") on rank ", op.counter.rank, " >= ", op.target(call.seq),
+                                 ", has ", have, "; producer: ", producer_of(call, op.counter)));
+          }
+          break;
+        }
+        cur.blocked = false;
+        ++cur.pos;
+        ++rs.ops_done;
+        progress = true;
+      }
+      if (cur.call < rs.calls->size()) all_done = false;
+    }
+    rs.finished = all_done;
+    return progress;
+  }
+
+  RankState make_state(int r) {
+    RankState rs;
+    rs.rank = r;
+    rs.calls = &per_rank[r];
+    size_t streams = 0;
+    for (const auto& c : per_rank[r]) streams = std::max(streams, c.program->streams.size());
+    rs.cursors.resize(streams);
+    for (const auto& c : per_rank[r]) {
+      std::vector<std::vector<int>> so(streams);
+      for (size_t i = 0; i < c.program->ops.size(); ++i) so[c.program->ops[i].stream].push_back(static_cast<int>(i));
+      rs.stream_ops.push_back(std::move(so));
+    }
+    return rs;
+  }
+
+  // Steps ranks [lo, hi) until all finish or the run aborts. Exceptions propagate.
+  void work(int lo, int hi) {
+    std::vector<RankState> states;
+    for (int r = lo; r < hi; ++r) states.push_back(make_state(r));
+    int idle = 0;
+    for (;;) {
+      if (arena.shared()->abort.load()) return;
+      bool progress = false, done = true;
+      for (auto& rs : states) {
+        progress |= step(rs);
+        if (!rs.finished && !rs.dead) done = false;
+      }
+      if (done) return;
+      if (progress) { idle = 0; continue; }
+      if (++idle < 64) std::this_thread::yield();
+      else std::this_thread::sleep_for(std::chrono::microseconds(idle < 1024 ? 20 : 200));
+    }
+  }
+};
+
+void rethrow_shared(CpuArena::Shared* sh) {
+  if (!sh->claimed.load()) return;
+  std::string msg(sh->message);
+  if (sh->error_kind.load() == 2) throw TimeoutError(msg);
+  throw Error(msg);
+}
+
+}  // namespace
+
+void run_cpu(CpuArena& arena, const std::vector<std::vector<Call>>& per_rank,
+             std::vector<RankBindings>& bindings, const ExecOptions& opt) {
+  const int N = arena.world();
+  TIDE_PLAN_CHECK(static_cast<int>(per_rank.size()) == N, "run_cpu: ", per_rank.size(), " call lists for ", N, " ranks");
+  TIDE_PLAN_CHECK(static_cast<int>(bindings.size()) == N, "run_cpu: ", bindings.size(), " bindings for ", N, " ranks");
+  // Ranks agree on the collective before any data moves: same (group, seq, plan hash) order.
+  for (int r = 0; r < N; ++r) {
+    TIDE_PLAN_CHECK(per_rank[r].size() == per_rank[0].size(), "run_cpu: rank ", r, " has ",
+                    per_rank[r].size(), " calls, rank 0 has ", per_rank[0].size());
+    for (size_t c = 0; c < per_rank[r].size(); ++c) {
+      const Program& a = *per_rank[0][c].program;
+      const Program& b = *per_rank[r][c].program;
+      TIDE_CHECK(b.rank == r, "program for rank ", b.rank, " bound to rank ", r);
+      if (a.plan_hash != b.plan_hash)
+        throw Error(TIDE_STR_CAT("plan mismatch: rank ", r, " call ", c, " runs plan hash ", b.plan_hash,
+                                 ", rank 0 runs ", a.plan_hash, " (ranks must agree on plans)"));
+      if (a.group != b.group || per_rank[0][c].seq != per_rank[r][c].seq)
+        throw Error(TIDE_STR_CAT("collective order mismatch: rank ", r, " call ", c, " is (group ", b.group,
+                                 ", seq ", per_rank[r][c].seq, "), rank 0 has (group ", a.group, ", seq ",
+                                 per_rank[0][c].seq, ")"));
+    }
+  }
+  auto* sh = arena.shared();
+  sh->abort.store(0);
+  sh->claimed.store(0);
+  sh->error_kind.store(0);
+  sh->message[0] = 0;
+  Runner runner{arena, per_rank, bindings, opt};
+
+  if (!opt.processes) {
+    const int W = std::max(1, std::min(N, opt.workers > 0 ? opt.workers : 4));
+    std::vector<std::thread> threads;
+    for (int w = 0; w < W; ++w) {
+      const int lo = static_cast<int>(static_cast<int64_t>(N) * w / W);
+      const int hi = static_cast<int>(static_cast<int64_t>(N) * (w + 1) / W);
+      threads.emplace_back([&runner, lo, hi] {
+        try { runner.work(lo, hi); } catch (const std::exception&) { /* recorded in Shared */ }
+      });
+    }
+    for (auto& t : threads) t.join();
+  } else {
+    TIDE_PLAN_CHECK(arena.shared_memory(), "run_cpu: processes mode needs a shared-memory arena");
+    // [Note: process bounce buffers] Children inherit user inputs copy-on-write, but their writes
+    // to user buffers would stay private, so every user buffer the programs write is bounced
+    // through a shared anonymous mapping and copied back by the parent.
+    struct Bounce { UserBuffer* slot; void* orig; void* shared; int64_t bytes; };
+    std::vector<Bounce> bounces;
+    for (int r = 0; r < N; ++r)
+      for (const auto& call : per_rank[r])
+        for (const auto& op : call.program->ops) {
+          auto note = [&](const BufRef& b) {
+            if (!is_user_buffer(b.kind)) return;
+            auto& v = bindings[r].by_kind[static_cast<int>(b.kind)];
+            const size_t slot = static_cast<size_t>(b.index + 1);
+            if (slot >= v.size() || !v[slot].data) return;
+            for (const auto& bo : bounces) if (bo.slot == &v[slot]) return;
+            void* m = mmap(nullptr, static_cast<size_t>(std::max<int64_t>(1, v[slot].bytes)), PROT_READ | PROT_WRITE,
+                           MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+            if (m == MAP_FAILED) throw Error("run_cpu: bounce mapping failed");
+            std::memcpy(m, v[slot].data, static_cast<size_t>(v[slot].bytes));
+            bounces.push_back({&v[slot], v[slot].data, m, v[slot].bytes});
+            v[slot].data = m;
+          };
+          for (const auto& cd : op.copies) note(cd.dst);
+          if (op.kind == OpKind::kSum || op.kind == OpKind::kLand || op.kind == OpKind::kZero) note(op.dst);
+        }
+    const int nproc = std::min(N, 64);
+    std::vector<pid_t> pids;
+    std::fflush(stderr);
+    std::fflush(stdout);
+    for (int w = 0; w < nproc; ++w) {
+      const int lo = static_cast<int>(static_cast<int64_t>(N) * w / nproc);
+      const int hi = static_cast<int>(static_cast<int64_t>(N) * (w + 1) / nproc);
+      const pid_t pid = fork();
+      if (pid < 0) { sh->abort.store(1); break; }
+      if (pid == 0) {
+        int code = 0;
+        try {
+          runner.work(lo, hi);
+          for (int r = lo; r < hi; ++r)
+            if (r == opt.dead_rank) code = 3;  // a dead peer exits without finishing
+        } catch (...) { code = 1; }
+        _exit(code);
+      }
+      pids.push_back(pid);
+    }
+    std::string died;
+    for (size_t i = 0; i < pids.size(); ++i) {
+      int status = 0;
+      waitpid(pids[i], &status, 0);
+      if (WIFSIGNALED(status) && died.empty())
+        died = TIDE_STR_CAT("rank process ", i, " killed by signal ", WTERMSIG(status));
+    }
+    for (auto& b : bounces) {
+      std::memcpy(b.orig, b.shared, static_cast<size_t>(b.bytes));
+      munmap(b.shared, static_cast<size_t>(std::max<int64_t>(1, b.bytes)));
+      b.slot->data = b.orig;
+    }
+    if (!died.empty() && !sh->claimed.load()) throw Error(died);
+    if (static_cast<int>(pids.size()) < nproc && !sh->claimed.load()) throw Error("run_cpu: fork failed");
+  }
+  rethrow_shared(sh);
+  arena.check_canaries();
+}
+
+}  // namespace tide

@@ -1,0 +1,17 @@
+// Shared by the binding files: the Python-held program set.
+#pragma once
+
+#include <nanobind/nanobind.h>
+
+#include <vector>
+
+#include "tide/program.h"
+
+namespace tide {
+// One Program per rank, shared by Python objects so Call pointers stay valid during a run.
+struct ProgramSet {
+  std::vector<Program> progs;
+};
+// [[(ProgramSet, seq), ...] per rank] -> per-rank calls (pointers into the sets).
+std::vector<std::vector<Call>> calls_from_python(const nanobind::list& per_rank);
+}  // namespace tide

@@ -1,0 +1,163 @@
+"""VirtualCluster: runs TIDE programs for every rank of a topology on this machine.
+
+backend="cpu" runs the C++ CPU executor (csrc/exec/cpu) over a shared arena; ranks are threads of
+this process (ranks_as="threads") or forked processes attached to POSIX shared memory
+(ranks_as="processes"). Arrays are numpy; bf16 uses ml_dtypes.bfloat16.
+
+Each plan (group) gets its own symmetric arena and a call sequence number that increments per
+call, exactly as on a real cluster: counters are epochs and are never reset.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from tide import _core
+
+try:
+    import ml_dtypes
+
+    _DTYPES = {"bfloat16": np.dtype(ml_dtypes.bfloat16), "float32": np.dtype(np.float32),
+               "float16": np.dtype(np.float16)}
+except ImportError:  # pragma: no cover - ml_dtypes is a dependency
+    _DTYPES = {"float32": np.dtype(np.float32), "float16": np.dtype(np.float16)}
+
+KIND = dict(_core.buf_kinds)
+
+
+@dataclass
+class _GroupState:
+    arena: object
+    seq: int = 0
+    programs: dict = field(default_factory=dict)  # call options -> ProgramSet
+
+
+class VirtualCluster:
+    """M x L ranks on one machine. `check`: run the static checker (I1-I4) on every new program
+    set before its first use (None: when the world has at most 64 ranks)."""
+
+    def __init__(self, topo, backend: str = "cpu", ranks_as: str = "threads", *,
+                 timeout_s: float = 30.0, check: bool | None = None, workers: int = 0):
+        if backend != "cpu":
+            raise _core.PlanError(f"VirtualCluster.backend: {backend!r} is not available here "
+                                  "(this build runs backend='cpu')")
+        if ranks_as not in ("threads", "processes"):
+            raise _core.PlanError(f"VirtualCluster.ranks_as: expected 'threads' or 'processes', got {ranks_as!r}")
+        self.topo = topo
+        self.backend = backend
+        self.ranks_as = ranks_as
+        self.timeout_s = float(timeout_s)
+        self.check = check
+        self.workers = int(workers)
+        self._groups: dict[int, _GroupState] = {}
+        self.faults: dict = {}  # tests: executor fault injection (stall_rank/stall_op/stall_s/dead_rank/dead_op)
+
+    # ---- internals ------------------------------------------------------------------------
+    @property
+    def world(self) -> int:
+        return self.topo.nodes * self.topo.gpus_per_node
+
+    def _check_plan(self, plan):
+        if plan.nodes != self.topo.nodes or plan.gpus_per_node != self.topo.gpus_per_node:
+            raise _core.PlanError(f"plan is for {plan.nodes}x{plan.gpus_per_node} ranks, this cluster is "
+                                  f"{self.topo.nodes}x{self.topo.gpus_per_node}")
+
+    def _programs(self, plan, key, build):
+        st = self._groups.get(plan.hash)
+        progs = st.programs.get(key) if st else None
+        if progs is None:
+            progs = build()
+            if self.check or (self.check is None and self.world <= 64):
+                ok, errors = progs.check(2)
+                if not ok:
+                    raise _core.Error("TIDE static checker rejected the program: " + "; ".join(errors))
+            if st is None:
+                arena = _core.CpuArena(self.world, progs, self.ranks_as == "processes")
+                st = self._groups[plan.hash] = _GroupState(arena)
+            st.programs[key] = progs
+        return st, progs
+
+    def arena(self, plan):
+        """The plan's arena (tests: read regions, measure bytes per rank)."""
+        return self._groups[plan.hash].arena
+
+    def run(self, plan, calls, bindings):
+        """Run explicit per-rank call lists [[(ProgramSet, seq), ...] per rank] (tests, faults)."""
+        st = self._groups[plan.hash]
+        st.arena.run(calls, bindings, timeout_s=self.timeout_s, workers=self.workers,
+                     processes=self.ranks_as == "processes", **self.faults)
+
+    # ---- collectives ----------------------------------------------------------------------
+    def all_gather(self, plan, shards, *, resident: bool = True, multicast: bool = False,
+                   expert_lane: bool = False, ring_slot: int = 0, poison: bool = False):
+        """shards[r][p] (padded (R_p, ...) or unpadded rows) -> full[r][p] with the unsharded
+        shape, read from rank r's parameter-major landing (ring slot `ring_slot`)."""
+        self._check_plan(plan)
+        N = self.world
+        ag_name, _, shard_name = _core.plan_dtypes(plan)
+        cast = ag_name != shard_name
+        resident = resident and not cast
+        shapes = _core.plan_shapes(plan)
+        lay = plan.layout
+        if len(shards) != N:
+            raise _core.PlanError(f"all_gather: got shards for {len(shards)} ranks, the cluster has {N}")
+        key = ("ag", ring_slot, resident, multicast, expert_lane)
+        st, progs = self._programs(plan, key, lambda: _core.build_ag_programs(
+            plan, ring_slot=ring_slot, resident=resident, multicast=multicast,
+            expert_lane=expert_lane, with_expects=False))
+        sdt = _DTYPES[shard_name]
+        padded = [[self._pad(shards[r][p], lay.params[p], sdt, r, p) for p in range(lay.P)] for r in range(N)]
+        bindings = []
+        for r in range(N):
+            if resident:  # in-place adoption: the user's shard lives in the arena resident region
+                for p in range(lay.P):
+                    st.arena.write(r, KIND["resident"], lay.params[p].o, padded[r][p].view(np.uint8))
+                bindings.append([])
+            else:
+                bindings.append([(KIND["shard"], p, padded[r][p].view(np.uint8)) for p in range(lay.P)])
+        ring = KIND["ring0" if ring_slot == 0 else "ring1"]
+        if poison:
+            for r in range(N):
+                st.arena.fill(r, ring, 0xFF)
+        st.seq += 1
+        self.run(plan, [[(progs, st.seq)] for _ in range(N)], bindings)
+        adt = _DTYPES[ag_name]
+        out = []
+        for r in range(N):
+            land = np.empty(lay.S * N, dtype=np.uint8)
+            st.arena.read(r, ring, 0, land)
+            row = []
+            for p in range(lay.P):
+                pl = lay.params[p]
+                a = land[pl.o * N: pl.o * N + pl.s * N].view(adt)
+                trailing = tuple(shapes[p][1:])
+                row.append(a.reshape((N * pl.R,) + trailing)[: pl.D])
+            out.append(row)
+        return out
+
+    @staticmethod
+    def _pad(x, pl, dtype, r, p):
+        x = np.ascontiguousarray(np.asarray(x), dtype=dtype).reshape(-1)
+        if x.size > pl.e or (x.size % pl.K if pl.K else 0):
+            raise _core.PlanError(f"all_gather: shards[{r}][{p}] has {x.size} elements, expected at most "
+                                  f"{pl.e} (R_p={pl.R} rows of {pl.K})")
+        if x.size == pl.e:
+            return x
+        buf = np.zeros(pl.e, dtype=dtype)
+        buf[: x.size] = x
+        return buf
+
+    def reduce_scatter(self, plan, grads, scale: float = 1.0, accumulate=None):
+        """grads[r][p] (unsharded per-parameter gradients) -> outs[r] fp32 shards.
+
+        Seam for TIDE-RS: builds RS programs with `_core.build_rs_programs` (csrc/program,
+        RS owner) and runs them like all_gather. Not part of this branch."""
+        self._check_plan(plan)
+        build = getattr(_core, "build_rs_programs", None)
+        if build is None:
+            raise NotImplementedError("VirtualCluster.reduce_scatter: TIDE-RS programs are not built in yet")
+        return self._reduce_scatter_impl(plan, grads, scale, accumulate, build)
+
+    def _reduce_scatter_impl(self, plan, grads, scale, accumulate, build):  # RS owner fills this
+        raise NotImplementedError("VirtualCluster.reduce_scatter: TIDE-RS programs are not built in yet")
