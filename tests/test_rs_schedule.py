@@ -149,7 +149,7 @@ def test_sizes_and_passes():
     assert rs.E_stg == 256 and rs.E_sub == 64 and rs.n_par == 1 and rs.waves == 1
     assert rs.n_spare == 1 and rs.d_rem == 2
     p2 = make([(1000, 3), (17,)], 3, 4, n_part=2)
-    assert p2.rs.E_stg == 128 and p2.rs.E_sub == 32 and p2.rs.n_spare == 2
+    assert p2.rs.E_stg == 128 and p2.rs.E_sub == 32 and p2.rs.n_spare == 1
     with pytest.raises(tide.PlanError, match="n_part"):
         make([(4,)], 1, 1, n_part=4)
     assert make([(64, 8)], 2, 4, grad_dtype="float32").rs.b_grad == 4

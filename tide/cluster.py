@@ -159,5 +159,61 @@ class VirtualCluster:
             raise NotImplementedError("VirtualCluster.reduce_scatter: TIDE-RS programs are not built in yet")
         return self._reduce_scatter_impl(plan, grads, scale, accumulate, build)
 
-    def _reduce_scatter_impl(self, plan, grads, scale, accumulate, build):  # RS owner fills this
-        raise NotImplementedError("VirtualCluster.reduce_scatter: TIDE-RS programs are not built in yet")
+    def _reduce_scatter_impl(self, plan, grads, scale, accumulate, build):
+        # [Note: RS arena] RS programs number their counters from 0 like AG programs, so an RS
+        # group gets its own arena and call sequence (key (hash, "rs")); the bank b = seq mod 2
+        # alternates two program sets, as Algorithm 1's two-phase pipeline does.
+        N = self.world
+        lay = plan.layout
+        _, grad_name, _ = _core.plan_dtypes(plan)
+        shapes = _core.plan_shapes(plan)
+        if len(grads) != N:
+            raise _core.PlanError(f"reduce_scatter: got grads for {len(grads)} ranks, the cluster has {N}")
+        if accumulate is not None and len(accumulate) != N:
+            raise _core.PlanError(f"reduce_scatter: accumulate has {len(accumulate)} outputs, expected {N}")
+        st = self._rs_groups.get(plan.hash) if hasattr(self, "_rs_groups") else None
+        if st is None:
+            self._rs_groups = getattr(self, "_rs_groups", {})
+            st = None
+        seq = (st.seq if st else 0) + 1
+        key = ("rs", seq % 2, float(scale), accumulate is not None)
+        progs = st.programs.get(key) if st else None
+        if progs is None:
+            progs = build(plan, bank=seq % 2, alpha=float(scale), accumulate=accumulate is not None)
+            if self.check or (self.check is None and N <= 64):
+                ok, errors = progs.check(2)
+                if not ok:
+                    raise _core.Error("TIDE static checker rejected the RS program: " + "; ".join(errors))
+            if st is None:
+                arena = _core.CpuArena(N, progs, self.ranks_as == "processes")
+                st = self._rs_groups[plan.hash] = _GroupState(arena)
+            st.programs[key] = progs
+        gdt = _DTYPES[grad_name]
+        bindings, outs = [], []
+        for r in range(N):
+            if len(grads[r]) != lay.P:
+                raise _core.PlanError(f"reduce_scatter: grads[{r}] has {len(grads[r])} tensors, the group has {lay.P}")
+            row = []
+            for p in range(lay.P):
+                g = np.ascontiguousarray(np.asarray(grads[r][p]), dtype=gdt)
+                if g.size != lay.params[p].D * lay.params[p].K:
+                    raise _core.PlanError(f"reduce_scatter: grads[{r}][{p}] has {g.size} elements, "
+                                          f"expected shape {tuple(shapes[p])}")
+                row.append((KIND["grad"], p, g.reshape(-1).view(np.uint8)))  # bf16: no DLPack
+            if accumulate is None:
+                out = np.zeros(lay.E, dtype=np.float32)
+            else:
+                out = np.array(accumulate[r], dtype=np.float32, copy=True).reshape(-1)
+                if out.size != lay.E:
+                    raise _core.PlanError(f"reduce_scatter: accumulate[{r}] has {out.size} elements, expected {lay.E}")
+            row.append((KIND["out"], -1, out.view(np.uint8)))
+            bindings.append(row)
+            outs.append(out)
+        st.seq = seq
+        st.arena.run([[(progs, seq)] for _ in range(N)], bindings, timeout_s=self.timeout_s,
+                     workers=self.workers, processes=self.ranks_as == "processes", **self.faults)
+        return outs
+
+    def rs_arena(self, plan):
+        """The plan's RS arena (tests: measured bytes per rank, regions)."""
+        return self._rs_groups[plan.hash].arena

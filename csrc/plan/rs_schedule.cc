@@ -123,7 +123,7 @@ void build_rs_waves(RsSchedule& rs, int M, int L, int w_wave, int n_part) {
   rs.waves = static_cast<int>(ceil_div(M, w_wave));
   rs.n_par = rs.waves > 1 ? 2 : 1;
   rs.d_rem = static_cast<int64_t>(n_part) * (M - 1);
-  rs.n_spare = n_part;
+  rs.n_spare = 1;
   rs.wave_list.clear();
   int g = 0;
   for (int pass = 0; pass < n_part; ++pass) {

@@ -5,9 +5,15 @@
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
-#include <chrono>
+#include <nanobind/stl/shared_ptr.h>
+#include <nanobind/stl/tuple.h>
 
+#include <chrono>
+#include <memory>
+
+#include "python/bind_common.h"
 #include "tide/plan.h"
+#include "tide/rs_program.h"
 
 namespace nb = nanobind;
 using namespace tide;
@@ -97,6 +103,54 @@ void bind_rs(nb::module_& m) {
       nb::arg("plan"), nb::arg("rank"),
       "Level-1 pushes of one rank for one call, in issue order (byte offsets, grad dtype).");
 
+  m.def(
+      "build_rs_programs",
+      [](const Plan& plan, int bank, float alpha, bool accumulate, int group) {
+        RsCallOptions o;
+        o.bank = bank; o.alpha = alpha; o.accumulate = accumulate; o.group = group;
+        auto ps = std::make_shared<ProgramSet>();
+        ps->progs = build_rs_programs(plan, o);
+        return ps;
+      },
+      nb::arg("plan"), nb::arg("bank") = 0, nb::arg("alpha") = 1.0f, nb::arg("accumulate") = false,
+      nb::arg("group") = 0, "One TIDE-RS Program per rank for one call (bank b = e mod 2).");
+  m.def(
+      "rs_program_stats",
+      [](const ProgramSet& ps, int rank) {
+        const RsProgramStats st = rs_program_stats(ps.progs.at(rank));
+        nb::dict d;
+        d["l1_descriptors"] = st.l1_descriptors; d["puts"] = st.puts; d["sums"] = st.sums;
+        d["lands"] = st.lands; d["zeros"] = st.zeros; d["ops"] = st.ops;
+        return d;
+      },
+      nb::arg("programs"), nb::arg("rank"));
+  m.def(
+      "rs_arena_needs",
+      [](const Plan& plan) {
+        const RsArenaNeeds a = rs_arena_needs(plan);
+        return std::make_tuple(a.staging, a.outbox, a.inbox, a.spare);
+      },
+      nb::arg("plan"), "(staging, outbox, inbox, spare) bytes the RS programs address.");
+  m.def(
+      "rs_fold_alpha",
+      [](const std::string& op, int world, double premul, double predivide, double postdivide) {
+        RsReduceOp o = RsReduceOp::kSum;
+        if (op == "avg") o = RsReduceOp::kAvg;
+        else if (op == "premul_sum") o = RsReduceOp::kPremulSum;
+        else TIDE_PLAN_CHECK(op == "sum", "op: expected sum, avg or premul_sum, got '", op, "'");
+        return rs_fold_alpha(o, world, premul, predivide, postdivide);
+      },
+      nb::arg("op"), nb::arg("world"), nb::arg("premul") = 1.0, nb::arg("predivide") = 1.0,
+      nb::arg("postdivide") = 1.0, "FSDP2's reduce op and divide factors folded into one alpha.");
+  nb::dict tags;
+  for (int t = 100; t <= 120; ++t) {
+    static const char* names[] = {"BankWait", "StagingWait", "Push", "PushSignal", "PushWait",
+                                  "Sum", "StagingFree", "Progress", "OutboxWait", "GenWait",
+                                  "Zero", "InboxCredit", "SumWait", "Put", "Sent", "SpareCopy",
+                                  "Ready", "ReadyWait", "Land", "Landed", "RailDone"};
+    tags[names[t - 100]] = t;
+  }
+  m.attr("rs_op_tags") = tags;
   m.def(
       "validate_all",
       [](int gpus_per_node, int max_nodes) {

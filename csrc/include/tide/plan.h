@@ -259,7 +259,7 @@ struct RsSchedule {
   int n_stg = 2;            // staging slots
   int b_grad = 2;           // gradient item size
   int64_t stg_slot_bytes = 0;  // one staging slot: (L-1) * L * E_chunk * b_grad
-  int n_spare = 1;          // own-node spare blocks per bank (one per pass)
+  int n_spare = 1;          // own-node spare blocks per bank (passes reuse it in turn)
   int64_t d_rem = 0;        // remote destination blocks per call, n_part*(M-1)
   int64_t l1_descriptors_per_rank = 0;       // coalesced Level-1 copies (max over ranks, with tails)
   int64_t l1_tail_descriptors_per_rank = 0;  // ... of which padded-row tails

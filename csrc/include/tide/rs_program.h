@@ -1,0 +1,83 @@
+// TIDE-RS programs: one reduce-scatter call of a Plan as per-rank op lists (program.h IR).
+//
+// Contract
+//   - build_rs_program() compiles (plan, call options) into one rank's Program; it is pure and
+//     seq-independent like every Program. The bank b = e mod 2 of the two-phase pipeline is a
+//     call option: a caller alternates the two programs of a rank (bank 0 for odd seq, bank 1
+//     for even seq, i.e. b = (seq - 1) mod 2 with e = seq - 1), as Algorithm 1 does.
+//   - Streams: "read" (Level 1: pushes into owners' staging, fp32 sums into outbox blocks and
+//     own-node spares; records read completion), "rail" (Level 2 network phase: per wave, gen
+//     wait, stale-block ZERO, credits, rounds of PUT + arrival waits, own-spare copy, ready),
+//     "land" (wave landings into `out`; records completion).
+//   - Inputs: grad[p] (grad dtype, D_p x K_p, read in place; rows past D_p are never read),
+//     `out` (fp32, E elements; read too when accumulating). Arena: staging, outbox (2 banks),
+//     inbox (n_par generations of L blocks), spare (2 banks x 1 block, passes take turns).
+//   - Numerics (paper 4.3): an element's Level-1 partial adds the L-1 staged contributions in
+//     local-rank order, then the owner's own, in fp32; a landing adds the L aligned inbox blocks
+//     in GPU order j = 0..L-1 and folds alpha and accumulate per wave. Element -> (sub-slice,
+//     owner, inbox GPU) does not depend on n_part, chunking, staging slots or mode, so those
+//     knobs keep every operand grouping and the bits.
+#pragma once
+
+#include <vector>
+
+#include "tide/plan.h"
+#include "tide/program.h"
+
+namespace tide {
+
+// RS op tags (OpTag values from kRsFirst on), for traces, messages and fault injection.
+namespace rs_tag {
+constexpr OpTag kBankWait = static_cast<OpTag>(100);    // read: bank b free (call e-2's sends)
+constexpr OpTag kStagingWait = static_cast<OpTag>(101); // read: owner freed the staging slot
+constexpr OpTag kPush = static_cast<OpTag>(102);        // read: Level-1 strided copies
+constexpr OpTag kPushSignal = static_cast<OpTag>(103);  // read: tell the owner a push landed
+constexpr OpTag kPushWait = static_cast<OpTag>(104);    // read: owner waits for peers' pushes
+constexpr OpTag kSum = static_cast<OpTag>(105);         // read: fp32 node partial
+constexpr OpTag kStagingFree = static_cast<OpTag>(106); // read: CREDIT staging slot to pushers
+constexpr OpTag kProgress = static_cast<OpTag>(107);    // read: record sum progress
+constexpr OpTag kOutboxWait = static_cast<OpTag>(108);  // read: outbox block's previous send
+constexpr OpTag kGenWait = static_cast<OpTag>(109);     // rail: generation landed everywhere
+constexpr OpTag kZero = static_cast<OpTag>(110);        // rail: stale-block zeroing
+constexpr OpTag kInboxCredit = static_cast<OpTag>(111); // rail: CREDIT contributors of a wave
+constexpr OpTag kSumWait = static_cast<OpTag>(112);     // rail: the block to send is summed
+constexpr OpTag kPut = static_cast<OpTag>(113);         // rail: outbox block -> inbox block
+constexpr OpTag kSent = static_cast<OpTag>(114);        // rail: record the block reusable
+constexpr OpTag kSpareCopy = static_cast<OpTag>(115);   // rail: own-node spare -> inbox
+constexpr OpTag kReady = static_cast<OpTag>(116);       // rail: wave complete on this GPU
+constexpr OpTag kReadyWait = static_cast<OpTag>(117);   // land: all GPUs ready
+constexpr OpTag kLand = static_cast<OpTag>(118);        // land: inbox blocks -> out
+constexpr OpTag kLanded = static_cast<OpTag>(119);      // land: tell local GPUs gen is read
+constexpr OpTag kRailDone = static_cast<OpTag>(120);    // rail: call's network phase done
+}  // namespace rs_tag
+
+// Reduction folding (FSDP2): alpha = premul * (op == AVG ? 1/world : 1) / (pre * post).
+enum class RsReduceOp : uint8_t { kSum = 0, kAvg = 1, kPremulSum = 2 };
+float rs_fold_alpha(RsReduceOp op, int world, double premul = 1.0, double predivide = 1.0,
+                    double postdivide = 1.0);
+
+struct RsCallOptions {
+  uint32_t struct_size = sizeof(RsCallOptions);
+  int bank = 0;            // b = e mod 2 (outbox bank, spare bank)
+  float alpha = 1.0f;      // folded scale (rs_fold_alpha)
+  bool accumulate = false; // out += alpha * sum instead of out = alpha * sum
+  int32_t group = 0;
+};
+
+Program build_rs_program(const Plan& plan, const RsCallOptions& opt, int rank);
+std::vector<Program> build_rs_programs(const Plan& plan, const RsCallOptions& opt);
+
+// Arena bytes the RS regions need (what the program addresses), to compare with the arena.
+struct RsArenaNeeds {
+  int64_t staging = 0, outbox = 0, inbox = 0, spare = 0;
+};
+RsArenaNeeds rs_arena_needs(const Plan& plan);
+
+// Counts measured from a built program (to compare with plan.rs).
+struct RsProgramStats {
+  int64_t l1_descriptors = 0;  // Level-1 CopyDescs (strided pushes + tails)
+  int64_t puts = 0, sums = 0, lands = 0, zeros = 0, ops = 0;
+};
+RsProgramStats rs_program_stats(const Program& prog);
+
+}  // namespace tide
