@@ -5,6 +5,8 @@ steps with MixedPrecisionPolicy(bf16, fp32):
     and losses bitwise equal to stock FSDP2, for both modes;
 (b) ordinary per-rank random data: within fp32 tolerance of stock;
 (d) every unsharded parameter's data_ptr is its planned landing address.
+
+This file runs the default transport; test_torch_programs.py runs TIDE's own AG/RS programs.
 """
 from __future__ import annotations
 
@@ -14,29 +16,26 @@ import tide
 from _torch_dist import batches, build, local_shards, mesh_1d, spawn, train
 
 STEPS = 5
+BOTH_MODES = ((True, "in_place"), (True, "slot_reuse"), (False, "in_place"),
+              (False, "slot_reuse"))
 
 
-def _run(model_kwargs, data, mode, topo):
+def parity(rank, world, nodes, gpn, transport="auto", cases=BOTH_MODES):
     import tide_torch
-    model = build(**model_kwargs)
-    handle = tide_torch.enable(model, mode=mode, topology=topo)
-    losses = train(model, data)
-    return model, handle, losses
-
-
-def _parity(rank, world, nodes, gpn):
     topo = tide.Topology(nodes=nodes, gpus_per_node=gpn)
     mesh = mesh_1d()
-    for exact in (True, False):
+    for exact in sorted({e for e, _ in cases}, reverse=True):
         data = batches(STEPS, same_on_all_ranks=exact)
         stock = build(mesh=mesh)
         stock_losses = train(stock, data)
         ref = local_shards(stock)
-        for mode in ("in_place", "slot_reuse"):
-            model, handle, losses = _run({"mesh": mesh}, data, mode, topo)
+        for mode in [m for e, m in cases if e == exact]:
+            model = build(mesh=mesh)
+            handle = tide_torch.enable(model, mode=mode, topology=topo, transport=transport)
+            losses = train(model, data)
             assert not handle.fallbacks, handle.fallbacks
             assert handle.stats["ag_tide"] > 0 and handle.stats["rs_tide"] > 0, handle.stats
-            assert handle.stats["rs_stock"] == 0, handle.stats
+            assert handle.stats["rs_stock"] == 0 and handle.stats["ag_stock"] == 0, handle.stats
             got = local_shards(model)
             for name, t in ref.items():
                 if exact:
@@ -47,14 +46,16 @@ def _parity(rank, world, nodes, gpn):
             if exact:
                 assert losses == stock_losses, (mode, losses, stock_losses)
             # (d) zero-copy: unsharded parameters live at their planned landing addresses.
-            for name, (planned, got_ptr) in handle.landings().items():
+            landings = handle.landings()
+            assert len(landings) == sum(1 for _ in model.parameters())
+            for name, (planned, got_ptr) in landings.items():
                 assert got_ptr == planned, (mode, name, planned, got_ptr)
             handle.disable()
 
 
 def test_parity_2x2():
-    spawn(_parity, 2, 2)
+    spawn(parity, 2, 2)
 
 
 def test_parity_4x1():
-    spawn(_parity, 4, 1)
+    spawn(parity, 4, 1)

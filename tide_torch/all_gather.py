@@ -7,8 +7,8 @@ in a state TIDE does not plan (post-forward resharded mesh, compiled autograd), 
 For a served group the all-gather input is, per parameter:
 - In-place shard adoption (sharded dtype == all-gather dtype, §3.1): the adopted resident shard
   in the arena, read in place (no copy-in);
-- mixed precision (fp32 master shards, bf16 all-gather): FSDP2's fused cast, written into the
-  group's receive-stage slot instead of a fresh copy-in buffer.
+- mixed precision (fp32 master shards, bf16 all-gather): the fp32 shard, which the transport
+  casts into the group's receive-stage slot instead of FSDP2's fresh copy-in buffer.
 The landing buffers are the FSDPParams' ``all_gather_outputs``: zero-offset arena views at the
 planned landing addresses, from which FSDP2's own ``init_unsharded_param`` builds the unsharded
 parameters once (``as_strided(..., storage_offset=0)``), so they keep those addresses.
@@ -92,9 +92,9 @@ def _all_gather_inputs(tg: Any) -> list[torch.Tensor]:
             if fp._sharded_param_data.data_ptr() != tg.resident_views[p].data_ptr():
                 adopt_shard(tg, p)  # e.g. after load_state_dict(assign=True)
         return tg.resident_views
-    # Mixed precision: FSDP2's fused fp32 -> bf16 cast, into the receive-stage slot.
-    torch._foreach_copy_(tg.input_views, [fp._sharded_param_data for fp in fsdp_params])
-    return tg.input_views
+    # Mixed precision: the fp32 master shards; the transport casts them into the group's
+    # receive-stage slot (TIDE-AG's CAST op) instead of FSDP2's fresh copy-in buffer.
+    return [fp._sharded_param_data for fp in fsdp_params]
 
 
 @torch.no_grad()

@@ -2,8 +2,9 @@
 
 The adapter hands the transport per-parameter tensors whose addresses the plan fixed:
 
-- ``all_gather(tg, inputs, landings)``: ``inputs[p]`` is this rank's packed-shard slice of
-  parameter p (stage slot or adopted resident shard), ``landings[p]`` the parameter's padded
+- ``all_gather(tg, inputs, landings)``: ``inputs[p]`` is this rank's padded shard of parameter
+  p: the adopted resident shard (read in place), or the fp32 master shard that the transport
+  casts into the group's receive-stage slot (mixed precision). ``landings[p]`` is the padded
   unsharded buffer (``N * e_p`` items at arena offset ``landing(p, 0)``). Afterwards every rank's
   shard r of p sits at ``landing(p, r)`` (Eq. 2): no copy-out.
 - ``reduce_scatter(tg, grads, output, alpha)``: ``grads[p]`` is parameter p's unpadded gradient
@@ -18,10 +19,17 @@ Executors
   that mode is looked up on ``tide._core`` (see ``_executor_api``); see the report for the exact
   entry points needed.
 
-  Until the executor binding exists in this build, ``InterimTransport`` keeps the adapter's
-  contract (same landings, same output layout, same alpha) over torch.distributed per-parameter
-  collectives, so everything above this module — patches, landings, zero-copy views, RS into
-  FSDP2's output — is exercised end to end. It is not TIDE's transport and logs so once.
+  Until that binding exists, two stand-ins keep the adapter's contract (same landings, same
+  output layout, same alpha), so everything above this module is exercised end to end:
+
+  - ``VirtualClusterTransport`` ("virtual-cluster"): runs the real TIDE-AG / TIDE-RS programs on
+    ``tide.VirtualCluster`` (the CPU executor) in the shard group's first rank, which gathers the
+    group's inputs and hands every rank its bytes back over torch.distributed. Results are TIDE's
+    own (its landing layout, its fixed fp32 summation order, its alpha folding).
+  - ``InterimTransport`` ("interim"): per-parameter torch.distributed collectives with the
+    adapter's addressing (default while no executor binding exists: cheapest).
+
+  Neither is TIDE's transport (bytes cross torch.distributed); both log so once.
 """
 from __future__ import annotations
 
@@ -83,6 +91,9 @@ class InterimTransport:
 
     def all_gather(self, tg, inputs, landings):
         group = self._group_of(tg)
+        if tg.casts:  # the CAST into the receive-stage slot (stage parity: see placement.py)
+            torch._foreach_copy_(tg.input_views, inputs)
+            inputs = tg.input_views
         for inp, out in zip(inputs, landings):
             dist.all_gather_into_tensor(out, inp, group=group)
 
@@ -100,11 +111,91 @@ class InterimTransport:
             output.mul_(alpha)
 
 
-def make_transport(arena: Any, peers: list[str], rank: int, topo: tide.Topology,
+class VirtualClusterTransport:
+    """TIDE programs on tide.VirtualCluster, driven by the shard group's first rank."""
+
+    name = "virtual-cluster"
+
+    def __init__(self, group_of: Any):
+        self._group_of = group_of
+        self._clusters: dict[tuple[int, int], Any] = {}
+
+    def _cluster(self, topo: tide.Topology) -> Any:
+        key = (topo.nodes, topo.gpus_per_node)
+        if key not in self._clusters:
+            # Each call runs to completion in its own executor run, so cross-call hazards the
+            # static checker looks for cannot occur here; the checker is the program owners' gate.
+            self._clusters[key] = tide.VirtualCluster(topo, ranks_as="threads", check=False)
+        return self._clusters[key]
+
+    @staticmethod
+    def _to_numpy(t: torch.Tensor):
+        import ml_dtypes
+        t = t.detach().contiguous().cpu()
+        if t.dtype == torch.bfloat16:
+            return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+        return t.numpy()
+
+    def _gather(self, group: Any, flat: torch.Tensor) -> list[torch.Tensor] | None:
+        lead = group.rank() == 0
+        bufs = [torch.empty_like(flat) for _ in range(group.size())] if lead else None
+        dist.gather(flat, bufs, group=group, group_dst=0)
+        return bufs
+
+    def all_gather(self, tg, inputs, landings):
+        group = self._group_of(tg)
+        layout = tg.plan.layout
+        N = layout.N
+        packed = torch.cat([t.reshape(-1) for t in inputs])  # S bytes: this rank's packed shard
+        shards = self._gather(group, packed)
+        land = torch.empty(layout.S * N, dtype=torch.uint8)
+        if shards is not None:
+            import numpy as np
+            vc = self._cluster(tg.topology)
+            sizes = [pl.e for pl in layout.params]
+            per_rank = [[self._to_numpy(x) for x in torch.split(s, sizes)] for s in shards]
+            ring = tg.ring_index % 2 if tg.ring_index >= 0 else 0
+            vc.all_gather(tg.plan, per_rank, resident=tg.adopts, ring_slot=ring)
+            raw = np.empty(layout.S * N, dtype=np.uint8)
+            vc.arena(tg.plan).read(0, tide.cluster.KIND[f"ring{ring}"], 0, raw)
+            land.copy_(torch.from_numpy(raw))
+        dist.broadcast(land, group=group, group_src=0)
+        for p, out in enumerate(landings):
+            off = layout.landing(p, 0)
+            out.view(torch.uint8).copy_(land[off: off + out.numel() * out.element_size()])
+
+    def reduce_scatter(self, tg, grads, output, alpha):
+        group = self._group_of(tg)
+        layout = tg.plan.layout
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        everyone = self._gather(group, flat)
+        outs = None
+        if everyone is not None:
+            vc = self._cluster(tg.topology)
+            sizes = [pl.D * pl.K for pl in layout.params]
+            per_rank = [[self._to_numpy(x) for x in torch.split(g, sizes)] for g in everyone]
+            res = vc.reduce_scatter(tg.plan, per_rank, scale=float(alpha))
+            outs = [torch.from_numpy(o.copy()).to(output.dtype) for o in res]
+        mine = torch.empty(layout.E, dtype=output.dtype)
+        dist.scatter(mine, outs, group=group, group_src=0)
+        output.copy_(mine)
+
+
+TRANSPORTS = ("auto", "executor", "virtual-cluster", "interim")
+
+
+def make_transport(kind: str, arena: Any, peers: list[str], rank: int, topo: tide.Topology,
                    group_of: Any) -> Transport:
     api = _executor_api()
-    if api is not None and arena.shm_name is not None:
+    if kind in ("auto", "executor") and api is not None and arena.shm_name is not None:
         return ExecutorTransport(api, arena, peers, rank, topo)
+    if kind == "executor":
+        raise RuntimeError("tide_torch: transport='executor' needs a process-mode executor "
+                           "binding in tide._core, which this build does not have")
+    if kind == "virtual-cluster":
+        logger.info("tide_torch: running TIDE programs on tide.VirtualCluster from each shard "
+                    "group's first rank (bytes cross torch.distributed)")
+        return VirtualClusterTransport(group_of)
     logger.info("tide_torch: this build of tide._core has no process-mode executor binding; "
                 "using the interim torch.distributed landing transport")
     return InterimTransport(group_of)

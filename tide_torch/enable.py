@@ -94,13 +94,15 @@ class TideHandle:
 
 
 def enable(model: nn.Module, *, mode: str = "in_place", topology: tide.Topology | None = None,
-           **options: int) -> TideHandle:
+           transport: str = "auto", **options: int) -> TideHandle:
     """Switches ``model``'s FSDP2 collectives to TIDE. Call after ``fully_shard`` and before (or
     between) training steps, on every rank.
 
     ``mode``: ``"in_place"`` reads gradients where autograd leaves them; ``"slot_reuse"`` copies
     them into the group's vacated all-gather slot. ``topology``: ``tide.Topology(nodes, L)``;
-    default from ``LOCAL_WORLD_SIZE``. ``options``: planner knobs (``w_wave``, ``k``,
+    default from ``LOCAL_WORLD_SIZE``. ``transport``: ``"auto"`` (TIDE's process-mode executor
+    when this build has it, else ``"interim"``), ``"executor"``, ``"virtual-cluster"`` or
+    ``"interim"`` (see ``tide_torch/comm.py``). ``options``: planner knobs (``w_wave``, ``k``,
     ``n_part``, ``n_stg``, ``chunk_bytes``, ``sum_ctas``, ``land_ctas``).
 
     Groups outside TIDE's contract keep stock collectives (one ``tide_torch`` log line each).
@@ -109,6 +111,9 @@ def enable(model: nn.Module, *, mode: str = "in_place", topology: tide.Topology 
     """
     if mode not in MODES:
         raise ValueError(f"tide_torch.enable: mode must be one of {MODES}, got {mode!r}")
+    if transport not in comm.TRANSPORTS:
+        raise ValueError(f"tide_torch.enable: transport must be one of {comm.TRANSPORTS}, "
+                         f"got {transport!r}")
     unknown = sorted(set(options) - set(PLAN_OPTIONS))
     if unknown:
         raise TypeError(f"tide_torch.enable: unknown options {unknown}; known: {PLAN_OPTIONS}")
@@ -141,7 +146,8 @@ def enable(model: nn.Module, *, mode: str = "in_place", topology: tide.Topology 
             groups=[(g.fqn, g.status) for g in groups],
             capabilities={"torch": torch.__version__.split("+")[0], "mode": mode,
                           "layout_hook": _patches.has_all_gather_layout(),
-                          "executor": comm._executor_api() is not None},
+                          "executor": comm._executor_api() is not None,
+                          "transport": transport},
             shm=arena.shm_name if arena is not None else None)
     except Exception as e:  # noqa: BLE001 - reported to every rank before raising
         local_exc = e
@@ -166,7 +172,7 @@ def enable(model: nn.Module, *, mode: str = "in_place", topology: tide.Topology 
     if served:
         placement.bind(groups, arena)
         rt.transport = comm.make_transport(
-            arena, [r["shm"] for r in records], rank, topo,
+            transport, arena, [r["shm"] for r in records], rank, topo,
             group_of=lambda g: g.pg.mesh_info.shard_process_group)
         for g in served:
             g.runtime = rt
