@@ -75,12 +75,18 @@ def _errors(rank, world):
     _expect(ValueError, ["mode"], lambda: tide_torch.enable(model, mode="fast"))
     _expect(TypeError, ["bogus"], lambda: tide_torch.enable(model, bogus=1))
 
-    # Everyone is still in lock-step, and the model still trains with TIDE afterwards.
+    # Everyone is still in lock-step, and the model still trains: stock first (its unsharded
+    # parameters get stock storage), then TIDE enabled between steps (rebuilt over landings).
     dist.barrier()
+    data = batches(2, same_on_all_ranks=True)
+    train(model, data[:1])
     handle = tide_torch.enable(model, topology=TOPO)
-    train(model, batches(1, same_on_all_ranks=True))
+    train(model, data[1:])
+    for name, (planned, got) in handle.landings().items():
+        assert got == planned, name
     handle.disable()
     assert not _patches.installed()
+    train(model, data[:1])
 
 
 def test_enable_errors_no_hang():

@@ -190,7 +190,7 @@ def _activate(g: TideGroup) -> None:
             # Built by an earlier stock all-gather: FSDP2 rebuilds it over the landing view.
             del fp._unsharded_param
         fp.all_gather_outputs = [g.landing_views[p]]
-        _patches.patch_param_free(fp, free_in_arena(fp))
+        _patches.patch_param_free(fp, free_in_arena(g, p))
         if g.adopts:
             all_gather.adopt_shard(g, p)
     g.pg._reduce_scatter_comm = reduce_scatter.TideReduceScatter(g, g.pg._reduce_scatter_comm)

@@ -29,7 +29,8 @@ class Runtime:
         self.transport: Any = None
         self.stats: Counter = Counter(ag_tide=0, ag_stock=0, rs_tide=0, rs_stock=0)
         self._owner: dict[str, Any] = {}
-        self._release_event: dict[str, Any] = {}
+        self._release_events: dict[str, list[Any]] = {}
+        self._events = device.type != "cpu"  # CPU streams are synchronous
         self._tail = max((g for g in groups if g.eligible and g.slot.startswith("ring")),
                          key=lambda g: g.ring_index, default=None)
 
@@ -51,8 +52,7 @@ class Runtime:
                     f"{owner.fqn} is still unsharded there. TIDE's 2-slot ring assumes FSDP2's "
                     "prefetch depth 1 and module order = execution order; disable TIDE or set "
                     "reshard_after_forward=False on one of the two groups (fixed storage)")
-        event = self._release_event.pop(key, None)
-        if event is not None:
+        for event in self._release_events.pop(key, ()):
             stream.wait_event(event)
         self._owner[key] = tg
 
@@ -65,8 +65,18 @@ class Runtime:
 
     def release_slot_after_rs(self, tg: Any) -> None:
         """On the reduce-scatter stream, after TIDE-RS has read the gradients out of the slot."""
+        self._record_release(tg)
+
+    def release_slot_after_compute(self, tg: Any) -> None:
+        """On the compute stream when tg reshards: its last reader of the slot was enqueued."""
+        self._record_release(tg)
+
+    def _record_release(self, tg: Any) -> None:
+        if not self._events:
+            return
         handle = _get_device_handle(self.device.type)
-        self._release_event[self._key(tg)] = handle.current_stream().record_event()
+        self._release_events.setdefault(self._key(tg), []).append(
+            handle.current_stream().record_event())
 
 
 def _is_live(tg: Any) -> bool:
@@ -74,11 +84,18 @@ def _is_live(tg: Any) -> bool:
     return pg.is_unsharded or pg._all_gather_result is not None
 
 
-def free_in_arena(fsdp_param: Any) -> Any:
+def free_in_arena(tg: Any, p: int) -> Any:
     """Per-instance FSDPParam.free_unsharded_param for parameters living in the arena: the ring
-    slot is released logically (ownership), the storage keeps its size."""
+    slot is released logically (ownership), the storage keeps its size.
+
+    [Note: slot release on the compute stream]
+    Stock FSDP2 frees unsharded storage to the caching allocator, which orders its reuse after
+    the compute stream's readers. A ring slot is reused by TIDE itself, so the release is an
+    event recorded on the compute stream here (FSDP2 reshards on the compute stream), which the
+    next landing in the slot waits for in acquire_slot."""
     def free_unsharded_param() -> None:
         if _patches.compiled_autograd_enabled():
             raise RuntimeError("tide_torch does not support compiled autograd; disable TIDE")
-        # Nothing to free: see [Note: zero-offset views] in arena.py.
+        if p == 0:  # once per group reshard
+            tg.runtime.release_slot_after_compute(tg)
     return free_unsharded_param
