@@ -100,3 +100,30 @@ def test_1024_nodes_by_8_tiny_tensors():
     for r in range(0, 8192, 97):
         for p in range(2):
             assert same_bits(out[r][p], ref[p])
+
+
+def test_64_nodes_by_8_executor():
+    shapes = [(1024,), (513, 2)]
+    topo, plan = make_plan(64, 8, shapes=shapes)
+    vc = tide.VirtualCluster(topo, timeout_s=60)  # 512 ranks: not pre-checked (checker grid covers it)
+    fulls = make_fulls(shapes, "normal", 21)
+    out = vc.all_gather(plan, shard(fulls, plan, 512), poison=True)
+    ref = reference(fulls)
+    assert all(same_bits(out[r][p], ref[p]) for r in range(512) for p in range(2))
+
+
+def test_random_configurations():
+    rng = np.random.default_rng(2026)
+    for _ in range(12):
+        M, L = int(rng.integers(1, 10)), int(rng.choice([1, 2, 4, 8]))
+        P = int(rng.integers(1, 5))
+        shapes = [tuple(int(x) for x in rng.integers(1, 3 * M * L + 5, size=int(rng.integers(1, 3)))) for _ in range(P)]
+        cast = bool(rng.integers(0, 2))
+        topo, plan = make_plan(M, L, shapes=shapes, shard_dtype="float32" if cast else None)
+        kw = dict(resident=bool(rng.integers(0, 2)), ring_slot=int(rng.integers(0, 2)))
+        vc = tide.VirtualCluster(topo, timeout_s=10)
+        for call in range(2):
+            fulls = make_fulls(shapes, "normal", call, dtype=np.float32 if cast else BF16)
+            out = vc.all_gather(plan, shard(fulls, plan, M * L, padded=bool(call)), poison=True, **kw)
+            ref = reference(fulls)
+            assert all(same_bits(out[r][p], ref[p]) for r in range(M * L) for p in range(P)), (M, L, shapes, cast, kw)

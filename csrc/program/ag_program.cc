@@ -15,6 +15,13 @@
 //   completion  wait PUSHED, SCATTERED; SIGNAL DONE[l] on every local rank; wait DONE[*] >= e
 //               (node-wide completion fence); record DONE (the event the framework waits on).
 // Every counter has one producing (rank, stream), see program.h.
+//
+// [Note: credit placement] The paper's caller stream flushes call e's credits at the start of
+// call e+1; here the scatter stream emits them as soon as call e's scatters and forwarding sends
+// are done. Both release area d only after its last reader, and both let the next call's credit
+// depend on this rank's previous scatter alone, never on the node-wide completion fence.
+// [Note: pacing is not safety] PACE waits throttle rail incast; dropping one changes timing,
+// not bytes, so the checker (which proves I1-I4) does not flag it.
 #include <algorithm>
 #include <cstdint>
 

@@ -49,7 +49,10 @@ std::string describe_op(const Program& pr, int i) {
 }
 }  // namespace tide
 
+void bind_program_spec(nb::module_& m);  // bind_program_spec.cc
+
 void bind_program(nb::module_& m) {
+  bind_program_spec(m);
   nb::class_<ProgramSet>(m, "ProgramSet")
       .def("__len__", [](const ProgramSet& s) { return s.progs.size(); })
       .def("copy", [](const ProgramSet& s) { return std::make_shared<ProgramSet>(s); })

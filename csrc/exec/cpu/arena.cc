@@ -17,7 +17,6 @@ namespace tide {
 namespace {
 constexpr int64_t kGuard = 4096;   // canary bytes after each rank's arena
 constexpr uint8_t kCanary = 0xA5;
-constexpr int64_t kSharedBytes = 8192;
 
 int64_t round_up(int64_t v, int64_t a) { return (v + a - 1) / a * a; }
 }  // namespace
@@ -41,7 +40,8 @@ CpuArena::CpuArena(int world, const ArenaSpec& spec, bool shared_memory)
     : world_(world), spec_(spec), shm_(shared_memory) {
   TIDE_PLAN_CHECK(world >= 1, "CpuArena: world must be >= 1, got ", world);
   stride_ = round_up(spec.total, 4096) + kGuard;
-  map_bytes_ = static_cast<size_t>(kSharedBytes + stride_ * world);
+  shared_bytes_ = round_up(static_cast<int64_t>(Shared::bytes(world)), 4096);
+  map_bytes_ = static_cast<size_t>(shared_bytes_ + stride_ * world);
   void* p = MAP_FAILED;
   if (shm_) {
     // [Note: shared-memory lifetime] The segment is created 0600 with a unique name, mapped, and
@@ -64,7 +64,8 @@ CpuArena::CpuArena(int world, const ArenaSpec& spec, bool shared_memory)
   }
   uint8_t* mem = static_cast<uint8_t*>(p);
   shared_ = new (mem) Shared();
-  base_ = mem + kSharedBytes;
+  for (int i = 0; i < world * kMaxStreams; ++i) new (reinterpret_cast<BlockedWait*>(shared_ + 1) + i) BlockedWait();
+  base_ = mem + shared_bytes_;
   // Fresh anonymous/shm pages are zero: counters start at 0. Fill gaps and guards with canaries.
   for (int r = 0; r < world; ++r) {
     uint8_t* a = base_ + stride_ * r;
@@ -83,7 +84,7 @@ CpuArena::CpuArena(int world, const ArenaSpec& spec, bool shared_memory)
 
 CpuArena::~CpuArena() {
   if (shared_) shared_->~Shared();
-  if (base_) munmap(base_ - kSharedBytes, map_bytes_);
+  if (base_) munmap(base_ - shared_bytes_, map_bytes_);
 }
 
 uint8_t* CpuArena::region(int rank, BufKind kind) const {

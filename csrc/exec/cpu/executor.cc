@@ -139,6 +139,57 @@ struct Runner {
     return "no producer";
   }
 
+  int producer_rank(const CounterRef& c) const {
+    for (const auto& calls : per_rank) {
+      if (calls.empty()) continue;
+      const Program& pr = *calls.front().program;
+      for (const Op& op : pr.ops) {
+        const bool produces = op.kind == OpKind::kSignal || op.kind == OpKind::kCredit ||
+                              op.kind == OpKind::kPut || op.kind == OpKind::kEventRecord;
+        if (produces && op.counter.rank == c.rank && op.counter.index == c.index) return pr.rank;
+      }
+    }
+    return -1;
+  }
+
+  // Follows "waits for a counter produced by rank p, which itself waits for ..." to the root.
+  std::string wait_chain(CounterRef c) const {
+    std::string out;
+    std::vector<int> seen;
+    for (int hop = 0; hop < 8; ++hop) {
+      const int p = producer_rank(c);
+      if (p < 0) {
+        out += TIDE_STR_CAT("; root: no op of any rank produces counter #", c.index, " on rank ", c.rank,
+                            " (a dropped signal or credit)");
+        break;
+      }
+      if (std::find(seen.begin(), seen.end(), p) != seen.end()) break;
+      seen.push_back(p);
+      const BlockedWait* found = nullptr;
+      int stream = -1;
+      for (int s = 0; s < kMaxStreams && !found; ++s) {
+        auto* bw = arena.shared()->blocked(p, s);
+        if (bw->valid.load() && bw->counter_rank.load() != p) { found = bw; stream = s; }
+      }
+      for (int s = 0; s < kMaxStreams && !found; ++s) {
+        auto* bw = arena.shared()->blocked(p, s);
+        if (bw->valid.load()) { found = bw; stream = s; }
+      }
+      if (!found) {
+        out += TIDE_STR_CAT("; root: rank ", p, " is not blocked on any wait (stalled, dead or finished early)");
+        break;
+      }
+      const Program& pr = *per_rank[p].front().program;
+      const int ci = found->counter_index.load();
+      out += TIDE_STR_CAT(hop == 0 ? "; wait chain: " : " -> ", "rank ", p, " op ", found->op.load(), " [",
+                          stream < static_cast<int>(pr.streams.size()) ? pr.streams[stream] : "?", "] seq ",
+                          found->seq.load(), " waits ", ci >= 0 && ci < static_cast<int>(pr.counter_names.size()) ? pr.counter_names[ci] : "?",
+                          " on rank ", found->counter_rank.load(), " >= ", found->target.load());
+      c = CounterRef{found->counter_rank.load(), ci};
+    }
+    return out;
+  }
+
   // Returns true when the op could run (and ran); false when its wait is unsatisfied.
   bool exec(RankState& rs, const Call& call, int idx) {
     const Op& op = call.program->ops[idx];
@@ -254,18 +305,34 @@ struct Runner {
           return true;
         }
         if (!exec(rs, call, idx)) {
-          if (!cur.blocked) { cur.blocked = true; cur.blocked_since = now; }
-          else if (std::chrono::duration<double>(now - cur.blocked_since).count() > opt.timeout_s) {
+          if (!cur.blocked) {
+            cur.blocked = true;
+            cur.blocked_since = now;
+            if (s < static_cast<size_t>(kMaxStreams)) {
+              const Op& op = call.program->ops[idx];
+              auto* bw = arena.shared()->blocked(rs.rank, static_cast<int>(s));
+              bw->op.store(idx);
+              bw->counter_rank.store(op.counter.rank);
+              bw->counter_index.store(op.counter.index);
+              bw->target.store(op.target(call.seq));
+              bw->seq.store(call.seq);
+              bw->valid.store(1);
+            }
+          }
+          else if (std::chrono::duration<double>(now - cur.blocked_since).count() >
+                   (call.program->ops[idx].deadline_s > 0 ? call.program->ops[idx].deadline_s : opt.timeout_s)) {
             const Op& op = call.program->ops[idx];
             const int64_t have = static_cast<int64_t>(counter(rs, call, idx, op.counter).load());
             const auto& names = call.program->counter_names;
-            fail(2, TIDE_STR_CAT("TIDE timeout after ", opt.timeout_s, " s: ", op_name(rs, call, idx), " waits for counter ",
+            fail(2, TIDE_STR_CAT("TIDE timeout after ", op.deadline_s > 0 ? op.deadline_s : opt.timeout_s, " s: ", op_name(rs, call, idx), " waits for counter ",
                                  op.counter.index < static_cast<int>(names.size()) ? names[op.counter.index] : "?",
                                  " (#", op.counter.index, ") on rank ", op.counter.rank, " >= ", op.target(call.seq),
-                                 ", has ", have, "; producer: ", producer_of(call, op.counter)));
+                                 ", has ", have, "; producer: ", producer_of(call, op.counter),
+                                 wait_chain(op.counter)));
           }
           break;
         }
+        if (cur.blocked && s < static_cast<size_t>(kMaxStreams)) arena.shared()->blocked(rs.rank, static_cast<int>(s))->valid.store(0);
         cur.blocked = false;
         ++cur.pos;
         ++rs.ops_done;
@@ -348,6 +415,8 @@ void run_cpu(CpuArena& arena, const std::vector<std::vector<Call>>& per_rank,
   sh->claimed.store(0);
   sh->error_kind.store(0);
   sh->message[0] = 0;
+  for (int r = 0; r < N; ++r)
+    for (int s = 0; s < kMaxStreams; ++s) sh->blocked(r, s)->valid.store(0);
   Runner runner{arena, per_rank, bindings, opt};
 
   if (!opt.processes) {

@@ -10,11 +10,27 @@ namespace tide {
 
 // Lives in the (possibly shared) mapping, so forked ranks see the abort flag and can report
 // the first error to the parent. Lock-free atomics only.
+// What a blocked stream waits for, published so a timeout can follow the chain of waits to
+// its root (the dead, stalled or mis-programmed rank).
+struct BlockedWait {
+  std::atomic<int32_t> valid{0};
+  std::atomic<int32_t> op{-1};
+  std::atomic<int32_t> counter_rank{-1};
+  std::atomic<int32_t> counter_index{-1};
+  std::atomic<int64_t> target{0};
+  std::atomic<int64_t> seq{0};
+};
+constexpr int kMaxStreams = 8;
+
 struct CpuArena::Shared {
   std::atomic<int> abort{0};       // set by the first failing rank; everyone stops
   std::atomic<int> claimed{0};     // first error slot claimed
   std::atomic<int> error_kind{0};  // 1 = Error, 2 = TimeoutError
   char message[4096] = {};
+  BlockedWait* blocked(int rank, int stream) {
+    return reinterpret_cast<BlockedWait*>(this + 1) + rank * kMaxStreams + stream;
+  }
+  static size_t bytes(int world) { return sizeof(Shared) + sizeof(BlockedWait) * kMaxStreams * world; }
 };
 
 }  // namespace tide

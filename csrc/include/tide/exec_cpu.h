@@ -77,6 +77,7 @@ class CpuArena {
   ArenaSpec spec_;
   bool shm_;
   int64_t stride_ = 0;  // bytes per rank incl. guard
+  int64_t shared_bytes_ = 0;
   uint8_t* base_ = nullptr;
   size_t map_bytes_ = 0;
   Shared* shared_ = nullptr;

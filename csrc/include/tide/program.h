@@ -35,9 +35,18 @@
 //       * user_outputs are consumed by the user once `done_event` reaches seq, and must then hold
 //         exactly `expects` (I1); the next call may overwrite them only after that consumption.
 //
+//   - Stream 0 is the caller's stream (the framework's stream). [Note: the user model] The
+//     user issues call e+1 only after it observed call e's release_event (for the same group)
+//     and rewrote its user_inputs; so call e+1's stream-0 ops are ordered after that rewrite,
+//     while the other internal streams are ordered only by their own waits. The checker (and
+//     any executor that pipelines calls) relies on exactly this and nothing more.
+//   - TIDE-AG's streams and counters are described in csrc/program/ag_program.cc
+//     ([Note: AG streams and counters]); TIDE-RS programs follow the same rules.
+//
 // Backward compatibility: the RS and CUDA engineers build on this header. Changes are additive
 // only (new enum values appended, new fields with defaults appended to structs). Change log:
 //   v1 — initial IR (BufKind, BufRef, CopyDesc, SumTerm, Op, Program, Expect, ArenaSpec).
+//        Op::deadline_s (per-wait deadline) added before first merge.
 #pragma once
 
 #include <cstdint>
@@ -169,6 +178,7 @@ struct Op {
   bool multicast = false;           // COPY: descriptors form identical-offset groups to all L
                                     // local ranks; an executor may use one multicast write
   int64_t target(int64_t seq) const { return value + per_call * seq; }
+  double deadline_s = 0;            // WAIT/EVENT_WAIT: own deadline; 0 -> the executor's timeout
 };
 
 // What the user may read from a user_output / landing once done_event reaches seq: `region`
