@@ -145,17 +145,16 @@ void build_rs_waves(RsSchedule& rs, int M, int L, int w_wave, int n_part) {
     }
   }
   // Stale-block zeroing: blocks the previous wave on the same generation wrote and this one does
-  // not. The first wave on a generation follows the last one on it in the previous call.
+  // not. The inbox holds unknown bytes when a call starts (a fresh arena is not zeroed on a GPU,
+  // and another group may have used the region), so the first wave on each generation zeroes
+  // every block it does not write; full waves (len = L) write every block and zero nothing.
   const int T = static_cast<int>(rs.wave_list.size());
+  const uint8_t all = static_cast<uint8_t>((1u << L) - 1);
   for (int gi = 0; gi < T; ++gi) {
     RsWave& cur = rs.wave_list[gi];
-    int prev = -1;
-    for (int back = 1; back <= T && prev < 0; ++back) {
-      const int cand = ((gi - back) % T + T) % T;
-      if (rs.wave_list[cand].gen == cur.gen) prev = cand;
-    }
-    const RsWave& pw = rs.wave_list[prev];
-    for (int j = 0; j < L; ++j) cur.zero_mask[j] = uint8_t(pw.write_mask[j] & ~cur.write_mask[j]);
+    const RsWave* prev = gi >= rs.n_par ? &rs.wave_list[gi - rs.n_par] : nullptr;
+    for (int j = 0; j < L; ++j)
+      cur.zero_mask[j] = uint8_t((prev ? prev->write_mask[j] : all) & ~cur.write_mask[j]);
   }
 }
 
@@ -208,15 +207,15 @@ RsSchedule build_rs_schedule(const GroupLayout& layout, const Topology& topo, co
   rs.E_subslice = round_up(ceil_div(E, L), kVectorElems);
   rs.E_sub = round_up(ceil_div(rs.E_subslice, opt.n_part), kVectorElems);
   rs.E_stg = static_cast<int64_t>(L) * rs.E_sub;
-  TIDE_PLAN_CHECK((opt.n_part - 1) * rs.E_sub < rs.E_subslice, "Options.n_part: ", opt.n_part,
-                  " passes leave the last pass empty: a sub-slice holds only ", rs.E_subslice,
-                  " elements (", E, " output elements per rank, L=", L, ", vectors of ",
-                  kVectorElems, ")");
+  // A tiny group may leave later passes without live elements; they still run (zero blocks,
+  // no landings), which keeps the plan valid for any n_part.
   rs.block_bytes = 4 * static_cast<int64_t>(L) * rs.E_sub;
   rs.E_chunk = rs.E_sub;
   if (opt.chunk_bytes > 0) {
-    const int64_t elems = opt.chunk_bytes / rs.b_grad / kVectorElems * kVectorElems;
-    rs.E_chunk = std::min(rs.E_sub, std::max<int64_t>(kVectorElems, elems));
+    // Never above chunk_bytes (the memory model sizes staging rows by min(E_sub*b, chunk_bytes));
+    // vector aligned when at least one vector fits.
+    const int64_t elems = std::max<int64_t>(1, opt.chunk_bytes / rs.b_grad);
+    rs.E_chunk = std::min(rs.E_sub, elems >= kVectorElems ? elems / kVectorElems * kVectorElems : elems);
   }
   rs.n_chunks = static_cast<int>(ceil_div(rs.E_sub, rs.E_chunk));
   rs.n_stg = opt.n_stg;

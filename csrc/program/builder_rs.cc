@@ -340,9 +340,12 @@ Program build_rs_program(const Plan& plan, const RsCallOptions& opt, int rank) {
   for (int g = 0; g < T; ++g) {
     const RsWave& w = rs.wave_list[g];
     const int q = w.gen, pass = w.pass;
-    // Generation q is free once the previous wave on it landed on every local GPU.
+    // Generation q is free once the previous wave on it landed on every local GPU. For the first
+    // waves of a call that wave is in the previous call (with an odd T not at g - n_par + T, as
+    // generations restart at 0), so they wait for all of the previous call's landings.
+    const int64_t gen_free = g >= rs.n_par ? g - rs.n_par + 1 - T : -T;
     for (int l = 0; l < L; ++l)
-      x.wait(kRail, rs_tag::kGenWait, rank, x.landed_from(l), g - rs.n_par + 1 - T, T);
+      x.wait(kRail, rs_tag::kGenWait, rank, x.landed_from(l), gen_free, T);
     for (int s = 0; s < L; ++s)
       if (w.zero_mask[me] >> s & 1) {
         Op& z = x.emit(OpKind::kZero, kRail, rs_tag::kZero, g);

@@ -1,5 +1,5 @@
-// Bindings for the TIDE-RS schedule and validator (owner: TIDE-RS): Plan.rs (read-only view of
-// the RsSchedule), rs_level1_copies(plan, rank) and validate_all(gpus_per_node, max_nodes).
+// Bindings for the TIDE-RS schedule and validator (owner: TIDE-RS): Plan.rs_schedule (read-only
+// view of the RsSchedule), rs_level1_copies(plan, rank) and validate_all(gpus_per_node, max_nodes).
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/pair.h>
 #include <nanobind/stl/string.h>
@@ -77,9 +77,10 @@ void bind_rs_types(nb::module_& m) {
 
 void bind_rs(nb::module_& m) {
   if (!nb::type<RsSchedule>().is_valid()) bind_rs_types(m);
-  // Plan.rs: bound here so the RS section stays in one file (bind_plan.cc binds Plan itself).
+  // Plan.rs_schedule: the full RsSchedule (segment table, waves, masks, rounds) as an object;
+  // bound here so the RS section stays in one file (bind_plan.cc binds Plan and its `rs` dict).
   nb::object property = nb::module_::import_("builtins").attr("property");
-  nb::setattr(nb::type<Plan>(), "rs",
+  nb::setattr(nb::type<Plan>(), "rs_schedule",
               property(nb::cpp_function([](const Plan& p) -> const RsSchedule& { return p.rs; },
                                         nb::is_method(), nb::rv_policy::reference_internal)));
 

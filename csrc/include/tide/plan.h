@@ -215,8 +215,8 @@ struct RsWave {
   // Per destination GPU j: bit s set when inbox block s of generation `gen` receives a partial
   // in this wave (write_mask), or must be zeroed before this wave's puts because the previous
   // wave on the same generation wrote it and this wave does not (zero_mask; stale-block zeroing).
-  // The previous wave of the first wave on a generation is the last wave on that generation of
-  // the previous call of the same plan (steady state; a fresh arena is all zero).
+  // Each call starts from unknown inbox contents, so the first wave on a generation zeroes
+  // every block it does not write.
   uint8_t write_mask[kMaxGpusPerNode] = {};
   uint8_t zero_mask[kMaxGpusPerNode] = {};
 };
