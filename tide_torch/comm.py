@@ -123,9 +123,8 @@ class VirtualClusterTransport:
     def _cluster(self, topo: tide.Topology) -> Any:
         key = (topo.nodes, topo.gpus_per_node)
         if key not in self._clusters:
-            # Each call runs to completion in its own executor run, so cross-call hazards the
-            # static checker looks for cannot occur here; the checker is the program owners' gate.
-            self._clusters[key] = tide.VirtualCluster(topo, ranks_as="threads", check=False)
+            # The cluster runs TIDE's static checker (I1-I4) on every new program set.
+            self._clusters[key] = tide.VirtualCluster(topo, ranks_as="threads")
         return self._clusters[key]
 
     @staticmethod
