@@ -122,7 +122,7 @@ def batches(n: int, *, same_on_all_ranks: bool, seed: int = 1, batch: int = 2, s
 
 
 def train(model: nn.Module, data: list, *, accumulate: int = 1, lr: float = 1e-2,
-          set_sync: bool = False) -> list[float]:
+          set_sync: bool = False, loss_scale: float = 1.0) -> list[float]:
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1)
     losses = []
     for step in range(len(data) // accumulate):
@@ -132,7 +132,7 @@ def train(model: nn.Module, data: list, *, accumulate: int = 1, lr: float = 1e-2
                 model.set_requires_gradient_sync(micro == accumulate - 1)
             logits = model(tokens[:, :-1])
             loss = F.cross_entropy(logits.float().reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
-            loss.backward()
+            (loss * loss_scale if loss_scale != 1.0 else loss).backward()
             losses.append(loss.item())
         opt.step()
         opt.zero_grad()

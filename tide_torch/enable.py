@@ -133,6 +133,9 @@ def enable(model: nn.Module, *, mode: str = "in_place", topology: tide.Topology 
         topo = resolve_topology(topology, world)
         names = {id(p): n for n, p in model.named_parameters()}
         for g in groups:
+            if id(g.pg.fsdp_params) in all_gather.REGISTRY:
+                raise TideEnableError(f"TIDE is already enabled on group {g.fqn}: call "
+                                      "handle.disable() before enabling again")
             plan_group(g, topo, mode, options, names)
             if g.eligible and not g.pg.is_sharded:
                 raise TideEnableError(
