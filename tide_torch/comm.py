@@ -55,29 +55,74 @@ class Transport(Protocol):
 
 
 def _executor_api() -> Any | None:
-    """TIDE's process-mode executor binding, when this build of tide._core has one."""
-    core = tide._core
-    for name in ("ProcessExecutor", "ShmExecutor"):
-        if hasattr(core, name):
-            return getattr(core, name)
-    return None
+    """TIDE's per-rank process-mode executor binding, when this build of tide._core has one."""
+    return getattr(tide._core, "RankExecutor", None)
 
 
 class ExecutorTransport:
-    """Runs TIDE programs through tide._core's process-mode executor (CPU) / CUDA executor."""
+    """Runs TIDE-AG / TIDE-RS programs through TIDE's CPU executor with ranks as processes.
+
+    Written against the executor entry points tide_torch needs (not in tide._core yet; see the
+    merge notes): every rank's arena is its own POSIX segment (``Arena``, names exchanged at
+    enable time); ``RankExecutor`` maps all of them, reads only its own rank's buffers and
+    pushes into peers' arenas, and runs only its own rank's program per call:
+
+        ex = tide._core.RankExecutor(rank, nodes, gpus_per_node, segments, segment_bytes,
+                                     regions={name: (offset, nbytes)}, timeout_s=30.0)
+        progs = tide._core.build_ag_programs(plan, ring_slot=s, resident=adopt,
+                                             arena=regions, landing_region="ring0|ring1|fixed",
+                                             landing_offset=off, counter_base=c)
+        progs = tide._core.build_rs_programs(plan, bank=b, alpha=a, accumulate=False,
+                                             arena=regions, counter_base=c)
+        ex.run(progs, seq, [(kind, index, data_ptr, nbytes), ...])   # kShard/kGrad/kOut
+    """
 
     name = "tide-executor"
 
     def __init__(self, api: Any, arena: Any, peers: list[str], rank: int, topo: tide.Topology):
-        self._exec = api(arena.shm_name, peers, rank, topo.nodes, topo.gpus_per_node)
+        regions = {r.name: (r.offset, r.nbytes) for r in arena.regions.values()}
+        self._regions = regions
+        self._exec = api(rank, topo.nodes, topo.gpus_per_node, peers, arena.nbytes,
+                         regions=regions)
+        self._programs: dict[tuple, Any] = {}
+        self._seq: dict[tuple[int, str], int] = {}
+        self._kind = dict(tide._core.buf_kinds)
+
+    def _next_seq(self, tg: Any, what: str) -> int:
+        key = (tg.index, what)
+        self._seq[key] = self._seq.get(key, 0) + 1
+        return self._seq[key]
+
+    def _counter_base(self, tg: Any, what: str) -> int:
+        return (2 * tg.index + (what == "rs")) * 4096
 
     def all_gather(self, tg, inputs, landings):
-        self._exec.all_gather(tg.plan, [t.data_ptr() for t in inputs],
-                              [t.data_ptr() for t in landings])
+        seq = self._next_seq(tg, "ag")
+        ring = tg.ring_index % 2 if tg.ring_index >= 0 else 0
+        key = ("ag", tg.index)
+        if key not in self._programs:
+            region = self._regions[tg.slot]
+            self._programs[key] = tide._core.build_ag_programs(
+                tg.plan, ring_slot=ring, resident=tg.adopts, arena=self._regions,
+                landing_region=tg.slot, landing_offset=tg.unsharded_offset - region[0],
+                counter_base=self._counter_base(tg, "ag"))
+        bindings = [] if tg.adopts else [
+            (self._kind["shard"], p, t.data_ptr(), t.numel() * t.element_size())
+            for p, t in enumerate(inputs)]
+        self._exec.run(self._programs[key], seq, bindings)
 
     def reduce_scatter(self, tg, grads, output, alpha):
-        self._exec.reduce_scatter(tg.plan, [g.data_ptr() for g in grads], output.data_ptr(),
-                                  float(alpha))
+        seq = self._next_seq(tg, "rs")
+        key = ("rs", tg.index, seq % 2, float(alpha))
+        if key not in self._programs:
+            self._programs[key] = tide._core.build_rs_programs(
+                tg.plan, bank=seq % 2, alpha=float(alpha), accumulate=False, arena=self._regions,
+                counter_base=self._counter_base(tg, "rs"))
+        bindings = [(self._kind["grad"], p, g.data_ptr(), g.numel() * g.element_size())
+                    for p, g in enumerate(grads)]
+        bindings.append((self._kind["out"], -1, output.data_ptr(),
+                         output.numel() * output.element_size()))
+        self._exec.run(self._programs[key], seq, bindings)
 
 
 class InterimTransport:
