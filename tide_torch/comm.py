@@ -169,7 +169,8 @@ class VirtualClusterTransport:
         key = (topo.nodes, topo.gpus_per_node)
         if key not in self._clusters:
             # The cluster runs TIDE's static checker (I1-I4) on every new program set.
-            self._clusters[key] = tide.VirtualCluster(topo, ranks_as="threads")
+            # One worker thread steps every rank: no spinning threads next to the training ranks.
+            self._clusters[key] = tide.VirtualCluster(topo, ranks_as="threads", workers=1)
         return self._clusters[key]
 
     @staticmethod
