@@ -33,6 +33,7 @@ __all__ = [
     "FSDPParam",
     "FSDPParamGroup",
     "ShardedState",
+    "TrainingState",
     "TideTorchVersionError",
     "check_torch",
     "compiled_autograd_enabled",
@@ -45,6 +46,7 @@ AllGatherResult = _coll.AllGatherResult
 FSDPParam = _param.FSDPParam
 FSDPParamGroup = _pg.FSDPParamGroup
 ShardedState = _param.ShardedState
+TrainingState = _pg.TrainingState
 ReduceScatter = _coll.ReduceScatter
 get_gradient_divide_factors = _coll._get_gradient_divide_factors
 
@@ -79,7 +81,9 @@ _EXPECTED_RESULT_FIELDS = (
     "all_gather_output", "all_gather_event", "all_gather_work", "param_all_gather_input_dtypes",
     "param_all_gather_input_numels", "all_gather_input_split_sizes")
 _EXPECTED_GROUP_ATTRS = ("fsdp_params", "_all_gather_comm", "_reduce_scatter_comm", "mesh_info",
-                         "post_forward_mesh_info", "mp_policy", "offload_policy")
+                         "post_forward_mesh_info", "mp_policy", "offload_policy",
+                         "reshard_after_backward", "gradient_divide_factor", "_training_state",
+                         "_all_gather_result")
 
 # The stock functions, captured at import so that disable() always restores the real ones.
 _STOCK: dict[tuple[Any, str], Callable] = {

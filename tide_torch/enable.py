@@ -94,7 +94,7 @@ class TideHandle:
 
 
 def enable(model: nn.Module, *, mode: str = "in_place", topology: tide.Topology | None = None,
-           transport: str = "auto", **options: int) -> TideHandle:
+           transport: str = "auto", ring: bool = True, **options: int) -> TideHandle:
     """Switches ``model``'s FSDP2 collectives to TIDE. Call after ``fully_shard`` and before (or
     between) training steps, on every rank.
 
@@ -102,7 +102,10 @@ def enable(model: nn.Module, *, mode: str = "in_place", topology: tide.Topology 
     them into the group's vacated all-gather slot. ``topology``: ``tide.Topology(nodes, L)``;
     default from ``LOCAL_WORLD_SIZE``. ``transport``: ``"auto"`` (TIDE's process-mode executor
     when this build has it, else ``"interim"``), ``"executor"``, ``"virtual-cluster"`` or
-    ``"interim"`` (see ``tide_torch/comm.py``). ``options``: planner knobs (``w_wave``, ``k``,
+    ``"interim"`` (see ``tide_torch/comm.py``). ``ring``: share the two position-aware ring
+    slots between resharding groups (default); ``False`` gives every group its own unsharded
+    storage (needed when toggling ``set_reshard_after_backward`` during training).
+    ``options``: planner knobs (``w_wave``, ``k``,
     ``n_part``, ``n_stg``, ``chunk_bytes``, ``sum_ctas``, ``land_ctas``).
 
     Groups outside TIDE's contract keep stock collectives (one ``tide_torch`` log line each).
@@ -142,7 +145,7 @@ def enable(model: nn.Module, *, mode: str = "in_place", topology: tide.Topology 
                     f"group {g.fqn} is unsharded: call tide_torch.enable() between steps")
         served = [g for g in groups if g.eligible]
         if served:
-            sizes = placement.assign(groups)
+            sizes = placement.assign(groups, use_ring=ring)
             arena = Arena(sizes, served[0].pg.device)
         record.update(
             topology=(topo.nodes, topo.gpus_per_node),
@@ -150,7 +153,7 @@ def enable(model: nn.Module, *, mode: str = "in_place", topology: tide.Topology 
             capabilities={"torch": torch.__version__.split("+")[0], "mode": mode,
                           "layout_hook": _patches.has_all_gather_layout(),
                           "executor": comm._executor_api() is not None,
-                          "transport": transport},
+                          "transport": transport, "ring": ring},
             shm=arena.shm_name if arena is not None else None)
     except Exception as e:  # noqa: BLE001 - reported to every rank before raising
         local_exc = e

@@ -4,8 +4,9 @@ Under FSDP2's default prefetch depth of 1 at most two resharding groups are unsh
 ring group g (in execution order) lands in slot g mod 2 and each slot is sized for the groups
 assigned to it, not for the global maximum. The final group that does not reshard after forward
 is live only across the forward/backward turn-around and alternates with its predecessor, so it
-is folded into the ring (ring-tail folding). The root group (live for the whole step) and other
-non-resharding groups get ``fixed`` storage of their own.
+is folded into the ring (ring-tail folding). The root group (live for the whole step), other
+non-resharding groups and groups that do not reshard after backward get ``fixed`` storage of
+their own; ``enable(..., ring=False)`` gives every group fixed storage.
 
 The runtime checks the assumption at every landing (``Runtime.acquire_slot``): landing into a
 slot whose previous group is still unsharded raises instead of corrupting parameters.
@@ -24,11 +25,16 @@ def _reshards_after_forward(tg: TideGroup) -> bool:
     return tg.pg.post_forward_mesh_info is not None
 
 
-def assign(groups: list[TideGroup]) -> dict[str, int]:
-    """Assigns slots and byte offsets to eligible groups; returns the arena region sizes."""
+def assign(groups: list[TideGroup], use_ring: bool = True) -> dict[str, int]:
+    """Assigns slots and byte offsets to eligible groups; returns the arena region sizes.
+    ``use_ring=False`` gives every group fixed storage (no slot sharing)."""
     served = [g for g in groups if g.eligible]
-    ring = [g for g in served if not g.is_root and _reshards_after_forward(g)]
-    tail = [g for g in served if not g.is_root and not _reshards_after_forward(g)]
+    # Groups that stay unsharded after backward (gradient accumulation without resharding) are
+    # live across the step boundary: never in the ring.
+    candidates = [g for g in served
+                  if use_ring and not g.is_root and g.pg.reshard_after_backward]
+    ring = [g for g in candidates if _reshards_after_forward(g)]
+    tail = [g for g in candidates if not _reshards_after_forward(g)]
     # Ring-tail folding: the last non-resharding non-root group, if it is the last served group.
     if tail and served and tail[-1] is served[-1]:
         ring.append(tail.pop())

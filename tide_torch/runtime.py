@@ -44,14 +44,17 @@ class Runtime:
         owner = self._owner.get(key)
         if owner is not None and owner is not tg and _is_live(owner):
             if (owner is self._tail and not torch.is_grad_enabled()
+                    and tg.pg._training_state == _patches.TrainingState.FORWARD
+                    and owner.pg._training_state == _patches.TrainingState.IDLE
                     and owner.pg._all_gather_result is None):
                 owner.pg.reshard()  # the folded ring tail, during no-grad evaluation
             else:
                 raise RuntimeError(
                     f"tide_torch: group {tg.fqn} would land in ring slot {tg.slot} while group "
                     f"{owner.fqn} is still unsharded there. TIDE's 2-slot ring assumes FSDP2's "
-                    "prefetch depth 1 and module order = execution order; disable TIDE or set "
-                    "reshard_after_forward=False on one of the two groups (fixed storage)")
+                    "prefetch depth 1, module order = execution order, and groups that reshard "
+                    "after backward (set_reshard_after_backward before enable()); use "
+                    "tide_torch.enable(..., ring=False) to give every group its own storage")
         for event in self._release_events.pop(key, ()):
             stream.wait_event(event)
         self._owner[key] = tg
