@@ -6,7 +6,8 @@ steps with MixedPrecisionPolicy(bf16, fp32):
 (b) ordinary per-rank random data: within fp32 tolerance of stock;
 (d) every unsharded parameter's data_ptr is its planned landing address.
 
-This file runs the default transport; test_torch_programs.py runs TIDE's own AG/RS programs.
+This file runs the default transport on 2 x 2; test_torch_lane.py runs 4 x 1 (the L_sub = 1
+lane) and test_torch_programs.py runs TIDE's own AG/RS programs.
 """
 from __future__ import annotations
 
@@ -56,6 +57,3 @@ def parity(rank, world, nodes, gpn, transport="auto", cases=BOTH_MODES):
 def test_parity_2x2():
     spawn(parity, 2, 2)
 
-
-def test_parity_4x1():
-    spawn(parity, 4, 1)
