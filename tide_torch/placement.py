@@ -13,6 +13,7 @@ slot whose previous group is still unsharded raises instead of corrupting parame
 """
 from __future__ import annotations
 
+import tide
 from tide_torch.arena import Arena, align_up
 from tide_torch.groups import TideGroup
 
@@ -45,15 +46,18 @@ def assign(groups: list[TideGroup], use_ring: bool = True) -> dict[str, int]:
         g.slot = "fixed"
 
     sizes = {"ring0": 0, "ring1": 0, "fixed": 0, "resident": 0, "stage": 0}
+    # The planner's position-aware sizing: slot s holds the largest group g with g mod 2 = s.
+    ring_order = sorted((g for g in served if g.slot != "fixed"), key=lambda g: g.ring_index)
+    if ring_order:
+        slots = tide._core.ag_ring_slot_bytes([align_up(_unsharded_bytes(g)) for g in ring_order])
+        sizes["ring0"], sizes["ring1"] = int(slots[0]), int(slots[1])
     stage_slot = 0
     for g in served:
-        nbytes = align_up(_unsharded_bytes(g))
         if g.slot == "fixed":
             g.unsharded_offset = sizes["fixed"]
-            sizes["fixed"] += nbytes
+            sizes["fixed"] += align_up(_unsharded_bytes(g))
         else:
             g.unsharded_offset = 0
-            sizes[g.slot] = max(sizes[g.slot], nbytes)
         if g.adopts:
             g.resident_offset = sizes["resident"]
             sizes["resident"] += align_up(g.plan.layout.S)
