@@ -10,8 +10,10 @@ Regions (App. F; sizes come from the groups' plans, see ``placement.py``):
   (§3.1 in-place shard adoption: later all-gathers read them without copy-in).
 - ``stage``: two receive-stage slots; mixed-precision groups cast their fp32 shards into one.
 
-On CPU the arena is a POSIX shared-memory segment (mode 0600, unlinked on close and at exit) so
-that TIDE's CPU executor, running ranks as processes, can push into peers' arenas. On CUDA it is
+On CPU the arena is a POSIX shared-memory segment (mode 0600) so that TIDE's CPU executor,
+running ranks as processes, can push into peers' arenas. ``enable()`` unlinks its name as soon as
+every peer has mapped it (the mapping lives on), so nothing outlives the processes; ``close()``
+also runs at exit and from multiprocessing's exit hooks (forked ranks skip atexit). On CUDA it is
 a device allocation (symmetric registration belongs to the CUDA executor).
 
 [Note: zero-offset views]
@@ -63,7 +65,6 @@ class Arena:
         self.shm_name: str | None = None
         self.closed = False
         self._shm = None
-        self._tensor: torch.Tensor | None = None
         if device.type == "cpu":
             self.shm_name = f"/tide_{os.getpid()}_{uuid.uuid4().hex[:12]}"
             self._shm = _map_shm(self.shm_name, self.nbytes)
@@ -135,3 +136,11 @@ _LIVE: "weakref.WeakSet[Arena]" = weakref.WeakSet()
 def _unlink_all() -> None:
     for arena in list(_LIVE):
         arena.close()
+
+
+def _register_fork_exit_hook() -> None:
+    from multiprocessing import util
+    util.Finalize(None, _unlink_all, exitpriority=100)
+
+
+_register_fork_exit_hook()

@@ -180,6 +180,9 @@ def enable(model: nn.Module, *, mode: str = "in_place", topology: tide.Topology 
         rt.transport = comm.make_transport(
             transport, arena, [r["shm"] for r in records], rank, topo,
             group_of=lambda g: g.pg.mesh_info.shard_process_group)
+        if isinstance(rt.transport, comm.ExecutorTransport) and world > 1:
+            dist.barrier()  # every rank has mapped every peer's arena segment
+        arena.close()  # unlink the names now: nothing can outlive the processes, even on a crash
         for g in served:
             g.runtime = rt
             _activate(g)
