@@ -183,11 +183,11 @@ def enable(model: nn.Module, *, mode: str = "in_place", topology: tide.Topology 
         if isinstance(rt.transport, comm.ExecutorTransport) and world > 1:
             dist.barrier()  # every rank has mapped every peer's arena segment
         arena.close()  # unlink the names now: nothing can outlive the processes, even on a crash
+        _patches.install(all_gather.foreach_all_gather, all_gather.foreach_all_gather_copy_out,
+                         reduce_scatter.foreach_reduce_scatter_copy_in)
         for g in served:
             g.runtime = rt
             _activate(g)
-        _patches.install(all_gather.foreach_all_gather, all_gather.foreach_all_gather_copy_out,
-                         reduce_scatter.foreach_reduce_scatter_copy_in)
     logger.info("tide_torch: enabled %s on %d/%d groups (%s, %s)", mode, len(served), len(groups),
                 topo, rt.transport.name if rt.transport else "stock")
     return TideHandle(rt, groups, topo)
