@@ -99,3 +99,27 @@ def test_arena_matches_the_planners_memory_model_when_present():
     for reg in mem["arena"]:
         if reg["name"] in _core.buf_kinds:
             assert arena.region_bytes(_core.buf_kinds[reg["name"]]) == reg["bytes"], reg
+
+
+def test_put_checksum_reports_bytes_changed_before_consumption():
+    plan = make_plan(1, 2, shapes=[(8, 4)])[1]
+    W = 16
+    ring = lambda r, off: ("ring0", r, -1, off, W)  # noqa: E731
+    spec = [
+        dict(streams=["caller"], num_counters=2, ops=[
+            dict(kind="PUT", stream=0, copies=[(("resident", 0, -1, 0, W), ring(1, 0))], counter=(1, 0), value=1),
+            dict(kind="COPY", stream=0, copies=[(("resident", 0, -1, W, W), ring(1, 0))]),  # rogue overwrite
+        ]),
+        dict(streams=["caller"], num_counters=2, ops=[
+            dict(kind="WAIT", stream=0, counter=(1, 0), value=0, per_call=1, tag=_core.op_tags["ArrivalWait"]),
+        ]),
+    ]
+    progs = _core.program_set_from_spec(plan, spec)
+    arena = _core.CpuArena(2, progs)
+    arena.write(0, _core.buf_kinds["resident"], 0, np.arange(2 * W, dtype=np.uint8))
+    with pytest.raises(_core.Error, match=r"corruption: rank 1 .* op 0 WAIT .*rank 0 op 0 PUT"):
+        arena.run([[(progs, 1)], [(progs, 1)]], [[], []], timeout_s=5, workers=1)  # rank 0 steps first
+    spec[0]["ops"].pop()  # without the rogue write the same run is clean
+    clean = _core.program_set_from_spec(plan, spec)
+    arena2 = _core.CpuArena(2, clean)
+    arena2.run([[(clean, 1)], [(clean, 1)]], [[], []], timeout_s=5, workers=1)

@@ -19,7 +19,7 @@ N = M * L
 @pytest.fixture()
 def setup():
     topo, plan = make_plan(M, L)
-    vc = tide.VirtualCluster(topo, timeout_s=0.5)
+    vc = tide.VirtualCluster(topo, timeout_s=1.0)
     fulls = make_fulls(SHAPES, "int", 1)
     vc.all_gather(plan, shard(fulls, plan, N))  # seq 1: arena, resident shards, counters
     return vc, plan, _core.build_ag_programs(plan)
@@ -80,6 +80,11 @@ def test_reordered_calls_on_one_rank(setup):
     assert not ok and any("I4 order: rank 6" in e for e in errors)
     with pytest.raises(_core.Error, match="collective order mismatch: rank 6"):
         vc.run(plan, calls, [[] for _ in range(N)])
+    # Without the host agreement check the ranks deadlock, and the deadline names the wait.
+    vc.faults = dict(verify_agreement=False)
+    with pytest.raises(tide.TimeoutError) as ei:
+        vc.run(plan, calls, [[] for _ in range(N)])
+    assert_names_rank_op_seq(str(ei.value))
 
 
 @pytest.mark.parametrize("tag", [0, T["RoundHead"]])
@@ -103,6 +108,8 @@ def test_different_plan_on_one_rank(setup):
     assert not ok and any("I4 plan: rank 4" in e for e in errors)
     with pytest.raises(_core.Error, match="plan mismatch: rank 4"):
         vc.run(plan, calls, [[] for _ in range(N)])
+    # [Note] Unlike a reordering, a plan disagreement need not stall anything, so it is caught
+    # before data moves: ranks compare plan hashes (the executor's agreement check above).
 
 
 @pytest.mark.parametrize("ranks_as", ["threads", "processes"])
@@ -131,3 +138,21 @@ def test_dead_peer(ranks_as):
     msg = str(ei.value)
     assert_names_rank_op_seq(msg)
     assert "producer: rank" in msg, msg
+
+
+def test_random_faults_are_always_rejected():
+    """Randomized: every safety-relevant mutation of a random AG program set is rejected."""
+    rng = np.random.default_rng(7)
+    cases = [("drop_credit", 0), ("drop_wait", T["CreditWait"]), ("drop_wait", T["ReadyGate"]),
+             ("drop_fence", 0), ("early_reuse", 0)]
+    for _ in range(20):
+        M, L = int(rng.integers(3, 9)), int(rng.choice([2, 4]))
+        P = int(rng.integers(1, 4))
+        shapes = [(int(rng.integers(1, 4 * M * L)), 2) for _ in range(P)]
+        _, plan = make_plan(M, L, shapes=shapes)
+        kind, tag = cases[int(rng.integers(len(cases)))]
+        rank = int(rng.integers(M * L))
+        ps = _core.build_ag_programs(plan, resident=bool(rng.integers(2)))
+        assert ps.inject_fault(F[kind], rank, tag), (kind, M, L)
+        ok, errors = ps.check(2)
+        assert not ok, (kind, tag, M, L, rank, shapes)

@@ -96,3 +96,35 @@ def test_push_rule_is_enforced(plan):
     spec[0]["ops"][1]["copies"] = [(("grad", 1, 0, 0, 2 * h), ("staging", 1, -1, 0, 2 * h))]  # reads rank 1's grad
     ok, errors = _core.program_set_from_spec(plan, spec).check(1)
     assert not ok and any("rule:" in e and "rank-local" in e for e in errors), errors
+
+
+def mini_ag_spec(plan, duplicate=False):
+    """Single node, L=2: each rank pushes its resident shard into both landings (ring0)."""
+    S = plan.layout.S
+    ranks = []
+    for r in range(2):
+        copies = [(("resident", r, -1, 0, S), ("ring0", j, -1, r * S, S)) for j in range(2)]
+        if duplicate:
+            copies.append(copies[0])
+        ops = [dict(kind="COPY", stream=0, copies=copies),
+               dict(kind="EVENT_RECORD", stream=0, counter=(r, 3), value=0, per_call=1)]
+        ops += [dict(kind="SIGNAL", stream=0, counter=(j, r), value=1) for j in range(2)]
+        ops += [dict(kind="WAIT", stream=0, counter=(r, j), value=0, per_call=1) for j in range(2)]
+        ops += [dict(kind="EVENT_RECORD", stream=0, counter=(r, 2), value=0, per_call=1)]
+        ranks.append(dict(streams=["caller"], num_counters=4, ops=ops, release_event=3, done_event=2,
+                          user_inputs=[("resident", r, -1, 0, S)], user_outputs=[("ring0", r, -1, 0, 2 * S)],
+                          expects=[(("ring0", r, -1, j * S, S), "bfloat16", [(("resident", j, -1, 0, S), "bfloat16")])
+                                   for j in range(2)]))
+    return ranks
+
+
+def test_landing_written_twice_in_one_call_is_i1():
+    plan = make_plan(1, 2, shapes=[(6, 2)])[1]
+    ok, errors = _core.program_set_from_spec(plan, mini_ag_spec(plan)).check(1)
+    assert ok, errors
+    ok, errors = _core.program_set_from_spec(plan, mini_ag_spec(plan, duplicate=True)).check(1)
+    assert not ok and any(e.startswith("I1 exactly-once") for e in errors), errors
+    # The second call also needs readiness: without it the next call's pushes race the
+    # consumption of the previous landing.
+    ok, errors = _core.program_set_from_spec(plan, mini_ag_spec(plan)).check(2)
+    assert not ok and any("race" in e and "ring0" in e for e in errors), errors

@@ -43,12 +43,18 @@ std::vector<int64_t> ag_ring_slot_bytes(const std::vector<int64_t>& group_ns_byt
   return slot;
 }
 
+void ag_bruck_rounds(int M, int* rounds, std::vector<int>* c) {
+  *rounds = 0;
+  while ((1 << *rounds) < M) ++*rounds;
+  c->clear();
+  for (int d = 0; d < *rounds; ++d) c->push_back(std::min(1 << d, M - (1 << d)));
+}
+
 AgSchedule build_ag_schedule(const GroupLayout& layout, const GroupSignature& sig,
                              const Topology& topo, const Options& opt) {
   AgSchedule ag;
   const int M = topo.nodes;
-  while ((1 << ag.rounds) < M) ++ag.rounds;
-  for (int d = 0; d < ag.rounds; ++d) ag.c.push_back(std::min(1 << d, M - (1 << d)));
+  ag_bruck_rounds(M, &ag.rounds, &ag.c);
   ag.stage_slots = M > 1 ? (sig.needs_cast() ? M : M - 1) : (sig.needs_cast() ? 1 : 0);
   ag.stage_bytes = ag.stage_slots * layout.S;
   ag.last_round_groups = ag.rounds ? std::min(ag.c.back(), kAgLastRoundGroups) : 0;

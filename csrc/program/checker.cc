@@ -8,6 +8,14 @@
 // rewritten user_inputs (a write that must be ordered after every read of them: I2); when
 // done_event is recorded it reads user_outputs (every write must be ordered before: I1/I3) and
 // the bytes must equal `expects` (I1).
+//
+// [Note: why one interleaving is a proof] Counters only grow and every wait is "counter >= T",
+// so running an op never disables another: the system is monotone. If one maximal schedule
+// runs every op, every fair schedule does (no deadlock, I4); if one stops, the blocked waits
+// can never be satisfied. With one producing stream per counter, the op a wait synchronises
+// with is the same in every schedule, so the happens-before relation (vector clocks) is
+// schedule-independent: a conflicting pair unordered here is unordered everywhere (I2/I3), and
+// in a race-free program every read sees the same writer, so provenance (I1) is exact too.
 #include <algorithm>
 #include <memory>
 #include <unordered_map>
@@ -102,7 +110,7 @@ struct Checker {
     }
   }
   void write(const BufRef& b, int group, int64_t a, const std::vector<std::tuple<int64_t, int64_t, Label>>& pieces,
-             int64_t w, const Epoch& ep, const VC& v, const Program& pr) {
+             int64_t w, const Epoch& ep, const VC& v, const Program& pr, bool exclusive = false) {
     Region& R = mem[rkey(group, b.rank, b.kind, b.index)];
     auto it = R.carve(a, a + w);
     for (; it != R.segs().end() && it->first < a + w; ++it) {
@@ -116,6 +124,15 @@ struct Checker {
                              it->first, ", ", s.end, ") before its reader ", where(r.who), " completed"));
       s.reads.clear();
       s.w = ep;
+      const bool landing = b.kind == BufKind::kRing0 || b.kind == BufKind::kRing1 || b.kind == BufKind::kLanding;
+      if (landing && exclusive) {
+        const Call& call = calls[ep.who.rank][ep.who.call];
+        if (s.wgroup == group && s.wseq == call.seq)
+          error(TIDE_STR_CAT("I1 exactly-once: ", where(ep.who), " writes ", reg_name(b), " bytes [", it->first, ", ",
+                             s.end, ") a second time in call seq ", call.seq));
+        s.wgroup = group;
+        s.wseq = call.seq;
+      }
     }
     // Labels: carve again at piece boundaries and assign.
     for (const auto& [off, len, lab] : pieces) {
@@ -208,7 +225,7 @@ struct Checker {
           };
           for (const auto& cd : op.copies) {
             check_ref(cd.src, false, false);
-            check_ref(cd.dst, true, op.kind != OpKind::kCast || true);
+            check_ref(cd.dst, true, /*may_peer=*/true);  // local pushes, rail PUTs
             if (op.kind == OpKind::kPut && cd.dst.rank != op.counter.rank && op.counter.index >= 0)
               bad("a PUT's descriptors and its signal target different ranks");
           }
@@ -347,7 +364,7 @@ struct Checker {
                 lab.canonical();
               }
             }
-            write(cd.dst, g, cd.dst.offset + h * cd.dst.pitch, pcs, cd.dst.width, ep, v, pr);
+            write(cd.dst, g, cd.dst.offset + h * cd.dst.pitch, pcs, cd.dst.width, ep, v, pr, true);
           }
         }
         if (op.kind == OpKind::kPut && op.counter.index >= 0) {

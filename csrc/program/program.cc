@@ -30,6 +30,32 @@ const char* op_kind_name(OpKind k) {
   return "?";
 }
 
+const char* op_tag_name(OpTag t) {
+  switch (t) {
+    case OpTag::kNone: return "-";
+    case OpTag::kReadyWait: return "ReadyWait";
+    case OpTag::kReadySignal: return "ReadySignal";
+    case OpTag::kReadyGate: return "ReadyGate";
+    case OpTag::kCast: return "Cast";
+    case OpTag::kCastGate: return "CastGate";
+    case OpTag::kLocalPush: return "LocalPush";
+    case OpTag::kCreditWait: return "CreditWait";
+    case OpTag::kPaceWait: return "PaceWait";
+    case OpTag::kPaceSignal: return "PaceSignal";
+    case OpTag::kRoundHead: return "RoundHead";
+    case OpTag::kRoundTail: return "RoundTail";
+    case OpTag::kArrivalWait: return "ArrivalWait";
+    case OpTag::kScatter: return "Scatter";
+    case OpTag::kCreditSignal: return "CreditSignal";
+    case OpTag::kDoneSignal: return "DoneSignal";
+    case OpTag::kDoneWait: return "DoneWait";
+    case OpTag::kFence: return "Fence";
+    case OpTag::kRelease: return "Release";
+    case OpTag::kComplete: return "Complete";
+    default: return static_cast<int>(t) >= static_cast<int>(OpTag::kRsFirst) ? "rs" : "?";
+  }
+}
+
 namespace {
 int64_t align_up(int64_t v, int64_t a) { return (v + a - 1) / a * a; }
 constexpr int64_t kAlign = 4096;

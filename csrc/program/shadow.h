@@ -84,6 +84,8 @@ struct Seg {
   int64_t end = 0;
   Label label;
   Epoch w;
+  int32_t wgroup = -1;  // call (group, seq) of the last exclusive write (landings: once per call)
+  int64_t wseq = -1;
   std::vector<Epoch> reads;
 };
 

@@ -34,10 +34,11 @@ void bind_ag(nb::module_& m) {
   m.def("ag_send_peer", &ag_send_peer, nb::arg("n"), nb::arg("d"), nb::arg("M"));
   m.def("ag_recv_peer", &ag_recv_peer, nb::arg("n"), nb::arg("d"), nb::arg("M"));
   m.def("ag_rounds_for", [](int M) {  // R and c_d for any M (no plan needed)
-    AgSchedule ag;
-    while ((1 << ag.rounds) < M) ++ag.rounds;
-    for (int d = 0; d < ag.rounds; ++d) ag.c.push_back(std::min(1 << d, M - (1 << d)));
-    return std::make_tuple(ag.rounds, ag.c);
+    TIDE_PLAN_CHECK(M >= 1, "ag_rounds_for: M must be >= 1, got ", M);
+    int rounds = 0;
+    std::vector<int> c;
+    ag_bruck_rounds(M, &rounds, &c);
+    return std::make_tuple(rounds, c);
   }, nb::arg("M"));
   m.def("ag_ring_slot_bytes", &ag_ring_slot_bytes, nb::arg("group_ns_bytes"));
 }

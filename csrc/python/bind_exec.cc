@@ -55,7 +55,7 @@ void bind_exec(nb::module_& m) {
       })
       .def("run", [](CpuArena& a, const nb::list& calls, const nb::list& bindings, double timeout_s,
                      int workers, bool processes, int stall_rank, int64_t stall_op, double stall_s,
-                     int dead_rank, int64_t dead_op) {
+                     int dead_rank, int64_t dead_op, bool verify_agreement) {
         auto per_rank = calls_from_python(calls);
         for (const auto& rc : per_rank)
           for (const auto& c : rc)
@@ -79,12 +79,13 @@ void bind_exec(nb::module_& m) {
         ExecOptions o = exec_options_from_env();
         o.timeout_s = timeout_s; o.workers = workers; o.processes = processes;
         o.stall_rank = stall_rank; o.stall_op = stall_op; o.stall_s = stall_s;
-        o.dead_rank = dead_rank; o.dead_op = dead_op;
+        o.dead_rank = dead_rank; o.dead_op = dead_op; o.verify_agreement = verify_agreement;
         nb::gil_scoped_release release;
         run_cpu(a, per_rank, b, o);
       }, nb::arg("calls"), nb::arg("bindings"), nb::arg("timeout_s") = 30.0, nb::arg("workers") = 0,
          nb::arg("processes") = false, nb::arg("stall_rank") = -1, nb::arg("stall_op") = 0,
-         nb::arg("stall_s") = 0.0, nb::arg("dead_rank") = -1, nb::arg("dead_op") = 0);
+         nb::arg("stall_s") = 0.0, nb::arg("dead_rank") = -1, nb::arg("dead_op") = 0,
+         nb::arg("verify_agreement") = true);
 
   nb::dict kinds;
   for (int k = 0; k < kNumBufKinds; ++k) kinds[buf_kind_name(static_cast<BufKind>(k))] = k;

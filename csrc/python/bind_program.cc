@@ -35,7 +35,7 @@ std::vector<std::vector<Call>> calls_from_python(const nb::list& per_rank) {
 std::string describe_op(const Program& pr, int i) {
   const Op& op = pr.ops[i];
   std::string s = TIDE_STR_CAT(i, " ", op_kind_name(op.kind), " [", pr.streams[op.stream], "] tag=",
-                               static_cast<int>(op.tag));
+                               op_tag_name(op.tag));
   if (op.round >= 0) s += TIDE_STR_CAT(" round=", op.round);
   if (op.counter.index >= 0)
     s += TIDE_STR_CAT(" counter=", op.counter.index < static_cast<int>(pr.counter_names.size())

@@ -19,6 +19,17 @@ constexpr int64_t kGuard = 4096;   // canary bytes after each rank's arena
 constexpr uint8_t kCanary = 0xA5;
 
 int64_t round_up(int64_t v, int64_t a) { return (v + a - 1) / a * a; }
+
+// End of the alignment gap after region k: the next region's (or the counters') start. The gap
+// [end of k, gap_end) belongs to no region and holds canaries.
+int64_t gap_end(const ArenaSpec& spec, int k) {
+  const int64_t end = spec.offset[k] + spec.bytes[k];
+  int64_t next = spec.total;
+  for (int j = 4; j < kNumBufKinds; ++j)
+    if (spec.offset[j] >= end && spec.offset[j] < next && (spec.bytes[j] > 0 || j != k)) next = spec.offset[j];
+  if (spec.counters_offset >= end && spec.counters_offset < next) next = spec.counters_offset;
+  return next;
+}
 }  // namespace
 
 void RankBindings::bind(BufKind kind, int index, void* data, int64_t bytes) {
@@ -65,18 +76,14 @@ CpuArena::CpuArena(int world, const ArenaSpec& spec, bool shared_memory)
   uint8_t* mem = static_cast<uint8_t*>(p);
   shared_ = new (mem) Shared();
   for (int i = 0; i < world * kMaxStreams; ++i) new (reinterpret_cast<BlockedWait*>(shared_ + 1) + i) BlockedWait();
+  for (int i = 0; i < world * kChecksumCounters; ++i) new (shared_->put_record(world, 0, 0) + i) PutRecord();
   base_ = mem + shared_bytes_;
   // Fresh anonymous/shm pages are zero: counters start at 0. Fill gaps and guards with canaries.
   for (int r = 0; r < world; ++r) {
     uint8_t* a = base_ + stride_ * r;
     std::memset(a + spec.total, kCanary, static_cast<size_t>(stride_ - spec.total));
     for (int k = 4; k < kNumBufKinds; ++k) {
-      // Gap between this region's end and the next region's start.
-      const int64_t end = spec.offset[k] + spec.bytes[k];
-      int64_t next = spec.total;
-      for (int j = 4; j < kNumBufKinds; ++j)
-        if (spec.offset[j] >= end && spec.offset[j] < next && (spec.bytes[j] > 0 || j != k)) next = spec.offset[j];
-      if (spec.counters_offset >= end && spec.counters_offset < next) next = spec.counters_offset;
+      const int64_t end = spec.offset[k] + spec.bytes[k], next = gap_end(spec, k);
       if (next > end) std::memset(a + end, kCanary, static_cast<size_t>(next - end));
     }
   }
@@ -105,11 +112,7 @@ void CpuArena::check_canaries() const {
         throw Error(TIDE_STR_CAT("corruption: rank ", r, "'s arena guard overwritten at byte ", i,
                                  " past the arena end (", spec_.total, " bytes)"));
     for (int k = 4; k < kNumBufKinds; ++k) {
-      const int64_t end = spec_.offset[k] + spec_.bytes[k];
-      int64_t next = spec_.total;
-      for (int j = 4; j < kNumBufKinds; ++j)
-        if (spec_.offset[j] >= end && spec_.offset[j] < next && (spec_.bytes[j] > 0 || j != k)) next = spec_.offset[j];
-      if (spec_.counters_offset >= end && spec_.counters_offset < next) next = spec_.counters_offset;
+      const int64_t end = spec_.offset[k] + spec_.bytes[k], next = gap_end(spec_, k);
       for (int64_t i = end; i < next; ++i)
         if (a[i] != kCanary)
           throw Error(TIDE_STR_CAT("corruption: rank ", r, ": canary after region '",

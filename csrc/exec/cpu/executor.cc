@@ -90,11 +90,10 @@ struct Runner {
     return TIDE_STR_CAT("rank ", rs.rank, " (node ", pr.topo.node_of(rs.rank), ", local ",
                         pr.topo.local_of(rs.rank), ") call seq ", call.seq, " group ", pr.group,
                         ": op ", idx, " ", op_kind_name(op.kind), " [stream ", pr.streams[op.stream],
-                        "] tag ", static_cast<int>(op.tag), op.round >= 0 ? TIDE_STR_CAT(" round ", op.round) : "");
+                        "] tag ", op_tag_name(op.tag), op.round >= 0 ? TIDE_STR_CAT(" round ", op.round) : "");
   }
 
-  uint8_t* resolve(const RankState& rs, const Call& call, int idx, const BufRef& b, bool write) {
-    const Program& pr = *call.program;
+  uint8_t* resolve(const RankState& rs, const Call& call, int idx, const BufRef& b) {
     if (is_user_buffer(b.kind)) {
       if (b.rank != rs.rank)
         fail(1, TIDE_STR_CAT(op_name(rs, call, idx), ": touches ", buf_kind_name(b.kind), " of rank ", b.rank,
@@ -113,8 +112,6 @@ struct Runner {
     if (b.offset < 0 || b.end() > arena.region_bytes(b.kind))
       fail(1, TIDE_STR_CAT(op_name(rs, call, idx), ": ", buf_kind_name(b.kind), " of rank ", b.rank, " bytes [",
                            b.offset, ", ", b.end(), ") exceed the region (", arena.region_bytes(b.kind), ")"));
-    (void)pr;
-    (void)write;
     return arena.region(b.rank, b.kind) + b.offset;
   }
 
@@ -190,6 +187,37 @@ struct Runner {
     return out;
   }
 
+  // FNV-1a over a PUT's source (at send) or destination (at the receiver's wait) bytes.
+  uint64_t put_hash(const RankState& rs, const Call& call, int idx, bool dst) {
+    uint64_t h = 1469598103934665603ull;
+    for (const auto& cd : call.program->ops[idx].copies) {
+      const BufRef& b = dst ? cd.dst : cd.src;
+      const uint8_t* p = dst ? arena.region(b.rank, b.kind) + b.offset : resolve(rs, call, idx, b);
+      for (int64_t row = 0; row < b.height; ++row)
+        for (int64_t i = 0; i < b.width; ++i) { h ^= p[row * b.pitch + i]; h *= 1099511628211ull; }
+    }
+    return h;
+  }
+
+  // After a WAIT on a PUT's counter: the delivered bytes must be unchanged (see internal.h).
+  void verify_put(const RankState& rs, const Call& call, int idx) {
+    const Op& op = call.program->ops[idx];
+    if (op.counter.index < 0 || op.counter.index >= kChecksumCounters) return;
+    auto* rec = arena.shared()->put_record(arena.world(), op.counter.rank, op.counter.index);
+    if (rec->seq.load(std::memory_order_acquire) != call.seq) return;
+    const int src = rec->src_rank.load(), op_idx = rec->op.load(), ci = rec->call.load();
+    if (src < 0 || src >= arena.world() || ci < 0 || ci >= static_cast<int>(per_rank[src].size())) return;
+    const Call& scall = per_rank[src][ci];
+    if (scall.seq != call.seq || op_idx < 0 || op_idx >= static_cast<int>(scall.program->ops.size())) return;
+    const Op& put = scall.program->ops[op_idx];
+    if (put.kind != OpKind::kPut || put.counter.index != op.counter.index || put.counter.rank != op.counter.rank) return;
+    RankState srs;
+    srs.rank = src;
+    if (put_hash(srs, scall, op_idx, true) != rec->hash.load())
+      fail(1, TIDE_STR_CAT("corruption: ", op_name(rs, call, idx), " finds the bytes delivered by rank ", src, " op ",
+                           op_idx, " PUT (call seq ", scall.seq, ") changed before they were consumed"));
+  }
+
   // Returns true when the op could run (and ran); false when its wait is unsatisfied.
   bool exec(RankState& rs, const Call& call, int idx) {
     const Op& op = call.program->ops[idx];
@@ -198,7 +226,9 @@ struct Runner {
       case OpKind::kEventWait: {
         const int64_t t = op.target(call.seq);
         if (t <= 0) return true;
-        return static_cast<int64_t>(counter(rs, call, idx, op.counter).load(std::memory_order_acquire)) >= t;
+        if (static_cast<int64_t>(counter(rs, call, idx, op.counter).load(std::memory_order_acquire)) < t) return false;
+        if (op.kind == OpKind::kWait && op.tag == OpTag::kArrivalWait) verify_put(rs, call, idx);
+        return true;
       }
       default: break;
     }
@@ -210,20 +240,30 @@ struct Runner {
         for (const auto& cd : op.copies) {
           if (cd.src.width != cd.dst.width || cd.src.height != cd.dst.height)
             fail(1, TIDE_STR_CAT(op_name(rs, call, idx), ": descriptor geometry mismatch"));
-          const uint8_t* s = resolve(rs, call, idx, cd.src, false);
-          uint8_t* d = resolve(rs, call, idx, cd.dst, true);
+          const uint8_t* s = resolve(rs, call, idx, cd.src);
+          uint8_t* d = resolve(rs, call, idx, cd.dst);
           for (int64_t h = 0; h < cd.src.height; ++h)
             std::memmove(d + h * cd.dst.pitch, s + h * cd.src.pitch, static_cast<size_t>(cd.src.width));
         }
-        if (op.kind == OpKind::kPut && op.counter.index >= 0)
-          counter(rs, call, idx, op.counter).fetch_add(static_cast<uint64_t>(op.value), std::memory_order_release);
+        if (op.kind == OpKind::kPut && op.counter.index >= 0) {
+          auto& c = counter(rs, call, idx, op.counter);
+          if (op.counter.index < kChecksumCounters) {
+            auto* rec = arena.shared()->put_record(arena.world(), op.counter.rank, op.counter.index);
+            rec->hash.store(put_hash(rs, call, idx, false));
+            rec->src_rank.store(rs.rank);
+            rec->op.store(idx);
+            rec->call.store(static_cast<int32_t>(&call - rs.calls->data()));
+            rec->seq.store(call.seq, std::memory_order_release);
+          }
+          c.fetch_add(static_cast<uint64_t>(op.value), std::memory_order_release);
+        }
         break;
       case OpKind::kCast:
         for (const auto& cd : op.copies) {
           if (cd.src.width != 2 * cd.dst.width || cd.src.height != cd.dst.height)
             fail(1, TIDE_STR_CAT(op_name(rs, call, idx), ": CAST geometry mismatch"));
-          const uint8_t* s = resolve(rs, call, idx, cd.src, false);
-          uint8_t* d = resolve(rs, call, idx, cd.dst, true);
+          const uint8_t* s = resolve(rs, call, idx, cd.src);
+          uint8_t* d = resolve(rs, call, idx, cd.dst);
           for (int64_t h = 0; h < cd.src.height; ++h)
             for (int64_t i = 0; i < cd.dst.width / 2; ++i) {
               float f;
@@ -245,7 +285,7 @@ struct Runner {
           const int isz = dtype_size(t->dtype);
           if (t->dst_elem < 0 || t->dst_elem + t->elems > n || t->src.width < t->elems * isz)
             fail(1, TIDE_STR_CAT(op_name(rs, call, idx), ": SUM term out of range"));
-          const uint8_t* s = resolve(rs, call, idx, t->src, false);
+          const uint8_t* s = resolve(rs, call, idx, t->src);
           for (int64_t i = 0; i < t->elems; ++i) {
             const float x = load_elem(s + i * isz, t->dtype);
             const size_t k = static_cast<size_t>(t->dst_elem + i);
@@ -253,7 +293,7 @@ struct Runner {
             init[k] = 1;
           }
         }
-        uint8_t* d = resolve(rs, call, idx, op.dst, true);
+        uint8_t* d = resolve(rs, call, idx, op.dst);
         for (int64_t i = 0; i < n; ++i) {
           float v = acc[static_cast<size_t>(i)];
           if (op.kind == OpKind::kLand) {
@@ -265,7 +305,7 @@ struct Runner {
         break;
       }
       case OpKind::kZero: {
-        uint8_t* d = resolve(rs, call, idx, op.dst, true);
+        uint8_t* d = resolve(rs, call, idx, op.dst);
         for (int64_t h = 0; h < op.dst.height; ++h) std::memset(d + h * op.dst.pitch, 0, static_cast<size_t>(op.dst.width));
         break;
       }
@@ -394,7 +434,7 @@ void run_cpu(CpuArena& arena, const std::vector<std::vector<Call>>& per_rank,
   TIDE_PLAN_CHECK(static_cast<int>(per_rank.size()) == N, "run_cpu: ", per_rank.size(), " call lists for ", N, " ranks");
   TIDE_PLAN_CHECK(static_cast<int>(bindings.size()) == N, "run_cpu: ", bindings.size(), " bindings for ", N, " ranks");
   // Ranks agree on the collective before any data moves: same (group, seq, plan hash) order.
-  for (int r = 0; r < N; ++r) {
+  for (int r = 0; r < N && opt.verify_agreement; ++r) {
     TIDE_PLAN_CHECK(per_rank[r].size() == per_rank[0].size(), "run_cpu: rank ", r, " has ",
                     per_rank[r].size(), " calls, rank 0 has ", per_rank[0].size());
     for (size_t c = 0; c < per_rank[r].size(); ++c) {

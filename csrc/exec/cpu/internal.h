@@ -22,6 +22,20 @@ struct BlockedWait {
 };
 constexpr int kMaxStreams = 8;
 
+// [Note: PUT checksums] A PUT records a checksum of the bytes it delivered (per receiver and
+// counter, for the first kChecksumCounters counters); a receiver's WAIT tagged ArrivalWait on
+// that counter (same call) re-hashes the destination and reports corruption if the bytes
+// changed in between (e.g. a stage block reused early by another transfer). Opt-in by tag,
+// because a late wait after a legitimate consume-and-reuse would otherwise be flagged.
+constexpr int kChecksumCounters = 64;
+struct PutRecord {
+  std::atomic<int64_t> seq{0};
+  std::atomic<uint64_t> hash{0};
+  std::atomic<int32_t> src_rank{-1};
+  std::atomic<int32_t> op{-1};
+  std::atomic<int32_t> call{-1};
+};
+
 struct CpuArena::Shared {
   std::atomic<int> abort{0};       // set by the first failing rank; everyone stops
   std::atomic<int> claimed{0};     // first error slot claimed
@@ -30,7 +44,13 @@ struct CpuArena::Shared {
   BlockedWait* blocked(int rank, int stream) {
     return reinterpret_cast<BlockedWait*>(this + 1) + rank * kMaxStreams + stream;
   }
-  static size_t bytes(int world) { return sizeof(Shared) + sizeof(BlockedWait) * kMaxStreams * world; }
+  PutRecord* put_record(int world, int rank, int counter) {
+    return reinterpret_cast<PutRecord*>(blocked(world, 0)) + rank * kChecksumCounters + counter;
+  }
+  static size_t bytes(int world) {
+    return sizeof(Shared) + sizeof(BlockedWait) * kMaxStreams * world +
+           sizeof(PutRecord) * kChecksumCounters * world;
+  }
 };
 
 }  // namespace tide

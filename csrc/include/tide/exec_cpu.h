@@ -14,7 +14,11 @@
 //     round-robin interleaving: a stream advances until its head op is an unsatisfied wait.
 //   - A wait that passes `timeout_s` throws tide::TimeoutError naming rank, op index and kind,
 //     stream, tag, call seq, the counter and its producer. The first failure aborts every rank.
-//     After a run the canaries are verified (tide::Error names the rank and region on damage).
+//     After a run the canaries are verified (tide::Error names the rank and region on damage);
+//     a PUT's bytes are checksummed and re-verified by the receiver's ArrivalWait (corruption
+//     between delivery and consumption is reported naming both ops).
+//   - Bounds: every BufRef is checked against its bound user buffer / arena region; user
+//     buffers of another rank are refused (the push rule).
 //   - TIDE_DEBUG=1 (read by exec_options_from_env(), not cached) traces every op per rank to
 //     stderr.
 #pragma once
@@ -43,6 +47,8 @@ struct ExecOptions {
   bool trace = false;   // TIDE_DEBUG=1
   int workers = 0;      // threads mode: worker threads (0: min(ranks, 4))
   bool processes = false;
+  bool verify_agreement = true;  // host check that ranks agree on (group, seq, plan) order first
+                                 // (off in tests: a disagreement must then time out, named)
   // Fault injection (tests only): a rank pauses for stall_s once it reaches op stall_op of its
   // first call, or stops for good at op dead_op (a dead peer; in processes mode it exits).
   int stall_rank = -1;

@@ -150,6 +150,8 @@ struct AgSchedule {
 // (n - 2^d) mod M and receives as many from (n + 2^d) mod M into slots [2^d, 2^d + c_d).
 // Stage slot i of node n holds the shard of node (n + i) mod M on the same rail; slot 0 is the
 // own shard (read in place, or the cast output in stage position 0 with a cast).
+// R = ceil(log2 M) and c_d for any M (what build_ag_schedule uses).
+void ag_bruck_rounds(int M, int* rounds, std::vector<int>* c);
 inline int ag_send_peer(int n, int d, int M) { return ((n - (1 << d)) % M + M) % M; }
 inline int ag_recv_peer(int n, int d, int M) { return (n + (1 << d)) % M; }
 // Byte offset of stage slot i (i >= 1; i >= 0 with a cast) in the receive stage.

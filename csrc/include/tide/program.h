@@ -151,7 +151,7 @@ enum class OpTag : uint16_t {
   kPaceSignal,     // confirm round d-1 arrival to the round-d sender
   kRoundHead,      // PUT of a round's head
   kRoundTail,      // PUT of a round's tail
-  kArrivalWait,    // wait for a round's head/tail
+  kArrivalWait,    // wait for a PUT's data; executors may verify the PUT's checksum here
   kScatter,        // received stage slots -> all local landings
   kCreditSignal,   // release a stage area to its sender
   kDoneSignal,     // completion: this rank's writes into a local peer's landing are done
@@ -161,6 +161,7 @@ enum class OpTag : uint16_t {
   kComplete,       // consumable (the event the framework waits on)
   kRsFirst = 100,  // TIDE-RS tags start here (owned by the RS builder)
 };
+const char* op_tag_name(OpTag t);  // "LocalPush", ...; "rs+N" for TIDE-RS tags
 
 struct Op {
   OpKind kind = OpKind::kCopy;
@@ -169,7 +170,7 @@ struct Op {
   int32_t round = -1;               // round / wave / pass index, for messages (-1: none)
   std::vector<CopyDesc> copies;     // COPY, CAST, PUT
   std::vector<SumTerm> terms;       // SUM, LAND
-  BufRef dst;                       // SUM, LAND, ZERO
+  BufRef dst;                       // SUM, LAND (1-D, fp32), ZERO (1-D or 2-D)
   CounterRef counter;               // PUT, SIGNAL, CREDIT, WAIT, EVENT_RECORD, EVENT_WAIT
   int64_t value = 0;                // increment (PUT/SIGNAL/CREDIT) or target base (WAIT/EVENT)
   int64_t per_call = 0;             // target/record slope in seq
@@ -272,7 +273,8 @@ struct CheckReport {
 // per_rank[r] is rank r's calls in issue order. Simulates every rank's streams (any
 // interleaving allowed by waits), tracks happens-before exactly (vector clocks over streams),
 // data provenance (which contributor's bytes are where), and reports:
-//   I1 expects not met at done_event / a landing byte written twice in one call;
+//   I1 expects not met at done_event (missing, stale, misplaced or double-counted bytes), or a
+//      landing byte (ring0/ring1/landing) written twice by COPY/PUT/CAST in one call;
 //   I2 a user_input read not ordered before release_event (the user's rewrite);
 //   I3 any two conflicting accesses (write/write, write/read) not ordered by happens-before,
 //      including arena reuse across calls and writes into user_outputs before consumption;
