@@ -45,6 +45,8 @@ GRID = [
     (4, 4, "in_place", {"chunk_bytes": 8, "n_stg": 1}),
     (3, 8, "slot_reuse", {"chunk_bytes": 16, "n_stg": 3, "n_part": 2}),
     (64, 1, "slot_reuse", {"k": 4}),
+    (64, 2, "in_place", {"w_wave": 2}),
+    (64, 2, "slot_reuse", {"k": 4, "n_part": 2}),
     (64, 1, "in_place", {"w_wave": 1, "n_part": 2}),
 ]
 
@@ -107,6 +109,7 @@ FAULTS = [
     ("sum fence dropped", "drop_fence", TAGS["SumWait"], (2, 8, "in_place", {}), None),
     ("bank fence dropped", "drop_fence", TAGS["BankWait"], (2, 8, "in_place", {}), None),
     ("outbox reused early", "drop_fence", TAGS["OutboxWait"], (10, 4, "slot_reuse", {"w_wave": 2, "k": 1}), None),
+    ("spare reused early", "drop_fence", TAGS["SpareWait"], (3, 4, "in_place", {"n_part": 2}), None),
 ]
 
 
@@ -131,7 +134,7 @@ def test_skipped_zeroing_corrupts_the_executor_result_too():
     vc = tide.VirtualCluster(tide.Topology(2, 8), check=False)
     good = vc.reduce_scatter(plan, grads)
     # second call with zeroing dropped on every rank, arena holding the first call's partials
-    st = vc._rs_groups[plan.hash]
+    st = vc._rs_groups[(plan.hash, False)]
     bad_sets = {b: _core.build_rs_programs(plan, bank=b) for b in (0, 1)}
     for ps in bad_sets.values():
         for r in range(N):
@@ -206,3 +209,31 @@ def test_arena_bytes_measured_by_the_executor(M, L, mode, kw):
         assert arena.bytes_per_rank == mem["arena_bytes"]
         for k in need:
             assert measured[k] == mem[f"{k}_bytes"], k
+
+
+def test_rs_at_64_nodes_x_8_runs_exactly():
+    """CI scale: 512 ranks, tiny tensors, exact integer sums (the checker at this size is the
+    opt-in slow test below)."""
+    M, L = 64, 8
+    N = M * L
+    shapes = [(2 * N + 1, 4), (3,)]
+    plan = tide.plan(tide.GroupSignature(shapes=shapes, grad_dtype="float32"), tide.Topology(M, L))
+    rng = np.random.default_rng(0)
+    grads = [[rng.integers(-3, 3, size=s).astype(np.float32) for s in shapes] for _ in range(N)]
+    outs = tide.VirtualCluster(tide.Topology(M, L), check=False, timeout_s=120).reduce_scatter(plan, grads)
+    lay = plan.layout
+    for p in range(2):
+        tot = sum(g[p].astype(np.float64) for g in grads).reshape(-1)
+        full = np.zeros(N * lay.params[p].e)
+        full[:tot.size] = tot
+        e, o = lay.params[p].e, lay.params[p].o32
+        for r in range(N):
+            assert np.array_equal(outs[r][o:o + e], full[r * e:(r + 1) * e])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("M,L", [(64, 8), (128, 1)])
+def test_checker_accepts_rs_programs_at_scale(M, L):
+    plan = tide.plan(tide.GroupSignature(shapes=[(2 * M * L + 1, 4), (3,)]), tide.Topology(M, L))
+    ok, errors = _core.check_calls(calls_for(plan, n_calls=2))
+    assert ok, errors

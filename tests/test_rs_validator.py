@@ -32,6 +32,7 @@ def test_validate_all_reproduces_the_paper():
     expected = {(M, w) for M in range(2, 1025) for w in range(1, 9) if colliding(M, 8, w)}
     assert rejected == expected
     assert (9, 3) in rejected
+    assert 9 in r["rejected_by_w_wave"][3] and "458304 accepted and 65472 rejected" in r["summary"]
     # Prop. 4.1: widths dividing L never collide.
     assert not any(w in (1, 2, 4, 8) for _, w in rejected)
     assert secs < 30

@@ -159,9 +159,9 @@ class VirtualCluster:
             raise NotImplementedError("VirtualCluster.reduce_scatter: TIDE-RS programs are not built in yet")
         return self._reduce_scatter_impl(plan, grads, scale, accumulate, build)
 
-    def _reduce_scatter_impl(self, plan, grads, scale, accumulate, build):
+    def _reduce_scatter_impl(self, plan, grads, scale, accumulate, build, expert_lane=False):
         # [Note: RS arena] RS programs number their counters from 0 like AG programs, so an RS
-        # group gets its own arena and call sequence (key (hash, "rs")); the bank b = seq mod 2
+        # group gets its own arena and call sequence (key (hash, expert_lane)); the bank b = seq mod 2
         # alternates two program sets, as Algorithm 1's two-phase pipeline does.
         N = self.world
         lay = plan.layout
@@ -171,16 +171,17 @@ class VirtualCluster:
             raise _core.PlanError(f"reduce_scatter: got grads for {len(grads)} ranks, the cluster has {N}")
         if accumulate is not None and len(accumulate) != N:
             raise _core.PlanError(f"reduce_scatter: accumulate has {len(accumulate)} outputs, expected {N}")
-        st = self._rs_groups.get(plan.hash) if hasattr(self, "_rs_groups") else None
+        gkey = (plan.hash, expert_lane)  # the expert lane has its own arena layout and counters
+        st = self._rs_groups.get(gkey) if hasattr(self, "_rs_groups") else None
         if st is None:
             self._rs_groups = getattr(self, "_rs_groups", {})
             st = None
         seq = (st.seq if st else 0) + 1
-        key = ("rs", float(scale), accumulate is not None)
+        key = ("rs", float(scale), accumulate is not None, expert_lane)
         banks = st.programs.get(key) if st else None
         if banks is None:
-            banks = tuple(build(plan, bank=b, alpha=float(scale), accumulate=accumulate is not None)
-                          for b in (0, 1))
+            banks = tuple(build(plan, bank=b, alpha=float(scale), accumulate=accumulate is not None,
+                                expert_lane=expert_lane) for b in (0, 1))
             if self.check or (self.check is None and N <= 64):
                 # three calls with the banks alternating, as they run (b = seq mod 2)
                 ok, errors = _core.check_calls([[(banks[s % 2], s) for s in (1, 2, 3)]] * N)
@@ -188,7 +189,7 @@ class VirtualCluster:
                     raise _core.Error("TIDE static checker rejected the RS program: " + "; ".join(errors))
             if st is None:
                 arena = _core.CpuArena(N, banks[0], self.ranks_as == "processes")
-                st = self._rs_groups[plan.hash] = _GroupState(arena)
+                st = self._rs_groups[gkey] = _GroupState(arena)
             st.programs[key] = banks
         progs = banks[seq % 2]
         gdt = _DTYPES[grad_name]
@@ -217,6 +218,28 @@ class VirtualCluster:
                      workers=self.workers, processes=self.ranks_as == "processes", **self.faults)
         return outs
 
-    def rs_arena(self, plan):
+    def reduce_scatter_expert(self, plan, grads, scale: float = 1.0, accumulate=None):
+        """The expert lane (App. F) for a subgroup with one rank per node (plan L = 1)."""
+        self._check_plan(plan)
+        return self._reduce_scatter_impl(plan, grads, scale, accumulate, _core.build_rs_programs,
+                                         expert_lane=True)
+
+    def reduce_scatter_hsdp(self, plans, grads, scale: float = 1.0):
+        """HSDP: grads[g][r][p] for replica groups g (each a shard group on this cluster's
+        topology, one plan per group or one shared plan). Each group reduce-scatters with
+        TIDE-RS, then the replica all-reduce sums the shard outputs across groups in group
+        order (FSDP2's replica all-reduce; stock NCCL on a cluster). Returns outs[g][r]."""
+        if not isinstance(plans, (list, tuple)):
+            plans = [plans] * len(grads)
+        if len(plans) != len(grads) or not grads:
+            raise _core.PlanError(f"reduce_scatter_hsdp: {len(plans)} plans for {len(grads)} replica groups")
+        shard = [self.reduce_scatter(p, g, scale=scale) for p, g in zip(plans, grads)]
+        total = [np.array(shard[0][r], copy=True) for r in range(self.world)]
+        for g in range(1, len(shard)):
+            for r in range(self.world):
+                total[r] += shard[g][r]
+        return [[t.copy() for t in total] for _ in shard]
+
+    def rs_arena(self, plan, expert_lane: bool = False):
         """The plan's RS arena (tests: measured bytes per rank, regions)."""
-        return self._rs_groups[plan.hash].arena
+        return self._rs_groups[(plan.hash, expert_lane)].arena

@@ -10,7 +10,7 @@
 //   credit_from[t]   on contributor (n, j), by (t, j)'s rail stream (CREDIT): +1 per pass
 //   arrival_from[c]  on destination (t, j), by its contributor c's PUT: +1 per pass
 //   events (own): read_progress (per (pass, c) summed), sent (per remote block J sent),
-//   rail_done, release (read completion), done (outputs consumable).
+//   spare_copied (per pass), rail_done, release (read completion), done (outputs consumable).
 // Staging slot and outbox block indices restart every call, so the previous user of a slot
 // may lie in the previous call: targets below account for that explicitly.
 #include "tide/rs_program.h"
@@ -319,7 +319,7 @@ Program build_rs_program(const Plan& plan, const RsCallOptions& opt, int rank) {
       int index = opt.bank;
       int64_t off = x.spare_off();
       if (c == M && pass > 0)  // one spare per bank: the previous pass's own partial is copied out
-        x.wait(kRead, rs_tag::kOutboxWait, rank, x.ev_spare(), pass - rs.n_part, rs.n_part, true);
+        x.wait(kRead, rs_tag::kSpareWait, rank, x.ev_spare(), pass - rs.n_part, rs.n_part, true);
       if (c < M) {
         const int64_t J = static_cast<int64_t>(pass) * (M - 1) + c - 1;
         index = static_cast<int>(J % rs.n_out);
@@ -424,7 +424,8 @@ Program build_rs_program(const Plan& plan, const RsCallOptions& opt, int rank) {
 std::vector<Program> build_rs_programs(const Plan& plan, const RsCallOptions& opt) {
   std::vector<Program> out;
   out.reserve(plan.topo.world());
-  for (int r = 0; r < plan.topo.world(); ++r) out.push_back(build_rs_program(plan, opt, r));
+  for (int r = 0; r < plan.topo.world(); ++r)
+    out.push_back(opt.expert_lane ? build_rs_expert_program(plan, opt, r) : build_rs_program(plan, opt, r));
   return out;
 }
 

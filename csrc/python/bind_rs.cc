@@ -106,15 +106,17 @@ void bind_rs(nb::module_& m) {
 
   m.def(
       "build_rs_programs",
-      [](const Plan& plan, int bank, float alpha, bool accumulate, int group) {
+      [](const Plan& plan, int bank, float alpha, bool accumulate, int group, bool expert_lane) {
         RsCallOptions o;
         o.bank = bank; o.alpha = alpha; o.accumulate = accumulate; o.group = group;
+        o.expert_lane = expert_lane;
         auto ps = std::make_shared<ProgramSet>();
         ps->progs = build_rs_programs(plan, o);
         return ps;
       },
       nb::arg("plan"), nb::arg("bank") = 0, nb::arg("alpha") = 1.0f, nb::arg("accumulate") = false,
-      nb::arg("group") = 0, "One TIDE-RS Program per rank for one call (bank b = e mod 2).");
+      nb::arg("group") = 0, nb::arg("expert_lane") = false,
+      "One TIDE-RS Program per rank for one call (bank b = e mod 2; expert_lane: L_sub = 1).");
   m.def(
       "rs_program_stats",
       [](const ProgramSet& ps, int rank) {
@@ -144,11 +146,11 @@ void bind_rs(nb::module_& m) {
       nb::arg("op"), nb::arg("world"), nb::arg("premul") = 1.0, nb::arg("predivide") = 1.0,
       nb::arg("postdivide") = 1.0, "FSDP2's reduce op and divide factors folded into one alpha.");
   nb::dict tags;
-  for (int t = 100; t <= 120; ++t) {
+  for (int t = 100; t <= 121; ++t) {
     static const char* names[] = {"BankWait", "StagingWait", "Push", "PushSignal", "PushWait",
                                   "Sum", "StagingFree", "Progress", "OutboxWait", "GenWait",
                                   "Zero", "InboxCredit", "SumWait", "Put", "Sent", "SpareCopy",
-                                  "Ready", "ReadyWait", "Land", "Landed", "RailDone"};
+                                  "Ready", "ReadyWait", "Land", "Landed", "RailDone", "SpareWait"};
     tags[names[t - 100]] = t;
   }
   m.attr("rs_op_tags") = tags;
@@ -172,6 +174,20 @@ void bind_rs(nb::module_& m) {
         d["n_part_checked"] = r.n_part_checked;
         d["n_part_failure"] = r.first_n_part_failure;
         d["seconds"] = secs;
+        // Compact views for printing: rejected M per W_wave, and a one-line summary.
+        nb::dict by_w;
+        for (const auto& pr : r.rejected_pairs) {
+          nb::object key = nb::int_(pr.second);
+          if (!by_w.contains(key)) by_w[key] = nb::list();
+          nb::cast<nb::list>(by_w[key]).append(pr.first);
+        }
+        d["rejected_by_w_wave"] = by_w;
+        d["summary"] = TIDE_STR_CAT(
+            r.accepted, " accepted and ", r.rejected, " rejected base plans (M in [2, ", max_nodes,
+            "], W_wave in [1, ", gpus_per_node, "], k in [1, 32], In-Place and Slot-Reuse); ",
+            r.accepted_pairs.size(), " accepted and ", r.rejected_pairs.size(),
+            " rejected (M, W_wave) pairs; n_part in {2, 3, 4} ",
+            r.n_part_ok ? "valid" : "INVALID", " over ", r.n_part_checked, " checks");
         return d;
       },
       nb::arg("gpus_per_node"), nb::arg("max_nodes"),

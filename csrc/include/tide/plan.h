@@ -183,8 +183,10 @@ std::vector<int64_t> ag_ring_slot_bytes(const std::vector<int64_t>& group_ns_byt
 // (clipped to E; the final live range may be shorter or empty) and crosses parameter boundaries.
 // Pass p handles columns [p*E_sub, (p+1)*E_sub) of every sub-slice, so an element's sub-slice,
 // owner and inbox position do not depend on n_part. A segment is the part of one (pass,
-// sub-slice) piece inside one parameter. An outbox/inbox block holds one sub-slice for the L ranks of one destination node:
-// L rows of E_sub fp32 (row l = destination local rank l). Each GPU's inbox has L blocks per
+// sub-slice) piece inside one parameter. An outbox/inbox block holds one pass of a sub-slice for
+// the L ranks of one destination node: L rows of E_sub fp32 (row l = destination local rank l),
+// block_bytes = 4*L*E_sub. Arena: staging n_stg*stg_slot_bytes, outbox 2 banks x n_out blocks,
+// inbox n_par x L blocks, spare 2 banks x n_spare blocks. Each GPU's inbox has L blocks per
 // buffer generation; block s of destination GPU j receives contributor c when j = j(s, c) (Eq. 8).
 // Level 1 stages the L-1 peers' contributions of one sub-slice in a staging slot of
 // (L-1) peer areas x L rows x E_chunk grad elements (peer areas in local-rank order, owner skipped).
@@ -193,7 +195,7 @@ struct RsSegment {
   int param = -1;
   int64_t param_offset = 0;  // element offset inside the per-rank shard of p, in [0, e_p)
   int64_t out_offset = 0;    // element offset in the per-rank fp32 output (= o32_p + param_offset)
-  int64_t sub_offset = 0;    // column inside the sub-slice row, in [0, E_sub)
+  int64_t sub_offset = 0;    // column inside the pass's block row, in [0, E_sub)
   int64_t length = 0;        // elements
 };
 
@@ -263,7 +265,8 @@ struct RsSchedule {
   int64_t stg_slot_bytes = 0;  // one staging slot: (L-1) * L * E_chunk * b_grad
   int n_spare = 1;          // own-node spare blocks per bank (passes reuse it in turn)
   int64_t d_rem = 0;        // remote destination blocks per call, n_part*(M-1)
-  int64_t l1_descriptors_per_rank = 0;       // coalesced Level-1 copies (max over ranks, with tails)
+  int64_t l1_descriptors_per_rank = 0;       // coalesced Level-1 copies per call, with tails (max
+                                             // over node 0's ranks; rs_level1_copies for any rank)
   int64_t l1_tail_descriptors_per_rank = 0;  // ... of which padded-row tails
   int64_t l1_flat_descriptors_per_rank = 0;  // (L-1)PML: one flat copy per destination row
   int64_t l1_coalesced_formula = 0;          // (L-1)PM: the paper's count without tails

@@ -49,6 +49,7 @@ constexpr OpTag kReadyWait = static_cast<OpTag>(117);   // land: all GPUs ready
 constexpr OpTag kLand = static_cast<OpTag>(118);        // land: inbox blocks -> out
 constexpr OpTag kLanded = static_cast<OpTag>(119);      // land: tell local GPUs gen is read
 constexpr OpTag kRailDone = static_cast<OpTag>(120);    // rail: call's network phase done
+constexpr OpTag kSpareWait = static_cast<OpTag>(121);   // read: previous pass's spare copied out
 }  // namespace rs_tag
 
 // Reduction folding (FSDP2): alpha = premul * (op == AVG ? 1/world : 1) / (pre * post).
@@ -62,7 +63,15 @@ struct RsCallOptions {
   float alpha = 1.0f;      // folded scale (rs_fold_alpha)
   bool accumulate = false; // out += alpha * sum instead of out = alpha * sum
   int32_t group = 0;
+  bool expert_lane = false; // L_sub = 1 subgroup lane (App. F): no Level 1, bf16 over rails
 };
+
+// Expert lane (builder_rs_expert.cc): up to 7 arrivals per wave + own/running output = a fixed
+// eight-source sum; each piece travels in four rail parts (one per RMA context).
+constexpr int kExpertSlots = 7;
+constexpr int kExpertRailParts = 4;
+Program build_rs_expert_program(const Plan& plan, const RsCallOptions& opt, int rank);
+int64_t rs_expert_inbox_bytes(const Plan& plan);  // 2 generations x 7 slots of E grad items
 
 Program build_rs_program(const Plan& plan, const RsCallOptions& opt, int rank);
 std::vector<Program> build_rs_programs(const Plan& plan, const RsCallOptions& opt);
