@@ -15,9 +15,10 @@ The adapter hands the transport per-parameter tensors whose addresses the plan f
 Executors
   TIDE's CPU executor runs ranks as processes over POSIX shared memory: each rank's arena is a
   named segment (``Arena.shm_name``, exchanged at enable time), a rank reads only its own buffers
-  and pushes into peers' arenas. The binding that runs a compiled TIDE-AG / TIDE-RS program in
-  that mode is looked up on ``tide._core`` (see ``_executor_api``); see the report for the exact
-  entry points needed.
+  and pushes into peers' arenas. The binding that runs one rank's compiled TIDE-AG / TIDE-RS
+  program in that mode is looked up on ``tide._core`` (``_executor_api``); ``ExecutorTransport``
+  spells out the entry points it needs (today's ``CpuArena.run`` drives every rank from one
+  process, so it cannot serve ranks that are separate torch processes).
 
   Until that binding exists, two stand-ins keep the adapter's contract (same landings, same
   output layout, same alpha), so everything above this module is exercised end to end:
