@@ -143,6 +143,22 @@ def local_shards(model: nn.Module) -> dict[str, torch.Tensor]:
     return {n: p.to_local().detach().clone() for n, p in model.named_parameters()}
 
 
+def reshard(model: nn.Module) -> None:
+    from torch.distributed.fsdp import FSDPModule
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()
+
+
+def assert_same(model: nn.Module, stock: nn.Module, what: str) -> None:
+    """Bitwise equality of this rank's parameter shards."""
+    reshard(model)
+    reshard(stock)
+    got, ref = local_shards(model), local_shards(stock)
+    for name, t in ref.items():
+        assert torch.equal(got[name], t), (what, name, (got[name] - t).abs().max())
+
+
 def _entry(rank: int, world: int, init_file: str, fn: Callable, args: tuple) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)

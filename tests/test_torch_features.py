@@ -10,16 +10,10 @@ from __future__ import annotations
 import torch
 
 import tide
-from _torch_dist import batches, build, local_shards, mesh_1d, spawn, train
+from _torch_dist import assert_same, batches, build, mesh_1d, spawn, train
 
 TOPO = tide.Topology(nodes=2, gpus_per_node=2)
 BANNED = ("split_with_sizes_copy", "_chunk_cat", "chunk_cat", "all_gather_copy_in")
-
-
-def _assert_same(model, stock, what):
-    got, ref = local_shards(model), local_shards(stock)
-    for name, t in ref.items():
-        assert torch.equal(got[name], t), (what, name, (got[name] - t).abs().max())
 
 
 def _profile_and_variants(rank, world):
@@ -51,7 +45,7 @@ def _profile_and_variants(rank, world):
         model = build(mesh=mesh)
         handle = tide_torch.enable(model, mode=mode, topology=TOPO)
         train(model, data, accumulate=2, set_sync=True)
-        _assert_same(model, stock, f"accumulate {mode}")
+        assert_same(model, stock, f"accumulate {mode}")
         handle.disable()
 
     # (e) reshard_after_forward False / int / last block not resharding (ring-tail folding).
@@ -63,7 +57,7 @@ def _profile_and_variants(rank, world):
             model = build(mesh=mesh, reshard_after_forward=raf, **kw)
             handle = tide_torch.enable(model, mode=mode, topology=TOPO)
             train(model, data)
-            _assert_same(model, stock, f"raf={raf} {kw} {mode}")
+            assert_same(model, stock, f"raf={raf} {kw} {mode}")
             slots = {k: g["slot"] for k, g in handle.memory()["groups"].items()}
             if raf is False:  # all fixed but the folded ring tail
                 assert slots == {"<root>": "fixed", "layers.0": "fixed", "layers.1": "fixed",

@@ -14,24 +14,9 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 import tide
-from _torch_dist import batches, build, local_shards, mesh_1d, spawn, train
+from _torch_dist import assert_same, batches, build, mesh_1d, spawn, train
 
 TOPO = tide.Topology(nodes=2, gpus_per_node=2)
-
-
-def _reshard(model):
-    from torch.distributed.fsdp import FSDPModule
-    for m in model.modules():
-        if isinstance(m, FSDPModule):
-            m.reshard()
-
-
-def _assert_same(model, stock, what):
-    _reshard(model)
-    _reshard(stock)
-    got, ref = local_shards(model), local_shards(stock)
-    for name, t in ref.items():
-        assert torch.equal(got[name], t), (what, name, (got[name] - t).abs().max())
 
 
 def _checkpointed(model):
@@ -67,7 +52,7 @@ def _schedules(rank, world):
         model = _checkpointed(build(mesh=mesh))
         handle = tide_torch.enable(model, mode=mode, topology=TOPO)
         train(model, data[:2])
-        _assert_same(model, stock, f"checkpointing {mode}")
+        assert_same(model, stock, f"checkpointing {mode}")
         handle.disable()
 
     # No-grad evaluation between steps, last block not resharding after forward.
@@ -80,7 +65,7 @@ def _schedules(rank, world):
     model = build(mesh=mesh, last_no_reshard=True)
     handle = tide_torch.enable(model, topology=TOPO)
     run(model)
-    _assert_same(model, stock, "evaluation")
+    assert_same(model, stock, "evaluation")
     handle.disable()
 
     # Accumulation without resharding after backward, set before enable(): fixed storage.
@@ -90,7 +75,7 @@ def _schedules(rank, world):
     handle = tide_torch.enable(model, mode="slot_reuse", topology=TOPO)
     assert {g["slot"] for g in handle.memory()["groups"].values()} == {"fixed"}
     train(model, data, accumulate=2, set_sync=True)
-    _assert_same(model, stock, "no reshard after backward")
+    assert_same(model, stock, "no reshard after backward")
     assert handle.stats["rs_tide"] == 0 and handle.stats["rs_stock"] > 0, handle.stats
     handle.disable()
 
@@ -100,7 +85,7 @@ def _schedules(rank, world):
     model = build(mesh=mesh)
     handle = tide_torch.enable(model, topology=TOPO, ring=False)
     _train_toggling(model, data)
-    _assert_same(model, stock, "toggled reshard after backward")
+    assert_same(model, stock, "toggled reshard after backward")
     handle.disable()
     # ... and with the ring on, the overlap is detected, never silently landed.
     model = build(mesh=mesh)

@@ -15,15 +15,9 @@ import io
 import torch
 
 import tide
-from _torch_dist import batches, build, local_shards, mesh_1d, spawn, train
+from _torch_dist import assert_same, batches, build, local_shards, mesh_1d, spawn, train
 
 TOPO = tide.Topology(nodes=2, gpus_per_node=2)
-
-
-def _assert_same(model, stock, what):
-    got, ref = local_shards(model), local_shards(stock)
-    for name, t in ref.items():
-        assert torch.equal(got[name], t), (what, name, (got[name] - t).abs().max())
 
 
 def _hsdp_shard1_state_dict(rank, world):
@@ -42,7 +36,7 @@ def _hsdp_shard1_state_dict(rank, world):
     assert not handle.fallbacks, handle.fallbacks
     assert all(p.world == 2 and p.nodes == 1 for p in handle.plans.values())
     train(model, data)
-    _assert_same(model, stock, "hsdp")
+    assert_same(model, stock, "hsdp")
     handle.disable()
 
     # (e) a Shard(1) fallback group in the same model.
@@ -57,7 +51,7 @@ def _hsdp_shard1_state_dict(rank, world):
     assert list(handle.fallbacks) == ["layers.0"], handle.fallbacks
     assert "Shard(1)" in handle.fallbacks["layers.0"]
     train(model, data)
-    _assert_same(model, stock, "shard1")
+    assert_same(model, stock, "shard1")
     handle.disable()
 
     # (e) state-dict round trip: deepcopy, save/load, restore; bf16 adopted groups too.
@@ -112,7 +106,7 @@ def _divide_factors_and_bf16(rank, world):
     handle = tide_torch.enable(model, topology=TOPO)
     train(model, data)
     assert handle.stats["rs_tide"] > 0 and handle.stats["rs_stock"] == 0, handle.stats
-    _assert_same(model, stock, "divide factor 8")
+    assert_same(model, stock, "divide factor 8")
     handle.disable()
 
     # Force-sum: SUM in the collective (alpha = 1), FSDP2's own post-division afterwards.
@@ -125,7 +119,7 @@ def _divide_factors_and_bf16(rank, world):
         m.set_force_sum_reduction_for_comms(True)
     handle = tide_torch.enable(model, mode="slot_reuse", topology=TOPO)
     train(model, data)
-    _assert_same(model, stock, "force sum")
+    assert_same(model, stock, "force sum")
     handle.disable()
 
     # bf16 parameters (fp32 reduce): shards adopted into the arena, bitwise equal to stock.
@@ -135,7 +129,7 @@ def _divide_factors_and_bf16(rank, world):
     model = build(mesh=mesh, dtype=torch.bfloat16, mp_policy=mp_policy)
     handle = tide_torch.enable(model, topology=TOPO)
     train(model, data)
-    _assert_same(model, stock, "bf16 adopted")
+    assert_same(model, stock, "bf16 adopted")
     # Later all-gathers read the adopted shards in place: the sharded parameters' local tensors
     # live in the arena's resident region.
     base, res = handle.memory()["regions"], handle._rt.arena.region("resident")
