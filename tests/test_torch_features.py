@@ -46,6 +46,8 @@ def _profile_and_variants(rank, world):
         handle = tide_torch.enable(model, mode=mode, topology=TOPO)
         train(model, data, accumulate=2, set_sync=True)
         assert_same(model, stock, f"accumulate {mode}")
+        # fp32 gradients accumulated without sync reduce through the fp32-gradient plan.
+        assert handle.stats["rs_stock"] == 0 and handle.stats["rs_tide"] > 0, handle.stats
         handle.disable()
 
     # (e) reshard_after_forward False / int / last block not resharding (ring-tail folding).

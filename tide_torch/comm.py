@@ -7,8 +7,9 @@ The adapter hands the transport per-parameter tensors whose addresses the plan f
   casts into the group's receive-stage slot (mixed precision). ``landings[p]`` is the padded
   unsharded buffer (``N * e_p`` items at arena offset ``landing(p, 0)``). Afterwards every rank's
   shard r of p sits at ``landing(p, r)`` (Eq. 2): no copy-out.
-- ``reduce_scatter(tg, grads, output, alpha)``: ``grads[p]`` is parameter p's unpadded gradient
-  (autograd's tensor for In-Place, the vacated ring slot for Slot-Reuse); ``output`` is FSDP2's
+- ``reduce_scatter(tg, plan, grads, output, alpha)``: ``grads[p]`` is parameter p's unpadded
+  gradient (autograd's tensor for In-Place, the vacated ring slot for Slot-Reuse) in ``plan``'s
+  gradient dtype (the group's plan, or its fp32-gradient plan); ``output`` is FSDP2's
   fp32 reduce-scatter output, whose ``as_strided`` views at ``o32_p`` are the sharded grads.
   ``output = alpha * sum_r grads_r`` over this rank's rows, padding rows contributing zero.
 
@@ -51,7 +52,7 @@ class Transport(Protocol):
     def all_gather(self, tg: Any, inputs: list[torch.Tensor],
                    landings: list[torch.Tensor]) -> None: ...
 
-    def reduce_scatter(self, tg: Any, grads: list[torch.Tensor], output: torch.Tensor,
+    def reduce_scatter(self, tg: Any, plan: Any, grads: list[torch.Tensor], output: torch.Tensor,
                        alpha: float) -> None: ...
 
 
@@ -112,12 +113,12 @@ class ExecutorTransport:
             for p, t in enumerate(inputs)]
         self._exec.run(self._programs[key], seq, bindings)
 
-    def reduce_scatter(self, tg, grads, output, alpha):
+    def reduce_scatter(self, tg, plan, grads, output, alpha):
         seq = self._next_seq(tg, "rs")
-        key = ("rs", tg.index, seq % 2, float(alpha))
+        key = ("rs", tg.index, plan.hash, seq % 2, float(alpha))
         if key not in self._programs:
             self._programs[key] = tide._core.build_rs_programs(
-                tg.plan, bank=seq % 2, alpha=float(alpha), accumulate=False, arena=self._regions,
+                plan, bank=seq % 2, alpha=float(alpha), accumulate=False, arena=self._regions,
                 counter_base=self._counter_base(tg, "rs"))
         bindings = [(self._kind["grad"], p, g.data_ptr(), g.numel() * g.element_size())
                     for p, g in enumerate(grads)]
@@ -143,9 +144,9 @@ class InterimTransport:
         for inp, out in zip(inputs, landings):
             dist.all_gather_into_tensor(out, inp, group=group)
 
-    def reduce_scatter(self, tg, grads, output, alpha):
+    def reduce_scatter(self, tg, plan, grads, output, alpha):
         group = self._group_of(tg)
-        layout = tg.plan.layout
+        layout = plan.layout
         N = layout.N
         for p, grad in enumerate(grads):
             pl = layout.params[p]
@@ -210,9 +211,9 @@ class VirtualClusterTransport:
             off = layout.landing(p, 0)
             out.view(torch.uint8).copy_(land[off: off + out.numel() * out.element_size()])
 
-    def reduce_scatter(self, tg, grads, output, alpha):
+    def reduce_scatter(self, tg, plan, grads, output, alpha):
         group = self._group_of(tg)
-        layout = tg.plan.layout
+        layout = plan.layout
         flat = torch.cat([g.reshape(-1) for g in grads])
         everyone = self._gather(group, flat)
         outs = None
@@ -220,7 +221,7 @@ class VirtualClusterTransport:
             vc = self._cluster(tg.topology)
             sizes = [pl.D * pl.K for pl in layout.params]
             per_rank = [[self._to_numpy(x) for x in torch.split(g, sizes)] for g in everyone]
-            res = vc.reduce_scatter(tg.plan, per_rank, scale=float(alpha))
+            res = vc.reduce_scatter(plan, per_rank, scale=float(alpha))
             outs = [torch.from_numpy(o.copy()).to(output.dtype) for o in res]
         mine = torch.empty(layout.E, dtype=output.dtype)
         dist.scatter(mine, outs, group=group, group_src=0)

@@ -8,6 +8,7 @@ back to stock FSDP2 with one log line.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass, field
 from typing import Any
@@ -39,6 +40,7 @@ class TideGroup:
     is_root: bool
     fallback: str | None = None    # reason when served by stock FSDP2
     plan: Any = None               # tide Plan (None on fallback)
+    plan_fp32_grads: Any = None    # same group, gradients in the reduce dtype (accumulated)
     world: int = 1
     topology: tide.Topology | None = None
     param_dtype: torch.dtype | None = None   # all-gather / unsharded dtype
@@ -74,7 +76,8 @@ class TideGroup:
         """What ranks compare: same plan hash and slot, or stock."""
         if self.fallback is not None:
             return "stock"
-        return f"tide:{self.plan.hash:016x}:{self.slot}"
+        acc = f"+{self.plan_fp32_grads.hash:016x}" if self.plan_fp32_grads is not None else ""
+        return f"tide:{self.plan.hash:016x}{acc}:{self.slot}"
 
     def landing_address(self, p: int) -> int:
         """Planned address of parameter p's unsharded data (rank 0's landing of p, Eq. 2)."""
@@ -194,6 +197,11 @@ def plan_group(tg: TideGroup, topo: tide.Topology, mode: str, options: dict[str,
             names=tuple(names.get(id(fp.sharded_param), "") for fp in fsdp_params))
         try:
             tg.plan = tide.plan(sig, tg.topology, mode=mode, **options)
+            if tg.casts:
+                # Gradients accumulated without sync arrive in the reduce dtype (fp32): a second
+                # plan with fp32 gradients keeps those reduce-scatters on TIDE-RS.
+                acc = dataclasses.replace(sig, grad_dtype=_DTYPE_NAMES[tg.reduce_dtype])
+                tg.plan_fp32_grads = tide.plan(acc, tg.topology, mode=mode, **options)
         except tide.PlanError as e:
             reason = f"plan: {e}"
         else:
@@ -205,7 +213,7 @@ def plan_group(tg: TideGroup, topo: tide.Topology, mode: str, options: dict[str,
                     break
     if reason is not None:
         tg.fallback = reason
-        tg.plan = None
+        tg.plan = tg.plan_fp32_grads = None
 
 
 def log_fallback(tg: TideGroup) -> None:

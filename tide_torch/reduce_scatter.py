@@ -12,6 +12,9 @@ collective.
    - In-Place: keeps references to autograd's per-parameter gradients;
    - Slot-Reuse: copies them into the group's vacated all-gather ring slot (same byte geometry),
      so autograd's storage is freed when FSDP2 clears its list right after.
+   Gradients accumulated without sync arrive in fp32 and use the group's fp32-gradient plan
+   (read in place: they do not fit the bf16 slot); gradients that match neither plan (a frozen
+   subset of the group) keep FSDP2's packing for that call.
 3. ``TideReduceScatter.__call__`` runs TIDE-RS from the staged gradients into the output with
    ``alpha`` derived from FSDP2's op: AVG -> 1/N, SUM (incl. force-sum, whose division FSDP2
    applies afterwards) -> 1, PREMUL_SUM(1/f) for a custom divide factor f -> 1/f.
@@ -38,6 +41,7 @@ from tide_torch import _patches
 @dataclass
 class _Staged:
     grads: list[torch.Tensor] | None = None        # what TIDE-RS reads
+    plan: Any = None                               # the plan matching the gradients' dtype
     stock_input: torch.Tensor | None = None        # packed input when this call falls back
     in_slot: bool = False                          # Slot-Reuse: grads live in the ring slot
 
@@ -71,8 +75,8 @@ class TideReduceScatter(_patches.ReduceScatter):
     def stage(self, unsharded_grads: list[torch.Tensor], placeholder: torch.Tensor,
               world_size: int) -> None:
         tg, rt = self.tg, self.tg.runtime
-        staged = _Staged()
-        if not self._matches_plan(unsharded_grads, world_size):
+        staged = _Staged(plan=self._plan_for(unsharded_grads, world_size))
+        if staged.plan is None:
             # e.g. frozen parameters (a subset of the group), or fp32 grads accumulated without
             # sync: this call keeps FSDP2's packing and collective.
             staged.stock_input = torch.empty(placeholder.shape, dtype=placeholder.dtype,
@@ -80,7 +84,8 @@ class TideReduceScatter(_patches.ReduceScatter):
             _patches.stock(_patches._coll, "foreach_reduce_scatter_copy_in")(
                 unsharded_grads, staged.stock_input, world_size)
             rt.stats["rs_stock"] += 1
-        elif rt.mode == "slot_reuse" and rt.slot_is_free(tg):
+        elif (rt.mode == "slot_reuse" and staged.plan is tg.plan  # fp32 grads outgrow the slot
+              and rt.slot_is_free(tg)):
             views = [lv.narrow(0, 0, g.numel()).view(g.shape)
                      for lv, g in zip(tg.landing_views, unsharded_grads)]
             torch._foreach_copy_(views, unsharded_grads)
@@ -91,12 +96,20 @@ class TideReduceScatter(_patches.ReduceScatter):
         placeholder._tide_staged = staged
         self._next_is_input = False
 
-    def _matches_plan(self, grads: list[torch.Tensor], world_size: int) -> bool:
+    def _plan_for(self, grads: list[torch.Tensor], world_size: int) -> Any:
+        """The group's plan for these gradients (bf16 from autograd, or fp32 accumulated without
+        sync), or None when they do not match the group (e.g. frozen parameters)."""
         tg = self.tg
         if world_size != tg.world or len(grads) != len(tg.shapes):
-            return False
-        return all(g.dtype == tg.param_dtype and tuple(g.shape) == s and g.is_contiguous()
-                   for g, s in zip(grads, tg.shapes))
+            return None
+        if not all(tuple(g.shape) == s and g.is_contiguous() for g, s in zip(grads, tg.shapes)):
+            return None
+        dtypes = {g.dtype for g in grads}
+        if dtypes == {tg.param_dtype}:
+            return tg.plan
+        if dtypes == {tg.reduce_dtype} and tg.plan_fp32_grads is not None:
+            return tg.plan_fp32_grads
+        return None
 
     def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
         self._next_is_input = True
@@ -108,7 +121,8 @@ class TideReduceScatter(_patches.ReduceScatter):
             return dist.reduce_scatter_tensor(output_tensor, staged.stock_input, op=op,
                                               group=group, async_op=async_op)
         rt = self.tg.runtime
-        rt.transport.reduce_scatter(self.tg, staged.grads, output_tensor, self.alpha(op, group))
+        rt.transport.reduce_scatter(self.tg, staged.plan, staged.grads, output_tensor,
+                                    self.alpha(op, group))
         if staged.in_slot:
             rt.release_slot_after_rs(self.tg)
         rt.stats["rs_tide"] += 1
