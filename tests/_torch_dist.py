@@ -1,7 +1,8 @@
 """Helpers for tide_torch's multi-process CPU tests: a tiny Llama, FSDP2 set-up, a spawner.
 
-Ranks are processes (torch.multiprocessing spawn) on a gloo process group initialised from a
-file, so concurrent test runs never fight over ports. World 4 by default.
+Ranks are processes (torch.multiprocessing, forkserver by default; TIDE_TEST_START=fork|spawn)
+on a gloo process group initialised from a file, so concurrent test runs never fight over ports.
+World 4 by default.
 """
 from __future__ import annotations
 
@@ -173,6 +174,17 @@ def _entry(rank: int, world: int, init_file: str, fn: Callable, args: tuple) -> 
         dist.destroy_process_group()
 
 
+def _start_method() -> str:
+    """forkserver by default: ranks fork from a clean server that preloaded torch once per
+    session (fast, and no fork of a process whose thread pools earlier tests may have used)."""
+    method = os.environ.get("TIDE_TEST_START", "forkserver")
+    if method == "forkserver":
+        import multiprocessing
+        multiprocessing.set_forkserver_preload(
+            ["torch", "torch.distributed.fsdp", "tide", "tide_torch", "_torch_dist"])
+    return method
+
+
 def spawn(fn: Callable, *args: Any, world: int = 4) -> None:
     """Runs fn(rank, world, *args) on ``world`` gloo ranks; re-raises the first failure."""
     fd, init_file = tempfile.mkstemp(prefix="tide_torch_pg_")
@@ -180,7 +192,7 @@ def spawn(fn: Callable, *args: Any, world: int = 4) -> None:
     os.unlink(init_file)
     try:
         mp.start_processes(_entry, args=(world, init_file, fn, args), nprocs=world,
-                           join=True, start_method=os.environ.get("TIDE_TEST_START", "fork"))
+                           join=True, start_method=_start_method())
     finally:
         if os.path.exists(init_file):
             os.unlink(init_file)
