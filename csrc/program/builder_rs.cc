@@ -99,9 +99,14 @@ struct Ctx {
   int64_t copy_key(int c, int pass, int owner, int chunk) const {
     return ((static_cast<int64_t>(c - 1) * rs.n_part + pass) * L + owner) * rs.n_chunks + chunk;
   }
-  int64_t unit_index(int pass, int c, int chunk) const {
-    return (static_cast<int64_t>(pass) * M + (c - 1)) * rs.n_chunks + chunk;
-  }
+  // Read order inside a pass (Algorithm 1): the first min(n_out, M-1) remote destinations, then
+  // the own-node partial (into the spare), then the remote destinations that wait for sends.
+  int first_reads() const { return std::min(rs.n_out, M - 1); }
+  int order_of(int c) const { return c == M ? first_reads() : (c <= first_reads() ? c - 1 : c); }
+  int c_at(int pos) const { return pos == first_reads() ? M : (pos < first_reads() ? pos + 1 : pos); }
+  // Position of (pass, c) in the read order; read_progress counts these.
+  int64_t read_pos(int pass, int c) const { return static_cast<int64_t>(pass) * M + order_of(c); }
+  int64_t unit_index(int pass, int c, int chunk) const { return read_pos(pass, c) * rs.n_chunks + chunk; }
 };
 
 // The previous user of staging slot (u mod n_stg): unit u - n_stg of this call, or the last unit
@@ -314,7 +319,8 @@ Program build_rs_program(const Plan& plan, const RsCallOptions& opt, int rank) {
   // Bank b was last used by call e-2: its sends and spare copies must be done.
   x.wait(kRead, rs_tag::kBankWait, rank, x.ev_rail_done(), -2, 1, true);
   for (int pass = 0; pass < rs.n_part; ++pass) {
-    for (int c = 1; c <= M; ++c) {
+    for (int pos = 0; pos < M; ++pos) {
+      const int c = x.c_at(pos);
       BufKind kind = BufKind::kSpare;
       int index = opt.bank;
       int64_t off = x.spare_off();
@@ -330,7 +336,7 @@ Program build_rs_program(const Plan& plan, const RsCallOptions& opt, int rank) {
       }
       for (int chunk = 0; chunk < rs.n_chunks; ++chunk)
         level1_unit(x, pass, c, chunk, mine, by_key, kind, index, off);
-      x.record(kRead, rs_tag::kProgress, x.ev_progress(), static_cast<int64_t>(pass) * M + c - PM, PM);
+      x.record(kRead, rs_tag::kProgress, x.ev_progress(), x.read_pos(pass, c) + 1 - PM, PM);
     }
   }
   x.record(kRead, OpTag::kRelease, x.ev_release(), 0, 1);
@@ -359,7 +365,7 @@ Program build_rs_program(const Plan& plan, const RsCallOptions& opt, int rank) {
       for (int c = rd.c_begin; c < rd.c_end; ++c) {
         const int t = (n + c) % M;
         const int64_t J = static_cast<int64_t>(pass) * (M - 1) + c - 1;
-        x.wait(kRail, rs_tag::kSumWait, rank, x.ev_progress(), static_cast<int64_t>(pass) * M + c - PM, PM, true);
+        x.wait(kRail, rs_tag::kSumWait, rank, x.ev_progress(), x.read_pos(pass, c) + 1 - PM, PM, true);
         x.wait(kRail, OpTag::kCreditWait, rank, x.credit_from(t), pass + 1 - rs.n_part, rs.n_part);
         Op& put = x.emit(OpKind::kPut, kRail, rs_tag::kPut, ri);
         const int dest = x.rank_of(t, me);
@@ -377,7 +383,7 @@ Program build_rs_program(const Plan& plan, const RsCallOptions& opt, int rank) {
         x.wait(kRail, OpTag::kArrivalWait, rank, x.arrival_from(c), pass + 1 - rs.n_part, rs.n_part);
     }
     if (w.own) {
-      x.wait(kRail, rs_tag::kSumWait, rank, x.ev_progress(), static_cast<int64_t>(pass) * M + M - PM, PM, true);
+      x.wait(kRail, rs_tag::kSumWait, rank, x.ev_progress(), x.read_pos(pass, M) + 1 - PM, PM, true);
       Op& cp = x.emit(OpKind::kCopy, kRail, rs_tag::kSpareCopy, g);
       CopyDesc d;
       d.src = x.ref(BufKind::kSpare, rank, opt.bank, x.spare_off(), rs.block_bytes);
