@@ -16,7 +16,7 @@ void bind_ag(nb::module_& m);       // bind_ag.cc
 NB_MODULE(_core, m) {
   m.doc() = "TIDE core: planner, programs, executors";
   // nanobind tries the most recently registered translator first, so the base tide::Error is
-  // registered before its subclasses (otherwise it would catch PlanError and TimeoutError too).
+  // registered before its subclasses (otherwise every PlanError would surface as tide.Error).
   static nb::exception<tide::Error> tide_error(m, "Error", PyExc_RuntimeError);
   // tide.PlanError is a ValueError: bad input or an unsupported group, found before data moves.
   static nb::exception<tide::PlanError> plan_error(m, "PlanError", PyExc_ValueError);

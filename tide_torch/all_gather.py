@@ -1,0 +1,141 @@
+"""TIDE-AG face for FSDP2: shards land in the unsharded parameters' storage; copy-out only waits.
+
+``foreach_all_gather`` / ``foreach_all_gather_copy_out`` below replace FSDP2's in the param-group
+module's namespace (installed by ``_patches.install``). A call for a group TIDE does not serve, or
+in a state TIDE does not plan (post-forward resharded mesh, compiled autograd), goes to stock.
+
+For a served group the all-gather input is, per parameter:
+- In-place shard adoption (sharded dtype == all-gather dtype, §3.1): the adopted resident shard
+  in the arena, read in place (no copy-in);
+- mixed precision (fp32 master shards, bf16 all-gather): the fp32 shard, which the transport
+  casts into the group's receive-stage slot instead of FSDP2's fresh copy-in buffer.
+The landing buffers are the FSDPParams' ``all_gather_outputs``: zero-offset arena views at the
+planned landing addresses, from which FSDP2's own ``init_unsharded_param`` builds the unsharded
+parameters once (``as_strided(..., storage_offset=0)``), so they keep those addresses.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.distributed.device_mesh import _get_device_handle
+
+from tide_torch import _patches
+
+# id(FSDPParamGroup.fsdp_params) -> TideGroup. The list object is the group's identity in the
+# calls FSDP2 makes to foreach_all_gather / foreach_all_gather_copy_out.
+REGISTRY: dict[int, Any] = {}
+
+
+class TideAllGatherResult(_patches.AllGatherResult):
+    """An AllGatherResult whose data already sits in the unsharded parameters."""
+
+
+def _served(fsdp_params: list, group: Any) -> Any | None:
+    tg = REGISTRY.get(id(fsdp_params))
+    if tg is None or _patches.compiled_autograd_enabled():
+        return None
+    if group.size() != tg.world:  # e.g. re-gather from a post-forward (smaller) mesh
+        tg.runtime.stats["ag_stock"] += 1
+        return None
+    if any(fp.sharded_state != _patches.ShardedState.SHARDED for fp in fsdp_params):
+        tg.runtime.stats["ag_stock"] += 1
+        return None
+    return tg
+
+
+@torch.no_grad()
+def foreach_all_gather(fsdp_params, group, async_op, all_gather_copy_in_stream,
+                       all_gather_stream, device, all_gather_comm):
+    tg = _served(fsdp_params, group)
+    if tg is None:
+        return _patches.stock(_patches._pg, "foreach_all_gather")(
+            fsdp_params, group, async_op, all_gather_copy_in_stream, all_gather_stream, device,
+            all_gather_comm)
+    rt = tg.runtime
+    handle = _get_device_handle(device.type)
+    with handle.stream(all_gather_copy_in_stream):
+        # [Note: ring-slot reuse] The slot this group lands in was last written by the group two
+        # positions earlier (or, under Slot-Reuse, holds its gradients until the reduce-scatter
+        # has read them). acquire_slot checks that group is resharded and makes this stream wait
+        # for the event that released the slot.
+        rt.acquire_slot(tg, all_gather_copy_in_stream)
+        inputs = _all_gather_inputs(tg)
+    all_gather_stream.wait_stream(all_gather_copy_in_stream)
+    with handle.stream(all_gather_stream):
+        landings = tg.landing_views
+        outs = tuple(t for t in landings if not t.is_inference())
+        # Landing writes the storage autograd saved for backward; like FSDP2's copy-out it must
+        # not bump the version counter.
+        if outs:
+            with _patches.preserve_version_counter(outs):
+                rt.transport.all_gather(tg, inputs, landings)
+        else:
+            rt.transport.all_gather(tg, inputs, landings)
+        event = all_gather_stream.record_event()
+        rt.stats["ag_tide"] += 1
+        numels = [[pl.e] for pl in tg.plan.layout.params]
+        return TideAllGatherResult(
+            all_gather_output=landings[0],
+            all_gather_event=event,
+            all_gather_work=None,
+            param_all_gather_input_dtypes=[[tg.param_dtype] for _ in numels],
+            param_all_gather_input_numels=numels,
+            all_gather_input_split_sizes=[n[0] for n in numels],
+        )
+
+
+def _all_gather_inputs(tg: Any) -> list[torch.Tensor]:
+    fsdp_params = tg.pg.fsdp_params
+    if tg.adopts:
+        for p, fp in enumerate(fsdp_params):
+            if fp._sharded_param_data.data_ptr() != tg.resident_views[p].data_ptr():
+                adopt_shard(tg, p)  # e.g. after load_state_dict(assign=True)
+        return tg.resident_views
+    # Mixed precision: the fp32 master shards; the transport casts them into the group's
+    # receive-stage slot (TIDE-AG's CAST op) instead of FSDP2's fresh copy-in buffer.
+    return [fp._sharded_param_data for fp in fsdp_params]
+
+
+@torch.no_grad()
+def adopt_shard(tg: Any, p: int) -> None:
+    """§3.1 in-place shard adoption: copy the padded shard into the resident region once and
+    repoint the sharded parameter's data and its DTensor local view (zero-offset views)."""
+    fp = tg.pg.fsdp_params[p]
+    resident = tg.resident_views[p]
+    resident.copy_(fp._sharded_param_data)
+    fp._sharded_param_data = resident
+    local = fp.sharded_param._local_tensor
+    length = local.size(0)
+    fp.sharded_param._local_tensor = resident.view(fp.padded_sharded_param_size).narrow(0, 0, length)
+
+
+@torch.no_grad()
+def unadopt_shard(tg: Any, p: int) -> None:
+    """Moves an adopted shard back into a private tensor (disable())."""
+    fp = tg.pg.fsdp_params[p]
+    if fp._sharded_param_data.data_ptr() != tg.resident_views[p].data_ptr():
+        return
+    own = fp._sharded_param_data.clone()
+    length = fp.sharded_param._local_tensor.size(0)
+    fp._sharded_param_data = own
+    fp.sharded_param._local_tensor = own.view(fp.padded_sharded_param_size).narrow(0, 0, length)
+
+
+@torch.no_grad()
+def foreach_all_gather_copy_out(all_gather_result, fsdp_params, group):
+    if not isinstance(all_gather_result, TideAllGatherResult):
+        return _patches.stock(_patches._pg, "foreach_all_gather_copy_out")(
+            all_gather_result, fsdp_params, group)
+    device = all_gather_result.all_gather_output.device
+    handle = _get_device_handle(device.type)
+    if all_gather_result.all_gather_event is not None:
+        handle.current_stream().wait_event(all_gather_result.all_gather_event)
+    work = all_gather_result.all_gather_work
+    if work is not None:
+        work.wait()
+    # Nothing to copy: the shards landed in the unsharded parameters' storage.
+
+
+foreach_all_gather._tide_hook = True
+foreach_all_gather_copy_out._tide_hook = True

@@ -1,0 +1,146 @@
+"""One rank's TIDE arena: named regions, and zero-offset tensor views rooted inside it.
+
+Regions (App. F; sizes come from the groups' plans, see ``placement.py``):
+
+- ``ring0`` / ``ring1``: the two position-aware all-gather ring slots. Ring group g (execution
+  order) lands in slot g mod 2; each slot is sized for the groups assigned to it.
+- ``fixed``: unsharded storage for groups outside the ring (the root group, and groups that do not
+  reshard after forward except the folded ring tail).
+- ``resident``: adopted sharded parameters of groups whose sharded dtype is the all-gather dtype
+  (§3.1 in-place shard adoption: later all-gathers read them without copy-in).
+- ``stage``: two receive-stage slots; mixed-precision groups cast their fp32 shards into one.
+
+On CPU the arena is a POSIX shared-memory segment (mode 0600) so that TIDE's CPU executor,
+running ranks as processes, can push into peers' arenas. ``enable()`` unlinks its name as soon as
+every peer has mapped it (the mapping lives on), so nothing outlives the processes; ``close()``
+also runs at exit and from multiprocessing's exit hooks (forked ranks skip atexit). On CUDA it is
+a device allocation (symmetric registration belongs to the CUDA executor).
+
+[Note: zero-offset views]
+FSDP2 builds unsharded parameters with ``torch.as_strided(..., storage_offset=0)``, and
+``copy.deepcopy(get_model_state_dict(model))`` breaks on DTensor local tensors with a non-zero
+storage offset. Every view handed to FSDP2 is therefore rooted in a storage of its own that
+starts at the view's address (``storage_offset() == 0``) and has its own version counter.
+Such storages are not resizable: the FSDPParams whose unsharded data lives here get a per-instance
+``free_unsharded_param`` that releases the slot logically instead of resizing storage.
+"""
+from __future__ import annotations
+
+import _posixshmem
+import atexit
+import mmap
+import os
+import uuid
+import weakref
+from dataclasses import dataclass
+
+import torch
+
+ALIGN = 256  # bytes; every region and every group inside a region starts on this boundary
+
+
+def align_up(n: int, a: int = ALIGN) -> int:
+    return (n + a - 1) // a * a
+
+
+@dataclass(frozen=True)
+class Region:
+    name: str
+    offset: int
+    nbytes: int
+
+
+class Arena:
+    """A contiguous per-rank buffer carved into named regions."""
+
+    def __init__(self, sizes: dict[str, int], device: torch.device) -> None:
+        self.device = device
+        self.regions: dict[str, Region] = {}
+        off = 0
+        for name, nbytes in sizes.items():
+            nbytes = align_up(int(nbytes))
+            self.regions[name] = Region(name, off, nbytes)
+            off += nbytes
+        self.nbytes = max(off, ALIGN)
+        self.shm_name: str | None = None
+        self.closed = False
+        self._shm = None
+        if device.type == "cpu":
+            self.shm_name = f"/tide_{os.getpid()}_{uuid.uuid4().hex[:12]}"
+            self._shm = _map_shm(self.shm_name, self.nbytes)
+            _LIVE.add(self)
+            self._base = torch.frombuffer(self._shm, dtype=torch.uint8, count=self.nbytes)
+        else:
+            self._base = torch.empty(self.nbytes, dtype=torch.uint8, device=device)
+        self.base_ptr = self._base.data_ptr()
+
+    def region(self, name: str) -> Region:
+        return self.regions[name]
+
+    def view(self, offset: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """1-D tensor of ``numel`` ``dtype`` items at arena byte ``offset``, with its own storage
+        (``storage_offset() == 0``, own version counter). See [Note: zero-offset views]."""
+        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        if self.closed:
+            raise RuntimeError("arena is closed")
+        if offset < 0 or offset + nbytes > self.nbytes:
+            raise ValueError(f"arena view [{offset}, {offset + nbytes}) outside {self.nbytes} bytes")
+        if self._shm is not None:
+            raw = torch.frombuffer(self._shm, dtype=torch.uint8, count=nbytes, offset=offset)
+            return raw.view(dtype)
+        storage = torch._C._construct_storage_from_data_pointer(
+            self.base_ptr + offset, self.device, nbytes)
+        out = torch.empty(0, dtype=dtype, device=self.device)
+        out.set_(storage, 0, (numel,), (1,))
+        return out
+
+    def flat(self, offset: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A plain (shared-storage) view, for buffers FSDP2 never sees."""
+        item = torch.empty((), dtype=dtype).element_size()
+        return self._base.narrow(0, offset, numel * item).view(dtype)
+
+    def close(self) -> None:
+        """Unlinks the shared-memory name; the mapping lives on while views reference it."""
+        if self.closed:
+            return
+        self.closed = True
+        if self._shm is not None:
+            try:
+                _posixshmem.shm_unlink(self.shm_name)
+            except FileNotFoundError:
+                pass
+            _LIVE.discard(self)
+            # The mapping itself stays: views handed out keep the mmap alive and may outlive us.
+
+    def describe(self) -> dict[str, int]:
+        return {name: r.nbytes for name, r in self.regions.items()}
+
+
+def _map_shm(name: str, nbytes: int) -> mmap.mmap:
+    """Creates, sizes and maps a POSIX shared-memory segment (mode 0600); unlinks it on failure."""
+    fd = _posixshmem.shm_open(name, os.O_CREAT | os.O_EXCL | os.O_RDWR, mode=0o600)
+    try:
+        os.ftruncate(fd, nbytes)
+        return mmap.mmap(fd, nbytes)
+    except BaseException:
+        _posixshmem.shm_unlink(name)
+        raise
+    finally:
+        os.close(fd)
+
+
+_LIVE: "weakref.WeakSet[Arena]" = weakref.WeakSet()
+
+
+@atexit.register
+def _unlink_all() -> None:
+    for arena in list(_LIVE):
+        arena.close()
+
+
+def _register_fork_exit_hook() -> None:
+    from multiprocessing import util
+    util.Finalize(None, _unlink_all, exitpriority=100)
+
+
+_register_fork_exit_hook()

@@ -1,0 +1,248 @@
+"""The one place where tide_torch moves bytes between ranks: calls into TIDE's executors.
+
+The adapter hands the transport per-parameter tensors whose addresses the plan fixed:
+
+- ``all_gather(tg, inputs, landings)``: ``inputs[p]`` is this rank's padded shard of parameter
+  p: the adopted resident shard (read in place), or the fp32 master shard that the transport
+  casts into the group's receive-stage slot (mixed precision). ``landings[p]`` is the padded
+  unsharded buffer (``N * e_p`` items at arena offset ``landing(p, 0)``). Afterwards every rank's
+  shard r of p sits at ``landing(p, r)`` (Eq. 2): no copy-out.
+- ``reduce_scatter(tg, plan, grads, output, alpha)``: ``grads[p]`` is parameter p's unpadded
+  gradient (autograd's tensor for In-Place, the vacated ring slot for Slot-Reuse) in ``plan``'s
+  gradient dtype (the group's plan, or its fp32-gradient plan); ``output`` is FSDP2's
+  fp32 reduce-scatter output, whose ``as_strided`` views at ``o32_p`` are the sharded grads.
+  ``output = alpha * sum_r grads_r`` over this rank's rows, padding rows contributing zero.
+
+Executors
+  TIDE's CPU executor runs ranks as processes over POSIX shared memory: each rank's arena is a
+  named segment (``Arena.shm_name``, exchanged at enable time), a rank reads only its own buffers
+  and pushes into peers' arenas. The binding that runs one rank's compiled TIDE-AG / TIDE-RS
+  program in that mode is looked up on ``tide._core`` (``_executor_api``); ``ExecutorTransport``
+  spells out the entry points it needs (today's ``CpuArena.run`` drives every rank from one
+  process, so it cannot serve ranks that are separate torch processes).
+
+  Until that binding exists, two stand-ins keep the adapter's contract (same landings, same
+  output layout, same alpha), so everything above this module is exercised end to end:
+
+  - ``VirtualClusterTransport`` ("virtual-cluster"): runs the real TIDE-AG / TIDE-RS programs on
+    ``tide.VirtualCluster`` (the CPU executor) in the shard group's first rank, which gathers the
+    group's inputs and hands every rank its bytes back over torch.distributed. Results are TIDE's
+    own (its landing layout, its fixed fp32 summation order, its alpha folding).
+  - ``InterimTransport`` ("interim"): per-parameter torch.distributed collectives with the
+    adapter's addressing (default while no executor binding exists: cheapest).
+
+  Neither is TIDE's transport (bytes cross torch.distributed); both log so once.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+
+import tide
+
+logger = logging.getLogger("tide_torch")
+
+
+class Transport(Protocol):
+    name: str
+
+    def all_gather(self, tg: Any, inputs: list[torch.Tensor],
+                   landings: list[torch.Tensor]) -> None: ...
+
+    def reduce_scatter(self, tg: Any, plan: Any, grads: list[torch.Tensor], output: torch.Tensor,
+                       alpha: float) -> None: ...
+
+
+def _executor_api() -> Any | None:
+    """TIDE's per-rank process-mode executor binding, when this build of tide._core has one."""
+    return getattr(tide._core, "RankExecutor", None)
+
+
+class ExecutorTransport:
+    """Runs TIDE-AG / TIDE-RS programs through TIDE's CPU executor with ranks as processes.
+
+    Written against the executor entry points tide_torch needs (not in tide._core yet; see the
+    merge notes): every rank's arena is its own POSIX segment (``Arena``, names exchanged at
+    enable time); ``RankExecutor`` maps all of them, reads only its own rank's buffers and
+    pushes into peers' arenas, and runs only its own rank's program per call:
+
+        ex = tide._core.RankExecutor(rank, nodes, gpus_per_node, segments, segment_bytes,
+                                     regions={name: (offset, nbytes)}, timeout_s=30.0)
+        progs = tide._core.build_ag_programs(plan, ring_slot=s, resident=adopt,
+                                             arena=regions, landing_region="ring0|ring1|fixed",
+                                             landing_offset=off, counter_base=c)
+        progs = tide._core.build_rs_programs(plan, bank=b, alpha=a, accumulate=False,
+                                             arena=regions, counter_base=c)
+        ex.run(progs, seq, [(kind, index, data_ptr, nbytes), ...])   # kShard/kGrad/kOut
+    """
+
+    name = "tide-executor"
+
+    def __init__(self, api: Any, arena: Any, peers: list[str], rank: int, topo: tide.Topology):
+        regions = {r.name: (r.offset, r.nbytes) for r in arena.regions.values()}
+        self._regions = regions
+        self._exec = api(rank, topo.nodes, topo.gpus_per_node, peers, arena.nbytes,
+                         regions=regions)
+        self._programs: dict[tuple, Any] = {}
+        self._seq: dict[tuple[int, str], int] = {}
+        self._kind = dict(tide._core.buf_kinds)
+
+    def _next_seq(self, tg: Any, what: str) -> int:
+        key = (tg.index, what)
+        self._seq[key] = self._seq.get(key, 0) + 1
+        return self._seq[key]
+
+    def _counter_base(self, tg: Any, what: str) -> int:
+        return (2 * tg.index + (what == "rs")) * 4096
+
+    def all_gather(self, tg, inputs, landings):
+        seq = self._next_seq(tg, "ag")
+        ring = tg.ring_index % 2 if tg.ring_index >= 0 else 0
+        key = ("ag", tg.index)
+        if key not in self._programs:
+            region = self._regions[tg.slot]
+            self._programs[key] = tide._core.build_ag_programs(
+                tg.plan, ring_slot=ring, resident=tg.adopts, arena=self._regions,
+                landing_region=tg.slot, landing_offset=tg.unsharded_offset - region[0],
+                counter_base=self._counter_base(tg, "ag"))
+        bindings = [] if tg.adopts else [
+            (self._kind["shard"], p, t.data_ptr(), t.numel() * t.element_size())
+            for p, t in enumerate(inputs)]
+        self._exec.run(self._programs[key], seq, bindings)
+
+    def reduce_scatter(self, tg, plan, grads, output, alpha):
+        seq = self._next_seq(tg, "rs")
+        key = ("rs", tg.index, plan.hash, seq % 2, float(alpha))
+        if key not in self._programs:
+            self._programs[key] = tide._core.build_rs_programs(
+                plan, bank=seq % 2, alpha=float(alpha), accumulate=False, arena=self._regions,
+                counter_base=self._counter_base(tg, "rs"))
+        bindings = [(self._kind["grad"], p, g.data_ptr(), g.numel() * g.element_size())
+                    for p, g in enumerate(grads)]
+        bindings.append((self._kind["out"], -1, output.data_ptr(),
+                         output.numel() * output.element_size()))
+        self._exec.run(self._programs[key], seq, bindings)
+
+
+class InterimTransport:
+    """Stand-in for the executor: per-parameter torch.distributed collectives with the adapter's
+    addressing (lands directly; reduces each parameter into its slice of FSDP2's output)."""
+
+    name = "interim-torch-distributed"
+
+    def __init__(self, group_of: Any):
+        self._group_of = group_of  # tg -> shard ProcessGroup
+
+    def all_gather(self, tg, inputs, landings):
+        group = self._group_of(tg)
+        if tg.casts:  # the CAST into the receive-stage slot (stage parity: see placement.py)
+            torch._foreach_copy_(tg.input_views, inputs)
+            inputs = tg.input_views
+        for inp, out in zip(inputs, landings):
+            dist.all_gather_into_tensor(out, inp, group=group)
+
+    def reduce_scatter(self, tg, plan, grads, output, alpha):
+        group = self._group_of(tg)
+        layout = plan.layout
+        N = layout.N
+        for p, grad in enumerate(grads):
+            pl = layout.params[p]
+            full = torch.zeros(N * pl.e, dtype=output.dtype, device=output.device)
+            full[: grad.numel()].copy_(grad.reshape(-1))
+            dist.reduce_scatter_tensor(output.narrow(0, pl.o32, pl.e), full,
+                                       op=dist.ReduceOp.SUM, group=group)
+        if alpha != 1.0:
+            output.mul_(alpha)
+
+
+class VirtualClusterTransport:
+    """TIDE programs on tide.VirtualCluster, driven by the shard group's first rank."""
+
+    name = "virtual-cluster"
+
+    def __init__(self, group_of: Any):
+        self._group_of = group_of
+        self._clusters: dict[tuple[int, int], Any] = {}
+
+    def _cluster(self, topo: tide.Topology) -> Any:
+        key = (topo.nodes, topo.gpus_per_node)
+        if key not in self._clusters:
+            # The cluster runs TIDE's static checker (I1-I4) on every new program set.
+            # One worker thread steps every rank: no spinning threads next to the training ranks.
+            self._clusters[key] = tide.VirtualCluster(topo, ranks_as="threads", workers=1)
+        return self._clusters[key]
+
+    @staticmethod
+    def _to_numpy(t: torch.Tensor):
+        import ml_dtypes
+        t = t.detach().contiguous().cpu()
+        if t.dtype == torch.bfloat16:
+            return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+        return t.numpy()
+
+    def _gather(self, group: Any, flat: torch.Tensor) -> list[torch.Tensor] | None:
+        lead = group.rank() == 0
+        bufs = [torch.empty_like(flat) for _ in range(group.size())] if lead else None
+        dist.gather(flat, bufs, group=group, group_dst=0)
+        return bufs
+
+    def all_gather(self, tg, inputs, landings):
+        group = self._group_of(tg)
+        layout = tg.plan.layout
+        N = layout.N
+        packed = torch.cat([t.reshape(-1) for t in inputs])  # S bytes: this rank's packed shard
+        shards = self._gather(group, packed)
+        land = torch.empty(layout.S * N, dtype=torch.uint8)
+        if shards is not None:
+            import numpy as np
+            vc = self._cluster(tg.topology)
+            sizes = [pl.e for pl in layout.params]
+            per_rank = [[self._to_numpy(x) for x in torch.split(s, sizes)] for s in shards]
+            ring = tg.ring_index % 2 if tg.ring_index >= 0 else 0
+            vc.all_gather(tg.plan, per_rank, resident=tg.adopts, ring_slot=ring)
+            raw = np.empty(layout.S * N, dtype=np.uint8)
+            vc.arena(tg.plan).read(0, tide.cluster.KIND[f"ring{ring}"], 0, raw)
+            land.copy_(torch.from_numpy(raw))
+        dist.broadcast(land, group=group, group_src=0)
+        for p, out in enumerate(landings):
+            off = layout.landing(p, 0)
+            out.view(torch.uint8).copy_(land[off: off + out.numel() * out.element_size()])
+
+    def reduce_scatter(self, tg, plan, grads, output, alpha):
+        group = self._group_of(tg)
+        layout = plan.layout
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        everyone = self._gather(group, flat)
+        outs = None
+        if everyone is not None:
+            vc = self._cluster(tg.topology)
+            sizes = [pl.D * pl.K for pl in layout.params]
+            per_rank = [[self._to_numpy(x) for x in torch.split(g, sizes)] for g in everyone]
+            res = vc.reduce_scatter(plan, per_rank, scale=float(alpha))
+            outs = [torch.from_numpy(o.copy()).to(output.dtype) for o in res]
+        mine = torch.empty(layout.E, dtype=output.dtype)
+        dist.scatter(mine, outs, group=group, group_src=0)
+        output.copy_(mine)
+
+
+TRANSPORTS = ("auto", "executor", "virtual-cluster", "interim")
+
+
+def make_transport(kind: str, arena: Any, peers: list[str], rank: int, topo: tide.Topology,
+                   group_of: Any) -> Transport:
+    api = _executor_api()
+    if kind in ("auto", "executor") and api is not None and arena.shm_name is not None:
+        return ExecutorTransport(api, arena, peers, rank, topo)
+    if kind == "executor":
+        raise RuntimeError("tide_torch: transport='executor' needs a process-mode executor "
+                           "binding in tide._core, which this build does not have")
+    if kind == "virtual-cluster":
+        logger.info("tide_torch: running TIDE programs on tide.VirtualCluster from each shard "
+                    "group's first rank (bytes cross torch.distributed)")
+        return VirtualClusterTransport(group_of)
+    logger.info("tide_torch: this build of tide._core has no process-mode executor binding; "
+                "using the interim torch.distributed landing transport")
+    return InterimTransport(group_of)

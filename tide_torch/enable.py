@@ -1,0 +1,222 @@
+"""``tide_torch.enable(model)``: plan, agree, place, patch — and ``TideHandle.disable()``."""
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+import tide
+from tide_torch import _patches, agreement, all_gather, comm, placement, reduce_scatter
+from tide_torch.arena import Arena
+from tide_torch.groups import (PLAN_OPTIONS, TideEnableError, TideGroup, find_groups,
+                               log_fallback, plan_group, resolve_topology)
+from tide_torch.runtime import Runtime, free_in_arena
+
+logger = logging.getLogger("tide_torch")
+
+MODES = ("in_place", "slot_reuse")
+
+
+class TideHandle:
+    """What ``enable()`` returns: the plans, the arena's memory, and ``disable()``."""
+
+    def __init__(self, runtime: Runtime, groups: list[TideGroup], topology: tide.Topology):
+        self._rt = runtime
+        self._groups = groups
+        self.topology = topology
+        self.enabled = True
+
+    @property
+    def plans(self) -> dict[str, Any]:
+        """Group FQN -> tide Plan, for the groups TIDE serves."""
+        return {g.fqn: g.plan for g in self._groups if g.eligible}
+
+    @property
+    def fallbacks(self) -> dict[str, str]:
+        """Group FQN -> why it uses stock FSDP2 collectives."""
+        return {g.fqn: g.fallback for g in self._groups if not g.eligible}
+
+    @property
+    def groups(self) -> list[TideGroup]:
+        return list(self._groups)
+
+    @property
+    def mode(self) -> str:
+        return self._rt.mode
+
+    @property
+    def transport(self) -> str:
+        return self._rt.transport.name if self._rt.transport is not None else "stock"
+
+    @property
+    def stats(self) -> dict[str, int]:
+        """Calls served by TIDE vs. handed to stock FSDP2, per collective."""
+        return dict(self._rt.stats)
+
+    def memory(self) -> dict[str, Any]:
+        """Arena regions (bytes) and, per served group, its slot and sizes."""
+        if self._rt.arena is None:
+            return {"arena_bytes": 0, "regions": {}, "groups": {}, "stock_unsharded_bytes": 0}
+        return placement.region_summary(self._groups, self._rt.arena)
+
+    def landings(self) -> dict[str, tuple[int, int | None]]:
+        """Parameter FQN -> (planned landing address, unsharded parameter's data_ptr or None
+        before its first all-gather)."""
+        out = {}
+        for g in self._groups:
+            if not g.eligible:
+                continue
+            for p, fp in enumerate(g.pg.fsdp_params):
+                name = fp._param_fqn or f"{g.fqn}[{p}]"
+                got = fp._unsharded_param.data_ptr() if hasattr(fp, "_unsharded_param") else None
+                out[name] = (g.landing_address(p), got)
+        return out
+
+    def disable(self) -> None:
+        """Restores stock FSDP2 on every group; parameters move back to private storage."""
+        if not self.enabled:
+            return
+        self.enabled = False
+        served = [g for g in self._groups if g.eligible]
+        for g in served:
+            _deactivate(g)
+        if served:
+            _patches.uninstall()
+            self._rt.arena.close()
+
+    def __repr__(self) -> str:
+        served = sum(g.eligible for g in self._groups)
+        return (f"TideHandle(mode={self.mode}, groups={served}/{len(self._groups)} TIDE, "
+                f"transport={self.transport}, enabled={self.enabled})")
+
+
+def enable(model: nn.Module, *, mode: str = "in_place", topology: tide.Topology | None = None,
+           transport: str = "auto", ring: bool = True, **options: int) -> TideHandle:
+    """Switches ``model``'s FSDP2 collectives to TIDE. Call after ``fully_shard`` and before (or
+    between) training steps, on every rank.
+
+    ``mode``: ``"in_place"`` reads gradients where autograd leaves them; ``"slot_reuse"`` copies
+    them into the group's vacated all-gather slot. ``topology``: ``tide.Topology(nodes, L)``;
+    default from ``LOCAL_WORLD_SIZE``. ``transport``: ``"auto"`` (TIDE's process-mode executor
+    when this build has it, else ``"interim"``), ``"executor"``, ``"virtual-cluster"`` or
+    ``"interim"`` (see ``tide_torch/comm.py``). ``ring``: share the two position-aware ring
+    slots between resharding groups (default); ``False`` gives every group its own unsharded
+    storage (needed when toggling ``set_reshard_after_backward`` during training).
+    ``options``: planner knobs (``w_wave``, ``k``,
+    ``n_part``, ``n_stg``, ``chunk_bytes``, ``sum_ctas``, ``land_ctas``).
+
+    Groups outside TIDE's contract keep stock collectives (one ``tide_torch`` log line each).
+    Ranks agree on plans before anything changes; on any disagreement or local failure every rank
+    raises (``TideAgreementError`` or the local error).
+    """
+    if mode not in MODES:
+        raise ValueError(f"tide_torch.enable: mode must be one of {MODES}, got {mode!r}")
+    if transport not in comm.TRANSPORTS:
+        raise ValueError(f"tide_torch.enable: transport must be one of {comm.TRANSPORTS}, "
+                         f"got {transport!r}")
+    unknown = sorted(set(options) - set(PLAN_OPTIONS))
+    if unknown:
+        raise TypeError(f"tide_torch.enable: unknown options {unknown}; known: {PLAN_OPTIONS}")
+    initialized = dist.is_available() and dist.is_initialized()
+    rank = dist.get_rank() if initialized else 0
+    world = dist.get_world_size() if initialized else 1
+
+    record: dict[str, Any] = {"rank": rank, "error": None, "topology": None, "groups": [],
+                              "capabilities": None, "shm": None}
+    groups: list[TideGroup] = []
+    arena: Arena | None = None
+    topo: tide.Topology | None = None
+    local_exc: BaseException | None = None
+    try:
+        _patches.require_supported_torch()
+        groups = find_groups(model)
+        topo = resolve_topology(topology, world)
+        names = {id(p): n for n, p in model.named_parameters()}
+        for g in groups:
+            if id(g.pg.fsdp_params) in all_gather.REGISTRY:
+                raise TideEnableError(f"TIDE is already enabled on group {g.fqn}: call "
+                                      "handle.disable() before enabling again")
+            plan_group(g, topo, mode, options, names)
+            if g.eligible and not g.pg.is_sharded:
+                raise TideEnableError(
+                    f"group {g.fqn} is unsharded: call tide_torch.enable() between steps")
+        served = [g for g in groups if g.eligible]
+        if served:
+            sizes = placement.assign(groups, use_ring=ring)
+            arena = Arena(sizes, served[0].pg.device)
+        record.update(
+            topology=(topo.nodes, topo.gpus_per_node),
+            groups=[(g.fqn, g.status) for g in groups],
+            capabilities={"torch": torch.__version__.split("+")[0], "mode": mode,
+                          "layout_hook": _patches.has_all_gather_layout(),
+                          "executor": comm._executor_api() is not None,
+                          "transport": transport, "ring": ring},
+            shm=arena.shm_name if arena is not None else None)
+    except Exception as e:  # noqa: BLE001 - reported to every rank before raising
+        local_exc = e
+        record["error"] = f"{type(e).__name__}: {e}"
+
+    records = agreement.exchange(record)
+    problems = agreement.verdict(records)
+    if problems:
+        if arena is not None:
+            arena.close()
+        if local_exc is not None:
+            raise local_exc
+        raise agreement.TideAgreementError(
+            "tide_torch.enable(): TIDE stays off on every rank: " + "; ".join(problems))
+
+    served = [g for g in groups if g.eligible]
+    for g in groups:
+        if not g.eligible:
+            log_fallback(g)
+    device = served[0].pg.device if served else torch.device("cpu")
+    rt = Runtime(mode, groups, arena, device)
+    if served:
+        placement.bind(groups, arena)
+        rt.transport = comm.make_transport(
+            transport, arena, [r["shm"] for r in records], rank, topo,
+            group_of=lambda g: g.pg.mesh_info.shard_process_group)
+        if isinstance(rt.transport, comm.ExecutorTransport) and world > 1:
+            dist.barrier()  # every rank has mapped every peer's arena segment
+        arena.close()  # unlink the names now: nothing can outlive the processes, even on a crash
+        _patches.install(all_gather.foreach_all_gather, all_gather.foreach_all_gather_copy_out,
+                         reduce_scatter.foreach_reduce_scatter_copy_in)
+        for g in served:
+            g.runtime = rt
+            _activate(g)
+    logger.info("tide_torch: enabled %s on %d/%d groups (%s, %s)", mode, len(served), len(groups),
+                topo, rt.transport.name if rt.transport else "stock")
+    return TideHandle(rt, groups, topo)
+
+
+def _activate(g: TideGroup) -> None:
+    for p, fp in enumerate(g.pg.fsdp_params):
+        if hasattr(fp, "_unsharded_param"):
+            # Built by an earlier stock all-gather: FSDP2 rebuilds it over the landing view.
+            del fp._unsharded_param
+        fp.all_gather_outputs = [g.landing_views[p]]
+        _patches.patch_param_free(fp, free_in_arena(g, p))
+        if g.adopts:
+            all_gather.adopt_shard(g, p)
+    g.pg._reduce_scatter_comm = reduce_scatter.TideReduceScatter(g, g.pg._reduce_scatter_comm)
+    all_gather.REGISTRY[id(g.pg.fsdp_params)] = g
+
+
+def _deactivate(g: TideGroup) -> None:
+    all_gather.REGISTRY.pop(id(g.pg.fsdp_params), None)
+    if not g.pg.is_sharded:
+        g.pg._to_sharded()
+    comm_ = g.pg._reduce_scatter_comm
+    if isinstance(comm_, reduce_scatter.TideReduceScatter):
+        g.pg._reduce_scatter_comm = comm_.previous
+    for p, fp in enumerate(g.pg.fsdp_params):
+        _patches.unpatch_param_free(fp)
+        fp.all_gather_outputs = []
+        if hasattr(fp, "_unsharded_param"):
+            del fp._unsharded_param
+        if g.adopts:
+            all_gather.unadopt_shard(g, p)

@@ -1,0 +1,220 @@
+"""Finding FSDP2 parameter groups, deciding which ones TIDE serves, and planning them.
+
+A group is served by TIDE when it meets the TIDE contract (paper §2, fsdp2.md): dim-0 sharding
+over more than one rank, plain tensors (no ``fsdp_pre_all_gather`` extension, no TP DTensor, no
+CPU offload), one parameter dtype, bf16 or fp32 all-gather, an fp32 reduce dtype, at most 256
+parameters, and a shard group whose ranks are node-major on the topology. Everything else falls
+back to stock FSDP2 with one log line.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+import tide
+from tide_torch import _patches
+
+logger = logging.getLogger("tide_torch")
+
+_DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
+PLAN_OPTIONS = ("w_wave", "k", "n_part", "n_stg", "chunk_bytes", "sum_ctas", "land_ctas")
+
+
+class TideEnableError(RuntimeError):
+    """tide_torch.enable() cannot proceed (message says why and what to do)."""
+
+
+@dataclass(eq=False)
+class TideGroup:
+    """TIDE's view of one FSDPParamGroup: its plan and where its bytes live in the arena."""
+
+    index: int                     # position among the model's FSDP groups (module order)
+    fqn: str
+    pg: Any                        # FSDPParamGroup
+    is_root: bool
+    fallback: str | None = None    # reason when served by stock FSDP2
+    plan: Any = None               # tide Plan (None on fallback)
+    plan_fp32_grads: Any = None    # same group, gradients in the reduce dtype (accumulated)
+    world: int = 1
+    topology: tide.Topology | None = None
+    param_dtype: torch.dtype | None = None   # all-gather / unsharded dtype
+    orig_dtype: torch.dtype | None = None    # sharded (master) dtype
+    reduce_dtype: torch.dtype | None = None
+    shapes: list[tuple[int, ...]] = field(default_factory=list)
+    # Placement (filled by placement.py)
+    slot: str = ""                 # "ring0", "ring1" or "fixed"
+    ring_index: int = -1
+    unsharded_offset: int = -1     # arena byte offset of the group's parameter-major buffer
+    resident_offset: int = -1      # adopted shards (-1: not adopting)
+    stage_offset: int = -1         # receive-stage slot for the mixed-precision cast (-1: no cast)
+    # Runtime views (filled on activation)
+    landing_views: list[torch.Tensor] = field(default_factory=list)
+    input_views: list[torch.Tensor] = field(default_factory=list)
+    resident_views: list[torch.Tensor] = field(default_factory=list)
+    runtime: Any = None
+
+    @property
+    def eligible(self) -> bool:
+        return self.fallback is None
+
+    @property
+    def casts(self) -> bool:
+        return self.param_dtype != self.orig_dtype
+
+    @property
+    def adopts(self) -> bool:
+        return not self.casts
+
+    @property
+    def status(self) -> str:
+        """What ranks compare: same plan hash and slot, or stock."""
+        if self.fallback is not None:
+            return "stock"
+        acc = f"+{self.plan_fp32_grads.hash:016x}" if self.plan_fp32_grads is not None else ""
+        return f"tide:{self.plan.hash:016x}{acc}:{self.slot}"
+
+    def landing_address(self, p: int) -> int:
+        """Planned address of parameter p's unsharded data (rank 0's landing of p, Eq. 2)."""
+        return self.runtime.arena.base_ptr + self.unsharded_offset + self.plan.layout.landing(p, 0)
+
+
+def find_groups(model: nn.Module) -> list[TideGroup]:
+    """All FSDP2 param groups under ``model`` in module (pre-)order, which for sequential models
+    is their forward execution order."""
+    from torch.distributed.fsdp import FSDPModule
+    groups: list[TideGroup] = []
+    seen: set[int] = set()
+    for name, module in model.named_modules():
+        if not isinstance(module, FSDPModule):
+            continue
+        state = module._get_fsdp_state()
+        pg = getattr(state, "_fsdp_param_group", None)
+        if pg is None or id(pg) in seen:
+            continue
+        seen.add(id(pg))
+        groups.append(TideGroup(index=len(groups), fqn=name or "<root>", pg=pg,
+                                is_root=module is model))
+    if not groups:
+        raise TideEnableError(
+            f"tide_torch.enable() found no FSDP2 module in {type(model).__name__}: call "
+            "fully_shard(...) on the model (and its blocks) first, then tide_torch.enable(model)")
+    return groups
+
+
+def resolve_topology(topology: tide.Topology | None, world: int) -> tide.Topology:
+    """Explicit topology, else LOCAL_WORLD_SIZE from the launcher, else one node."""
+    import os
+    if topology is not None:
+        if topology.world != world:
+            raise TideEnableError(
+                f"topology {topology} has {topology.world} ranks but the default process group "
+                f"has {world}")
+        return topology
+    local = os.environ.get("LOCAL_WORLD_SIZE")
+    gpn = int(local) if local else world
+    if gpn <= 0 or world % gpn:
+        raise TideEnableError(f"LOCAL_WORLD_SIZE={local} does not divide the world size {world}")
+    return tide.Topology(nodes=world // gpn, gpus_per_node=gpn)
+
+
+def _group_topology(ranks: list[int], topo: tide.Topology) -> tide.Topology | None:
+    """The shard group's own M x L, when its ranks are node-major on ``topo``; else None."""
+    L = topo.gpus_per_node
+    nodes: dict[int, list[int]] = {}
+    for r in ranks:
+        nodes.setdefault(r // L, []).append(r)
+    per_node = {len(v) for v in nodes.values()}
+    if len(per_node) != 1:
+        return None
+    ordered = [r for n in sorted(nodes) for r in sorted(nodes[n])]
+    if ordered != list(ranks):
+        return None
+    return tide.Topology(nodes=len(nodes), gpus_per_node=per_node.pop())
+
+
+def _why_not(tg: TideGroup, names: dict[int, str]) -> str | None:
+    from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo
+    pg = tg.pg
+    problems = _patches.check_group(pg)
+    if problems:
+        return "; ".join(problems)
+    if not isinstance(pg.mesh_info, FSDPMeshInfo):
+        return "not sharded (replicate-only mesh)"
+    fsdp_params = pg.fsdp_params
+    if len(fsdp_params) == 0:
+        return "no parameters"
+    if len(fsdp_params) > 256:
+        return f"{len(fsdp_params)} parameters (> 256)"
+    tg.world = pg.mesh_info.shard_process_group.size()
+    if tg.world == 1:
+        return "shard world size 1"
+    for fp in fsdp_params:
+        who = names.get(id(fp.sharded_param), "?")
+        if fp.fsdp_placement.dim != 0:
+            return f"{who}: Shard({fp.fsdp_placement.dim}) placement"
+        if hasattr(fp._sharded_local_tensor, "fsdp_pre_all_gather"):
+            return f"{who}: fsdp_pre_all_gather extension"
+        if fp.offload_to_cpu:
+            return "CPU offload"
+        if fp.is_dtensor:
+            return f"{who}: DTensor (tensor-parallel) parameter"
+    orig = {fp.sharded_param.dtype for fp in fsdp_params}
+    if len(orig) != 1:
+        return f"mixed parameter dtypes {sorted(map(str, orig))}"
+    tg.orig_dtype = orig.pop()
+    mp = pg.mp_policy
+    tg.param_dtype = mp.param_dtype or tg.orig_dtype
+    tg.reduce_dtype = mp.reduce_dtype or tg.param_dtype
+    if tg.param_dtype not in (torch.bfloat16, torch.float32) or tg.orig_dtype not in _DTYPE_NAMES:
+        return f"all-gather dtype {tg.param_dtype} (fp16 needs pre-division)"
+    if tg.reduce_dtype != torch.float32:
+        return f"reduce dtype {tg.reduce_dtype} (TIDE-RS reduces into fp32 shards)"
+    return None
+
+
+def plan_group(tg: TideGroup, topo: tide.Topology, mode: str, options: dict[str, int],
+               names: dict[int, str]) -> None:
+    """Fills tg.plan, or tg.fallback with the reason. Never raises for an unsupported group."""
+    reason = _why_not(tg, names)
+    if reason is None:
+        shard_pg = tg.pg.mesh_info.shard_process_group
+        ranks = dist.get_process_group_ranks(shard_pg)
+        tg.topology = _group_topology(ranks, topo)
+        if tg.topology is None:
+            reason = f"shard group ranks {ranks} are not node-major on {topo}"
+    if reason is None:
+        fsdp_params = tg.pg.fsdp_params
+        tg.shapes = [tuple(fp._orig_size) for fp in fsdp_params]
+        sig = tide.GroupSignature(
+            shapes=tg.shapes, ag_dtype=_DTYPE_NAMES[tg.param_dtype],
+            grad_dtype=_DTYPE_NAMES[tg.param_dtype], shard_dtype=_DTYPE_NAMES[tg.orig_dtype],
+            names=tuple(names.get(id(fp.sharded_param), "") for fp in fsdp_params))
+        try:
+            tg.plan = tide.plan(sig, tg.topology, mode=mode, **options)
+            if tg.casts:
+                # Gradients accumulated without sync arrive in the reduce dtype (fp32): a second
+                # plan with fp32 gradients keeps those reduce-scatters on TIDE-RS.
+                acc = dataclasses.replace(sig, grad_dtype=_DTYPE_NAMES[tg.reduce_dtype])
+                tg.plan_fp32_grads = tide.plan(acc, tg.topology, mode=mode, **options)
+        except tide.PlanError as e:
+            reason = f"plan: {e}"
+        else:
+            for p, fp in enumerate(fsdp_params):
+                R = tg.plan.layout.params[p].R
+                if fp.padded_sharded_param_size[0] != R:
+                    reason = (f"{names.get(id(fp.sharded_param), p)}: FSDP2 pads to "
+                              f"{fp.padded_sharded_param_size[0]} rows, the plan to {R}")
+                    break
+    if reason is not None:
+        tg.fallback = reason
+        tg.plan = tg.plan_fp32_grads = None
+
+
+def log_fallback(tg: TideGroup) -> None:
+    logger.warning("tide_torch: group %s uses stock FSDP2 collectives: %s", tg.fqn, tg.fallback)

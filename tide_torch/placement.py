@@ -1,0 +1,133 @@
+"""Position-aware ring slots, ring-tail folding, and the arena byte layout (App. F).
+
+Under FSDP2's default prefetch depth of 1 at most two resharding groups are unsharded at once, so
+ring group g (in execution order) lands in slot g mod 2 and each slot is sized for the groups
+assigned to it, not for the global maximum. The final group that does not reshard after forward
+is live only across the forward/backward turn-around and alternates with its predecessor, so it
+is folded into the ring (ring-tail folding). The root group (live for the whole step), other
+non-resharding groups and groups that do not reshard after backward get ``fixed`` storage of
+their own; ``enable(..., ring=False)`` gives every group fixed storage.
+
+The runtime checks the assumption at every landing (``Runtime.acquire_slot``): landing into a
+slot whose previous group is still unsharded raises instead of corrupting parameters.
+"""
+from __future__ import annotations
+
+import tide
+from tide_torch.arena import Arena, align_up
+from tide_torch.groups import TideGroup
+
+
+def _unsharded_bytes(tg: TideGroup) -> int:
+    return tg.plan.layout.S * tg.plan.layout.N
+
+
+def _reshards_after_forward(tg: TideGroup) -> bool:
+    return tg.pg.post_forward_mesh_info is not None
+
+
+def assign(groups: list[TideGroup], use_ring: bool = True) -> dict[str, int]:
+    """Assigns slots and byte offsets to eligible groups; returns the arena region sizes.
+    ``use_ring=False`` gives every group fixed storage (no slot sharing)."""
+    served = [g for g in groups if g.eligible]
+    # Groups that stay unsharded after backward (gradient accumulation without resharding) are
+    # live across the step boundary: never in the ring.
+    candidates = [g for g in served
+                  if use_ring and not g.is_root and g.pg.reshard_after_backward]
+    ring = [g for g in candidates if _reshards_after_forward(g)]
+    tail = [g for g in candidates if not _reshards_after_forward(g)]
+    # Ring-tail folding: the last non-resharding non-root group, if it is the last served group.
+    if tail and served and tail[-1] is served[-1]:
+        ring.append(tail.pop())
+    for k, g in enumerate(sorted(ring, key=lambda g: g.index)):
+        g.ring_index, g.slot = k, f"ring{k % 2}"
+    fixed = [g for g in served if g.slot == ""]
+    for g in fixed:
+        g.slot = "fixed"
+
+    sizes = {"ring0": 0, "ring1": 0, "fixed": 0, "resident": 0, "stage": 0}
+    # The planner's position-aware sizing: slot s holds the largest group g with g mod 2 = s.
+    ring_order = sorted((g for g in served if g.slot != "fixed"), key=lambda g: g.ring_index)
+    if ring_order:
+        slots = tide._core.ag_ring_slot_bytes([align_up(_unsharded_bytes(g)) for g in ring_order])
+        sizes["ring0"], sizes["ring1"] = int(slots[0]), int(slots[1])
+    stage_slot = 0
+    for g in served:
+        if g.slot == "fixed":
+            g.unsharded_offset = sizes["fixed"]
+            sizes["fixed"] += align_up(_unsharded_bytes(g))
+        else:
+            g.unsharded_offset = 0
+        if g.adopts:
+            g.resident_offset = sizes["resident"]
+            sizes["resident"] += align_up(g.plan.layout.S)
+        else:
+            stage_slot = max(stage_slot, align_up(g.plan.layout.S))
+    sizes["stage"] = 2 * stage_slot
+    # TIDE-RS scratch (staging/outbox/inbox/spare/counters): reduce-scatters run one group at a
+    # time in collective order, so one set sized for the largest group serves all of them.
+    for name in EXECUTOR_REGIONS:
+        sizes[name] = max((_plan_region_bytes(g.plan, name) for g in served), default=0)
+    return sizes
+
+
+EXECUTOR_REGIONS = ("staging", "outbox", "inbox", "spare", "counters")
+
+
+def _plan_region_bytes(plan, name: str) -> int:
+    try:
+        return int(plan.region(name)[1])
+    except (AttributeError, KeyError, ValueError, TypeError):
+        return 0  # planner without this region
+
+
+def bind(groups: list[TideGroup], arena: Arena) -> None:
+    """Turns region-relative offsets into arena offsets and builds each group's views."""
+    stage = arena.region("stage")
+    half = stage.nbytes // 2
+    for g in groups:
+        if not g.eligible:
+            continue
+        region = arena.region(g.slot)
+        g.unsharded_offset += region.offset
+        layout = g.plan.layout
+        N = layout.N
+        g.landing_views = []
+        for p, pl in enumerate(layout.params):
+            # Parameter-major: p's padded unsharded tensor starts at o_p*N (Eq. 2, r = 0).
+            g.landing_views.append(
+                arena.view(g.unsharded_offset + layout.landing(p, 0), N * pl.e, g.param_dtype))
+        if g.adopts:
+            g.resident_offset += arena.region("resident").offset
+            g.resident_views = [arena.view(g.resident_offset + pl.o, pl.e, g.orig_dtype)
+                                for pl in layout.params]
+            g.input_views = g.resident_views
+        else:
+            # [Note: stage parity] consecutive groups use different stage slots, so the cast of
+            # the next group never writes the slot the current all-gather still reads.
+            parity = (g.ring_index if g.ring_index >= 0 else g.index) % 2
+            g.stage_offset = stage.offset + parity * half
+            g.input_views = [arena.flat(g.stage_offset + pl.o, pl.e, g.param_dtype)
+                             for pl in layout.params]
+
+
+def region_summary(groups: list[TideGroup], arena: Arena) -> dict:
+    out = {"arena_bytes": arena.nbytes, "regions": arena.describe(), "groups": {}}
+    stock_ag = 0
+    for g in groups:
+        if not g.eligible:
+            continue
+        ns = _unsharded_bytes(g)
+        stock_ag += ns
+        out["groups"][g.fqn] = {
+            "slot": g.slot, "unsharded_bytes": ns, "S": g.plan.layout.S,
+            "rs_output_bytes": g.plan.layout.S_fp32, "stock_rs_input_bytes": g.plan.layout.B_pack,
+        }
+        model = getattr(g.plan, "memory", None)
+        if model is not None:
+            m = model()
+            out["groups"][g.fqn].update(
+                {k: m[k] for k in ("live_tide_ns", "live_fsdp2_ns", "area_rs_ns") if k in m})
+    out["stock_unsharded_bytes"] = stock_ag
+    return out
+
