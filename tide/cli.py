@@ -208,16 +208,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    import tide
-    from tide import models
-
-    topo = tide.Topology(8, 8)
-    for group in ("block", "largest"):
-        sig = models.signature("llama3.1-70b", group)
-        title = f"llama3.1-70b / {group}"
-        print(format_plan(tide.plan(sig, topo, mode="in_place"), title, max_params=9))
-        print()
-    return 0
+    from tide import demo
+    return demo.main()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -225,7 +217,8 @@ def main(argv: list[str] | None = None) -> int:
     sub = ap.add_subparsers(dest="cmd", required=True)
     pp = sub.add_parser("plan", help="plan a parameter group and print the memory model")
     _add_plan_args(pp)
-    sub.add_parser("demo", help="the main job: the planner's view of Llama-3.1-70B on 8x8 GPUs")
+    sub.add_parser("demo", help="the main job: TIDE-AG/RS on a virtual cluster, checked; "
+                   "the planner's view of Llama-3.1-70B on 8x8 GPUs")
     bp = sub.add_parser("bench", help="benchmarks: TIDE and the stock path side by side",
                         add_help=False)
     bp.add_argument("which", choices=["layout"], help="layout: one GPU, N virtual ranks")
