@@ -70,15 +70,33 @@ class VirtualCluster:
             raise _core.PlanError(f"plan is for {plan.nodes}x{plan.gpus_per_node} ranks, this cluster is "
                                   f"{self.topo.nodes}x{self.topo.gpus_per_node}")
 
+    def _checking(self) -> bool:
+        return bool(self.check or (self.check is None and self.world <= 64))
+
+    def _checked(self, progs):
+        """Runs the static checker (I1-I4) on a new program set before its first use."""
+        if self._checking():
+            ok, errors = progs.check(2)
+            if not ok:
+                raise _core.Error("TIDE static checker rejected the program: " + "; ".join(errors))
+        return progs
+
+    def _rs_banks(self, plan, build, scale, accumulate: bool, expert_lane: bool):
+        """The RS program sets of the two outbox banks (bank b serves calls with seq % 2 == b),
+        checked over three calls with the banks alternating, as they run."""
+        banks = tuple(build(plan, bank=b, alpha=float(scale), accumulate=accumulate,
+                            expert_lane=expert_lane) for b in (0, 1))
+        if self._checking():
+            ok, errors = _core.check_calls([[(banks[s % 2], s) for s in (1, 2, 3)]] * self.world)
+            if not ok:
+                raise _core.Error("TIDE static checker rejected the RS program: " + "; ".join(errors))
+        return banks
+
     def _programs(self, plan, key, build):
         st = self._groups.get(plan.hash)
         progs = st.programs.get(key) if st else None
         if progs is None:
-            progs = build()
-            if self.check or (self.check is None and self.world <= 64):
-                ok, errors = progs.check(2)
-                if not ok:
-                    raise _core.Error("TIDE static checker rejected the program: " + "; ".join(errors))
+            progs = self._checked(build())
             if st is None:
                 arena = _core.CpuArena(self.world, progs, self.ranks_as == "processes")
                 st = self._groups[plan.hash] = _GroupState(arena)
@@ -187,13 +205,7 @@ class VirtualCluster:
         key = ("rs", float(scale), accumulate is not None, expert_lane)
         banks = st.programs.get(key) if st else None
         if banks is None:
-            banks = tuple(build(plan, bank=b, alpha=float(scale), accumulate=accumulate is not None,
-                                expert_lane=expert_lane) for b in (0, 1))
-            if self.check or (self.check is None and N <= 64):
-                # three calls with the banks alternating, as they run (b = seq mod 2)
-                ok, errors = _core.check_calls([[(banks[s % 2], s) for s in (1, 2, 3)]] * N)
-                if not ok:
-                    raise _core.Error("TIDE static checker rejected the RS program: " + "; ".join(errors))
+            banks = self._rs_banks(plan, build, scale, accumulate is not None, expert_lane)
             if st is None:
                 arena = _core.CpuArena(N, banks[0], self.ranks_as == "processes")
                 st = self._rs_groups[gkey] = _GroupState(arena)

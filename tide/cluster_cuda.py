@@ -59,11 +59,7 @@ class CudaVirtualCluster(VirtualCluster):
         g = self._cuda_groups.get(plan.hash)
         progs = g.programs.get(key) if g else None
         if progs is None:
-            progs = build()
-            if self.check or (self.check is None and self.world <= 64):
-                ok, errors = progs.check(2)
-                if not ok:
-                    raise _core.Error("TIDE static checker rejected the program: " + "; ".join(errors))
+            progs = self._checked(build())
             if g is None:
                 fabric = _core.CudaFabric([self.device] * self.world, _core.cuda_arena_total(progs))
                 g = self._cuda_groups[plan.hash] = _CudaGroup(fabric)
@@ -188,12 +184,7 @@ class CudaVirtualCluster(VirtualCluster):
         key = ("rs", float(scale), accumulate is not None, expert_lane)
         banks = g.programs.get(key) if g else None
         if banks is None:
-            banks = tuple(build(plan, bank=b, alpha=float(scale), accumulate=accumulate is not None,
-                                expert_lane=expert_lane) for b in (0, 1))
-            if self.check or (self.check is None and N <= 64):
-                ok, errors = _core.check_calls([[(banks[s % 2], s) for s in (1, 2, 3)]] * N)
-                if not ok:
-                    raise _core.Error("TIDE static checker rejected the RS program: " + "; ".join(errors))
+            banks = self._rs_banks(plan, build, scale, accumulate is not None, expert_lane)
             if g is None:
                 fabric = _core.CudaFabric([self.device] * N, _core.cuda_arena_total(banks[0]))
                 g = self._cuda_groups[gkey] = _CudaGroup(fabric)
