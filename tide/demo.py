@@ -27,6 +27,17 @@ def small_llama_block(hidden: int = 192, kv: int = 48, mlp: int = 520) -> tide.G
     return tide.GroupSignature(shapes=shapes, names=names)
 
 
+def _np(x) -> np.ndarray:
+    """numpy view of an executor output (numpy on the CPU cluster, torch CUDA on the GPU one)."""
+    if hasattr(x, "detach"):  # torch tensor: move to host, keep bf16 bits through int16
+        import torch
+        t = x.detach().cpu()
+        if t.dtype == torch.bfloat16:
+            return t.view(torch.int16).numpy().view(BF16)
+        return t.numpy()
+    return np.asarray(x)
+
+
 def _backend() -> str:
     return "cuda" if _core.cuda_available() else "cpu"
 
@@ -82,7 +93,7 @@ def run(topo: tide.Topology | None = None, seed: int = 0) -> dict:
         t0 = time.perf_counter()
         full = vc.all_gather(plan, shards)
         t_ag = time.perf_counter() - t0
-        ag_ok = all(np.array_equal(np.asarray(full[r][p]).view(np.uint16),
+        ag_ok = all(np.array_equal(_np(full[r][p]).view(np.uint16),
                                    params[p].view(np.uint16))
                     for r in range(N) for p in range(len(params)))
         # TIDE-RS, (1) standard-normal bf16 gradients against an fp64 reference.
@@ -92,14 +103,14 @@ def run(topo: tide.Topology | None = None, seed: int = 0) -> dict:
         outs = vc.reduce_scatter(plan, grads, scale=scale)
         t_rs = time.perf_counter() - t0
         ref = _rs_reference(plan, grads, scale)
-        err = max(float(np.max(np.abs(np.asarray(o, np.float64) - y))) / max(1.0, float(np.max(np.abs(y))))
+        err = max(float(np.max(np.abs(_np(o).astype(np.float64) - y))) / max(1.0, float(np.max(np.abs(y))))
                   for o, y in zip(outs, ref))
         # (2) integer gradients: every partial sum exact, so the result must equal the plain
         # fp32 sum bit for bit.
         igrads = [[rng.integers(-64, 64, size=s).astype(BF16) for s in sig.shapes] for _ in range(N)]
         iouts = vc.reduce_scatter(plan, igrads, scale=1.0)
         iref = _rs_reference(plan, igrads, 1.0)
-        exact = all(np.array_equal(np.asarray(o, np.float32), y.astype(np.float32))
+        exact = all(np.array_equal(_np(o).astype(np.float32), y.astype(np.float32))
                     for o, y in zip(iouts, iref))
         res[mode] = dict(ag_bitexact=ag_ok, rs_rel_err=err, rs_int_bitexact=exact)
         print(f"  {mode:10s} AG bit-exact on all {N} ranks: {'yes' if ag_ok else 'NO'} "
