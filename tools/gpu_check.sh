@@ -80,7 +80,7 @@ if [[ ${R[build]} == ok ]]; then
   fi
 
   # ---- 3. kernel tests --------------------------------------------------------------------------
-  timeout 240 $PY -m pytest -q -p no:cacheprovider tests/test_cuda_kernels.py -rs --timeout=120 2>&1 \
+  timeout 240 $PY -m pytest -q -p no:cacheprovider tests/test_cuda_kernels.py -rs --timeout=90 --timeout-method=thread 2>&1 \
     | tee "$OUT/tests.log"
   R[tests_kernels]=$(tail -1 "$OUT/tests.log")
 
@@ -94,13 +94,20 @@ if [[ ${R[build]} == ok ]]; then
 
   # ---- 5. executor tests (bitwise vs the CPU executor, faults); need the planner -------------------
   if [[ " $SKIP " != *" executor "* && ${R[plan_smoke]} == ok ]]; then
-    timeout 240 $PY -m pytest -q -p no:cacheprovider -x tests/test_cuda_executor.py -rs --timeout=120 2>&1 \
+    timeout 240 $PY -m pytest -q -p no:cacheprovider -x tests/test_cuda_executor.py -rs --timeout=90 --timeout-method=thread 2>&1 \
       | tee -a "$OUT/tests.log"
     R[tests_executor]=$(tail -1 "$OUT/tests.log")
   else
     R[tests_executor]="not run (plan smoke: ${R[plan_smoke]})"
   fi
   t4=$(date +%s); R[tests_s]=$((t4 - t3))
+
+  # ---- 5b. the main job on the GPU (README's first command picks the CUDA backend here) -----------
+  if [[ " $SKIP " != *" demo "* && ${R[plan_smoke]} == ok ]]; then
+    timeout 120 $PY -m tide demo >"$OUT/demo.log" 2>&1
+    R[demo]="rc=$? $(grep -E 'Agreement check' "$OUT/demo.log" | tr -d '=' | xargs)"
+    head -4 "$OUT/demo.log"
+  fi
 
   # ---- 6. compute-sanitizer (small case, no framework) ------------------------------------------
   if [[ " $SKIP " != *" sanitize "* ]] && command -v compute-sanitizer >/dev/null; then
@@ -117,7 +124,7 @@ fi
 # ---- summary (last) ----------------------------------------------------------------------------
 echo
 echo "================ gpu_check summary ($(date -u +%FT%TZ)) ================"
-for k in build ptxas libstdcxx_in_core build_s plan_smoke tests_kernels bench bench_s tests_executor tests_s \
+for k in build ptxas libstdcxx_in_core build_s plan_smoke tests_kernels bench bench_s tests_executor tests_s demo \
          sanitize_memcheck sanitize_racecheck; do
   [[ -n "${R[$k]:-}" ]] && printf '%-20s %s\n' "$k" "${R[$k]}"
 done
