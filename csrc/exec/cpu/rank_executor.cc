@@ -56,8 +56,11 @@ ArenaSpec layout_from(const RegionTable& regions, int64_t limit, const char* who
 
 // Every arena kind a program touches (its ops' buffer references), and the peers whose arenas
 // it writes.
-void used_kinds(const Program& pr, bool used[kNumBufKinds], bool* uses_counters, std::vector<int>* writes) {
-  auto note = [&](const BufRef& b) { used[static_cast<int>(b.kind)] = true; };
+void used_kinds(const Program& pr, int64_t need[kNumBufKinds], bool* uses_counters, std::vector<int>* writes) {
+  auto note = [&](const BufRef& b) {
+    auto& n = need[static_cast<int>(b.kind)];
+    n = std::max(n, b.end());
+  };
   auto wrote = [&](const BufRef& b) {
     if (!is_user_buffer(b.kind) && b.rank != pr.rank &&
         std::find(writes->begin(), writes->end(), b.rank) == writes->end())
@@ -160,11 +163,13 @@ void RankExecutor::run(const std::vector<Program>& progs, int64_t seq, const Ran
   view.base = bases_;
   view.spec = use_program_layout ? mine.arena : layout_;
   // Regions the program touches must exist and fit the segment; counters likewise.
-  bool used[kNumBufKinds] = {}, uses_counters = false;
+  int64_t need[kNumBufKinds];
+  std::fill(need, need + kNumBufKinds, int64_t{-1});
+  bool uses_counters = false;
   std::vector<int> writes;
-  used_kinds(mine, used, &uses_counters, &writes);
+  used_kinds(mine, need, &uses_counters, &writes);
   for (int k = 4; k < kNumBufKinds; ++k) {
-    if (!used[k]) continue;
+    if (need[k] < 0) continue;
     const char* name = buf_kind_name(static_cast<BufKind>(k));
     if (view.spec.offset[k] < 0)
       throw Error(TIDE_STR_CAT("RankExecutor: rank ", rank_, "'s program (group ", mine.group,
@@ -172,6 +177,9 @@ void RankExecutor::run(const std::vector<Program>& progs, int64_t seq, const Ran
     TIDE_PLAN_CHECK(view.spec.offset[k] + view.spec.bytes[k] <= segment_bytes_, "RankExecutor: region '", name,
                     "' [", view.spec.offset[k], ", ", view.spec.offset[k] + view.spec.bytes[k],
                     ") does not fit the ", segment_bytes_, "-byte segment");
+    if (need[k] > view.spec.bytes[k])
+      throw Error(TIDE_STR_CAT("RankExecutor: rank ", rank_, "'s program (group ", mine.group, ") addresses ",
+                               need[k], " bytes of arena region '", name, "', which has ", view.spec.bytes[k]));
   }
   if (uses_counters || (fence_ && !writes.empty())) {
     if (view.spec.counters_offset < 0)
