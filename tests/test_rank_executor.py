@@ -32,7 +32,13 @@ def layout_for(plans, counters=3 * 4096, fixed=0):
     """A caller's arena layout (not the planner's order): every region sized for the largest plan,
     plus a 'fixed' region and a counters region for several counter bases."""
     names = ["counters", "inbox", "stage", "ring1", "resident", "outbox", "ring0", "spare", "staging"]
-    size = {n: max(p.region(n)[1] for p in plans) for n in names if n != "counters"}
+    def nbytes(plan, n):
+        try:
+            return plan.region(n)[1]
+        except _core.Error:  # e.g. no 'resident' with a cast
+            return 0
+
+    size = {n: max(nbytes(p, n) for p in plans) for n in names if n != "counters"}
     size["counters"] = 8 * counters
     size["fixed"] = fixed
     regions, off = {}, ALIGN  # leave a gap at the segment start
@@ -42,8 +48,8 @@ def layout_for(plans, counters=3 * 4096, fixed=0):
     return regions, off
 
 
-def ag_inputs(plan, N, seq):
-    return shard(make_fulls(SHAPES, "int", 100 + seq), plan, N)
+def ag_inputs(plan, N, seq, cast=False):
+    return shard(make_fulls(SHAPES, "int", 100 + seq, np.float32 if cast else BF16), plan, N)
 
 
 def rs_inputs(plan, N, seq):
@@ -53,13 +59,13 @@ def rs_inputs(plan, N, seq):
             for _ in range(N)]
 
 
-def reference(topo, plan):
+def reference(topo, plan, cast=False):
     """Landing bytes and RS outputs per (seq, rank) from tide.VirtualCluster."""
     vc = tide.VirtualCluster(topo)
     N = topo.nodes * topo.gpus_per_node
     lands, outs = {}, {}
     for seq in range(1, CALLS + 1):
-        vc.all_gather(plan, ag_inputs(plan, N, seq))
+        vc.all_gather(plan, ag_inputs(plan, N, seq, cast))
         for r in range(N):
             raw = np.empty(plan.layout.S * N, dtype=np.uint8)
             vc.arena(plan).read(r, KIND["ring0"], 0, raw)
@@ -80,11 +86,15 @@ def make_segment(nbytes):
         os.close(fd)
 
 
-def rank_main(rank, M, L, nbytes, regions, names_q, peers_q, barrier, results, dead, timeout_s, fence):
+def make_rank_plan(M, L, cast):
+    return make_plan(M, L, shard_dtype="float32" if cast else None)
+
+
+def rank_main(rank, M, L, nbytes, regions, names_q, peers_q, barrier, results, dead, timeout_s, fence, cast):
     """One rank: its own segment, its own programs, seq 1..CALLS of AG then RS."""
     name = None
     try:
-        topo, plan = make_plan(M, L)
+        topo, plan = make_rank_plan(M, L, cast)
         N = M * L
         name, mm = make_segment(nbytes)
         arena = np.frombuffer(mm, dtype=np.uint8)
@@ -99,18 +109,21 @@ def rank_main(rank, M, L, nbytes, regions, names_q, peers_q, barrier, results, d
             results.put((rank, "dead", None))
             return
         lay = plan.layout
-        ag = _core.build_ag_programs(plan, ring_slot=0, resident=True, arena=regions,
+        ag = _core.build_ag_programs(plan, ring_slot=0, resident=not cast, arena=regions,
                                      landing_region="ring0", landing_offset=0, counter_base=0)
         rs = {b: _core.build_rs_programs(plan, bank=b, alpha=ALPHA, accumulate=False, arena=regions,
                                          counter_base=4096) for b in (0, 1)}
         ring0, resident = regions["ring0"][0], regions["resident"][0]
         for seq in range(1, CALLS + 1):
-            for p, x in enumerate(ag_inputs(plan, N, seq)[rank]):  # in-place adoption
-                b = np.ascontiguousarray(x).view(np.uint8).reshape(-1)
-                arena[resident + lay.params[p].o: resident + lay.params[p].o + b.size] = b
+            shards = [np.ascontiguousarray(x) for x in ag_inputs(plan, N, seq, cast)[rank]]
+            if not cast:  # in-place adoption: the shards live in the resident region
+                for p, x in enumerate(shards):
+                    b = x.view(np.uint8).reshape(-1)
+                    arena[resident + lay.params[p].o: resident + lay.params[p].o + b.size] = b
+            ag_binds = [(KIND["shard"], p, x.ctypes.data, x.nbytes) for p, x in enumerate(shards)] if cast else []
             t0 = time.monotonic()
             try:
-                ex.run(ag, seq, [])
+                ex.run(ag, seq, ag_binds)
             except tide.TimeoutError as e:
                 results.put((rank, "timeout", (str(e), time.monotonic() - t0)))
                 return
@@ -129,8 +142,8 @@ def rank_main(rank, M, L, nbytes, regions, names_q, peers_q, barrier, results, d
             _posixshmem.shm_unlink(name)
 
 
-def run_ranks(M, L, dead_rank=-1, timeout_s=10.0, fence=True):
-    topo, plan = make_plan(M, L)
+def run_ranks(M, L, dead_rank=-1, timeout_s=10.0, fence=True, cast=False):
+    topo, plan = make_rank_plan(M, L, cast)
     N = M * L
     regions, nbytes = layout_for([plan])
     ctx = mp.get_context("fork")
@@ -138,7 +151,8 @@ def run_ranks(M, L, dead_rank=-1, timeout_s=10.0, fence=True):
     peers_qs = [ctx.Queue() for _ in range(N)]
     barrier = ctx.Barrier(N)
     procs = [ctx.Process(target=rank_main, args=(r, M, L, nbytes, regions, names_q, peers_qs[r], barrier,
-                                                 results, r == dead_rank, timeout_s, fence)) for r in range(N)]
+                                                 results, r == dead_rank, timeout_s, fence, cast))
+             for r in range(N)]
     for p in procs:
         p.start()
     names = dict(names_q.get(timeout=30) for _ in range(N))
@@ -164,10 +178,10 @@ def run_ranks(M, L, dead_rank=-1, timeout_s=10.0, fence=True):
     return topo, plan, got
 
 
-@pytest.mark.parametrize("M,L", [(2, 2), (4, 1)])
-def test_ranks_as_processes_match_the_virtual_cluster(M, L):
-    topo, plan, got = run_ranks(M, L)
-    lands, outs = reference(topo, plan)
+@pytest.mark.parametrize("M,L,cast", [(2, 2, False), (4, 1, False), (2, 2, True)])
+def test_ranks_as_processes_match_the_virtual_cluster(M, L, cast):
+    topo, plan, got = run_ranks(M, L, cast=cast)
+    lands, outs = reference(topo, plan, cast)
     calls = [g for g in got if g[1] == "call"]
     assert len(calls) == M * L * CALLS
     for rank, _, (seq, land, out) in calls:
@@ -279,5 +293,6 @@ def test_missing_region_is_named():
 def test_counter_base_without_arena_keeps_the_virtual_cluster_working():
     topo, plan = make_plan(2, 2)
     progs = _core.build_ag_programs(plan, counter_base=100)
+    assert progs.num_counters == 100 + _core.build_ag_programs(plan).num_counters
     ok, errors = progs.check(2)
     assert ok, errors

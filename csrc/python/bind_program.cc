@@ -6,6 +6,7 @@
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 
+#include <algorithm>
 #include <memory>
 
 #include "python/bind_common.h"
@@ -65,6 +66,11 @@ void bind_program(nb::module_& m) {
         return v;
       })
       .def_prop_ro("arena_bound", [](const ProgramSet& s) { return s.arena_bound; })
+      .def_prop_ro("num_counters", [](const ProgramSet& s) {  // counter_base included
+        int n = 0;
+        for (const auto& p : s.progs) n = std::max(n, p.num_counters);
+        return n;
+      })
       .def("arena_bytes", [](const ProgramSet& s) { return s.progs.at(0).arena.total; })
       .def("ag_stats", [](const ProgramSet& s, int r) {
         auto st = ag_program_stats(s.progs.at(r));
