@@ -284,6 +284,10 @@ def test_missing_region_is_named():
     small = dict(regions, stage=(regions["inbox"][0], 16))
     with pytest.raises(_core.Error, match=r"addresses \d+ bytes of arena region 'stage', which has 16"):
         ex.run(_core.build_ag_programs(plan, arena=small), 1, [])
+    other = dict(regions, stage=(regions["inbox"][0], 1 << 16),
+                 counters=(regions["counters"][0], regions["counters"][1] // 2))
+    with pytest.raises(_core.PlanError, match="bound to a 'counters' region"):
+        ex.run(_core.build_ag_programs(plan, arena=other), 1, [])
     with pytest.raises(_core.PlanError, match="region 'nowhere' is not in arena"):
         _core.build_ag_programs(plan, arena=regions, landing_region="nowhere")
     with pytest.raises(_core.Error, match="cannot open rank 0's arena segment '/tide_no_such'"):

@@ -10,6 +10,7 @@
 #include <cerrno>
 #include <chrono>
 #include <cstring>
+#include <mutex>
 #include <thread>
 
 #include "exec/cpu/internal.h"
@@ -158,10 +159,17 @@ void RankExecutor::run(const std::vector<Program>& progs, int64_t seq, const Ran
                   "RankExecutor.run: the program is for ", mine.topo.nodes, "x", mine.topo.gpus_per_node,
                   " ranks, this executor is ", topo_.nodes, "x", topo_.gpus_per_node);
 
+  std::lock_guard<std::mutex> lock(mu_);  // one run at a time (the run-wide state is per executor)
   ArenaView view;
   view.nranks = N;
   view.base = bases_;
   view.spec = use_program_layout ? mine.arena : layout_;
+  if (use_program_layout)
+    TIDE_PLAN_CHECK(view.spec.counters_offset == layout_.counters_offset &&
+                        view.spec.counters_bytes == layout_.counters_bytes,
+                    "RankExecutor.run: the programs were bound to a 'counters' region [", view.spec.counters_offset,
+                    ", +", view.spec.counters_bytes, ") other than this executor's [", layout_.counters_offset, ", +",
+                    layout_.counters_bytes, ")");
   // Regions the program touches must exist and fit the segment; counters likewise.
   int64_t need[kNumBufKinds];
   std::fill(need, need + kNumBufKinds, int64_t{-1});

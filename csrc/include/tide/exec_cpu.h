@@ -26,6 +26,7 @@
 #include <atomic>
 #include <cstdint>
 #include <map>
+#include <mutex>
 #include <string>
 #include <utility>
 #include <vector>
@@ -154,6 +155,7 @@ class RankExecutor {
   std::vector<bool> owned_;  // mapped here (munmap at destruction)
   ArenaSpec layout_;         // from `regions`; absent regions have offset -1
   std::vector<uint8_t> shared_mem_;  // this process's run-wide state (abort flag, first error)
+  std::mutex mu_;
 };
 
 // Arena-aware program options (the FSDP2 adapter's layout):
