@@ -300,3 +300,45 @@ def test_counter_base_without_arena_keeps_the_virtual_cluster_working():
     assert progs.num_counters == 100 + _core.build_ag_programs(plan).num_counters
     ok, errors = progs.check(2)
     assert ok, errors
+
+
+def test_sub_groups_run_with_ranks():
+    """HSDP: shard groups {0, 2} and {1, 3} of a 2 x 2 world each run a 2 x 1 plan (ranks=)."""
+    M, L, N = 2, 2, 4
+    topo_g, plan = make_plan(2, 1)
+    regions, nbytes = layout_for([plan])
+    arenas = [np.zeros(nbytes, dtype=np.uint8) for _ in range(N)]
+    exs = [_core.RankExecutor(r, M, L, [a.ctypes.data for a in arenas], nbytes, regions=regions, timeout_s=10)
+           for r in range(N)]
+    ag = _core.build_ag_programs(plan, resident=False, arena=regions)
+    groups = [[0, 2], [1, 3]]
+    ins = {g: shard(make_fulls(SHAPES, "int", 7 + g), plan, 2) for g in range(2)}
+    errors = []
+
+    def rank_calls(r):
+        try:
+            g = r % 2
+            mine = [np.ascontiguousarray(x) for x in ins[g][groups[g].index(r)]]
+            exs[r].run(ag, 1, [(KIND["shard"], p, x.ctypes.data, x.nbytes) for p, x in enumerate(mine)],
+                       ranks=groups[g])
+        except Exception as e:  # noqa: BLE001
+            errors.append(e)
+
+    threads = [threading.Thread(target=rank_calls, args=(r,)) for r in range(N)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    NS, ring0 = plan.layout.S * 2, regions["ring0"][0]
+    for g in range(2):
+        vc = tide.VirtualCluster(topo_g)
+        vc.all_gather(plan, ins[g], resident=False)
+        for i, r in enumerate(groups[g]):
+            raw = np.empty(NS, dtype=np.uint8)
+            vc.arena(plan).read(i, KIND["ring0"], 0, raw)
+            assert arenas[r][ring0: ring0 + NS].tobytes() == raw.tobytes(), (g, r)
+    with pytest.raises(_core.PlanError, match="pass ranks= for a sub-group"):
+        exs[0].run(ag, 2, [])
+    with pytest.raises(_core.PlanError, match="rank 0 is not in ranks"):
+        exs[0].run(ag, 2, [], ranks=[1, 3])

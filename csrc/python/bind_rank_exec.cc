@@ -59,7 +59,8 @@ void bind_rank_exec(nb::module_& m) {
         TIDE_PLAN_CHECK(r >= 0 && r < ex.world(), "rank ", r, " out of range");
         return reinterpret_cast<uintptr_t>(ex.segment(r));
       }, nb::arg("rank"))
-      .def("run", [](RankExecutor& ex, std::shared_ptr<ProgramSet> ps, int64_t seq, const nb::list& bindings) {
+      .def("run", [](RankExecutor& ex, std::shared_ptr<ProgramSet> ps, int64_t seq, const nb::list& bindings,
+                     nb::object ranks) {
         RankBindings b;
         for (auto item : bindings) {
           auto t = nb::cast<nb::tuple>(item);
@@ -69,9 +70,13 @@ void bind_rank_exec(nb::module_& m) {
           b.bind(static_cast<BufKind>(kind), nb::cast<int>(t[1]), reinterpret_cast<void*>(nb::cast<uintptr_t>(t[2])),
                  nb::cast<int64_t>(t[3]));
         }
+        std::vector<int> members;
+        if (!ranks.is_none())
+          for (auto r : ranks) members.push_back(nb::cast<int>(r));
         nb::gil_scoped_release release;
-        ex.run(ps->progs, seq, b, ps->arena_bound);
-      }, nb::arg("programs"), nb::arg("seq"), nb::arg("bindings") = nb::list(),
+        ex.run(ps->progs, seq, b, ps->arena_bound, ranks.is_none() ? nullptr : &members);
+      }, nb::arg("programs"), nb::arg("seq"), nb::arg("bindings") = nb::list(), nb::arg("ranks") = nb::none(),
          "Runs this rank's program of `programs` for call `seq`; returns when it is done. bindings: "
-         "[(buf_kind, index, data_ptr, nbytes), ...] for shard[p], grad[p], out (index -1).");
+         "[(buf_kind, index, data_ptr, nbytes), ...] for shard[p], grad[p], out (index -1). ranks: the "
+         "global ranks of a sub-group whose programs these are (group rank i = ranks[i]).");
 }

@@ -148,21 +148,38 @@ void RankExecutor::unmap_all() {
 }
 
 void RankExecutor::run(const std::vector<Program>& progs, int64_t seq, const RankBindings& bindings,
-                       bool use_program_layout) {
-  const int N = world();
+                       bool use_program_layout, const std::vector<int>* ranks) {
+  // The program set's ranks: every rank of the executor, or a sub-group (HSDP shard group) whose
+  // group rank i is global rank (*ranks)[i]. Programs number ranks within their group.
+  std::vector<int> members;
+  if (ranks) {
+    members = *ranks;
+  } else {
+    for (int r = 0; r < world(); ++r) members.push_back(r);
+  }
+  const int N = static_cast<int>(members.size());
   TIDE_PLAN_CHECK(static_cast<int>(progs.size()) == N, "RankExecutor.run: a program set of ", progs.size(),
-                  " programs for ", N, " ranks");
+                  " programs for ", N, " ranks", ranks ? "" : " (pass ranks= for a sub-group's programs)");
   TIDE_PLAN_CHECK(seq >= 1, "RankExecutor.run: seq must be >= 1, got ", seq);
-  const Program& mine = progs[static_cast<size_t>(rank_)];
-  TIDE_CHECK(mine.rank == rank_, "program for rank ", mine.rank, " at position ", rank_);
-  TIDE_PLAN_CHECK(mine.topo.nodes == topo_.nodes && mine.topo.gpus_per_node == topo_.gpus_per_node,
+  int me = -1;
+  for (int i = 0; i < N; ++i) {
+    TIDE_PLAN_CHECK(members[i] >= 0 && members[i] < world(), "RankExecutor.run: ranks[", i, "] = ", members[i],
+                    " is outside [0, ", world(), ")");
+    if (members[i] == rank_) me = i;
+  }
+  TIDE_PLAN_CHECK(me >= 0, "RankExecutor.run: rank ", rank_, " is not in ranks");
+  const Program& mine = progs[static_cast<size_t>(me)];
+  TIDE_CHECK(mine.rank == me, "program for rank ", mine.rank, " at position ", me);
+  TIDE_PLAN_CHECK(ranks || (mine.topo.nodes == topo_.nodes && mine.topo.gpus_per_node == topo_.gpus_per_node),
                   "RankExecutor.run: the program is for ", mine.topo.nodes, "x", mine.topo.gpus_per_node,
                   " ranks, this executor is ", topo_.nodes, "x", topo_.gpus_per_node);
+  TIDE_PLAN_CHECK(mine.topo.world() == N, "RankExecutor.run: the program is for ", mine.topo.world(),
+                  " ranks, ranks= names ", N);
 
   std::lock_guard<std::mutex> lock(mu_);  // one run at a time (the run-wide state is per executor)
   ArenaView view;
   view.nranks = N;
-  view.base = bases_;
+  for (int g : members) view.base.push_back(bases_[static_cast<size_t>(g)]);
   view.spec = use_program_layout ? mine.arena : layout_;
   if (use_program_layout)
     TIDE_PLAN_CHECK(view.spec.counters_offset == layout_.counters_offset &&
@@ -203,7 +220,8 @@ void RankExecutor::run(const std::vector<Program>& progs, int64_t seq, const Ran
                                usable, fence_ ? " (its last counter is the executor's entry fence)" : ""));
   }
   // Every run bumps the fence (run numbers must agree across ranks), even one writing no peer.
-  if (fence_ && view.spec.counters_offset >= 0 && view.num_counters() > 0) entry_fence(view, mine, seq, writes);
+  if (fence_ && view.spec.counters_offset >= 0 && view.num_counters() > 0)
+    entry_fence(view, mine, seq, writes, members);
   // Run-wide state is this process's own: peers' failures surface here as timeouts.
   void* mem = shared_mem_.data();
   const uintptr_t a = (reinterpret_cast<uintptr_t>(mem) + 63) / 64 * 64;
@@ -212,12 +230,12 @@ void RankExecutor::run(const std::vector<Program>& progs, int64_t seq, const Ran
   std::vector<std::vector<Call>> per_rank(static_cast<size_t>(N));
   for (int r = 0; r < N; ++r) per_rank[static_cast<size_t>(r)].push_back({&progs[static_cast<size_t>(r)], seq});
   std::vector<RankBindings> b(static_cast<size_t>(N));
-  b[static_cast<size_t>(rank_)] = bindings;
+  b[static_cast<size_t>(me)] = bindings;
   ExecOptions opt = exec_options_from_env();
   opt.timeout_s = timeout_s_;
   opt.verify_agreement = false;
   opt.peers_remote = true;
-  step_ranks(view, per_rank, b, opt, rank_, rank_ + 1);
+  step_ranks(view, per_rank, b, opt, me, me + 1);
   rethrow_shared(view.sh);
 }
 
@@ -228,9 +246,9 @@ void RankExecutor::run(const std::vector<Program>& progs, int64_t seq, const Ran
 // waits until every peer it writes into has started run #k too (so it has finished run k-1).
 // All ranks issue the same collective sequence, so run numbers agree.
 void RankExecutor::entry_fence(const ArenaView& view, const Program& mine, int64_t seq,
-                               const std::vector<int>& writes) {
+                               const std::vector<int>& writes, const std::vector<int>& members) {
   const int64_t idx = view.num_counters() - 1;
-  auto& own = view.counters(rank_)[idx];
+  auto& own = view.counters(mine.rank)[idx];
   const uint64_t k = own.load(std::memory_order_relaxed) + 1;
   own.store(k, std::memory_order_release);
   const auto start = std::chrono::steady_clock::now();
@@ -242,8 +260,9 @@ void RankExecutor::entry_fence(const ArenaView& view, const Program& mine, int64
         throw TimeoutError(TIDE_STR_CAT(
             "TIDE timeout after ", timeout_s_, " s: rank ", rank_, " (node ", topo_.node_of(rank_), ", local ",
             topo_.local_of(rank_), ") call seq ", seq, " group ", mine.group,
-            ": entry fence (before op 0) waits for rank ", p, " to start run #", k, " (it has started ",
-            c.load(), "): rank ", p, " is behind (still in an earlier collective, stalled or dead)"));
+            ": entry fence (before op 0) waits for rank ", members[static_cast<size_t>(p)], " to start run #", k,
+            " (it has started ", c.load(), "): rank ", members[static_cast<size_t>(p)],
+            " is behind (still in an earlier collective, stalled or dead)"));
       if (++idle < 64) std::this_thread::yield();
       else std::this_thread::sleep_for(std::chrono::microseconds(idle < 1024 ? 20 : 200));
     }

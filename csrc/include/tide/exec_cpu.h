@@ -118,6 +118,8 @@ void run_cpu(CpuArena& arena, const std::vector<std::vector<Call>>& per_rank,
 //     deadlines and TimeoutError messages (rank, op index and kind, seq). Counters are epochs.
 //   - A program that touches a region the layout lacks fails before any data moves (tide::Error
 //     naming the region). No canaries: the segments belong to the caller.
+//   - Sub-groups (HSDP shard groups): run(..., ranks) runs a program set built for a group of
+//     those global ranks (group rank i = ranks[i]), over their segments.
 //   - fence (default on): groups share scratch regions, so each run first waits until every peer
 //     it writes into has started the same run number (see [Note: entry fence]); the last counter
 //     of region "counters" is the executor's. Every rank must issue the same sequence of runs.
@@ -139,13 +141,15 @@ class RankExecutor {
   // progs: one Program per rank (a program set); only progs[rank] runs. use_program_layout:
   // take the region layout from progs[rank].arena (programs bound with bind_programs_to_arena)
   // instead of the executor's `regions`.
+  // ranks: a sub-group's global ranks (group rank i = (*ranks)[i]; nullptr: every rank).
   void run(const std::vector<Program>& progs, int64_t seq, const RankBindings& bindings,
-           bool use_program_layout = false);
+           bool use_program_layout = false, const std::vector<int>* ranks = nullptr);
 
  private:
   void init(const RegionTable& regions);
   void unmap_all();
-  void entry_fence(const ArenaView& view, const Program& mine, int64_t seq, const std::vector<int>& writes);
+  void entry_fence(const ArenaView& view, const Program& mine, int64_t seq, const std::vector<int>& writes,
+                   const std::vector<int>& members);
   int rank_;
   Topology topo_;
   int64_t segment_bytes_;
