@@ -5,13 +5,17 @@
 
 #include <vector>
 
+#include "tide/exec_cpu.h"
 #include "tide/program.h"
 
 namespace tide {
 // One Program per rank, shared by Python objects so Call pointers stay valid during a run.
 struct ProgramSet {
   std::vector<Program> progs;
+  bool arena_bound = false;  // built with arena=: progs' arena specs are the caller's layout
 };
+// {name: (offset, nbytes)} -> RegionTable (bind_rank_exec.cc).
+RegionTable regions_from_python(const nanobind::handle& regions);
 // [[(ProgramSet, seq), ...] per rank] -> per-rank calls (pointers into the sets).
 std::vector<std::vector<Call>> calls_from_python(const nanobind::list& per_rank);
 }  // namespace tide

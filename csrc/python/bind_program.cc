@@ -6,6 +6,7 @@
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 
+#include <algorithm>
 #include <memory>
 
 #include "python/bind_common.h"
@@ -64,6 +65,12 @@ void bind_program(nb::module_& m) {
         for (size_t i = 0; i < s.progs.at(r).ops.size(); ++i) v.push_back(describe_op(s.progs[r], static_cast<int>(i)));
         return v;
       })
+      .def_prop_ro("arena_bound", [](const ProgramSet& s) { return s.arena_bound; })
+      .def_prop_ro("num_counters", [](const ProgramSet& s) {  // counter_base included
+        int n = 0;
+        for (const auto& p : s.progs) n = std::max(n, p.num_counters);
+        return n;
+      })
       .def("arena_bytes", [](const ProgramSet& s) { return s.progs.at(0).arena.total; })
       .def("ag_stats", [](const ProgramSet& s, int r) {
         auto st = ag_program_stats(s.progs.at(r));
@@ -78,16 +85,30 @@ void bind_program(nb::module_& m) {
       }, nb::arg("kind"), nb::arg("rank"), nb::arg("tag") = 0);
 
   m.def("build_ag_programs", [](const Plan& plan, int ring_slot, bool resident, bool multicast,
-                                bool expert_lane, int group, int64_t head_bytes, bool with_expects) {
+                                bool expert_lane, int group, int64_t head_bytes, bool with_expects,
+                                nb::object arena, const std::string& landing_region, int64_t landing_offset,
+                                int64_t resident_offset, int64_t counter_base) {
     AgCallOptions o;
     o.ring_slot = ring_slot; o.resident = resident; o.multicast = multicast;
     o.expert_lane = expert_lane; o.group = group; o.head_bytes = head_bytes; o.with_expects = with_expects;
     auto ps = std::make_shared<ProgramSet>();
     ps->progs = build_ag_programs(plan, o);
+    RegionTable regions;
+    ArenaBindOptions b;
+    if (!arena.is_none()) { regions = regions_from_python(arena); b.regions = &regions; }
+    b.landing_kind = static_cast<int>(ring_slot == 1 ? BufKind::kRing1 : BufKind::kRing0);
+    b.landing_region = landing_region; b.landing_offset = landing_offset;
+    b.resident_offset = resident_offset; b.counter_base = counter_base;
+    bind_programs_to_arena(ps->progs, b);
+    ps->arena_bound = b.regions != nullptr;
     return ps;
   }, nb::arg("plan"), nb::arg("ring_slot") = 0, nb::arg("resident") = true, nb::arg("multicast") = false,
      nb::arg("expert_lane") = false, nb::arg("group") = 0, nb::arg("head_bytes") = 0,
-     nb::arg("with_expects") = true);
+     nb::arg("with_expects") = true, nb::arg("arena") = nb::none(), nb::arg("landing_region") = "",
+     nb::arg("landing_offset") = 0, nb::arg("resident_offset") = 0, nb::arg("counter_base") = 0,
+     "One TIDE-AG Program per rank. arena={name: (offset, nbytes)} binds the programs to the caller's "
+     "arena layout (landing_region/landing_offset: where ring<slot> lands, e.g. 'fixed'; resident_offset: "
+     "the group's adopted shards in 'resident'); counter_base offsets every counter index.");
 
   m.def("check_calls", [](const nb::list& per_rank, int max_errors) {
     auto calls = calls_from_python(per_rank);

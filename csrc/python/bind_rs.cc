@@ -106,17 +106,27 @@ void bind_rs(nb::module_& m) {
 
   m.def(
       "build_rs_programs",
-      [](const Plan& plan, int bank, float alpha, bool accumulate, int group, bool expert_lane) {
+      [](const Plan& plan, int bank, float alpha, bool accumulate, int group, bool expert_lane,
+         nb::object arena, int64_t counter_base) {
         RsCallOptions o;
         o.bank = bank; o.alpha = alpha; o.accumulate = accumulate; o.group = group;
         o.expert_lane = expert_lane;
         auto ps = std::make_shared<ProgramSet>();
         ps->progs = build_rs_programs(plan, o);
+        RegionTable regions;
+        ArenaBindOptions b;
+        if (!arena.is_none()) { regions = regions_from_python(arena); b.regions = &regions; }
+        b.counter_base = counter_base;
+        bind_programs_to_arena(ps->progs, b);
+        ps->arena_bound = b.regions != nullptr;
         return ps;
       },
       nb::arg("plan"), nb::arg("bank") = 0, nb::arg("alpha") = 1.0f, nb::arg("accumulate") = false,
-      nb::arg("group") = 0, nb::arg("expert_lane") = false,
-      "One TIDE-RS Program per rank for one call (bank b = e mod 2; expert_lane: L_sub = 1).");
+      nb::arg("group") = 0, nb::arg("expert_lane") = false, nb::arg("arena") = nb::none(),
+      nb::arg("counter_base") = 0,
+      "One TIDE-RS Program per rank for one call (bank b = e mod 2; expert_lane: L_sub = 1). "
+      "arena={name: (offset, nbytes)} binds the programs to the caller's arena layout; counter_base "
+      "offsets every counter index.");
   m.def(
       "rs_program_stats",
       [](const ProgramSet& ps, int rank) {

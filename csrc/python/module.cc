@@ -12,6 +12,7 @@ void bind_exec(nb::module_& m);     // bind_exec.cc
 void bind_cuda(nb::module_& m);     // bind_cuda.cc
 void bind_rs(nb::module_& m);       // bind_rs.cc
 void bind_ag(nb::module_& m);       // bind_ag.cc
+void bind_rank_exec(nb::module_& m); // bind_rank_exec.cc
 
 NB_MODULE(_core, m) {
   m.doc() = "TIDE core: planner, programs, executors";
@@ -33,4 +34,5 @@ NB_MODULE(_core, m) {
   bind_cuda(m);
   bind_rs(m);
   bind_ag(m);
+  bind_rank_exec(m);
 }

@@ -74,9 +74,7 @@ CpuArena::CpuArena(int world, const ArenaSpec& spec, bool shared_memory)
       throw Error(TIDE_STR_CAT("CpuArena: mapping ", map_bytes_, " bytes failed: ", std::strerror(errno)));
   }
   uint8_t* mem = static_cast<uint8_t*>(p);
-  shared_ = new (mem) Shared();
-  for (int i = 0; i < world * kMaxStreams; ++i) new (reinterpret_cast<BlockedWait*>(shared_ + 1) + i) BlockedWait();
-  for (int i = 0; i < world * kChecksumCounters; ++i) new (shared_->put_record(world, 0, 0) + i) PutRecord();
+  shared_ = init_shared(mem, world);
   base_ = mem + shared_bytes_;
   // Fresh anonymous/shm pages are zero: counters start at 0. Fill gaps and guards with canaries.
   for (int r = 0; r < world; ++r) {
@@ -92,6 +90,22 @@ CpuArena::CpuArena(int world, const ArenaSpec& spec, bool shared_memory)
 CpuArena::~CpuArena() {
   if (shared_) shared_->~Shared();
   if (base_) munmap(base_ - shared_bytes_, map_bytes_);
+}
+
+CpuArena::Shared* init_shared(void* mem, int world) {
+  auto* sh = new (mem) CpuArena::Shared();
+  for (int i = 0; i < world * kMaxStreams; ++i) new (reinterpret_cast<BlockedWait*>(sh + 1) + i) BlockedWait();
+  for (int i = 0; i < world * kChecksumCounters; ++i) new (sh->put_record(world, 0, 0) + i) PutRecord();
+  return sh;
+}
+
+ArenaView CpuArena::view() const {
+  ArenaView v;
+  v.nranks = world_;
+  for (int r = 0; r < world_; ++r) v.base.push_back(base_ + stride_ * r);
+  v.spec = spec_;
+  v.sh = shared_;
+  return v;
 }
 
 uint8_t* CpuArena::region(int rank, BufKind kind) const {

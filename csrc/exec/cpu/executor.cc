@@ -67,7 +67,7 @@ struct RankState {
 };
 
 struct Runner {
-  CpuArena& arena;
+  const ArenaView& arena;
   const std::vector<std::vector<Call>>& per_rank;
   std::vector<RankBindings>& bindings;
   const ExecOptions& opt;
@@ -109,6 +109,9 @@ struct Runner {
     }
     if (b.rank < 0 || b.rank >= arena.world())
       fail(1, TIDE_STR_CAT(op_name(rs, call, idx), ": rank ", b.rank, " out of range"));
+    if (!arena.has(b.kind))
+      fail(1, TIDE_STR_CAT(op_name(rs, call, idx), ": uses arena region '", buf_kind_name(b.kind),
+                           "', which the arena layout does not have"));
     if (b.offset < 0 || b.end() > arena.region_bytes(b.kind))
       fail(1, TIDE_STR_CAT(op_name(rs, call, idx), ": ", buf_kind_name(b.kind), " of rank ", b.rank, " bytes [",
                            b.offset, ", ", b.end(), ") exceed the region (", arena.region_bytes(b.kind), ")"));
@@ -162,6 +165,11 @@ struct Runner {
       }
       if (std::find(seen.begin(), seen.end(), p) != seen.end()) break;
       seen.push_back(p);
+      if (opt.peers_remote) {  // RankExecutor: the producer runs in its own process
+        out += TIDE_STR_CAT("; rank ", p, " runs in its own process (behind, stalled or dead; its waits are "
+                            "not visible here)");
+        break;
+      }
       const BlockedWait* found = nullptr;
       int stream = -1;
       for (int s = 0; s < kMaxStreams && !found; ++s) {
@@ -419,6 +427,8 @@ struct Runner {
   }
 };
 
+}  // namespace
+
 void rethrow_shared(CpuArena::Shared* sh) {
   if (!sh->claimed.load()) return;
   std::string msg(sh->message);
@@ -426,7 +436,11 @@ void rethrow_shared(CpuArena::Shared* sh) {
   throw Error(msg);
 }
 
-}  // namespace
+void step_ranks(const ArenaView& view, const std::vector<std::vector<Call>>& per_rank,
+                std::vector<RankBindings>& bindings, const ExecOptions& opt, int lo, int hi) {
+  Runner runner{view, per_rank, bindings, opt};
+  runner.work(lo, hi);
+}
 
 void run_cpu(CpuArena& arena, const std::vector<std::vector<Call>>& per_rank,
              std::vector<RankBindings>& bindings, const ExecOptions& opt) {
@@ -457,7 +471,7 @@ void run_cpu(CpuArena& arena, const std::vector<std::vector<Call>>& per_rank,
   sh->message[0] = 0;
   for (int r = 0; r < N; ++r)
     for (int s = 0; s < kMaxStreams; ++s) sh->blocked(r, s)->valid.store(0);
-  Runner runner{arena, per_rank, bindings, opt};
+  const ArenaView view = arena.view();
 
   if (!opt.processes) {
     const int W = std::max(1, std::min(N, opt.workers > 0 ? opt.workers : 4));
@@ -465,8 +479,8 @@ void run_cpu(CpuArena& arena, const std::vector<std::vector<Call>>& per_rank,
     for (int w = 0; w < W; ++w) {
       const int lo = static_cast<int>(static_cast<int64_t>(N) * w / W);
       const int hi = static_cast<int>(static_cast<int64_t>(N) * (w + 1) / W);
-      threads.emplace_back([&runner, lo, hi] {
-        try { runner.work(lo, hi); } catch (const std::exception&) { /* recorded in Shared */ }
+      threads.emplace_back([&, lo, hi] {
+        try { step_ranks(view, per_rank, bindings, opt, lo, hi); } catch (const std::exception&) { /* recorded in Shared */ }
       });
     }
     for (auto& t : threads) t.join();
@@ -508,7 +522,7 @@ void run_cpu(CpuArena& arena, const std::vector<std::vector<Call>>& per_rank,
       if (pid == 0) {
         int code = 0;
         try {
-          runner.work(lo, hi);
+          step_ranks(view, per_rank, bindings, opt, lo, hi);
           for (int r = lo; r < hi; ++r)
             if (r == opt.dead_rank) code = 3;  // a dead peer exits without finishing
         } catch (...) { code = 1; }

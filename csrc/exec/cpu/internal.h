@@ -3,6 +3,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <vector>
 
 #include "tide/exec_cpu.h"
 
@@ -52,5 +53,37 @@ struct CpuArena::Shared {
            sizeof(PutRecord) * kChecksumCounters * world;
   }
 };
+
+// Initializes the run-wide state at `mem` (Shared::bytes(world) bytes) for `world` ranks.
+CpuArena::Shared* init_shared(void* mem, int world);
+
+// [Note: arena views] What the op interpreter sees of an arena: each rank's arena base and the
+// region layout (offsets from that base). CpuArena gives one view over its single mapping;
+// RankExecutor builds one per call over the ranks' separately mapped segments. A region with a
+// negative offset is absent (an op that touches it fails, naming it).
+struct ArenaView {
+  int nranks = 0;
+  std::vector<uint8_t*> base;  // per rank
+  ArenaSpec spec;
+  CpuArena::Shared* sh = nullptr;
+  int world() const { return nranks; }
+  bool has(BufKind k) const { return spec.offset[static_cast<int>(k)] >= 0; }
+  uint8_t* region(int rank, BufKind k) const { return base[rank] + spec.offset[static_cast<int>(k)]; }
+  int64_t region_bytes(BufKind k) const { return spec.bytes[static_cast<int>(k)]; }
+  std::atomic<uint64_t>* counters(int rank) const {
+    return reinterpret_cast<std::atomic<uint64_t>*>(base[rank] + spec.counters_offset);
+  }
+  int64_t num_counters() const { return spec.counters_bytes / 8; }
+  CpuArena::Shared* shared() const { return sh; }
+};
+
+// The per-rank op interpreter (executor.cc), shared by run_cpu and RankExecutor: steps ranks
+// [lo, hi) of `per_rank` over `view` (streams round-robin, each until its head op is an
+// unsatisfied wait) until they finish or the run aborts. Throws TimeoutError / Error after
+// recording the first failure in view.shared(). per_rank and bindings are indexed by rank and
+// hold every rank (other ranks' programs name producers in timeout messages).
+void step_ranks(const ArenaView& view, const std::vector<std::vector<Call>>& per_rank,
+                std::vector<RankBindings>& bindings, const ExecOptions& opt, int lo, int hi);
+void rethrow_shared(CpuArena::Shared* sh);
 
 }  // namespace tide

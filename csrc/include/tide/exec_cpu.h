@@ -25,12 +25,17 @@
 
 #include <atomic>
 #include <cstdint>
+#include <map>
+#include <mutex>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "tide/program.h"
 
 namespace tide {
+
+struct ArenaView;  // exec/cpu/internal.h
 
 struct UserBuffer {
   void* data = nullptr;
@@ -56,6 +61,7 @@ struct ExecOptions {
   double stall_s = 0;
   int dead_rank = -1;
   int64_t dead_op = 0;
+  bool peers_remote = false;  // RankExecutor: peers' blocked waits are not visible (messages)
 };
 ExecOptions exec_options_from_env();
 
@@ -77,6 +83,7 @@ class CpuArena {
   void check_canaries() const;  // throws Error naming rank and region
   struct Shared;                // run-wide abort flag and first error (in the mapping)
   Shared* shared() const { return shared_; }
+  ArenaView view() const;       // what the op interpreter sees (exec/cpu/internal.h)
 
  private:
   int world_;
@@ -93,5 +100,85 @@ class CpuArena {
 // buffers for every call of this run. Throws TimeoutError / Error (see the contract).
 void run_cpu(CpuArena& arena, const std::vector<std::vector<Call>>& per_rank,
              std::vector<RankBindings>& bindings, const ExecOptions& opt);
+
+// ---------------------------------------------------------------------------------------------
+// Ranks as separate processes                                [csrc/exec/cpu/rank_executor.cc]
+// ---------------------------------------------------------------------------------------------
+// Contract
+//   - Every rank's arena is its own segment: a POSIX shared-memory object named by the owning
+//     process (e.g. "/tide_<pid>_<hex>", mapped here with shm_open + mmap) or, in-process, a raw
+//     address. RankExecutor maps all of them (rank i's arena = segments[i], segment_bytes each)
+//     and interprets `regions` (name -> (offset, bytes) from the segment start; names as in
+//     MemoryModel: ring0, ring1, resident, stage, staging, outbox, inbox, spare, counters; other
+//     names such as "fixed" are kept for landing overrides) as the arena layout.
+//   - run() executes ONLY `rank`'s program of a program set for call `seq` with the same op
+//     interpreter as run_cpu (step_ranks): it returns once that rank's streams are done. Peers
+//     run their own programs in their own processes; waits read counters that peers bump in
+//     this rank's "counters" region (release/acquire atomics on shared memory), with the same
+//     deadlines and TimeoutError messages (rank, op index and kind, seq). Counters are epochs.
+//   - A program that touches a region the layout lacks fails before any data moves (tide::Error
+//     naming the region). No canaries: the segments belong to the caller.
+//   - Sub-groups (HSDP shard groups): run(..., ranks) runs a program set built for a group of
+//     those global ranks (group rank i = ranks[i]), over their segments.
+//   - fence (default on): groups share scratch regions, so each run first waits until every peer
+//     it writes into has started the same run number (see [Note: entry fence]); the last counter
+//     of region "counters" is the executor's. Every rank must issue the same sequence of runs.
+using RegionTable = std::map<std::string, std::pair<int64_t, int64_t>>;  // name -> (offset, bytes)
+
+class RankExecutor {
+ public:
+  RankExecutor(int rank, const Topology& topo, const std::vector<std::string>& segment_names,
+               int64_t segment_bytes, const RegionTable& regions, double timeout_s, bool fence = true);
+  RankExecutor(int rank, const Topology& topo, const std::vector<uint8_t*>& segment_bases,
+               int64_t segment_bytes, const RegionTable& regions, double timeout_s, bool fence = true);
+  ~RankExecutor();
+  RankExecutor(const RankExecutor&) = delete;
+  RankExecutor& operator=(const RankExecutor&) = delete;
+
+  int rank() const { return rank_; }
+  int world() const { return static_cast<int>(bases_.size()); }
+  uint8_t* segment(int r) const { return bases_.at(static_cast<size_t>(r)); }
+  // progs: one Program per rank (a program set); only progs[rank] runs. use_program_layout:
+  // take the region layout from progs[rank].arena (programs bound with bind_programs_to_arena)
+  // instead of the executor's `regions`.
+  // ranks: a sub-group's global ranks (group rank i = (*ranks)[i]; nullptr: every rank).
+  void run(const std::vector<Program>& progs, int64_t seq, const RankBindings& bindings,
+           bool use_program_layout = false, const std::vector<int>* ranks = nullptr);
+
+ private:
+  void init(const RegionTable& regions);
+  void unmap_all();
+  void entry_fence(const ArenaView& view, const Program& mine, int64_t seq, const std::vector<int>& writes,
+                   const std::vector<int>& members);
+  int rank_;
+  Topology topo_;
+  int64_t segment_bytes_;
+  double timeout_s_;
+  bool fence_;
+  std::vector<uint8_t*> bases_;
+  std::vector<bool> owned_;  // mapped here (munmap at destruction)
+  ArenaSpec layout_;         // from `regions`; absent regions have offset -1
+  std::vector<uint8_t> shared_mem_;  // this process's run-wide state (abort flag, first error)
+  std::mutex mu_;
+};
+
+// Arena-aware program options (the FSDP2 adapter's layout):
+//   - regions: the caller's arena layout; every program's `arena` spec is rewritten to it (absent
+//     regions: offset -1), so RankExecutor::run(..., use_program_layout=true) addresses it.
+//   - landing: AG only; the program's ring-slot kind addresses region `landing_region` (any name in
+//     regions, e.g. "fixed") from `landing_offset` on; "" keeps ring<slot>. resident_offset: the
+//     group's adopted shards start that far into "resident".
+//   - counter_base: every counter index (ops, release/done events) is offset by it, so several
+//     groups' AG and RS programs share one counters region. Without regions, the programs' own
+//     counters region grows to fit when it ends the arena (it does in the fallback layout).
+struct ArenaBindOptions {
+  const RegionTable* regions = nullptr;
+  int landing_kind = -1;  // BufKind of the AG landing (ring0/ring1); -1: none
+  std::string landing_region;
+  int64_t landing_offset = 0;
+  int64_t resident_offset = 0;
+  int64_t counter_base = 0;
+};
+void bind_programs_to_arena(std::vector<Program>& progs, const ArenaBindOptions& opt);
 
 }  // namespace tide

@@ -1,0 +1,319 @@
+// RankExecutor: one rank's programs over every rank's separately mapped arena segment (ranks as
+// the caller's processes, e.g. torch.distributed workers), and program binding to a caller's
+// arena layout. The op interpreter is run_cpu's (step_ranks in executor.cc).
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <chrono>
+#include <cstring>
+#include <mutex>
+#include <thread>
+
+#include "exec/cpu/internal.h"
+#include "tide/exec_cpu.h"
+
+namespace tide {
+
+namespace {
+
+// Region name -> BufKind (arena kinds only); -1 for names that are not a kind ("fixed", ...).
+int kind_of(const std::string& name) {
+  for (int k = 4; k < kNumBufKinds; ++k)
+    if (name == buf_kind_name(static_cast<BufKind>(k))) return k;
+  return -1;
+}
+
+std::string region_names(const RegionTable& regions) {
+  std::string s;
+  for (const auto& kv : regions) s += (s.empty() ? "" : ", ") + kv.first;
+  return s.empty() ? "none" : s;
+}
+
+// Layout from a region table: absent arena kinds get offset -1; counters from "counters".
+ArenaSpec layout_from(const RegionTable& regions, int64_t limit, const char* who) {
+  ArenaSpec a;
+  for (int k = 0; k < kNumBufKinds; ++k) { a.offset[k] = -1; a.bytes[k] = 0; }
+  a.counters_offset = -1;
+  for (const auto& kv : regions) {
+    const int64_t off = kv.second.first, bytes = kv.second.second;
+    TIDE_PLAN_CHECK(off >= 0 && bytes >= 0 && (limit < 0 || off + bytes <= limit), who, ": region '", kv.first,
+                    "' [", off, ", ", off + bytes, ") does not fit the ", limit, "-byte arena segment");
+    a.total = std::max(a.total, off + bytes);
+    if (kv.first == "counters") {
+      TIDE_PLAN_CHECK(off % 8 == 0, who, ": region 'counters' at offset ", off, " is not 8-byte aligned");
+      a.counters_offset = off;
+      a.counters_bytes = bytes;
+      continue;
+    }
+    const int k = kind_of(kv.first);
+    if (k >= 0) { a.offset[k] = off; a.bytes[k] = bytes; }
+  }
+  return a;
+}
+
+// Every arena kind a program touches (its ops' buffer references), and the peers whose arenas
+// it writes.
+void used_kinds(const Program& pr, int64_t need[kNumBufKinds], bool* uses_counters, std::vector<int>* writes) {
+  auto note = [&](const BufRef& b) {
+    auto& n = need[static_cast<int>(b.kind)];
+    n = std::max(n, b.end());
+  };
+  auto wrote = [&](const BufRef& b) {
+    if (!is_user_buffer(b.kind) && b.rank != pr.rank &&
+        std::find(writes->begin(), writes->end(), b.rank) == writes->end())
+      writes->push_back(b.rank);
+  };
+  for (const Op& op : pr.ops) {
+    for (const auto& cd : op.copies) wrote(cd.dst);
+    if (op.kind == OpKind::kSum || op.kind == OpKind::kLand || op.kind == OpKind::kZero) wrote(op.dst);
+  }
+  for (const Op& op : pr.ops) {
+    for (const auto& cd : op.copies) { note(cd.src); note(cd.dst); }
+    for (const auto& t : op.terms) note(t.src);
+    if (op.kind == OpKind::kSum || op.kind == OpKind::kLand || op.kind == OpKind::kZero) note(op.dst);
+    if (op.counter.index >= 0) *uses_counters = true;
+  }
+}
+
+}  // namespace
+
+RankExecutor::RankExecutor(int rank, const Topology& topo, const std::vector<std::string>& segment_names,
+                           int64_t segment_bytes, const RegionTable& regions, double timeout_s, bool fence)
+    : rank_(rank), topo_(topo), segment_bytes_(segment_bytes), timeout_s_(timeout_s), fence_(fence) {
+  TIDE_PLAN_CHECK(static_cast<int>(segment_names.size()) == topo.world(), "RankExecutor: ",
+                  segment_names.size(), " segments for ", topo.world(), " ranks (", topo.nodes, "x",
+                  topo.gpus_per_node, ")");
+  TIDE_PLAN_CHECK(segment_bytes > 0, "RankExecutor: segment_bytes must be positive, got ", segment_bytes);
+  for (const auto& name : segment_names) {
+    const int fd = shm_open(name.c_str(), O_RDWR, 0);
+    if (fd < 0) {
+      const int err = errno;
+      const size_t r = bases_.size();
+      unmap_all();
+      throw Error(TIDE_STR_CAT("RankExecutor: rank ", rank, " cannot open rank ", r,
+                               "'s arena segment '", name, "': ", std::strerror(err)));
+    }
+    struct stat st {};
+    const bool small = fstat(fd, &st) == 0 && st.st_size < segment_bytes;
+    void* p = small ? MAP_FAILED
+                    : mmap(nullptr, static_cast<size_t>(segment_bytes), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    const int err = errno;
+    close(fd);
+    if (p == MAP_FAILED) {
+      const size_t r = bases_.size();
+      unmap_all();
+      if (small)
+        throw Error(TIDE_STR_CAT("RankExecutor: rank ", r, "'s arena segment '", name, "' has ",
+                                 static_cast<int64_t>(st.st_size), " bytes, fewer than segment_bytes = ",
+                                 segment_bytes));
+      throw Error(TIDE_STR_CAT("RankExecutor: mapping rank ", r, "'s arena segment '", name, "' failed: ",
+                               std::strerror(err)));
+    }
+    bases_.push_back(static_cast<uint8_t*>(p));
+    owned_.push_back(true);
+  }
+  init(regions);
+}
+
+RankExecutor::RankExecutor(int rank, const Topology& topo, const std::vector<uint8_t*>& segment_bases,
+                           int64_t segment_bytes, const RegionTable& regions, double timeout_s, bool fence)
+    : rank_(rank), topo_(topo), segment_bytes_(segment_bytes), timeout_s_(timeout_s), fence_(fence) {
+  TIDE_PLAN_CHECK(static_cast<int>(segment_bases.size()) == topo.world(), "RankExecutor: ",
+                  segment_bases.size(), " segments for ", topo.world(), " ranks");
+  for (uint8_t* b : segment_bases) {
+    TIDE_PLAN_CHECK(b != nullptr, "RankExecutor: null segment address");
+    bases_.push_back(b);
+    owned_.push_back(false);
+  }
+  init(regions);
+}
+
+void RankExecutor::init(const RegionTable& regions) {
+  TIDE_PLAN_CHECK(rank_ >= 0 && rank_ < world(), "RankExecutor: rank ", rank_, " is outside [0, ", world(), ")");
+  layout_ = layout_from(regions, segment_bytes_, "RankExecutor");
+  shared_mem_.assign(CpuArena::Shared::bytes(world()) + 64, 0);
+}
+
+RankExecutor::~RankExecutor() { unmap_all(); }
+
+void RankExecutor::unmap_all() {
+  for (size_t i = 0; i < bases_.size(); ++i)
+    if (owned_[i]) munmap(bases_[i], static_cast<size_t>(segment_bytes_));
+  bases_.clear();
+  owned_.clear();
+}
+
+void RankExecutor::run(const std::vector<Program>& progs, int64_t seq, const RankBindings& bindings,
+                       bool use_program_layout, const std::vector<int>* ranks) {
+  // The program set's ranks: every rank of the executor, or a sub-group (HSDP shard group) whose
+  // group rank i is global rank (*ranks)[i]. Programs number ranks within their group.
+  std::vector<int> members;
+  if (ranks) {
+    members = *ranks;
+  } else {
+    for (int r = 0; r < world(); ++r) members.push_back(r);
+  }
+  const int N = static_cast<int>(members.size());
+  TIDE_PLAN_CHECK(static_cast<int>(progs.size()) == N, "RankExecutor.run: a program set of ", progs.size(),
+                  " programs for ", N, " ranks", ranks ? "" : " (pass ranks= for a sub-group's programs)");
+  TIDE_PLAN_CHECK(seq >= 1, "RankExecutor.run: seq must be >= 1, got ", seq);
+  int me = -1;
+  for (int i = 0; i < N; ++i) {
+    TIDE_PLAN_CHECK(members[i] >= 0 && members[i] < world(), "RankExecutor.run: ranks[", i, "] = ", members[i],
+                    " is outside [0, ", world(), ")");
+    if (members[i] == rank_) me = i;
+  }
+  TIDE_PLAN_CHECK(me >= 0, "RankExecutor.run: rank ", rank_, " is not in ranks");
+  const Program& mine = progs[static_cast<size_t>(me)];
+  TIDE_CHECK(mine.rank == me, "program for rank ", mine.rank, " at position ", me);
+  TIDE_PLAN_CHECK(ranks || (mine.topo.nodes == topo_.nodes && mine.topo.gpus_per_node == topo_.gpus_per_node),
+                  "RankExecutor.run: the program is for ", mine.topo.nodes, "x", mine.topo.gpus_per_node,
+                  " ranks, this executor is ", topo_.nodes, "x", topo_.gpus_per_node);
+  TIDE_PLAN_CHECK(mine.topo.world() == N, "RankExecutor.run: the program is for ", mine.topo.world(),
+                  " ranks, ranks= names ", N);
+
+  std::lock_guard<std::mutex> lock(mu_);  // one run at a time (the run-wide state is per executor)
+  ArenaView view;
+  view.nranks = N;
+  for (int g : members) view.base.push_back(bases_[static_cast<size_t>(g)]);
+  view.spec = use_program_layout ? mine.arena : layout_;
+  if (use_program_layout)
+    TIDE_PLAN_CHECK(view.spec.counters_offset == layout_.counters_offset &&
+                        view.spec.counters_bytes == layout_.counters_bytes,
+                    "RankExecutor.run: the programs were bound to a 'counters' region [", view.spec.counters_offset,
+                    ", +", view.spec.counters_bytes, ") other than this executor's [", layout_.counters_offset, ", +",
+                    layout_.counters_bytes, ")");
+  // Regions the program touches must exist and fit the segment; counters likewise.
+  int64_t need[kNumBufKinds];
+  std::fill(need, need + kNumBufKinds, int64_t{-1});
+  bool uses_counters = false;
+  std::vector<int> writes;
+  used_kinds(mine, need, &uses_counters, &writes);
+  for (int k = 4; k < kNumBufKinds; ++k) {
+    if (need[k] < 0) continue;
+    const char* name = buf_kind_name(static_cast<BufKind>(k));
+    if (view.spec.offset[k] < 0)
+      throw Error(TIDE_STR_CAT("RankExecutor: rank ", rank_, "'s program (group ", mine.group,
+                               ") uses arena region '", name, "', which the arena layout does not have"));
+    TIDE_PLAN_CHECK(view.spec.offset[k] + view.spec.bytes[k] <= segment_bytes_, "RankExecutor: region '", name,
+                    "' [", view.spec.offset[k], ", ", view.spec.offset[k] + view.spec.bytes[k],
+                    ") does not fit the ", segment_bytes_, "-byte segment");
+    if (need[k] > view.spec.bytes[k])
+      throw Error(TIDE_STR_CAT("RankExecutor: rank ", rank_, "'s program (group ", mine.group, ") addresses ",
+                               need[k], " bytes of arena region '", name, "', which has ", view.spec.bytes[k]));
+  }
+  if (uses_counters || (fence_ && !writes.empty())) {
+    if (view.spec.counters_offset < 0)
+      throw Error(TIDE_STR_CAT("RankExecutor: rank ", rank_, "'s program (group ", mine.group,
+                               ") uses arena region 'counters', which the arena layout does not have"));
+    TIDE_PLAN_CHECK(view.spec.counters_offset % 8 == 0 &&
+                        view.spec.counters_offset + view.spec.counters_bytes <= segment_bytes_,
+                    "RankExecutor: region 'counters' is misaligned or outside the segment");
+    const int64_t usable = view.num_counters() - (fence_ ? 1 : 0);
+    if (mine.num_counters > usable)
+      throw Error(TIDE_STR_CAT("RankExecutor: rank ", rank_, "'s program (group ", mine.group, ") uses ",
+                               mine.num_counters, " counters (counter_base included), region 'counters' holds ",
+                               usable, fence_ ? " (its last counter is the executor's entry fence)" : ""));
+  }
+  // Every run bumps the fence (run numbers must agree across ranks), even one writing no peer.
+  if (fence_ && view.spec.counters_offset >= 0 && view.num_counters() > 0)
+    entry_fence(view, mine, seq, writes, members);
+  // Run-wide state is this process's own: peers' failures surface here as timeouts.
+  void* mem = shared_mem_.data();
+  const uintptr_t a = (reinterpret_cast<uintptr_t>(mem) + 63) / 64 * 64;
+  view.sh = init_shared(reinterpret_cast<void*>(a), N);
+
+  std::vector<std::vector<Call>> per_rank(static_cast<size_t>(N));
+  for (int r = 0; r < N; ++r) per_rank[static_cast<size_t>(r)].push_back({&progs[static_cast<size_t>(r)], seq});
+  std::vector<RankBindings> b(static_cast<size_t>(N));
+  b[static_cast<size_t>(me)] = bindings;
+  ExecOptions opt = exec_options_from_env();
+  opt.timeout_s = timeout_s_;
+  opt.verify_agreement = false;
+  opt.peers_remote = true;
+  step_ranks(view, per_rank, b, opt, me, me + 1);
+  rethrow_shared(view.sh);
+}
+
+// [Note: entry fence] Collectives of different groups share scratch regions (stage, RS staging /
+// outbox / inbox / spare) whose reuse credits are per group, so a rank that has finished
+// collective k must not push collective k+1 into a peer that is still consuming collective k.
+// Every run publishes "started run #k" in the last counter of this rank's counters region and
+// waits until every peer it writes into has started run #k too (so it has finished run k-1).
+// All ranks issue the same collective sequence, so run numbers agree.
+void RankExecutor::entry_fence(const ArenaView& view, const Program& mine, int64_t seq,
+                               const std::vector<int>& writes, const std::vector<int>& members) {
+  const int64_t idx = view.num_counters() - 1;
+  auto& own = view.counters(mine.rank)[idx];
+  const uint64_t k = own.load(std::memory_order_relaxed) + 1;
+  own.store(k, std::memory_order_release);
+  const auto start = std::chrono::steady_clock::now();
+  int idle = 0;
+  for (int p : writes) {
+    auto& c = view.counters(p)[idx];
+    while (c.load(std::memory_order_acquire) < k) {
+      if (std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() > timeout_s_)
+        throw TimeoutError(TIDE_STR_CAT(
+            "TIDE timeout after ", timeout_s_, " s: rank ", rank_, " (node ", topo_.node_of(rank_), ", local ",
+            topo_.local_of(rank_), ") call seq ", seq, " group ", mine.group,
+            ": entry fence (before op 0) waits for rank ", members[static_cast<size_t>(p)], " to start run #", k,
+            " (it has started ", c.load(), "): rank ", members[static_cast<size_t>(p)],
+            " is behind (still in an earlier collective, stalled or dead)"));
+      if (++idle < 64) std::this_thread::yield();
+      else std::this_thread::sleep_for(std::chrono::microseconds(idle < 1024 ? 20 : 200));
+    }
+  }
+}
+
+void bind_programs_to_arena(std::vector<Program>& progs, const ArenaBindOptions& opt) {
+  const int64_t base = opt.counter_base;
+  TIDE_PLAN_CHECK(base >= 0, "counter_base must be >= 0, got ", base);
+  TIDE_PLAN_CHECK(opt.regions || (opt.landing_region.empty() && opt.landing_offset == 0 && opt.resident_offset == 0),
+                  "landing_region / landing_offset / resident_offset need arena= (the caller's region layout)");
+  ArenaSpec layout;
+  if (opt.regions) {
+    layout = layout_from(*opt.regions, -1, "arena");
+    auto shift = [&](int k, const std::string& region, int64_t extra, const char* what) {
+      auto it = opt.regions->find(region);
+      TIDE_PLAN_CHECK(it != opt.regions->end(), what, ": region '", region, "' is not in arena (",
+                      region_names(*opt.regions), ")");
+      TIDE_PLAN_CHECK(extra >= 0 && extra <= it->second.second, what, ": offset ", extra,
+                      " is outside region '", region, "' (", it->second.second, " bytes)");
+      layout.offset[k] = it->second.first + extra;
+      layout.bytes[k] = it->second.second - extra;
+    };
+    if (opt.landing_kind >= 0 && (!opt.landing_region.empty() || opt.landing_offset != 0))
+      shift(opt.landing_kind, opt.landing_region.empty() ? buf_kind_name(static_cast<BufKind>(opt.landing_kind))
+                                                         : opt.landing_region,
+            opt.landing_offset, "landing_region");
+    if (opt.resident_offset != 0)
+      shift(static_cast<int>(BufKind::kResident), "resident", opt.resident_offset, "resident_offset");
+  }
+  for (Program& pr : progs) {
+    if (opt.regions) pr.arena = layout;
+    if (base == 0) continue;
+    for (Op& op : pr.ops)
+      if (op.counter.index >= 0) op.counter.index += static_cast<int32_t>(base);
+    if (pr.release_event >= 0) pr.release_event += static_cast<int>(base);
+    if (pr.done_event >= 0) pr.done_event += static_cast<int>(base);
+    pr.counter_names.insert(pr.counter_names.begin(), static_cast<size_t>(base), std::string());
+    pr.num_counters += static_cast<int>(base);
+    if (!opt.regions) {
+      // The programs' own layout: grow the counters region when it ends the arena.
+      ArenaSpec& a = pr.arena;
+      const int64_t need = 8ll * pr.num_counters;
+      if (a.counters_bytes < need) {
+        TIDE_PLAN_CHECK(a.counters_offset + a.counters_bytes >= a.total, "counter_base ", base,
+                        ": the programs' counters region does not end the arena; pass arena=");
+        a.counters_bytes = (need + 255) / 256 * 256;
+        a.total = a.counters_offset + a.counters_bytes;
+      }
+    }
+  }
+}
+
+}  // namespace tide
