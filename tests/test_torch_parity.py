@@ -35,6 +35,8 @@ def parity(rank, world, nodes, gpn, transport="auto", cases=BOTH_MODES):
             handle = tide_torch.enable(model, mode=mode, topology=topo, transport=transport)
             losses = train(model, data)
             assert not handle.fallbacks, handle.fallbacks
+            if transport == "auto":  # on CPU the default is TIDE's own process-mode executor
+                assert handle.transport == "tide-executor", handle.transport
             assert handle.stats["ag_tide"] > 0 and handle.stats["rs_tide"] > 0, handle.stats
             assert handle.stats["rs_stock"] == 0 and handle.stats["ag_stock"] == 0, handle.stats
             got = local_shards(model)

@@ -16,22 +16,17 @@ The adapter hands the transport per-parameter tensors whose addresses the plan f
 Executors
   TIDE's CPU executor runs ranks as processes over POSIX shared memory: each rank's arena is a
   named segment (``Arena.shm_name``, exchanged at enable time), a rank reads only its own buffers
-  and pushes into peers' arenas. The binding that runs one rank's compiled TIDE-AG / TIDE-RS
-  program in that mode is looked up on ``tide._core`` (``_executor_api``); ``ExecutorTransport``
-  spells out the entry points it needs (today's ``CpuArena.run`` drives every rank from one
-  process, so it cannot serve ranks that are separate torch processes).
+  and pushes into peers' arenas. ``ExecutorTransport`` ("auto"/"executor", the default on CPU)
+  runs this rank's compiled TIDE-AG / TIDE-RS program through ``tide._core.RankExecutor``.
 
-  Until that binding exists, two stand-ins keep the adapter's contract (same landings, same
-  output layout, same alpha), so everything above this module is exercised end to end:
+  Two stand-ins remain for comparison and debugging; neither is TIDE's transport (bytes cross
+  torch.distributed) and both log so once:
 
   - ``VirtualClusterTransport`` ("virtual-cluster"): runs the real TIDE-AG / TIDE-RS programs on
-    ``tide.VirtualCluster`` (the CPU executor) in the shard group's first rank, which gathers the
-    group's inputs and hands every rank its bytes back over torch.distributed. Results are TIDE's
-    own (its landing layout, its fixed fp32 summation order, its alpha folding).
+    ``tide.VirtualCluster`` in the shard group's first rank, which gathers the group's inputs and
+    hands every rank its bytes back over torch.distributed.
   - ``InterimTransport`` ("interim"): per-parameter torch.distributed collectives with the
-    adapter's addressing (default while no executor binding exists: cheapest).
-
-  Neither is TIDE's transport (bytes cross torch.distributed); both log so once.
+    adapter's addressing. Also what a CUDA run uses until the CUDA fabrics exist.
 """
 from __future__ import annotations
 
@@ -81,7 +76,8 @@ class ExecutorTransport:
 
     name = "tide-executor"
 
-    def __init__(self, api: Any, arena: Any, peers: list[str], rank: int, topo: tide.Topology):
+    def __init__(self, api: Any, arena: Any, peers: list[str], rank: int, topo: tide.Topology,
+                 group_of: Any = None):
         regions = {r.name: (r.offset, r.nbytes) for r in arena.regions.values()}
         self._regions = regions
         self._exec = api(rank, topo.nodes, topo.gpus_per_node, peers, arena.nbytes,
@@ -89,6 +85,19 @@ class ExecutorTransport:
         self._programs: dict[tuple, Any] = {}
         self._seq: dict[tuple[int, str], int] = {}
         self._kind = dict(tide._core.buf_kinds)
+        self._group_of = group_of
+        self._world = topo.nodes * topo.gpus_per_node
+        self._ranks: dict[int, Any] = {}
+
+    def _ranks_of(self, tg: Any) -> Any:
+        """The shard group's global ranks when it is a sub-group (HSDP), else None."""
+        if tg.index not in self._ranks:
+            ranks = None
+            if self._group_of is not None:
+                ranks = dist.get_process_group_ranks(self._group_of(tg))
+                ranks = None if list(ranks) == list(range(self._world)) else list(ranks)
+            self._ranks[tg.index] = ranks
+        return self._ranks[tg.index]
 
     def _next_seq(self, tg: Any, what: str) -> int:
         key = (tg.index, what)
@@ -96,7 +105,7 @@ class ExecutorTransport:
         return self._seq[key]
 
     def _counter_base(self, tg: Any, what: str) -> int:
-        return (2 * tg.index + (what == "rs")) * 4096
+        return (3 * tg.index + {"ag": 0, "rs": 1, "rs32": 2}[what]) * 4096
 
     def all_gather(self, tg, inputs, landings):
         seq = self._next_seq(tg, "ag")
@@ -107,24 +116,26 @@ class ExecutorTransport:
             self._programs[key] = tide._core.build_ag_programs(
                 tg.plan, ring_slot=ring, resident=tg.adopts, arena=self._regions,
                 landing_region=tg.slot, landing_offset=tg.unsharded_offset - region[0],
+                resident_offset=tg.resident_offset - self._regions["resident"][0] if tg.adopts else 0,
                 counter_base=self._counter_base(tg, "ag"))
         bindings = [] if tg.adopts else [
             (self._kind["shard"], p, t.data_ptr(), t.numel() * t.element_size())
             for p, t in enumerate(inputs)]
-        self._exec.run(self._programs[key], seq, bindings)
+        self._exec.run(self._programs[key], seq, bindings, ranks=self._ranks_of(tg))
 
     def reduce_scatter(self, tg, plan, grads, output, alpha):
-        seq = self._next_seq(tg, "rs")
+        what = "rs" if plan is tg.plan else "rs32"
+        seq = self._next_seq(tg, what)
         key = ("rs", tg.index, plan.hash, seq % 2, float(alpha))
         if key not in self._programs:
             self._programs[key] = tide._core.build_rs_programs(
                 plan, bank=seq % 2, alpha=float(alpha), accumulate=False, arena=self._regions,
-                counter_base=self._counter_base(tg, "rs"))
+                counter_base=self._counter_base(tg, what))
         bindings = [(self._kind["grad"], p, g.data_ptr(), g.numel() * g.element_size())
                     for p, g in enumerate(grads)]
         bindings.append((self._kind["out"], -1, output.data_ptr(),
                          output.numel() * output.element_size()))
-        self._exec.run(self._programs[key], seq, bindings)
+        self._exec.run(self._programs[key], seq, bindings, ranks=self._ranks_of(tg))
 
 
 class InterimTransport:
@@ -235,7 +246,7 @@ def make_transport(kind: str, arena: Any, peers: list[str], rank: int, topo: tid
                    group_of: Any) -> Transport:
     api = _executor_api()
     if kind in ("auto", "executor") and api is not None and arena.shm_name is not None:
-        return ExecutorTransport(api, arena, peers, rank, topo)
+        return ExecutorTransport(api, arena, peers, rank, topo, group_of)
     if kind == "executor":
         raise RuntimeError("tide_torch: transport='executor' needs a process-mode executor "
                            "binding in tide._core, which this build does not have")

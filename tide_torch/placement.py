@@ -63,11 +63,13 @@ def assign(groups: list[TideGroup], use_ring: bool = True) -> dict[str, int]:
             sizes["resident"] += align_up(g.plan.layout.S)
         else:
             stage_slot = max(stage_slot, align_up(g.plan.layout.S))
-    sizes["stage"] = 2 * stage_slot
+    sizes["stage"] = max([2 * stage_slot] + [int(tide._core.plan_ag(g.plan).stage_bytes) for g in served])
     # TIDE-RS scratch (staging/outbox/inbox/spare/counters): reduce-scatters run one group at a
     # time in collective order, so one set sized for the largest group serves all of them.
     for name in EXECUTOR_REGIONS:
-        sizes[name] = max((_plan_region_bytes(g.plan, name) for g in served), default=0)
+        sizes[name] = max((_plan_region_bytes(pl, name) for g in served
+                           for pl in (g.plan, g.plan_fp32_grads) if pl is not None), default=0)
+    sizes["counters"] = max(sizes["counters"], 8 * (4096 * 3 * (max((g.index for g in served), default=0) + 1) + 1))
     return sizes
 
 
