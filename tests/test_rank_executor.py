@@ -146,7 +146,9 @@ def run_ranks(M, L, dead_rank=-1, timeout_s=10.0, fence=True, cast=False):
     topo, plan = make_rank_plan(M, L, cast)
     N = M * L
     regions, nbytes = layout_for([plan])
-    ctx = mp.get_context("fork")
+    # forkserver: ranks start from a clean single-threaded server, never forked from this
+    # (possibly multi-threaded: JAX, torch) test process, where fork() can deadlock the child.
+    ctx = mp.get_context("forkserver")
     names_q, results = ctx.Queue(), ctx.Queue()
     peers_qs = [ctx.Queue() for _ in range(N)]
     barrier = ctx.Barrier(N)
