@@ -15,17 +15,21 @@
 #include <cmath>
 #include <cstring>
 
+#include "exec/cuda/device.cuh"
 #include "exec/cuda/kernels.h"
 #include "tide/errors.h"
 
 namespace tide::cuda {
 namespace {
 
+using device::bf16_hi;
+using device::bf16_lo;
+using device::l2_prefetch;
+using device::prefetch_dist;
+
 constexpr int kSumUnroll = 2;
 constexpr int kVec = 8;  // bf16 elements per 16-byte vector
 
-__device__ __forceinline__ float bf16_lo(uint32_t w) { return __uint_as_float(w << 16); }
-__device__ __forceinline__ float bf16_hi(uint32_t w) { return __uint_as_float(w & 0xffff0000u); }
 __device__ __forceinline__ float bf16_to_f(uint16_t h) {
   return __uint_as_float(static_cast<uint32_t>(h) << 16);
 }
@@ -42,22 +46,6 @@ __host__ __device__ __forceinline__ uint16_t f_to_bf16(float f) {
   return static_cast<uint16_t>(u >> 16);
 }
 
-// [Note: L2 bulk prefetch]
-// Register-staged loads cap a CTA at ~128 KiB in flight (the register file), ~97 GB/s per CTA at
-// HBM latency. One thread per operand therefore asks the bulk-copy engine to prefetch the chunk
-// `dist` iterations ahead into L2 (cp.async.bulk.prefetch.L2, sm_90; no registers, no shared
-// memory, no completion to wait for); the loads then mostly hit L2. The prefetch distance
-// shrinks with the grid so the prefetched working set stays well inside the 60 MB L2.
-__device__ __forceinline__ void l2_prefetch(const void* p, int64_t bytes) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  bytes &= ~int64_t(15);
-  if (bytes <= 0) return;
-  if (bytes > (int64_t(1) << 20)) bytes = int64_t(1) << 20;
-  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(static_cast<uint32_t>(bytes))
-               : "memory");
-#endif
-}
-__device__ __forceinline__ int prefetch_dist() { return gridDim.x <= 16 ? 4 : (gridDim.x <= 48 ? 2 : 1); }
 
 // This CTA's element range [begin, end): contiguous, `align`-aligned start.
 __device__ __forceinline__ void cta_range(int64_t n, int64_t align, int64_t* begin, int64_t* end) {

@@ -7,6 +7,7 @@
 // the same per-CTA work split and 16-byte loads. Both start from the association in kernels.h.
 #include <cuda_runtime.h>
 
+#include "exec/cuda/device.cuh"
 #include "exec/cuda/kernels.h"
 #include "tide/errors.h"
 
@@ -27,22 +28,12 @@ __device__ __forceinline__ void load8(float (&x)[kV], const char* p, bool fp32) 
     const uint32_t w[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-      x[2 * i] = __uint_as_float(w[i] << 16);
-      x[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+      x[2 * i] = device::bf16_lo(w[i]);
+      x[2 * i + 1] = device::bf16_hi(w[i]);
     }
   }
 }
 
-// L2 bulk prefetch of the operands ahead of the loads (see kernels.cu [Note: L2 bulk prefetch]).
-__device__ __forceinline__ void l2_prefetch(const void* p, int64_t bytes) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  bytes &= ~int64_t(15);
-  if (bytes <= 0) return;
-  if (bytes > (int64_t(1) << 20)) bytes = int64_t(1) << 20;
-  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(static_cast<uint32_t>(bytes))
-               : "memory");
-#endif
-}
 
 __device__ __forceinline__ float load1(const char* p, int64_t k, bool fp32) {
   if (fp32) return reinterpret_cast<const float*>(p)[k];
@@ -90,7 +81,7 @@ __global__ void __launch_bounds__(kReduceThreads, 1) reduce_kernel(const __grid_
       const int64_t nv = (e - b) / kV;
       b_tail = b + nv * kV;
       const int64_t chunk = static_cast<int64_t>(blockDim.x) * kV;  // elements per iteration
-      const int dist = gridDim.x <= 16 ? 4 : (gridDim.x <= 48 ? 2 : 1);
+      const int dist = device::prefetch_dist();
       auto prefetch = [&](int64_t it) {  // thread i < T prefetches term i of iteration `it`
         const int i = static_cast<int>(threadIdx.x);
         const int64_t first = it * chunk, span = min(chunk, nv * kV - first);
@@ -99,7 +90,7 @@ __global__ void __launch_bounds__(kReduceThreads, 1) reduce_kernel(const __grid_
         for (int t = 0; t < T; ++t)
           if (t == i && src[t]) {
             const int64_t size = (a.fp32_terms >> t) & 1 ? 4 : 2;
-            l2_prefetch(src[t] + (b - r0 + first) * size, span * size);
+            device::l2_prefetch(src[t] + (b - r0 + first) * size, span * size);
           }
       };
       for (int d = 0; d < dist; ++d) prefetch(d);
