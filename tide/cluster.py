@@ -73,6 +73,13 @@ class VirtualCluster:
     def _checking(self) -> bool:
         return bool(self.check or (self.check is None and self.world <= 64))
 
+    def _check_rs_args(self, grads, accumulate):
+        N = self.world
+        if len(grads) != N:
+            raise _core.PlanError(f"reduce_scatter: got grads for {len(grads)} ranks, the cluster has {N}")
+        if accumulate is not None and len(accumulate) != N:
+            raise _core.PlanError(f"reduce_scatter: accumulate has {len(accumulate)} outputs, expected {N}")
+
     def _checked(self, progs):
         """Runs the static checker (I1-I4) on a new program set before its first use."""
         if self._checking():
@@ -192,10 +199,7 @@ class VirtualCluster:
         lay = plan.layout
         _, grad_name, _ = _core.plan_dtypes(plan)
         shapes = _core.plan_shapes(plan)
-        if len(grads) != N:
-            raise _core.PlanError(f"reduce_scatter: got grads for {len(grads)} ranks, the cluster has {N}")
-        if accumulate is not None and len(accumulate) != N:
-            raise _core.PlanError(f"reduce_scatter: accumulate has {len(accumulate)} outputs, expected {N}")
+        self._check_rs_args(grads, accumulate)
         gkey = (plan.hash, expert_lane)  # the expert lane has its own arena layout and counters
         st = self._rs_groups.get(gkey) if hasattr(self, "_rs_groups") else None
         if st is None:

@@ -174,10 +174,7 @@ class CudaVirtualCluster(VirtualCluster):
         lay = plan.layout
         _, grad_name, _ = _core.plan_dtypes(plan)
         shapes = _core.plan_shapes(plan)
-        if len(grads) != N:
-            raise _core.PlanError(f"reduce_scatter: got grads for {len(grads)} ranks, the cluster has {N}")
-        if accumulate is not None and len(accumulate) != N:
-            raise _core.PlanError(f"reduce_scatter: accumulate has {len(accumulate)} outputs, expected {N}")
+        self._check_rs_args(grads, accumulate)
         gkey = ("rs", plan.hash, expert_lane)
         g = self._cuda_groups.get(gkey)
         seq = (g.seq if g else 0) + 1
