@@ -18,43 +18,21 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import statistics
 import sys
 import tempfile
+from types import SimpleNamespace
 
-GROUPS = {
-    # Llama-3.1-70B decoder layer: hidden 8192, GQA 64/8 heads of 128, MLP 28672.
-    "llama70b": [("q", (8192, 8192)), ("k", (1024, 8192)), ("v", (1024, 8192)), ("o", (8192, 8192)),
-                 ("gate", (28672, 8192)), ("up", (28672, 8192)), ("down", (8192, 28672)),
-                 ("attn_norm", (8192,)), ("mlp_norm", (8192,))],
-    # Qwen3-30B-A3B block: hidden 2048, 32 q / 4 kv heads of 128, 128 experts of 768 (stacked).
-    "qwen3": [("q", (4096, 2048)), ("k", (512, 2048)), ("v", (512, 2048)), ("o", (2048, 4096)),
-              ("q_norm", (128,)), ("k_norm", (128,)), ("router", (128, 2048)),
-              ("experts.gate", (128, 768, 2048)), ("experts.up", (128, 768, 2048)),
-              ("experts.down", (128, 2048, 768)), ("attn_norm", (2048,)), ("mlp_norm", (2048,))],
-    # Wan2.2 A14B transformer block: dim 5120, FFN 13824, self + cross attention with biases.
-    "wan22": [(f"{a}.{w}", s) for a in ("self", "cross") for w, s in
-              (("q", (5120, 5120)), ("q.b", (5120,)), ("k", (5120, 5120)), ("k.b", (5120,)),
-               ("v", (5120, 5120)), ("v.b", (5120,)), ("o", (5120, 5120)), ("o.b", (5120,)),
-               ("norm_q", (5120,)), ("norm_k", (5120,)))]
-             + [("ffn.0", (13824, 5120)), ("ffn.0.b", (13824,)), ("ffn.2", (5120, 13824)),
-                ("ffn.2.b", (5120,)), ("norm3", (5120,)), ("modulation", (1, 6, 5120))],
-}
+# Bench names -> built-in models (tide/models.py holds the shapes and cites their configs).
+GROUPS = {"llama70b": "llama3.1-70b", "qwen3": "qwen3-30b-a3b", "wan22": "wan2.2-14b"}
 
 
-class Layout:
-    """Per-parameter (D, K, R, e, o32) for N ranks (paper §2.1): e_p = R_p*K_p elements."""
-
-    def __init__(self, shapes, n):
-        self.n = n
-        self.D = [s[0] for s in shapes]
-        self.K = [math.prod(s[1:]) for s in shapes]
-        self.R = [-(-d // n) for d in self.D]
-        self.e = [r * k for r, k in zip(self.R, self.K)]
-        self.o = [sum(self.e[:p]) for p in range(len(self.e))]
-        self.E = sum(self.e)  # per-rank shard elements; S = 2E bytes (bf16)
+def _layout(plan):
+    """The plan's per-parameter layout (paper §2.1) as lists: D, K, R, e_p = R_p*K_p, o = o32_p."""
+    ps = plan.layout.params
+    return SimpleNamespace(D=[p.D for p in ps], K=[p.K for p in ps], R=[p.R for p in ps],
+                           e=[p.e for p in ps], o=[p.o32 for p in ps], E=plan.layout.E)
 
 
 def _median_ms(torch, fn, reps=10, warmup=3):
@@ -101,9 +79,12 @@ def _profile(torch, fn, n_sm):
     return kernels, copies, sm_ms
 
 
-def run_group(torch, core, name, shapes, n, ceiling, n_sm, sum_ctas, land_ctas, dev="cuda"):
+def run_group(torch, core, name, plan, n, ceiling, n_sm, sum_ctas, land_ctas, dev="cuda"):
+    # Geometry comes from the plan (one node of n GPUs): layout, E_sub, sub-slice 0 and the
+    # Level-1 copies are the ones the RS program issues; nothing is re-derived here.
     L = n
-    lay = Layout(shapes, n)
+    lay = _layout(plan)
+    shapes = [tuple(s) for s in core.plan_shapes(plan)]
     E, P = lay.E, len(shapes)
     S = 2 * E
     st = torch.cuda.current_stream().cuda_stream
@@ -170,17 +151,15 @@ def run_group(torch, core, name, shapes, n, ceiling, n_sm, sum_ctas, land_ctas, 
         stock_pack()
         stock_reduce()
 
-    e_sub = -(-E // L)
-    e_sub = (e_sub + 7) // 8 * 8
+    rs = plan.rs_schedule
+    e_sub = rs.E_sub
     staging = torch.zeros(L - 1, L * e_sub, dtype=torch.bfloat16, device=dev)
     block = torch.empty(L * e_sub, dtype=torch.float32, device=dev)
-    # Pieces of sub-slice 0 = output elements [0, min(E, e_sub)) of every destination rank.
-    live0 = min(E, e_sub)
-    pieces = []  # (p, a, b): elements [a, b) of p's per-rank chunk
-    for p in range(P):
-        a, b = max(0, -lay.o[p]), min(lay.e[p], live0 - lay.o[p])
-        if a < b:
-            pieces.append((p, a, b))
+    # Rank 0 owns sub-slice 0 of its node (Eq. 7 with j = 0, c = M = 1): its segments are the
+    # pieces (p, [a, b)) of each parameter's per-rank chunk, at column sub_offset of a block row.
+    sub0 = rs.subslices[0]
+    pieces = [(g.param, g.param_offset, g.param_offset + g.length)
+              for g in rs.segments[sub0.seg_begin:sub0.seg_end]]
     copies = []
     seg_rows = []
     for i in range(L):
@@ -199,20 +178,12 @@ def run_group(torch, core, name, shapes, n, ceiling, n_sm, sum_ctas, land_ctas, 
         if pos < e_sub:
             seg_rows.append((base + pos, e_sub - pos, 0, -1))
     for slot, u in enumerate([u for u in range(n) if u != 0]):
-        for p, a, b in pieces:
-            total = lay.D[p] * lay.K[p]
-            full = [i for i in range(L) if i * lay.e[p] + b <= total]  # a prefix of ranks
-            src = grads[u][p].data_ptr()
-            dst = staging[slot].data_ptr()
-            if full:
-                copies.append((dst + 2 * (lay.o[p] + a), src + 2 * a, 2 * (b - a), len(full),
-                               2 * e_sub, 2 * lay.e[p]))
-            i = len(full)
-            if i < L:
-                lo = i * lay.e[p] + a
-                valid = max(0, total - lo)
-                if valid:
-                    copies.append((dst + 2 * (i * e_sub + lay.o[p] + a), src + 2 * lo, 2 * valid, 1, 0, 0))
+        for c in core.rs_level1_copies(plan, u):  # rank u's pushes into owner 0's staging row
+            if c["owner"] != 0 or c["s"] != 0:
+                continue
+            copies.append((staging[slot].data_ptr() + c["dst_offset"],
+                           grads[u][c["param"]].data_ptr() + c["src_offset"],
+                           c["width"], c["height"], c["dst_pitch"], c["src_pitch"]))
     seg = torch.tensor([[d, ln, s, p & 0xFFFFFFFF] for d, ln, s, p in seg_rows], dtype=torch.int64, device=dev)
     staged_ptrs = [staging[j].data_ptr() for j in range(L - 1)]
     grad_ptrs = [grads[0][p].data_ptr() for p in range(P)]
@@ -307,7 +278,9 @@ def main(argv=None):
     ap.add_argument("--no-sweep", action="store_true")
     args = ap.parse_args(argv)
     import torch
+    import tide
     from tide import _core as core
+    from tide import models
     if not core.cuda_available():
         print("tide bench layout: needs a CUDA GPU and a CUDA build of tide._core", file=sys.stderr)
         return 2
@@ -321,8 +294,8 @@ def main(argv=None):
                   capabilities=core.cuda_capabilities(0))
     print(f"# {props.name}, {n_sm} SMs; device-to-device ceiling {ceiling / 1e9:.0f} GB/s (read+write)")
     for name in args.groups.split(","):
-        shapes = [s for _, s in GROUPS[name]]
-        rows, info = run_group(torch, core, name, shapes, args.ranks, ceiling, n_sm, args.sum_ctas, args.land_ctas)
+        plan = tide.plan(models.signature(GROUPS[name], "block"), tide.Topology(1, args.ranks))
+        rows, info = run_group(torch, core, name, plan, args.ranks, ceiling, n_sm, args.sum_ctas, args.land_ctas)
         result["rows"] += rows
         result["groups"].append(info)
     if not args.no_sweep:
