@@ -26,5 +26,8 @@ def test_multicast_gate_closed_without_opt_in(monkeypatch):
 
 def test_bench_layout_module_imports_without_gpu():
     from tide.bench import layout
-    lay = layout.Layout([s for _, s in layout.GROUPS["llama70b"]], 8)
+    import tide
+    from tide import models
+    plan = tide.plan(models.signature(layout.GROUPS["llama70b"], "block"), tide.Topology(1, 8))
+    lay = layout._layout(plan)  # the bench's geometry is the plan's
     assert 8 * 2 * lay.E == 1711308800  # NS of the 70B layer group, bytes
