@@ -101,7 +101,9 @@ def test_level1_pushes_stage_exactly_the_owner_inputs(shapes, M, L, n_part, chun
 
 def test_descriptor_counts_coalesce_the_rank_axis():
     M, L = 4, 8
-    p = make([(M * L * 6, 5)], M, L)  # P = 1, no padding: one strided push per (owner, node)
+    # P = 1, no padding, E = 240 in 8 sub-slices of E_sub = 32 (the last one 16 live): every owner
+    # has a live sub-slice, so one strided push per (owner, node).
+    p = make([(M * L * 6, 40)], M, L)
     assert p.rs_schedule.l1_descriptors_per_rank == (L - 1) * 1 * M == p.rs_schedule.l1_coalesced_formula
     assert p.rs_schedule.l1_tail_descriptors_per_rank == 0
     assert p.rs_schedule.l1_flat_descriptors_per_rank == (L - 1) * M * L
@@ -113,7 +115,7 @@ def test_descriptor_counts_coalesce_the_rank_axis():
     assert big.rs_schedule.l1_flat_descriptors_per_rank == 107_520
     assert big.rs_schedule.l1_coalesced_formula == 13_440
     # Padded final rows add short tails.
-    q = make([(M * L * 6 - 3, 5)], M, L)
+    q = make([(M * L * 6 - 3, 40)], M, L)  # sub-slices cross rows: padded rows need tails
     assert q.rs_schedule.l1_tail_descriptors_per_rank > 0
     assert q.rs_schedule.l1_descriptors_per_rank == max(len(_core.rs_level1_copies(q, r)) for r in range(L))
 

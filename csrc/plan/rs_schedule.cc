@@ -204,8 +204,8 @@ RsSchedule build_rs_schedule(const GroupLayout& layout, const Topology& topo, co
   rs.b_grad = static_cast<int>(layout.S_grad / std::max<int64_t>(1, E));
   // Passes split every sub-slice column-wise, so an element keeps its sub-slice s (hence its
   // owner and Latin-square position) for any n_part: passes change no operand grouping.
-  rs.E_subslice = round_up(ceil_div(E, L), kVectorElems);
-  rs.E_sub = round_up(ceil_div(rs.E_subslice, opt.n_part), kVectorElems);
+  rs.E_subslice = round_up(ceil_div(E, L), kSubsliceAlignElems);
+  rs.E_sub = round_up(ceil_div(rs.E_subslice, opt.n_part), kSubsliceAlignElems);
   rs.E_stg = static_cast<int64_t>(L) * rs.E_sub;
   // A tiny group may leave later passes without live elements; they still run (zero blocks,
   // no landings), which keeps the plan valid for any n_part.
@@ -215,7 +215,7 @@ RsSchedule build_rs_schedule(const GroupLayout& layout, const Topology& topo, co
     // Never above chunk_bytes (the memory model sizes staging rows by min(E_sub*b, chunk_bytes));
     // vector aligned when at least one vector fits.
     const int64_t elems = std::max<int64_t>(1, opt.chunk_bytes / rs.b_grad);
-    rs.E_chunk = std::min(rs.E_sub, elems >= kVectorElems ? elems / kVectorElems * kVectorElems : elems);
+    rs.E_chunk = std::min(rs.E_sub, elems >= kSubsliceAlignElems ? elems / kSubsliceAlignElems * kSubsliceAlignElems : elems);
   }
   rs.n_chunks = static_cast<int>(ceil_div(rs.E_sub, rs.E_chunk));
   rs.n_stg = opt.n_stg;

@@ -153,7 +153,7 @@ Program build_rs_expert_program(const Plan& plan, const RsCallOptions& opt, int 
         const ParamLayout& pl = lay.params[p];
         const int64_t v = valid(p, t);
         if (v <= 0) continue;
-        const int64_t part = align_up((v + kExpertRailParts - 1) / kExpertRailParts, kVectorElems);
+        const int64_t part = align_up((v + kExpertRailParts - 1) / kExpertRailParts, kSubsliceAlignElems);
         for (int i = 0; i < kExpertRailParts && i * part < v; ++i) {
           const int64_t len = std::min(part, v - i * part);
           CopyDesc d;

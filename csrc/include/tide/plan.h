@@ -46,6 +46,10 @@ constexpr int kMaxGpusPerNode = 8;   // L <= 8 (one NVSwitch domain)
 constexpr int kMaxNodes = 1 << 16;   // M: far beyond any deployment; keeps N*S in int64
 constexpr int kMaxParams = 256;      // P > 256 falls back to stock collectives
 constexpr int kVectorElems = 4;      // fp32 elements per 16-byte vector (E_sub alignment)
+// Sub-slice capacity alignment: 16 bytes of the narrowest staged type (bf16), so staging rows
+// (E_sub bf16) and outbox/inbox rows (E_sub fp32) both start on 16-byte vectors. Aligning to
+// kVectorElems alone left bf16 staging rows 8-byte aligned, off the SUM kernel's vector path.
+constexpr int kSubsliceAlignElems = 8;
 
 struct Topology {
   int nodes = 1;          // M
