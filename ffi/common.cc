@@ -106,7 +106,7 @@ void run_group_call(const CallSpec& spec, int32_t device_ordinal, int64_t run_id
           slot.group, " in the mesh given to tide_xla.init(), but has index ", attrs.where[0],
           " along the FSDP axis (group ", attrs.where[1], ") in the shard_map running this "
           "call; trace with the mesh init() was given");
-      rendezvous_fail(key, world, slot.rank, why);
+      rendezvous_fail(key, world, slot.rank, why, /*bad_input=*/true);
       throw PlanError(why);
     }
   }

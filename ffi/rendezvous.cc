@@ -34,6 +34,7 @@ struct Meeting {
   int left = 0;
   std::string failure;  // non-empty: every rank still inside returns this error
   bool timed_out = false;
+  bool bad_input = false;  // the failure was a PlanError on some rank: same code on every rank
 };
 
 std::mutex g_mu;  // guards g_meetings and every Meeting
@@ -88,11 +89,14 @@ int64_t next_seq(int32_t device_ordinal, int64_t op_id, int64_t run_id) {
   return c.second;
 }
 
-void rendezvous_fail(const RendezvousKey& key, int world, int rank, const std::string& why) {
+void rendezvous_fail(const RendezvousKey& key, int world, int rank, const std::string& why,
+                     bool bad_input) {
   std::lock_guard<std::mutex> lock(g_mu);
   std::shared_ptr<Meeting> m = meeting(key, world);
-  if (m->failure.empty())
+  if (m->failure.empty()) {
     m->failure = TIDE_STR_CAT("rendezvous ", key_str(key), ": rank ", rank, " failed: ", why);
+    m->bad_input = bad_input;
+  }
   if (rank >= 0 && rank < m->world && m->io[rank] == nullptr) {
     m->io[rank] = &kFailedRank;
     ++m->arrived;
@@ -126,9 +130,10 @@ void rendezvous_and_run(const RendezvousKey& key, int world, const RankIo& io, u
   // Leaves the meeting with its failure (TimeoutError when it is a timeout). Caller holds g_mu.
   auto fail = [&]() {
     const std::string msg = m->failure;
-    const bool timeout = m->timed_out;
+    const bool timeout = m->timed_out, bad_input = m->bad_input;
     leave(key, m);
     if (timeout) throw TimeoutError(msg);
+    if (bad_input) throw PlanError(msg);
     throw Error(msg);
   };
   // Waits (each phase with its own deadline) until `ready`; on timeout names the ranks for which
@@ -159,6 +164,7 @@ void rendezvous_and_run(const RendezvousKey& key, int world, const RankIo& io, u
       m->failure = TIDE_STR_CAT("rendezvous ", key_str(key), ": rank ", r, " has plan hash ",
                                 m->hash[r], " but rank ", rank, " has ", plan_hash,
                                 " (ranks disagree on the group's shapes, dtypes or topology)");
+      m->bad_input = true;
       g_cv.notify_all();
     }
   }
@@ -174,6 +180,7 @@ void rendezvous_and_run(const RendezvousKey& key, int world, const RankIo& io, u
         m->failure =
             TIDE_STR_CAT("rendezvous ", key_str(key), ": rank ", rank, " failed: ", e.what());
         m->timed_out = dynamic_cast<const TimeoutError*>(&e) != nullptr;  // same code everywhere
+        m->bad_input = dynamic_cast<const PlanError*>(&e) != nullptr;
       }
       g_cv.notify_all();
       leave(key, m);

@@ -128,7 +128,10 @@ void rendezvous_and_run(const RendezvousKey& key, int world, const RankIo& io, u
 
 // Posts a failure into the meeting of `key` on behalf of `rank`, which will not join (its call
 // failed before the rendezvous, e.g. a mesh mismatch): the other ranks fail at once naming it.
-void rendezvous_fail(const RendezvousKey& key, int world, int rank, const std::string& why);
+// Fails the meeting for every rank; bad_input: the cause is the caller's input (PlanError), so
+// every rank returns INVALID_ARGUMENT, whichever rank's error the framework reports.
+void rendezvous_fail(const RendezvousKey& key, int world, int rank, const std::string& why,
+                     bool bad_input = false);
 
 // ---------------------------------------------------------------------------------------------
 // One group call, shared by both ops (common.cc): checks the device table, builds or reuses the
