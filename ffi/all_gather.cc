@@ -1,7 +1,10 @@
 // TIDE-AG as an XLA FFI custom call: P shards in, P full parameters out, one call per group.
 //   AllGatherImpl -> AllGatherHandler (XLA:CPU) -> target "tide_all_gather"
 //                 -> AllGatherCudaHandler (CUDA)  -> target "tide_all_gather" on platform CUDA
-//   Python face: tide_xla/all_gather.py (AllGatherPrimitive, name "tide_all_gather").
+//   AllGatherVirtual -> AllGatherVirtual[Cuda]Handler -> "tide_all_gather_virtual" (all N ranks'
+//                    shards stacked [N, R_p, ...] on one device; results [N, D_p, ...])
+//   Python face: tide_xla/all_gather.py (AllGatherPrimitive, name "tide_all_gather") and
+//   tide_xla/virtual.py (virtual_all_gather).
 #include "tide_ffi.h"
 
 #ifdef TIDE_WITH_CUDA
@@ -15,9 +18,10 @@ namespace {
 // Operand p is rank r's shard (R_p, trailing...) in the shard dtype; result p is the unsharded
 // parameter (D_p, trailing...) in the AG dtype. Rows of the last ranks beyond D_p are FSDP2's
 // dim-0 padding: they travel in the shard and are not landed.
+// lead > 0: the virtual cluster's stacked buffers, [lead = N, ...] (io gets rank 0's addresses).
 GroupSignature all_gather_signature(const ffi::RemainingArgs& shards,
                                     const ffi::RemainingRets& params, const GroupAttrs& a,
-                                    RankIo& io) {
+                                    RankIo& io, int lead = 0) {
   const size_t P = a.dims0.size();
   TIDE_PLAN_CHECK(shards.size() == P && params.size() == P, "tide_all_gather: ", shards.size(),
                   " operands and ", params.size(), " results for a group of ", P,
@@ -27,10 +31,10 @@ GroupSignature all_gather_signature(const ffi::RemainingArgs& shards,
     auto in = shards.get<ffi::AnyBuffer>(p);
     auto out = params.get<ffi::AnyBuffer>(p);
     TIDE_CHECK(in.has_value() && out.has_value(), "parameter ", p, ": not a buffer");
-    const auto din = in->dimensions();
-    const auto dout = (*out)->dimensions();
     const int64_t D = a.dims0[p];
     const std::string who = TIDE_STR_CAT("parameter ", p);
+    const auto din = rank_dims(in->dimensions(), lead, (who + " shard").c_str());
+    const auto dout = rank_dims((*out)->dimensions(), lead, (who + " result").c_str());
     TIDE_PLAN_CHECK(din.size() >= 1 && din.size() == dout.size(), who, ": shard ",
                     dims_str(din), " and parameter ", dims_str(dout),
                     " must have the same rank >= 1 (TIDE shards dim 0)");
@@ -65,7 +69,7 @@ GroupSignature all_gather_signature(const ffi::RemainingArgs& shards,
                   " (TIDE-AG casts float32 shards to bfloat16 only)");
   const GroupLayout lay = build_layout(sig, group_topology(a));  // R_p as the plan computes it
   for (size_t p = 0; p < P; ++p) {
-    const auto din = shards.get<ffi::AnyBuffer>(p)->dimensions();
+    const auto din = rank_dims(shards.get<ffi::AnyBuffer>(p)->dimensions(), lead, "shard");
     TIDE_PLAN_CHECK(din[0] == lay.params[p].R, "parameter ", p, ": shard ", dims_str(din),
                     " must have R_p = ceil(D_p/N) = ceil(", lay.params[p].D, "/", lay.N, ") = ",
                     lay.params[p].R, " rows (dim-0 sharding padded as FSDP2 pads)");
@@ -97,6 +101,49 @@ ffi::Error AllGatherImpl(int32_t device_ordinal, ffi::RunId run_id,
 XLA_FFI_DEFINE_HANDLER_SYMBOL(AllGatherHandler, AllGatherImpl,
                               BindGroupCall(ffi::Ffi::Bind()));
 
+// All N ranks on this device (a virtual cluster): stream == nullptr runs the CPU executor.
+ffi::Error AllGatherVirtual(void* stream, int32_t device_ordinal, ffi::RemainingArgs shards,
+                            ffi::RemainingRets params, ffi::Span<const int64_t> dims0,
+                            int64_t nodes, int64_t gpus_per_node, int64_t mode,
+                            int64_t timeout_ms) {
+  TIDE_FFI_BOUNDARY("tide_all_gather_virtual", {
+    const GroupAttrs attrs{dims0, {}, nodes, gpus_per_node, mode, 0, timeout_ms};
+    const int N = group_topology(attrs).world();
+    RankIo all;
+    const GroupSignature sig = all_gather_signature(shards, params, attrs, all, N);
+    const GroupLayout lay = build_layout(sig, group_topology(attrs));
+    std::vector<int64_t> in_bytes, out_bytes;
+    for (const ParamLayout& pl : lay.params) {
+      in_bytes.push_back(pl.e * dtype_size(sig.shard_dtype));
+      out_bytes.push_back(pl.D * pl.K * dtype_size(sig.ag_dtype));
+    }
+    CallSpec spec;
+    spec.op = Collective::kAllGather;
+    spec.cuda = stream != nullptr;
+#ifdef TIDE_WITH_CUDA
+    if (spec.cuda) {
+      all.device = device_ordinal;
+      all.stream = stream;
+      record_ready(all);
+    }
+#endif
+    std::vector<RankIo> ios = stacked_ranks(all, N, in_bytes, out_bytes, 0);
+    run_virtual_call(spec, device_ordinal, attrs, sig, ios);
+    return ffi::Error::Success();
+  })
+}
+
+ffi::Error AllGatherVirtualCpu(int32_t device_ordinal, ffi::RemainingArgs shards,
+                               ffi::RemainingRets params, ffi::Span<const int64_t> dims0,
+                               int64_t nodes, int64_t gpus_per_node, int64_t mode,
+                               int64_t timeout_ms) {
+  return AllGatherVirtual(nullptr, device_ordinal, shards, params, dims0, nodes, gpus_per_node,
+                          mode, timeout_ms);
+}
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(AllGatherVirtualHandler, AllGatherVirtualCpu,
+                              BindVirtualCall(ffi::Ffi::Bind()));
+
 #ifdef TIDE_WITH_CUDA
 ffi::Error AllGatherCudaImpl(cudaStream_t stream, int32_t device_ordinal, ffi::RunId run_id,
                              WhereBuffer where, ffi::RemainingArgs shards,
@@ -105,18 +152,38 @@ ffi::Error AllGatherCudaImpl(cudaStream_t stream, int32_t device_ordinal, ffi::R
                              int64_t gpus_per_node, int64_t mode, int64_t op_id,
                              int64_t timeout_ms) {
   TIDE_FFI_BOUNDARY("tide_all_gather[CUDA]", {
+    // `where` lives in device memory here: reading it would synchronise, so the mesh-mismatch
+    // check by axis index is CPU only (the device table still maps ordinals to ranks).
+    (void)where;
     const GroupAttrs attrs{dims0, device_table, nodes, gpus_per_node, mode, op_id, timeout_ms};
     RankIo io;
-    all_gather_signature(shards, params, attrs, io);  // validates the call like the CPU path
-    throw Unimplemented(
-        "the CUDA executor is not part of this build yet; TIDE-AG on CUDA runs once "
-        "csrc/exec/cuda lands (the CPU handler is complete)");
+    const GroupSignature sig = all_gather_signature(shards, params, attrs, io);
+    io.device = device_ordinal;
+    io.stream = stream;
+    record_ready(io);  // before the rendezvous: the runner's streams wait on it
+    CallSpec spec;
+    spec.op = Collective::kAllGather;
+    spec.cuda = true;
+    run_group_call(spec, device_ordinal, run_id.run_id, attrs, sig, io);
+    return ffi::Error::Success();
   })
 }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     AllGatherCudaHandler, AllGatherCudaImpl,
     BindGroupCall(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()));  // XLA's stream
+
+ffi::Error AllGatherVirtualCuda(cudaStream_t stream, int32_t device_ordinal,
+                                ffi::RemainingArgs shards, ffi::RemainingRets params,
+                                ffi::Span<const int64_t> dims0, int64_t nodes,
+                                int64_t gpus_per_node, int64_t mode, int64_t timeout_ms) {
+  return AllGatherVirtual(stream, device_ordinal, shards, params, dims0, nodes, gpus_per_node,
+                          mode, timeout_ms);
+}
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    AllGatherVirtualCudaHandler, AllGatherVirtualCuda,
+    BindVirtualCall(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()));
 #endif
 
 }  // namespace tide::xla_ffi

@@ -71,6 +71,18 @@ std::string dims_str(ffi::Span<const int64_t> dims) {
   return os.str();
 }
 
+std::string dims_str(const std::vector<int64_t>& dims) {
+  return dims_str(ffi::Span<const int64_t>(dims.data(), dims.size()));
+}
+
+std::vector<int64_t> rank_dims(ffi::Span<const int64_t> dims, int lead_world, const char* what) {
+  if (lead_world == 0) return std::vector<int64_t>(dims.begin(), dims.end());
+  TIDE_PLAN_CHECK(dims.size() >= 2 && dims[0] == lead_world, what, ": ", dims_str(dims),
+                  " must stack every rank's buffer on a leading axis of the virtual world N = ",
+                  lead_world);
+  return std::vector<int64_t>(dims.begin() + 1, dims.end());
+}
+
 Topology group_topology(const GroupAttrs& a) {
   TIDE_PLAN_CHECK(a.nodes >= 1 && a.gpus_per_node >= 1, "topology: nodes=", a.nodes,
                   " gpus_per_node=", a.gpus_per_node, " must both be >= 1");
@@ -125,6 +137,48 @@ void run_group_call(const CallSpec& spec, int32_t device_ordinal, int64_t run_id
         call.ranks = ranks;
         CompleteRank(call, slot.rank);
       });
+}
+
+std::vector<RankIo> stacked_ranks(const RankIo& all, int world, const std::vector<int64_t>& in_bytes,
+                                  const std::vector<int64_t>& out_bytes, int64_t acc_bytes) {
+  TIDE_CHECK(in_bytes.size() == all.in.size() && out_bytes.size() == all.out.size(),
+             "stacked_ranks: sizes");
+  std::vector<RankIo> ios(static_cast<size_t>(world));
+  for (int r = 0; r < world; ++r) {
+    RankIo& io = ios[static_cast<size_t>(r)];
+    io = all;
+    io.rank = r;
+    for (size_t i = 0; i < io.in.size(); ++i)
+      io.in[i] = static_cast<const char*>(all.in[i]) + r * in_bytes[i];
+    for (size_t i = 0; i < io.out.size(); ++i)
+      io.out[i] = static_cast<char*>(all.out[i]) + r * out_bytes[i];
+    for (size_t i = 0; i < io.acc.size(); ++i)
+      io.acc[i] = static_cast<const char*>(all.acc[i]) + r * acc_bytes;
+  }
+  return ios;
+}
+
+void run_virtual_call(const CallSpec& spec, int32_t device_ordinal, const GroupAttrs& attrs,
+                      const GroupSignature& sig, std::vector<RankIo>& ios) {
+  const Topology topo = group_topology(attrs);
+  TIDE_PLAN_CHECK(attrs.mode == 0 || attrs.mode == 1, "mode: expected 0 (in_place) or 1 "
+                  "(slot_reuse), got ", attrs.mode);
+  TIDE_PLAN_CHECK(attrs.timeout_ms > 0, "timeout_ms: must be > 0, got ", attrs.timeout_ms);
+  TIDE_PLAN_CHECK(static_cast<int>(ios.size()) == topo.world(), "virtual cluster: ", ios.size(),
+                  " ranks stacked for topology ", topo.nodes, "x", topo.gpus_per_node);
+  auto plan = cached_plan(sig, topo, static_cast<Mode>(attrs.mode));
+  GroupCall call;
+  call.plan = plan.get();
+  call.spec = spec;
+  call.group = 0;
+  call.timeout_ms = attrs.timeout_ms;
+  call.virtual_device = device_ordinal;
+  for (size_t r = 0; r < ios.size(); ++r) {
+    ios[r].rank = static_cast<int>(r);
+    call.ranks.push_back(&ios[r]);
+  }
+  ExecuteGroup(call);  // one thread plays every rank: nothing to meet
+  for (int r = 0; r < topo.world(); ++r) CompleteRank(call, r);
 }
 
 ffi::Error to_ffi_error(const char* op) {

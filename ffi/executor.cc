@@ -1,4 +1,5 @@
-// [Note: the executor boundary] The one place where ffi/ reaches TIDE's executor.
+// [Note: the executor boundary] With executor_cuda.cc, the one place where ffi/ reaches TIDE's
+// executors (this file: XLA:CPU through run_cpu; executor_cuda.cc: CUDA through CudaExecutor).
 //
 // XLA already runs one thread per device, and the rendezvous has every rank's buffers before the
 // executor is called. The CPU executor (tide/exec_cpu.h) steps all ranks of a call list itself
@@ -31,50 +32,62 @@
 
 namespace tide::xla_ffi {
 
+ProgramKey program_key(const GroupCall& call, int64_t seq) {
+  const bool rs = call.spec.op == Collective::kReduceScatter;
+  // TIDE-RS alternates the two outbox banks: b = (seq - 1) mod 2 (rs_program.h).
+  const int bank = rs ? static_cast<int>((seq - 1) % 2) : 0;
+  return std::make_tuple(bank, rs ? call.spec.scale : 1.0f, rs && call.spec.accumulate);
+}
+
+std::vector<Program> build_call_programs(const GroupCall& call, int bank) {
+  const Plan& plan = *call.plan;
+  std::vector<Program> progs;
+  if (call.spec.op == Collective::kReduceScatter) {
+    RsCallOptions o;
+    o.bank = bank;
+    o.alpha = call.spec.scale;
+    o.accumulate = call.spec.accumulate;
+    o.group = static_cast<int32_t>(call.group);
+    progs = build_rs_programs(plan, o);
+  } else {
+    AgCallOptions o;
+    o.ring_slot = 0;
+    o.resident = false;  // XLA owns the shards: read them in place (kShard)
+    o.group = static_cast<int32_t>(call.group);
+    o.with_expects = false;
+    progs = build_ag_programs(plan, o);
+  }
+  TIDE_CHECK(!progs.empty(), "no programs built");
+  return progs;
+}
+
 namespace {
 
 struct GroupState {
   std::mutex mu;
   std::unique_ptr<CpuArena> arena;
-  std::map<std::tuple<int, float, bool>, std::vector<Program>> programs;  // (bank, alpha, acc)
+  std::map<ProgramKey, std::vector<Program>> programs;
   int64_t seq = 0;
 };
 
 std::shared_ptr<GroupState> state_for(const GroupCall& call) {
-  using Key = std::tuple<uint64_t, int, int64_t>;
+  // A virtual cluster (all ranks on one device) never shares state with a mesh group.
+  using Key = std::tuple<uint64_t, int, int64_t, int64_t>;
   static std::mutex mu;
   static std::map<Key, std::shared_ptr<GroupState>> states;
   std::lock_guard<std::mutex> lock(mu);
-  auto& st = states[Key{call.plan->hash, static_cast<int>(call.spec.op), call.group}];
+  auto& st = states[Key{call.plan->hash, static_cast<int>(call.spec.op), call.group,
+                        call.virtual_device}];
   if (!st) st = std::make_shared<GroupState>();
   return st;
 }
 
 const std::vector<Program>& programs_for(GroupState& st, const GroupCall& call, int64_t seq) {
-  const Plan& plan = *call.plan;
-  const bool rs = call.spec.op == Collective::kReduceScatter;
-  // TIDE-RS alternates the two outbox banks: b = (seq - 1) mod 2 (rs_program.h).
-  const int bank = rs ? static_cast<int>((seq - 1) % 2) : 0;
-  const auto key = std::make_tuple(bank, rs ? call.spec.scale : 1.0f, rs && call.spec.accumulate);
+  const ProgramKey key = program_key(call, seq);
   auto it = st.programs.find(key);
   if (it == st.programs.end()) {
-    std::vector<Program> progs;
-    if (rs) {
-      RsCallOptions o;
-      o.bank = bank;
-      o.alpha = call.spec.scale;
-      o.accumulate = call.spec.accumulate;
-      o.group = static_cast<int32_t>(call.group);
-      progs = build_rs_programs(plan, o);
-    } else {
-      AgCallOptions o;
-      o.ring_slot = 0;
-      o.resident = false;  // XLA owns the shards: read them in place (kShard)
-      o.group = static_cast<int32_t>(call.group);
-      o.with_expects = false;
-      progs = build_ag_programs(plan, o);
-    }
-    TIDE_CHECK(!progs.empty(), "no programs built");
+    std::vector<Program> progs = build_call_programs(call, std::get<0>(key));
+    const Plan& plan = *call.plan;
     if (!st.arena)
       st.arena = std::make_unique<CpuArena>(plan.topo.world(), progs[0].arena, false);
     TIDE_CHECK(progs[0].arena.total == st.arena->spec().total,
@@ -118,6 +131,14 @@ std::string executor_description() {
 }
 
 void ExecuteGroup(const GroupCall& call) {
+  if (call.spec.cuda) {
+#ifdef TIDE_WITH_CUDA
+    ExecuteGroupCuda(call);
+    return;
+#else
+    throw Unimplemented("a CUDA call reached a build without the CUDA executor");
+#endif
+  }
   auto st = state_for(call);
   std::lock_guard<std::mutex> lock(st->mu);
   const int64_t seq = ++st->seq;
@@ -131,6 +152,12 @@ void ExecuteGroup(const GroupCall& call) {
 }
 
 void CompleteRank(const GroupCall& call, int rank) {
+  if (call.spec.cuda) {
+#ifdef TIDE_WITH_CUDA
+    CompleteRankCuda(call, rank);
+#endif
+    return;
+  }
   if (call.spec.op != Collective::kAllGather) return;  // TIDE-RS wrote XLA's result in place
   auto st = state_for(call);
   const GroupLayout& lay = call.plan->layout;

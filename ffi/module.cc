@@ -8,9 +8,13 @@ namespace nb = nanobind;
 
 XLA_FFI_DECLARE_HANDLER_SYMBOL(AllGatherHandler);          // all_gather.cc
 XLA_FFI_DECLARE_HANDLER_SYMBOL(ReduceScatterHandler);      // reduce_scatter.cc
+XLA_FFI_DECLARE_HANDLER_SYMBOL(AllGatherVirtualHandler);   // all_gather.cc (virtual cluster)
+XLA_FFI_DECLARE_HANDLER_SYMBOL(ReduceScatterVirtualHandler);  // reduce_scatter.cc
 #ifdef TIDE_WITH_CUDA
 XLA_FFI_DECLARE_HANDLER_SYMBOL(AllGatherCudaHandler);      // all_gather.cc
 XLA_FFI_DECLARE_HANDLER_SYMBOL(ReduceScatterCudaHandler);  // reduce_scatter.cc
+XLA_FFI_DECLARE_HANDLER_SYMBOL(AllGatherVirtualCudaHandler);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(ReduceScatterVirtualCudaHandler);
 #endif
 
 namespace {
@@ -36,12 +40,16 @@ NB_MODULE(_ffi, m) {
     nb::dict cpu;
     cpu["tide_all_gather"] = encapsulate(AllGatherHandler);
     cpu["tide_reduce_scatter"] = encapsulate(ReduceScatterHandler);
+    cpu["tide_all_gather_virtual"] = encapsulate(AllGatherVirtualHandler);
+    cpu["tide_reduce_scatter_virtual"] = encapsulate(ReduceScatterVirtualHandler);
     nb::dict out;
     out["cpu"] = cpu;
 #ifdef TIDE_WITH_CUDA
     nb::dict cuda;
     cuda["tide_all_gather"] = encapsulate(AllGatherCudaHandler);
     cuda["tide_reduce_scatter"] = encapsulate(ReduceScatterCudaHandler);
+    cuda["tide_all_gather_virtual"] = encapsulate(AllGatherVirtualCudaHandler);
+    cuda["tide_reduce_scatter_virtual"] = encapsulate(ReduceScatterVirtualCudaHandler);
     out["CUDA"] = cuda;
 #endif
     return out;

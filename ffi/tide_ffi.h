@@ -23,10 +23,12 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "tide/errors.h"
 #include "tide/plan.h"
+#include "tide/program.h"
 // The vendored headers end some switch functions without a return; silence only that warning.
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wreturn-type"
@@ -61,6 +63,7 @@ std::shared_ptr<const Plan> cached_plan(const GroupSignature& sig, const Topolog
 
 DType to_tide_dtype(ffi::DataType t, const char* what);  // throws PlanError on others
 std::string dims_str(ffi::Span<const int64_t> dims);
+std::string dims_str(const std::vector<int64_t>& dims);
 
 // ---------------------------------------------------------------------------------------------
 // One rank's XLA buffers for one call, visible to every rank of the group (one address space).
@@ -73,12 +76,18 @@ struct RankIo {
   std::vector<void*> out;
   // RS with accumulate: 1 packed fp32 shard added to the result (aliased to `out` by XLA).
   std::vector<const void*> acc;
+  // CUDA only (executor_cuda.cc): the rank's device, XLA's stream (cudaStream_t) and the event
+  // (cudaEvent_t) recorded on it before the rendezvous: the executor streams wait on it.
+  int device = -1;
+  void* stream = nullptr;
+  void* ready = nullptr;
 };
 
 struct CallSpec {
   Collective op = Collective::kAllGather;
   float scale = 1.0f;       // RS: alpha applied to the reduced sum
   bool accumulate = false;  // RS: out = acc + alpha * sum
+  bool cuda = false;        // run through the CUDA executor (executor_cuda.cc), not run_cpu
 };
 
 // Everything the executor needs about one call of one group, once every rank joined.
@@ -88,6 +97,7 @@ struct GroupCall {
   int64_t group = 0;                    // which FSDP group of the mesh
   int64_t timeout_ms = 0;               // the executor's wait deadline
   std::vector<const RankIo*> ranks;     // index = rank
+  int64_t virtual_device = -1;          // >= 0: a virtual cluster, every rank on this device
 };
 
 // [Note: the executor boundary] executor.cc is the only file of ffi/ that reaches TIDE's
@@ -95,10 +105,26 @@ struct GroupCall {
 // buffers; the rendezvous calls it on rank 0 of the group once all ranks joined. CompleteRank
 // then runs on every rank (its own thread) after ExecuteGroup returned, for per-rank completion
 // work. Both throw tide::Error / TimeoutError / Unimplemented.
+// The group's per-rank programs for one call (executor.cc): TIDE-AG reads XLA's shards in place
+// and lands in ring slot 0; TIDE-RS uses outbox bank `bank`. Key: (bank, alpha, accumulate);
+// TIDE-RS alternates banks b = (seq - 1) mod 2.
+using ProgramKey = std::tuple<int, float, bool>;
+ProgramKey program_key(const GroupCall& call, int64_t seq);
+std::vector<Program> build_call_programs(const GroupCall& call, int bank);
+
+// With call.spec.cuda both forward to ExecuteGroupCuda/CompleteRankCuda (executor_cuda.cc).
 void ExecuteGroup(const GroupCall& call);
 void CompleteRank(const GroupCall& call, int rank);
 bool executor_available();
 std::string executor_description();
+#ifdef TIDE_WITH_CUDA
+void ExecuteGroupCuda(const GroupCall& call);
+void CompleteRankCuda(const GroupCall& call, int rank);
+// Records this device's entry event on XLA's stream (io.stream, io.device) into io.ready.
+void record_ready(RankIo& io);
+// RS with accumulate when XLA did not alias acc to out: out <- acc on XLA's stream.
+void copy_accumulator_async(const RankIo& io, int64_t bytes);
+#endif
 
 // ---------------------------------------------------------------------------------------------
 // In-process rendezvous (rendezvous.cc)
@@ -171,12 +197,44 @@ auto BindGroupCall(Binding b) {
       .template Attr<int64_t>("timeout_ms");                     // wait budget per phase
 }
 
+// The virtual cluster's binding (after the platform context): no RunId, no `where`, no device
+// table. TIDE-RS appends Attr<float>("scale") and Attr<int64_t>("accumulate").
+template <typename Binding>
+auto BindVirtualCall(Binding b) {
+  return std::move(b)
+      .template Ctx<ffi::DeviceOrdinal>()                        // the one device
+      .RemainingArgs()                                           // stacked [N, ...] operands
+      .RemainingRets()                                           // stacked [N, ...] results
+      .template Attr<ffi::Span<const int64_t>>("dims0")          // D_p per parameter
+      .template Attr<int64_t>("nodes")                           // M
+      .template Attr<int64_t>("gpus_per_node")                   // L
+      .template Attr<int64_t>("mode")                            // 0 in_place, 1 slot_reuse
+      .template Attr<int64_t>("timeout_ms");                     // executor wait budget
+}
+
 // Fills io.rank; `sig` must already hold the parameter shapes and dtypes.
 void run_group_call(const CallSpec& spec, int32_t device_ordinal, int64_t run_id,
                     const GroupAttrs& attrs, const GroupSignature& sig, RankIo& io);
 
 // Topology (M, L) from the attributes; PlanError when out of range.
 Topology group_topology(const GroupAttrs& attrs);
+
+// ---------------------------------------------------------------------------------------------
+// Virtual cluster (virtual.cc): all N ranks of one group on ONE device, operands stacked [N, ...]
+// (targets "tide_all_gather_virtual" / "tide_reduce_scatter_virtual"). No rendezvous: the one
+// device thread runs ExecuteGroup() and then CompleteRank() for every rank.
+// ---------------------------------------------------------------------------------------------
+// ios[r] holds rank r's buffers (slices of the stacked operands); `io_stream`/`device` as RankIo.
+void run_virtual_call(const CallSpec& spec, int32_t device_ordinal, const GroupAttrs& attrs,
+                      const GroupSignature& sig, std::vector<RankIo>& ios);
+
+// Rank r's RankIo from the stacked buffers in `all` (rank 0's addresses): every pointer moves by
+// r times its per-rank byte count (in_bytes[p], out_bytes[p], acc_bytes).
+std::vector<RankIo> stacked_ranks(const RankIo& all, int world, const std::vector<int64_t>& in_bytes,
+                                  const std::vector<int64_t>& out_bytes, int64_t acc_bytes);
+
+// Operand/result dims with the virtual cluster's leading [N] removed (lead = 0: unchanged).
+std::vector<int64_t> rank_dims(ffi::Span<const int64_t> dims, int lead_world, const char* what);
 
 // ---------------------------------------------------------------------------------------------
 // Error boundary

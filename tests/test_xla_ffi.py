@@ -30,9 +30,11 @@ def test_extension_loads_on_installed_jaxlib():
     assert tuple(int(v) for v in jaxlib.__version__.split(".")[:2]) >= (0, 11)
     assert _ffi.ffi_api_version == (0, 4)  # the vendored jaxlib 0.11.2 headers
     regs = _ffi.registrations()
-    assert set(regs["cpu"]) == {"tide_all_gather", "tide_reduce_scatter"}
+    targets = {"tide_all_gather", "tide_reduce_scatter", "tide_all_gather_virtual",
+               "tide_reduce_scatter_virtual"}
+    assert set(regs["cpu"]) == targets
     if _ffi.built_with_cuda:
-        assert set(regs["CUDA"]) == {"tide_all_gather", "tide_reduce_scatter"}
+        assert set(regs["CUDA"]) == targets
     tide_xla.init(mesh_1d(), "fsdp")  # registers every platform without error
 
 
