@@ -2,20 +2,30 @@
 sharding (GSPMD).
 
     XLA_FLAGS=--xla_force_host_platform_device_count=8 python examples/flax_fsdp.py [--steps 20]
+    python examples/flax_fsdp.py --json out.json --separate     # on GPUs: the GPUs present
 
 Both runs shard the fp32 parameters on dim 0 over an 8-device "fsdp" mesh axis and compute in
 bf16. TIDE: one TIDE-AG call per layer group gathers bf16 parameters inside `jax.shard_map`, and
 the backward reduces bf16 gradients into fp32 shards with TIDE-RS. GSPMD: the same step under
 `jax.jit` with NamedSharding annotations; XLA inserts its own all-gathers and reduce-scatters.
 On XLA:CPU the devices are threads of one process (TIDE's in-process virtual cluster), so step
-times show overheads, not the network.
+times show overheads, not the network. When jax has a GPU backend the mesh is the GPUs present
+(up to 8; one GPU is a 1 x 1 topology) and TIDE runs through the CUDA handlers.
+
+--json PATH writes {"framework": "jax", "device": device_kind, "world": N, "runs": [{"name",
+"step_ms" (median after the first, compiling, step), "peak_bytes" (memory_stats()
+["peak_bytes_in_use"] of device 0, or null), "final_loss", "losses"}]}. The peak is the process'
+peak so far; --separate runs each framework in its own process so that it is per run.
 """
 from __future__ import annotations
 
 import argparse
 import functools
+import json
 import os
+import subprocess
 import sys
+import tempfile
 import time
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
@@ -133,28 +143,71 @@ def run(name, step, params, opt_state, mesh, steps, batch):
     steady = times[1:] or times
     print(f"{name:9s} median step {np.median(steady) * 1e3:.1f} ms, loss {losses[0]:.4f} -> "
           f"{losses[-1]:.4f}")
-    return losses
+    return {"name": name, "step_ms": float(np.median(steady) * 1e3),
+            "peak_bytes": peak_bytes(mesh.devices.flat[0]), "final_loss": float(losses[-1]),
+            "losses": [float(v) for v in losses]}
+
+
+def peak_bytes(device):
+    try:
+        stats = device.memory_stats()
+    except Exception:  # noqa: BLE001 - backends without allocator statistics
+        return None
+    return int(stats["peak_bytes_in_use"]) if stats and "peak_bytes_in_use" in stats else None
+
+
+RUNS = {"gspmd": train_gspmd, "tide_xla": train_tide}
+
+
+def run_separately(names, argv_rest):
+    """Each run in a fresh process (its own peak_bytes); returns the runs' records in order."""
+    out = []
+    for name in names:
+        with tempfile.NamedTemporaryFile(suffix=".json") as f:
+            cmd = [sys.executable, os.path.abspath(__file__), "--runs", name, "--json", f.name,
+                   *argv_rest]
+            subprocess.run(cmd, check=True)
+            out += json.load(open(f.name))["runs"]
+    return out
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--batch", type=int, default=16, help="global batch (sequences)")
+    ap.add_argument("--runs", default="gspmd,tide_xla", help="comma list of gspmd, tide_xla")
+    ap.add_argument("--json", metavar="PATH", help="write step times and losses as JSON")
+    ap.add_argument("--separate", action="store_true",
+                    help="run each framework in its own process (per-run peak_bytes)")
     args = ap.parse_args(argv)
+    names = [r for r in args.runs.split(",") if r]
+    for r in names:
+        if r not in RUNS:
+            raise SystemExit(f"--runs: unknown run {r!r} (known: {', '.join(RUNS)})")
     devices = jax.devices()
-    if len(devices) < 2:
+    if len(devices) < 2 and devices[0].platform == "cpu":
         raise SystemExit("needs several devices: "
                          "XLA_FLAGS=--xla_force_host_platform_device_count=8")
     n = min(8, len(devices))
-    mesh = Mesh(np.array(devices[:n]), ("fsdp",))
-    graphdef, params = nnx.split(Transformer(nnx.Rngs(0)), nnx.Param)
-    count = sum(x.size for x in jax.tree.leaves(params))
-    print(f"{count} parameters, {n} devices ({devices[0].platform}), batch {args.batch} x {SEQ}")
-    tx = optax.adamw(3e-3)
-    tide = train_tide(mesh, graphdef, params, tx, args.steps, args.batch)
-    gspmd = train_gspmd(mesh, graphdef, params, tx, args.steps, args.batch)
-    diff = max(abs(a - b) for a, b in zip(tide, gspmd))
-    print(f"max |loss difference| tide vs gspmd: {diff:.2e}")
+    if args.separate and len(names) > 1:
+        records = run_separately(names, ["--steps", str(args.steps), "--batch", str(args.batch)])
+    else:
+        mesh = Mesh(np.array(devices[:n]), ("fsdp",))
+        graphdef, params = nnx.split(Transformer(nnx.Rngs(0)), nnx.Param)
+        count = sum(x.size for x in jax.tree.leaves(params))
+        print(f"{count} parameters, {n} devices ({devices[0].device_kind}), "
+              f"batch {args.batch} x {SEQ}")
+        tx = optax.adamw(3e-3)
+        records = [RUNS[r](mesh, graphdef, params, tx, args.steps, args.batch) for r in names]
+    by_name = {r["name"]: r for r in records}
+    if len(by_name) == 2:
+        diff = max(abs(a - b) for a, b in zip(by_name["tide_xla"]["losses"],
+                                              by_name["gspmd"]["losses"]))
+        print(f"max |loss difference| tide vs gspmd: {diff:.2e}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"framework": "jax", "device": devices[0].device_kind, "world": n,
+                       "runs": records}, f, indent=1)
 
 
 if __name__ == "__main__":
