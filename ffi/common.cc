@@ -139,7 +139,8 @@ void run_group_call(const CallSpec& spec, int32_t device_ordinal, int64_t run_id
       });
 }
 
-std::vector<RankIo> stacked_ranks(const RankIo& all, int world, const std::vector<int64_t>& in_bytes,
+std::vector<RankIo> stacked_ranks(const RankIo& all, int world,
+                                  const std::vector<int64_t>& in_bytes,
                                   const std::vector<int64_t>& out_bytes, int64_t acc_bytes) {
   TIDE_CHECK(in_bytes.size() == all.in.size() && out_bytes.size() == all.out.size(),
              "stacked_ranks: sizes");

@@ -57,7 +57,8 @@ GroupSignature reduce_scatter_signature(const ffi::RemainingArgs& args,
   const size_t lead_n = lead > 0 ? static_cast<size_t>(lead) : 1;  // stacked: N x E
   TIDE_PLAN_CHECK((*out)->element_type() == ffi::DataType::F32 &&
                       (*out)->element_count() == lead_n * static_cast<size_t>(E),
-                  "result: TIDE-RS writes ", lead_n, " packed float32 shard(s) of E = sum_p R_p K_p = ", E,
+                  "result: TIDE-RS writes ", lead_n,
+                  " packed float32 shard(s) of E = sum_p R_p K_p = ", E,
                   " elements, the result is ", dims_str((*out)->dimensions()), " of dtype code ",
                   static_cast<int>((*out)->element_type()));
   io.out.push_back((*out)->untyped_data());

@@ -230,7 +230,8 @@ void run_virtual_call(const CallSpec& spec, int32_t device_ordinal, const GroupA
 
 // Rank r's RankIo from the stacked buffers in `all` (rank 0's addresses): every pointer moves by
 // r times its per-rank byte count (in_bytes[p], out_bytes[p], acc_bytes).
-std::vector<RankIo> stacked_ranks(const RankIo& all, int world, const std::vector<int64_t>& in_bytes,
+std::vector<RankIo> stacked_ranks(const RankIo& all, int world,
+                                  const std::vector<int64_t>& in_bytes,
                                   const std::vector<int64_t>& out_bytes, int64_t acc_bytes);
 
 // Operand/result dims with the virtual cluster's leading [N] removed (lead = 0: unchanged).

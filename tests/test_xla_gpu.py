@@ -101,7 +101,8 @@ def gather_and_grad(devs, topology, seed):
                   for i, (k, s) in enumerate(SHAPES.items())}
         sharded, layout = tide_xla.shard(params, mesh, "fsdp")  # fp32 masters, 5 groups
         leaves = jax.tree.unflatten(layout.treedef, layout.leaves)
-        cots = {k: ints((n, *s), seed + 100 + 10 * step + i) for i, (k, s) in enumerate(SHAPES.items())}
+        cots = {k: ints((n, *s), seed + 100 + 10 * step + i)
+                for i, (k, s) in enumerate(SHAPES.items())}
 
         def local(s, c):
             c = jax.tree.map(lambda x: x[0], c)
@@ -171,7 +172,8 @@ def test_one_gpu_fp32_accumulation_in_place_through_donation():
     shapes = {"a": (10, 3), "c": (16, 8)}
     _, layout = tide_xla.shard({k: jnp.zeros(s) for k, s in shapes.items()}, mesh, "fsdp",
                                group_key=lambda path: "one")
-    grads = {k: jnp.asarray(ints((1, *s), 5 + i), jnp.bfloat16) for i, (k, s) in enumerate(shapes.items())}
+    grads = {k: jnp.asarray(ints((1, *s), 5 + i), jnp.bfloat16)
+             for i, (k, s) in enumerate(shapes.items())}
     spec = {k: P("fsdp") for k in shapes}
 
     @functools.partial(jax.jit, donate_argnums=(0,))
@@ -208,7 +210,7 @@ def cpu_mesh_gather(fulls, topology, shard_dtype):
     n = topology[0] * topology[1]
     mesh = Mesh(np.array(CPUS[:n]), ("fsdp",))
     tide_xla.init(mesh, "fsdp", topology=topology)
-    params = {f"p{i}": jnp.asarray(f) for i, f in enumerate(fulls)}
+    params = {f"p{i}": f for i, f in enumerate(fulls)}  # host arrays: shard() puts them on CPUs
     sharded, layout = tide_xla.shard(params, mesh, "fsdp", shard_dtype=shard_dtype,
                                      group_key=lambda path: "one")
     out_spec = jax.tree.map(lambda _: P("fsdp"), params)
@@ -229,7 +231,7 @@ def cpu_mesh_reduce_scatter(grads, topology, scale):
     fn = jax.jit(jax.shard_map(
         lambda g: tide_xla.reduce_scatter(jax.tree.map(lambda x: x[0], g), layout, scale=scale)[0],
         mesh=mesh, in_specs=(spec,), out_specs=P("fsdp")))
-    return np.asarray(fn({f"p{i}": jnp.asarray(g) for i, g in enumerate(grads)})).reshape(n, -1)
+    return np.asarray(fn({f"p{i}": g for i, g in enumerate(grads)})).reshape(n, -1)  # host in
 
 
 VIRTUAL_TOPOLOGIES = [(2, 2), (1, 4), (4, 1)]
@@ -242,8 +244,8 @@ def test_virtual_all_gather_on_one_gpu_equals_the_cpu(topology, shard_dtype):
     n = topology[0] * topology[1]
     dims0 = [s[0] for s in SHAPES.values()]
     t = tide.Topology(nodes=topology[0], gpus_per_node=topology[1])
-    plan = tide.plan(tide.GroupSignature(shapes=list(SHAPES.values()),
-                                         shard_dtype=None if shard_dtype == jnp.bfloat16 else "float32"), t)
+    sd = None if shard_dtype == jnp.bfloat16 else "float32"
+    plan = tide.plan(tide.GroupSignature(shapes=list(SHAPES.values()), shard_dtype=sd), t)
     run = jax.jit(lambda xs: virtual_all_gather(xs, dims0, topology, ag_dtype=jnp.bfloat16))
     for step in range(3):  # seqs 1..3 of one virtual group
         fulls = [ints(s, 20 * step + i) for i, s in enumerate(SHAPES.values())]
@@ -261,7 +263,8 @@ def test_virtual_all_gather_on_one_gpu_equals_the_cpu(topology, shard_dtype):
             np.testing.assert_array_equal(bits(g), bits(mesh_cpu[p]))
             for r in range(n):
                 np.testing.assert_array_equal(bits(g[r]), bits(f.astype(BF16)))
-                np.testing.assert_array_equal(bits(g[r]), bits(np.asarray(cluster[r][p]).astype(BF16)))
+                np.testing.assert_array_equal(bits(g[r]),
+                                              bits(np.asarray(cluster[r][p]).astype(BF16)))
 
 
 @pytest.mark.skipif(len(CPUS) < 4, reason="needs 4 host devices (XLA_FLAGS)")

@@ -68,7 +68,8 @@ def test_virtual_reduce_scatter_equals_cluster_and_sum(topo):
         total = 0.5 * np.pad(g.sum(0), [(0, n * rows - g.shape[1])] + [(0, 0)] * (g.ndim - 2))
         e = rows * int(np.prod(g.shape[2:], dtype=np.int64))
         for r in range(n):
-            np.testing.assert_array_equal(got[r, off:off + e], total[r * rows:(r + 1) * rows].ravel())
+            np.testing.assert_array_equal(got[r, off:off + e],
+                                          total[r * rows:(r + 1) * rows].ravel())
         off += e
     assert got.shape == (n, off)
 

@@ -5,13 +5,13 @@
 
 Every rank's buffer is stacked on a leading axis of N = M * L (rank r = n*L + l is row r); the
 results are stacked the same way: TIDE-AG gives [N, D_p, ...] per parameter (every rank's copy of
-the full parameter), TIDE-RS gives [N, E] (rank r's packed fp32 shard, E = sum_p R_p K_p, parameter
-p at tide_xla.reduce_scatter.packed_offsets). The targets "tide_all_gather_virtual" / "tide_reduce_scatter_virtual" take
-the topology as attributes (nodes x gpus_per_node = the virtual world N on this device) and run
-the plan, programs and executor of the mesh path with rank r's buffers the r-th slices: on CUDA
-one CudaExecutor over an InProcessFabric with every rank on this GPU, on XLA:CPU run_cpu. The
-device is the one the operands live on (`jax.device_put(x, device)`); no mesh, no shard_map.
-Both functions work eagerly and under jax.jit.
+the full parameter), TIDE-RS gives [N, E] (rank r's packed fp32 shard, E = sum_p R_p K_p,
+parameter p at tide_xla.reduce_scatter.packed_offsets). The targets "tide_all_gather_virtual" /
+"tide_reduce_scatter_virtual" take the topology as attributes (nodes x gpus_per_node = the
+virtual world N on this device) and run the plan, programs and executor of the mesh path with
+rank r's buffers the r-th slices: on CUDA one CudaExecutor over an InProcessFabric with every
+rank on this GPU, on XLA:CPU run_cpu. The device is the one the operands live on
+(`jax.device_put(x, device)`); no mesh, no shard_map. Eager and under jax.jit.
 """
 from __future__ import annotations
 
@@ -62,8 +62,9 @@ def virtual_all_gather(shards: Sequence[jax.Array], dims0: Sequence[int], topolo
     for p, (x, d) in enumerate(zip(shards, dims0)):
         r = -(-int(d) // n)
         if x.ndim < 2 or x.shape[0] != n or x.shape[1] != r:
-            raise ValueError(f"virtual_all_gather: shards[{p}] has shape {tuple(x.shape)}; expected "
-                             f"({n}, {r}, ...): N = {n} ranks of R_p = ceil({d}/{n}) rows")
+            raise ValueError(f"virtual_all_gather: shards[{p}] has shape {tuple(x.shape)}; "
+                             f"expected ({n}, {r}, ...): N = {n} ranks of R_p = ceil({d}/{n}) "
+                             f"rows")
         if jnp.dtype(x.dtype) != sd or sd not in _DTYPES:
             raise ValueError(f"virtual_all_gather: shards[{p}] has dtype {x.dtype}; every shard "
                              f"must be {sd} (bfloat16, float16 or float32)")
