@@ -27,6 +27,9 @@ For gradient accumulation over micro-batches, take gradients w.r.t. the gathered
 call `acc = reduce_scatter(full_grads, layout, accumulate=acc)` (acc from `zeros_packed(layout)`,
 passed in with in_specs P("fsdp") and donated): the packed fp32 shards are accumulated in place
 (input_output_aliases); `unpack_grads(acc, layout)` gives the shard tree for the optimizer.
+
+`tide_xla.virtual` runs all N ranks of a topology on one device (operands stacked [N, ...]):
+tests and one-GPU machines. docs/xla.md describes both paths (XLA:CPU and CUDA).
 """
 from tide_xla.context import TideContext, init
 from tide_xla.gather import gather, packed_sizes, reduce_scatter, unpack_grads, zeros_packed
