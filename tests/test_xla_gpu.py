@@ -297,6 +297,33 @@ def test_virtual_reduce_scatter_on_one_gpu_equals_the_cpu(topology):
         np.testing.assert_array_equal(np.asarray(acc), want)
 
 
+@pytest.mark.parametrize("topology", [(2, 2), (1, 4)])
+def test_virtual_large_group_on_one_gpu_equals_the_cpu(topology):
+    """Sizes that take the kernels' vector paths and several CTAs (odd sizes for the tails)."""
+    n = topology[0] * topology[1]
+    shapes = [(1000, 520), (4097,), (333, 64)]
+    fulls = [ints(s, 300 + i) for i, s in enumerate(shapes)]
+    stacks = [stack_shards(jnp.asarray(f), n) for f in fulls]  # fp32 shards, cast to bf16
+    dims0 = [s[0] for s in shapes]
+    on_gpu = virtual_all_gather([jax.device_put(x, GPUS[0]) for x in stacks], dims0, topology,
+                                ag_dtype=jnp.bfloat16)
+    on_cpu = virtual_all_gather([jax.device_put(x, CPUS[0]) for x in stacks], dims0, topology,
+                                ag_dtype=jnp.bfloat16)
+    for p, f in enumerate(fulls):
+        np.testing.assert_array_equal(bits(on_gpu[p]), bits(on_cpu[p]))
+        np.testing.assert_array_equal(bits(np.asarray(on_gpu[p])[n - 1]), bits(f.astype(BF16)))
+    grads = [np.stack([ints(s, 400 + 10 * r + p) for r in range(n)]).astype(BF16)
+             for p, s in enumerate(shapes)]
+    rs_gpu = virtual_reduce_scatter([jax.device_put(g, GPUS[0]) for g in grads], topology)
+    rs_cpu = virtual_reduce_scatter([jax.device_put(g, CPUS[0]) for g in grads], topology)
+    np.testing.assert_array_equal(bits(rs_gpu), bits(rs_cpu))
+    total = np.pad(grads[0].astype(np.float32).sum(0), [(0, -(-1000 // n) * n - 1000), (0, 0)])
+    rows = -(-1000 // n)
+    for r in range(n):  # parameter 0 of rank r: its rows of the exact sum
+        np.testing.assert_array_equal(np.asarray(rs_gpu)[r, : rows * 520],
+                                      total[r * rows:(r + 1) * rows].ravel())
+
+
 # ---- failures ---------------------------------------------------------------------------------
 @two_gpus
 def test_a_gpu_that_skips_the_call_fails_the_other_with_deadline_exceeded():
