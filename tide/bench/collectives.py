@@ -279,7 +279,6 @@ def _tide_rows(op, ctx, torch, topo_name, topo, sig, shapes, N, reps, warmup):
     import tide
     plan = tide.plan(sig, topo)
     mem = plan.memory()
-    dev = "cpu" if ctx.emulation else "cuda:0"
     if ctx.emulation:
         vc = tide.VirtualCluster(topo, backend="cpu", check=False)
         if op == "ag":
@@ -313,9 +312,11 @@ def _tide_rows(op, ctx, torch, topo_name, topo, sig, shapes, N, reps, warmup):
         err = _check_rs(torch, shapes, grads, outs, plan, check_ranks)
         check = f"max rel err {err:.1e}" + ("" if err < 1e-2 else " (TOO LARGE)")
         extra = mem["area_rs_bytes"]
-    del dev
-    return dict(path=f"{TIDE}-{op.upper()} ({topo_name})", extra_bytes=extra, check=check,
-                E=plan.layout.E, **common.stats(ts))
+    row = dict(path=f"{TIDE}-{op.upper()} ({topo_name})", extra_bytes=extra, check=check,
+               E=plan.layout.E, **common.stats(ts))
+    if op == "rs":
+        row["rel_err"] = err
+    return row
 
 
 def measure_p2p(torch, ctx, nbytes=256 * MIB, reps=10):

@@ -75,12 +75,12 @@ def progress(msg: str) -> None:
 def group_shapes(shard_bytes: int, P: int, N: int, elem_bytes: int, cols: int = 4096) -> list[tuple]:
     """P 2-D shapes whose unsharded total is about N * shard_bytes (elements of `elem_bytes`):
     a repeating mix of large and small matrices (1, 3, 1, 2 units; like a block's q/mlp/k/o),
-    rows rounded to N so no parameter is padded, plus one vector when P is odd-sized mixes allow."""
+    rows rounded to a multiple of N so no parameter is padded."""
     if P < 1 or N < 1 or shard_bytes < elem_bytes:
         raise ValueError(f"group_shapes: need P >= 1, N >= 1, shard_bytes >= {elem_bytes} "
                          f"(got P={P}, N={N}, shard_bytes={shard_bytes})")
     total = N * shard_bytes // elem_bytes
-    cols = max(1, min(cols, total // (N * P) or 1))
+    cols = max(1, min(cols, total // (N * P * 8)))  # >= ~8 row groups of N per unit: rounding stays small
     weights = [(1, 3, 1, 2)[i % 4] for i in range(P)]
     unit = total / sum(weights)
     shapes = []
