@@ -147,28 +147,28 @@ class CudaVirtualCluster(VirtualCluster):
         sdt = getattr(torch, _TORCH_DTYPES[shard_name])
         padded = [[self._pad_cuda(shards[r][p], lay.params[p], sdt, r, p) for p in range(lay.P)] for r in range(N)]
         bindings = []
-        for r in range(N):
-            stream = torch.cuda.current_stream(self.device_of(r)).cuda_stream
-            if resident:  # in-place adoption: the shard lives in the arena's resident region
-                base, _ = self._region(g, progs, r, "resident")
-                _core.cuda_copies([(base + lay.params[p].o, padded[r][p].data_ptr(), lay.params[p].s, 1, 0, 0)
-                                   for p in range(lay.P)], stream)
-                bindings.append([])
-            else:
-                bindings.append([(KIND["shard"], p, padded[r][p].data_ptr()) for p in range(lay.P)])
         ring = "ring0" if ring_slot == 0 else "ring1"
-        if poison:
-            for r in range(N):
-                base, nbytes = self._region(g, progs, r, ring)
-                _core.cuda_memset(base, 0xFF, nbytes, torch.cuda.current_stream(self.device_of(r)).cuda_stream)
+        for r in range(N):
+            with torch.cuda.device(self.device_of(r)):  # rank r's copies on rank r's device
+                stream = torch.cuda.current_stream().cuda_stream
+                if resident:  # in-place adoption: the shard lives in the arena's resident region
+                    base, _ = self._region(g, progs, r, "resident")
+                    _core.cuda_copies([(base + lay.params[p].o, padded[r][p].data_ptr(), lay.params[p].s, 1, 0, 0)
+                                       for p in range(lay.P)], stream)
+                    bindings.append([])
+                else:
+                    bindings.append([(KIND["shard"], p, padded[r][p].data_ptr()) for p in range(lay.P)])
+                if poison:
+                    base, nbytes = self._region(g, progs, r, ring)
+                    _core.cuda_memset(base, 0xFF, nbytes, stream)
         self._run(g, ex, bindings)
         adt = getattr(torch, _TORCH_DTYPES[ag_name])
         out = []
         for r in range(N):
             base, _ = self._region(g, progs, r, ring)
-            land = torch.empty(lay.S * N, dtype=torch.uint8, device=f"cuda:{self.device_of(r)}")
-            stream = torch.cuda.current_stream(self.device_of(r)).cuda_stream
-            _core.cuda_copies([(land.data_ptr(), base, lay.S * N, 1, 0, 0)], stream)
+            with torch.cuda.device(self.device_of(r)):
+                land = torch.empty(lay.S * N, dtype=torch.uint8)
+                _core.cuda_copies([(land.data_ptr(), base, lay.S * N, 1, 0, 0)], torch.cuda.current_stream().cuda_stream)
             row = []
             for p in range(lay.P):
                 pl = lay.params[p]

@@ -45,13 +45,18 @@ class Spinner:
             self.stream = cupy.cuda.Stream(non_blocking=True)
             self.poll = cupy.cuda.Stream(non_blocking=True)
             self.done = cupy.cuda.Event(disable_timing=True)
+            with self.stream:  # compile (nvrtc) and load now, not inside the measured window
+                self.kernel((1,), (32,), (cupy.uint64(0), self.started))
+            self.stream.synchronize()
+            self.started.fill(0)
+            cupy.cuda.Device(device).synchronize()
 
     def start(self, timeout_s: float = 5.0) -> int:
         """Launches the spinner; returns how many of its blocks became resident."""
         cp = self.cp
         with cp.cuda.Device(self.device):
-            self.kernel((self.grid,), (1024,), (cp.uint64(int(self.seconds * 1e9)), self.started),
-                        stream=self.stream)
+            with self.stream:  # RawKernel launches on the current stream
+                self.kernel((self.grid,), (1024,), (cp.uint64(int(self.seconds * 1e9)), self.started))
             self.done.record(self.stream)
             deadline = time.time() + timeout_s
             n = 0
@@ -187,16 +192,7 @@ def nccl_proof(shard_bytes, spin_s) -> dict:
              for r in range(2)]
     for p in procs:
         p.start()
-    got = {}
-    try:
-        for _ in range(2):
-            r = q.get(timeout=spin_s + 120)
-            got[r["rank"]] = r
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
+    got = {r["rank"]: r for r in common.collect(procs, q, 2, spin_s + 120)}
     r0, r1 = got.get(0, {}), got.get(1, {})
     t0 = r0.get("t0")
     rel = lambda k, d: (d[k] - t0) if (t0 is not None and k in d) else None  # noqa: E731

@@ -85,31 +85,43 @@ def _np_bf16(t):
     return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16) if t.dtype == torch.bfloat16 else t.numpy()
 
 
+def _as_torch(torch, x):
+    """A TIDE output (torch tensor, or numpy from the CPU cluster) as a torch tensor."""
+    if hasattr(x, "data_ptr"):
+        return x
+    if x.dtype.name == "bfloat16":
+        return torch.from_numpy(x.view("int16").copy()).view(torch.bfloat16)
+    return torch.from_numpy(x.copy())
+
+
 def _check_ag(torch, shapes, shards, full, ranks):
-    """TIDE's landing of every checked rank equals FSDP2's copy-out bit for bit."""
+    """TIDE's landing of every checked rank equals FSDP2's copy-out bit for bit (compared on the
+    output's device)."""
     for r in ranks:
         for p, (D, K) in enumerate(shapes):
-            ref = torch.cat([shards[u][p].cpu() for u in range(len(shards))])[:D]
-            got = full[r][p]
-            got = torch.from_numpy(got.view("int16").copy()).view(torch.bfloat16) if not hasattr(got, "cpu") else got.cpu()
+            got = _as_torch(torch, full[r][p])
+            ref = torch.cat([shards[u][p].to(got.device) for u in range(len(shards))])[:D]
             if not torch.equal(ref.view(torch.int16), got.reshape(ref.shape).view(torch.int16)):
                 return f"rank {r} param {p} differs from the copy-out"
     return "bitwise"
 
 
 def _check_rs(torch, shapes, grads, outs, plan, ranks):
-    """TIDE-RS shard of each checked rank against an fp32 reference (max |diff| / max |ref|)."""
+    """TIDE-RS shard of each checked rank against an fp32 reference of the averaged gradients
+    (max |diff| / max |ref| over the parameters), computed on the output's device."""
     N = len(grads)
     lay = plan.layout
     worst = 0.0
-    for p, (D, K) in enumerate(shapes):
-        pl = lay.params[p]
-        full = sum(grads[u][p].float().cpu() for u in range(N)).reshape(-1) / N
-        full = torch.cat([full, torch.zeros(N * pl.e - full.numel())])
-        for r in ranks:
-            got = outs[r]
-            got = torch.from_numpy(got) if not hasattr(got, "cpu") else got.cpu()
-            ref = full[r * pl.e:(r + 1) * pl.e]
+    for r in ranks:
+        got = _as_torch(torch, outs[r])
+        for p, (D, K) in enumerate(shapes):
+            pl = lay.params[p]
+            lo, hi = r * pl.e, min((r + 1) * pl.e, D * K)  # rank r's rows of p, unpadded part
+            ref = torch.zeros(pl.e, dtype=torch.float32, device=got.device)
+            if hi > lo:
+                for u in range(N):
+                    ref[:hi - lo] += grads[u][p].reshape(-1)[lo:hi].to(got.device).float()
+                ref /= N
             d = (got[pl.o32:pl.o32 + pl.e] - ref).abs().max().item()
             worst = max(worst, d / max(ref.abs().max().item(), 1e-30))
     return worst
@@ -163,6 +175,15 @@ def nccl_init(rank, world, port):
     return dev
 
 
+def _agree(torch, dist, dev, paths, notes, name):
+    """Every rank times a path or none does (a path on some ranks only would hang the group)."""
+    t = torch.tensor([1 if name in paths else 0], device=dev)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    if not t.item() and name in paths:
+        del paths[name]
+        notes[name] = "not available: failed on another rank"
+
+
 def nccl_paths(op, shapes, N, dev, rank):
     """{row name: callable} of the stock paths of this rank (inside an NCCL process group),
     {row name: 'not available: ...'} and E (elements of the packed per-rank shard)."""
@@ -193,6 +214,7 @@ def nccl_paths(op, shapes, N, dev, rank):
             paths[SYMM + ": CE AG + copy-out"] = symm
         except Exception as ex:  # noqa: BLE001 - reported as a row
             notes[SYMM + ": CE AG + copy-out"] = f"not available: {type(ex).__name__}: {str(ex)[:120]}"
+        _agree(torch, dist, dev, paths, notes, SYMM + ": CE AG + copy-out")
     else:
         grads = [torch.randn(D, K, generator=g).to(torch.bfloat16).to(dev) for D, K in shapes]
         packed = torch.empty(N, E, dtype=torch.float32, device=dev)
@@ -215,6 +237,7 @@ def nccl_paths(op, shapes, N, dev, rank):
             paths[SYMM + ": _chunk_cat + LC RS"] = symm
         except Exception as ex:  # noqa: BLE001
             notes[SYMM + ": _chunk_cat + LC RS"] = f"not available: {type(ex).__name__}: {str(ex)[:120]}"
+        _agree(torch, dist, dev, paths, notes, SYMM + ": _chunk_cat + LC RS")
     return paths, notes, E
 
 
@@ -258,15 +281,7 @@ def _stock_nccl(op, shapes, world, reps, warmup):
              for r in range(world)]
     for p in procs:
         p.start()
-    got = []
-    try:
-        for _ in range(world):
-            got.append(q.get(timeout=300))
-    finally:
-        for p in procs:
-            p.join(timeout=60)
-            if p.is_alive():
-                p.kill()
+    got = common.collect(procs, q, world, 240)
     times = {}
     for _, res, _, _ in got:
         for k, ts in res.items():

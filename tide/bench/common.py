@@ -214,5 +214,31 @@ def add_common_args(ap) -> None:
     ap.add_argument("--warmup", type=int, default=0, help="untimed calls first (default by context)")
 
 
+def collect(procs, q, n: int, timeout_s: float) -> list:
+    """n results from spawned workers' queue q; stops early (RuntimeError) when a worker dies
+    without reporting or the deadline passes; every worker is joined or killed."""
+    import queue
+    got, deadline = [], time.time() + timeout_s
+    try:
+        while len(got) < n:
+            try:
+                got.append(q.get(timeout=2.0))
+                continue
+            except queue.Empty:
+                pass
+            dead = [p for p in procs if p.exitcode not in (None, 0)]
+            if dead:
+                raise RuntimeError(f"worker {procs.index(dead[0])} exited with {dead[0].exitcode} before reporting")
+            if time.time() > deadline:
+                raise RuntimeError(f"workers did not report within {timeout_s:.0f} s")
+    finally:
+        for p in procs:
+            p.join(timeout=20 if len(got) == n else 1)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+    return got
+
+
 def ratio(a, b):
     return (a / b) if (a and b) else None

@@ -214,13 +214,7 @@ def _nccl_rows(shapes_rs, shapes_ag, vspec, world, reps):
              for r in range(world)]
     for p in procs:
         p.start()
-    try:
-        return q.get(timeout=500)
-    finally:
-        for p in procs:
-            p.join(timeout=60)
-            if p.is_alive():
-                p.kill()
+    return common.collect(procs, q, 1, 300)[0]
 
 
 def run(args) -> dict:
