@@ -61,21 +61,16 @@ def _topologies(ctx, N):
 
 # ---- inputs and references -----------------------------------------------------------------
 def _make_shards(torch, shapes, N, dev, seed=1):
-    """shards[r][p]: rank r's rows of parameter p (rows padded to a multiple of N)."""
-    g = torch.Generator(device="cpu").manual_seed(seed)
-    shards = []
-    for r in range(N):
-        row = []
-        for D, K in shapes:
-            R = -(-D // N)
-            row.append(torch.randn(R, K, generator=g).to(torch.bfloat16).to(dev))
-        shards.append(row)
-    return shards
+    """shards[r][p]: rank r's rows of parameter p (rows padded to a multiple of N), made on `dev`
+    (a CUDA generator there: host randn of GiBs would take longer than the bench)."""
+    g = torch.Generator(device=dev).manual_seed(seed)
+    return [[torch.randn(-(-D // N), K, generator=g, device=dev).to(torch.bfloat16) for D, K in shapes]
+            for _ in range(N)]
 
 
 def _make_grads(torch, shapes, N, dev, seed=2):
-    g = torch.Generator(device="cpu").manual_seed(seed)
-    return [[torch.randn(D, K, generator=g).to(torch.bfloat16).to(dev) for D, K in shapes] for _ in range(N)]
+    g = torch.Generator(device=dev).manual_seed(seed)
+    return [[torch.randn(D, K, generator=g, device=dev).to(torch.bfloat16) for D, K in shapes] for _ in range(N)]
 
 
 def _np_bf16(t):
@@ -191,10 +186,10 @@ def nccl_paths(op, shapes, N, dev, rank):
     import torch.distributed as dist
     e = [-(-D // N) * K for D, K in shapes]
     E = sum(e)
-    g = torch.Generator(device="cpu").manual_seed(100 + rank)
+    g = torch.Generator(device=dev).manual_seed(100 + rank)
     paths, notes = {}, {}
     if op == "ag":
-        shard = torch.randn(E, generator=g).to(torch.bfloat16).to(dev)
+        shard = torch.randn(E, generator=g, device=dev).to(torch.bfloat16)
         ag_out = torch.empty(N * E, dtype=torch.bfloat16, device=dev)
         outs = [torch.empty(N * ep, dtype=torch.bfloat16, device=dev).view(N, ep) for ep in e]
         paths[STOCK] = lambda: (dist.all_gather_into_tensor(ag_out, shard),
@@ -216,7 +211,7 @@ def nccl_paths(op, shapes, N, dev, rank):
             notes[SYMM + ": CE AG + copy-out"] = f"not available: {type(ex).__name__}: {str(ex)[:120]}"
         _agree(torch, dist, dev, paths, notes, SYMM + ": CE AG + copy-out")
     else:
-        grads = [torch.randn(D, K, generator=g).to(torch.bfloat16).to(dev) for D, K in shapes]
+        grads = [torch.randn(D, K, generator=g, device=dev).to(torch.bfloat16) for D, K in shapes]
         packed = torch.empty(N, E, dtype=torch.float32, device=dev)
         out = torch.empty(E, dtype=torch.float32, device=dev)
         pack = lambda: torch._chunk_cat(grads, dim=0, num_chunks=N, out=packed)  # noqa: E731
@@ -312,11 +307,11 @@ def _tide_rows(op, ctx, torch, topo_name, topo, sig, shapes, N, reps, warmup):
         vc = tide.VirtualCluster(topo, backend="cuda", check=False, devices=devices)
         if op == "ag":
             shards = [[s.to(f"cuda:{vc.device_of(r)}") for s in row]
-                      for r, row in enumerate(_make_shards(torch, shapes, N, "cpu"))]
+                      for r, row in enumerate(_make_shards(torch, shapes, N, "cuda:0"))]
             full, go, _ = vc.all_gather_runner(plan, shards)
         else:
             grads = [[x.to(f"cuda:{vc.device_of(r)}") for x in row]
-                     for r, row in enumerate(_make_grads(torch, shapes, N, "cpu"))]
+                     for r, row in enumerate(_make_grads(torch, shapes, N, "cuda:0"))]
             outs, go = vc.reduce_scatter_runner(plan, grads, scale=1.0 / N)
         ts = common.time_wall(go, reps, warmup)
     check_ranks = sorted({0, N - 1})

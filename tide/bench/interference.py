@@ -90,7 +90,7 @@ def _local_collectives(torch, ctx, args, shapes_rs, shapes_ag, N, cuda):
     topo = tide.Topology(1, N)
     for label, sc, lc in (("TIDE-RS, training (16+4)", 16, 4), ("TIDE-RS, 4+4", 4, 4)):
         plan = tide.plan(tide.GroupSignature(shapes=shapes_rs), topo)
-        grads = coll._make_grads(torch, shapes_rs, N, "cpu")
+        grads = coll._make_grads(torch, shapes_rs, N, dev)
         if cuda:
             vc = tide.VirtualCluster(topo, backend="cuda", check=False, devices=devices, sum_ctas=sc, land_ctas=lc)
             grads = [[x.to(f"cuda:{vc.device_of(r)}") for x in row] for r, row in enumerate(grads)]
@@ -101,7 +101,7 @@ def _local_collectives(torch, ctx, args, shapes_rs, shapes_ag, N, cuda):
             go = (lambda vc=vc, plan=plan, np_g=np_g: vc.reduce_scatter(plan, np_g, scale=1.0 / N))
         out[label] = (go, f"{sc} + {lc}")
     plan = tide.plan(tide.GroupSignature(shapes=shapes_ag), topo)
-    shards = coll._make_shards(torch, shapes_ag, N, "cpu")
+    shards = coll._make_shards(torch, shapes_ag, N, dev)
     if cuda:
         vc = tide.VirtualCluster(topo, backend="cuda", check=False, devices=devices)
         shards = [[s.to(f"cuda:{vc.device_of(r)}") for s in row] for r, row in enumerate(shards)]
@@ -166,9 +166,8 @@ def _nccl_worker(rank, world, shapes_rs, shapes_ag, vspec, reps, port, q):
         with torch.cuda.stream(cstream):
             ts = common.time_cuda(torch, fn, 5, 2)
         row = dict(config=name, ctas="NCCL default", alone_ms=statistics.median(ts))
-        if rank == 0:
-            with torch.cuda.stream(cstream):
-                row["sm_ms"] = _profile(torch, fn, n_sm)[2]
+        with torch.cuda.stream(cstream):  # every rank: the profiled calls are collectives
+            row["sm_ms"] = _profile(torch, fn, n_sm)[2]
         for vname in vspec:
             n = torch.tensor([0], device=dev)
             if rank == 0:
@@ -284,11 +283,19 @@ def main(argv=None) -> int:
     ap.add_argument("--shard", default=None, help="shard MiB (default 32; CPU 0.0625)")
     ap.add_argument("--ranks", type=int, default=0, help="virtual ranks without >= 2 GPUs (default 8; CPU 4)")
     args = ap.parse_args(argv)
+    import torch
+    threads = torch.get_num_threads()
     try:
+        # CPU emulation: one intra-op thread per victim, so torch's spinning OpenMP pool does not
+        # fight the virtual cluster's rank threads (it made CPU victims 100x slower alone).
+        if common.detect_context(args.context).kind == "cpu":
+            torch.set_num_threads(1)
         result = run(args)
     except ValueError as ex:
         print(f"tide bench interference: error: {ex}", file=sys.stderr)
         return 2
+    finally:
+        torch.set_num_threads(threads)
     common.write_json(args.json, result)
     if args.plot:
         groups = {}
