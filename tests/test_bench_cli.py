@@ -218,16 +218,21 @@ def test_cuda_runners_repeat_the_collectives(devices):
               for r, row in enumerate(coll._make_shards(torch, shapes, N, "cpu"))]
     full, go, landing = vc.all_gather_runner(plan, shards)
     assert coll._check_ag(torch, shapes, [[s.cpu() for s in row] for row in shards], full, range(N)) == "bitwise"
+    before = []
     for r in range(N):
         ptr, nbytes = landing(r)
         assert nbytes >= plan.layout.S * N
         with torch.cuda.device(vc.device_of(r)):
+            before.append(_core.cuda_d2h(ptr, plan.layout.S * N))
             _core.cuda_memset(ptr, 0xFF, nbytes, torch.cuda.current_stream().cuda_stream)
-        torch.cuda.synchronize(vc.device_of(r))
+            torch.cuda.synchronize()
+            assert _core.cuda_d2h(ptr, plan.layout.S * N) != before[r]
     go()
     go()  # two more calls over the resident shards land the same bytes again
-    again = vc.all_gather(plan, shards)
-    assert coll._check_ag(torch, shapes, [[s.cpu() for s in row] for row in shards], again, range(N)) == "bitwise"
+    for r in range(N):
+        ptr, _ = landing(r)
+        with torch.cuda.device(vc.device_of(r)):
+            assert _core.cuda_d2h(ptr, plan.layout.S * N) == before[r], f"rank {r}"
     grads = [[x.to(f"cuda:{vc.device_of(r)}") for x in row]
              for r, row in enumerate(coll._make_grads(torch, shapes, N, "cpu"))]
     outs, go_rs = vc.reduce_scatter_runner(plan, grads, scale=1.0 / N)
