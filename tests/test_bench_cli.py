@@ -61,6 +61,31 @@ def test_ag_check_catches_a_corrupted_landing():
     assert "rank 3 param 1" in coll._check_ag(torch, shapes, shards, full, [0, N - 1])
 
 
+@pytest.mark.slow  # two spawned ranks import torch: ~35 s per op on a small CPU machine
+@pytest.mark.parametrize("op", ["ag", "rs"])
+def test_stock_process_group_orchestration_on_gloo(op):
+    """The >= 2 GPU stock rows' machinery (spawned ranks, per-rep max over ranks, SymmMem
+    fallback agreed by every rank) on gloo CPU processes."""
+    shapes = [(8, 16), (4, 8)]
+    times, notes, E = coll._stock_nccl(op, shapes, 2, 3, 1, backend="gloo")
+    assert E == 4 * 16 + 2 * 8
+    bare = "bare NCCL AG (pre-packed)" if op == "ag" else "bare NCCL RS fp32 (pre-packed)"
+    assert set(times) == {coll.STOCK, bare}
+    assert all(len(ts) == 3 and min(ts) > 0 for ts in times.values())
+    (name, note), = notes.items()
+    assert name.startswith(coll.SYMM) and note.startswith("not available")
+
+
+def test_collect_reports_a_dead_worker():
+    import multiprocessing as mp
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    p = ctx.Process(target=os._exit, args=(3,))
+    p.start()
+    with pytest.raises(RuntimeError, match="worker 0 exited with 3 before reporting"):
+        common.collect([p], q, 1, 30)
+
+
 # ---- the benches on the CPU emulation -------------------------------------------------------
 def test_bench_ag_cpu(capsys, tmp_path):
     j, png = tmp_path / "ag.json", tmp_path / "ag.png"

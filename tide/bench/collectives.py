@@ -159,11 +159,16 @@ def _stock_local(torch, op, shapes, N, dev, shards=None, grads=None):
 
 
 # ---- stock paths over NCCL (multi: one spawned process per GPU) ----------------------------
-def nccl_init(rank, world, port):
+def nccl_init(rank, world, port, backend="nccl"):
+    """Joins the stock paths' process group: NCCL with rank r on GPU r (backend="gloo" on the
+    CPU: tests of the orchestration)."""
     import torch
     import torch.distributed as dist
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), NCCL_NVLS_ENABLE="0",
                       TORCH_SYMM_MEM_DISABLE_MULTICAST="1")
+    if backend == "gloo":
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+        return torch.device("cpu")
     torch.cuda.set_device(rank)
     dev = torch.device("cuda", rank)
     dist.init_process_group("nccl", rank=rank, world_size=world, device_id=dev)
@@ -188,6 +193,7 @@ def nccl_paths(op, shapes, N, dev, rank):
     E = sum(e)
     g = torch.Generator(device=dev).manual_seed(100 + rank)
     paths, notes = {}, {}
+    avg = dist.ReduceOp.AVG if dev.type == "cuda" else dist.ReduceOp.SUM  # gloo has no AVG
     if op == "ag":
         shard = torch.randn(E, generator=g, device=dev).to(torch.bfloat16)
         ag_out = torch.empty(N * E, dtype=torch.bfloat16, device=dev)
@@ -215,10 +221,10 @@ def nccl_paths(op, shapes, N, dev, rank):
         packed = torch.empty(N, E, dtype=torch.float32, device=dev)
         out = torch.empty(E, dtype=torch.float32, device=dev)
         pack = lambda: torch._chunk_cat(grads, dim=0, num_chunks=N, out=packed)  # noqa: E731
-        paths[STOCK] = lambda: (pack(), dist.reduce_scatter_tensor(out, packed.view(-1), op=dist.ReduceOp.AVG))
+        paths[STOCK] = lambda: (pack(), dist.reduce_scatter_tensor(out, packed.view(-1), op=avg))
         pack()
         paths["bare NCCL RS fp32 (pre-packed)"] = lambda: dist.reduce_scatter_tensor(out, packed.view(-1),
-                                                                                      op=dist.ReduceOp.AVG)
+                                                                                      op=avg)
         try:
             import torch.distributed._symmetric_memory as symm_mem
             name = dist.group.WORLD.group_name
@@ -236,13 +242,16 @@ def nccl_paths(op, shapes, N, dev, rank):
     return paths, notes, E
 
 
-def _nccl_worker(rank, world, op, shapes, reps, warmup, port, q):
+def _nccl_worker(rank, world, op, shapes, reps, warmup, port, q, backend="nccl"):
     import torch
     import torch.distributed as dist
-    dev = nccl_init(rank, world, port)
+    dev = nccl_init(rank, world, port, backend)
     paths, notes, E = nccl_paths(op, shapes, world, dev, rank)
     res = {}
     for name, fn in paths.items():
+        if dev.type == "cpu":
+            res[name] = common.time_wall(lambda: (dist.barrier(), fn()), reps, warmup)
+            continue
         for _ in range(warmup):
             fn()
         torch.cuda.synchronize()
@@ -262,7 +271,7 @@ def _nccl_worker(rank, world, op, shapes, reps, warmup, port, q):
     dist.destroy_process_group()
 
 
-def _stock_nccl(op, shapes, world, reps, warmup):
+def _stock_nccl(op, shapes, world, reps, warmup, backend="nccl"):
     """Per-rep max over ranks of each stock path; notes for paths that are not available."""
     import random
 
@@ -272,7 +281,7 @@ def _stock_nccl(op, shapes, world, reps, warmup):
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     port = random.randint(20000, 40000)
-    procs = [ctx.Process(target=_nccl_worker, args=(r, world, op, shapes, reps, warmup, port, q))
+    procs = [ctx.Process(target=_nccl_worker, args=(r, world, op, shapes, reps, warmup, port, q, backend))
              for r in range(world)]
     for p in procs:
         p.start()
