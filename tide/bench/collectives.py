@@ -472,7 +472,8 @@ def main(argv=None, op="ag") -> int:
         from tide.bench import ceproof
         return ceproof.main(args)
     try:
-        result = run(op, args)
+        with common.cpu_threads(args.context):
+            result = run(op, args)
     except ValueError as ex:
         print(f"tide bench {op}: error: {ex}", file=sys.stderr)
         return 2

@@ -240,5 +240,27 @@ def collect(procs, q, n: int, timeout_s: float) -> list:
     return got
 
 
+class cpu_threads:
+    """CPU emulation: torch with one intra-op thread inside the block (its spinning OpenMP pool
+    fights the virtual cluster's rank threads and made small CPU ops 100x slower at random)."""
+
+    def __init__(self, context_arg):
+        self.on = context_arg == "cpu"
+        if not self.on and context_arg == "auto":
+            from tide import _core
+            self.on = not (_core.built_with_cuda and _core.cuda_available())
+
+    def __enter__(self):
+        import torch
+        self.threads = torch.get_num_threads()
+        if self.on:
+            torch.set_num_threads(1)
+        return self
+
+    def __exit__(self, *exc):
+        import torch
+        torch.set_num_threads(self.threads)
+
+
 def ratio(a, b):
     return (a / b) if (a and b) else None

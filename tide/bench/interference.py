@@ -283,19 +283,12 @@ def main(argv=None) -> int:
     ap.add_argument("--shard", default=None, help="shard MiB (default 32; CPU 0.0625)")
     ap.add_argument("--ranks", type=int, default=0, help="virtual ranks without >= 2 GPUs (default 8; CPU 4)")
     args = ap.parse_args(argv)
-    import torch
-    threads = torch.get_num_threads()
     try:
-        # CPU emulation: one intra-op thread per victim, so torch's spinning OpenMP pool does not
-        # fight the virtual cluster's rank threads (it made CPU victims 100x slower alone).
-        if common.detect_context(args.context).kind == "cpu":
-            torch.set_num_threads(1)
-        result = run(args)
+        with common.cpu_threads(args.context):
+            result = run(args)
     except ValueError as ex:
         print(f"tide bench interference: error: {ex}", file=sys.stderr)
         return 2
-    finally:
-        torch.set_num_threads(threads)
     common.write_json(args.json, result)
     if args.plot:
         groups = {}
