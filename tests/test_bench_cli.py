@@ -155,6 +155,14 @@ def test_bench_rejects_a_gpu_context_without_a_gpu(capsys):
     assert rc == 2 and "--context gpu1: no usable CUDA GPU" in err
 
 
+def test_ce_proof_needs_a_gpu(capsys):
+    from tide import _core
+    if _core.cuda_available():
+        pytest.skip("this machine has a GPU")
+    rc, _, err = _run(capsys, ["ag", "--ce-proof"])
+    assert rc == 2 and "needs a CUDA GPU" in err
+
+
 # ---- train ---------------------------------------------------------------------------------
 FAKE = """
 import argparse, json

@@ -12,6 +12,7 @@ Bounded: the spinner stops by itself after --spin-s; every wait has a deadline.
 """
 from __future__ import annotations
 
+import sys
 import threading
 import time
 
@@ -208,7 +209,12 @@ def nccl_proof(shard_bytes, spin_s) -> dict:
 def main(args) -> int:
     ctx = common.detect_context(args.context if args.context != "cpu" else "auto", 2)
     if ctx.kind == "cpu":
-        print("tide bench ag --ce-proof: needs a CUDA GPU (and cupy); nothing to prove on the CPU emulation")
+        print("tide bench ag --ce-proof: needs a CUDA GPU (and cupy); nothing to prove on the CPU emulation",
+              file=sys.stderr)
+        return 2
+    import importlib.util
+    if importlib.util.find_spec("cupy") is None:  # the spinner is a cupy RawKernel
+        print("tide bench ag --ce-proof: needs cupy for the spin kernel (not installed)", file=sys.stderr)
         return 2
     shard = int(float((args.sizes or "8").split(",")[0]) * MIB)
     label = ("2 GPUs: rank 0 on GPU 0, rank 1 on GPU 1" if ctx.kind == "multi"

@@ -85,7 +85,8 @@ for n in names:
         t = d.get("target")
         if t:
             lines.append(f"target\tinterference\t{t['target']}: {t['value']:+.1f}% "
-                         f"({'met' if t['met'] else 'NOT met'}); NCCL RS: {t['nccl_beside']}")
+                         f"({'met' if t['met'] else 'NOT met'}); beside: "
+                         + ", ".join(f"{k} {x:+.1f}%" for k, x in t["stock_beside"].items()))
     elif n == "train":
         notes = [r["note"] for r in d["rows"] if r.get("note")]
         ok = not notes
