@@ -288,3 +288,41 @@ def test_cuda_cluster_rejects_a_missing_device():
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q"]))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op", ["ag", "rs"])
+def test_bench_collectives_on_one_gpu_small(capsys, tmp_path, op):
+    j = tmp_path / f"{op}.json"
+    rc, out, err = _run(capsys, [op, "--context", "gpu1", "--sizes", "1", "--ranks", "4", "--reps", "3",
+                                 "--json", str(j)])
+    assert rc == 0, err
+    assert "1 GPU, 4 virtual ranks" in out
+    rows = {r["path"]: r for r in json.loads(j.read_text())["rows"]}
+    t = rows[f"TIDE-{op.upper()} (1 node x 4)"]
+    assert t["med_ms"] > 0 and rows[coll.STOCK]["med_ms"] > 0
+    assert t["check"] == "bitwise" if op == "ag" else t["rel_err"] < 1e-5
+
+
+@pytest.mark.gpu
+def test_bench_interference_on_one_gpu_small(capsys, tmp_path):
+    j = tmp_path / "i.json"
+    rc, out, err = _run(capsys, ["interference", "--context", "gpu1", "--shard", "1", "--ranks", "4",
+                                 "--reps", "4", "--json", str(j)])
+    assert rc == 0, err
+    rows = json.loads(j.read_text())["rows"]
+    tide_rs = rows[0]
+    assert tide_rs["config"] == "TIDE-RS, training (16+4)" and tide_rs["sm_ms"] >= 0
+    assert all(isinstance(r["slow:one-wave GEMM"], float) for r in rows)
+
+
+@pytest.mark.gpu
+def test_ce_proof_runs_bounded(capsys, tmp_path):
+    pytest.importorskip("cupy")
+    j = tmp_path / "ce.json"
+    rc, out, err = _run(capsys, ["ag", "--ce-proof", "--spin-s", "0.5", "--sizes", "1", "--json", str(j)])
+    res = json.loads(j.read_text())
+    t = res["rows"][0]
+    assert t["resident_blocks"] == t["spinner_blocks"]  # the spinner held every SM
+    assert t["spinner_end_s"] is not None and t["call_done_s"] is not None
+    assert rc == (1 if res["verdict"] == "FAIL" else 0)
