@@ -454,7 +454,7 @@ def plot(op, result, path):
     for r in result["rows"]:
         if "med_ms" in r:
             groups.setdefault(f"{r['shard_mib']:g} MiB", {})[r["path"][:28]] = r["med_ms"]
-    common.bar_plot(path, f"tide bench {op}: median latency ({result['label'][:70]})", groups, "ms")
+    common.bar_plot(path, f"tide bench {op}: median latency ({result['label'].split(';')[0]})", groups, "ms")
 
 
 def main(argv=None, op="ag") -> int:

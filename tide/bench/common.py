@@ -193,7 +193,8 @@ def bar_plot(path: str | None, title: str, groups: dict[str, dict[str, float]], 
     ax.set_xticks([i + 0.4 - width / 2 for i in range(len(groups))])
     ax.set_xticklabels(list(groups))
     ax.set_ylabel(ylabel)
-    ax.set_title(title, fontsize=9)
+    import textwrap
+    ax.set_title("\n".join(textwrap.wrap(title, 80)), fontsize=9)
     if series:
         ax.legend(fontsize=7)
     else:

@@ -296,7 +296,7 @@ def main(argv=None) -> int:
             for k, v in r.items():
                 if k.startswith("slow:") and v is not None:
                     groups.setdefault(k[5:], {})[r["config"][:26]] = v
-        common.bar_plot(args.plot, f"victim slowdown % ({result['label'][:70]})", groups, "slowdown %")
+        common.bar_plot(args.plot, f"victim slowdown % ({result['label'].split(';')[0]})", groups, "slowdown %")
     return 0
 
 
