@@ -13,7 +13,8 @@ RS (P = 16 bf16 gradients, fp32 output shard S per rank, alpha = 1/N):
 Columns: min and median ms, extra buffer per GPU beyond the parameters / gradients (AG: the
 rank-major output or TIDE's receive stage; RS: FSDP2's fp32 pack or TIDE's Area_RS), nccl-tests'
 algbw / busbw (size = N * S for AG, N * S_fp32 for RS; busbw = algbw * (N - 1) / N) and the
-speed-up of each row over FSDP2 stock (median / median).
+speed-up of each row over FSDP2 stock (median / median). TIDE rows are host wall clock (enqueue
+plus the wait for every rank's streams), stock rows CUDA events: the comparison favours stock.
 """
 from __future__ import annotations
 
@@ -385,12 +386,12 @@ def run(op, args) -> dict:
             del paths, shards, grads
             if not ctx.emulation:
                 torch.cuda.empty_cache()
-        for topo_name, topo in _topologies(ctx, N):
+        for k, (topo_name, topo) in enumerate(_topologies(ctx, N)):
             progress(f"{op} {mib:g} MiB: TIDE on {topo_name}")
             try:
-                rows.insert(0, _tide_rows(op, ctx, torch, topo_name, topo, sig, shapes, N, args.reps, args.warmup))
+                rows.insert(k, _tide_rows(op, ctx, torch, topo_name, topo, sig, shapes, N, args.reps, args.warmup))
             except Exception as ex:  # noqa: BLE001 - a topology the planner or fabric refuses is a row
-                rows.insert(0, dict(path=f"{TIDE}-{op.upper()} ({topo_name})",
+                rows.insert(k, dict(path=f"{TIDE}-{op.upper()} ({topo_name})",
                                     note=f"not available: {type(ex).__name__}: {str(ex)[:120]}"))
             if not ctx.emulation:
                 torch.cuda.empty_cache()
@@ -440,6 +441,9 @@ def _print(op, result):
             ("algbw", "algbw", 8, ".1f"), ("busbw", "busbw", 8, ".1f"), ("vs_stock", "vs stock", 8, ".2f"),
             ("check", "check", 22, str), ("note", "note", 1, str)]
     common.print_table(result["rows"], cols)
+    print("# TIDE rows: host wall clock of enqueue + wait for every rank's streams; stock rows: CUDA events"
+          + (" (max over ranks per call)" if result["context"] == "multi" else "")
+          + ("; all wall clock on the CPU" if result["context"] == "cpu" else ""))
     if result.get("p2p_gbps"):
         print(f"# measured copy bandwidth GPU0 -> {'GPU1' if result['context'] == 'multi' else 'GPU0'}: "
               f"{result['p2p_gbps']:.0f} GB/s")
