@@ -10,7 +10,8 @@
 # ceproof.png} (7; BENCH_PNG=0 leaves 2). Expected on one H200 (each stage has a hard timeout):
 #   ag ~45 s (32 + 128 MiB shards, N = 8 virtual ranks, 10 reps), rs ~45 s, interference ~60 s,
 #   layout ~60 s, train ~120 s (torch on 1 GPU, jax on XLA:CPU), ce-proof ~15 s: ~6 min in all.
-# Safety: refuses to run unless multicast is disabled (ARCHITECTURE.md); changes no GPU settings.
+# Safety: exports NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 (refuses if either is set
+# otherwise), unsets TIDE_ENABLE_MULTICAST; changes no GPU settings.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-$PWD/gpu_out}
@@ -20,10 +21,11 @@ T=$(mktemp -d)
 PY=${PYTHON:-python3}
 SKIP=${BENCH_SKIP:-}
 PNG=${BENCH_PNG:-1}
-if [[ "${NCCL_NVLS_ENABLE:-}" != "0" || "${TORCH_SYMM_MEM_DISABLE_MULTICAST:-}" != "1" ]]; then
-  echo "bench.sh: export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 first" >&2
+if [[ "${NCCL_NVLS_ENABLE:-0}" != "0" || "${TORCH_SYMM_MEM_DISABLE_MULTICAST:-1}" != "1" ]]; then
+  echo "bench.sh: refusing: multicast must stay off (NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1)" >&2
   exit 2
 fi
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 unset TIDE_ENABLE_MULTICAST
 export PYTHONUNBUFFERED=1 CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-32}
 LOG="$B/bench.log"
