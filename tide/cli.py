@@ -1,4 +1,4 @@
-"""`tide` command line: `tide plan`, `tide demo` (later issues add `tide bench`)."""
+"""`tide` command line: `tide plan`, `tide demo`, `tide bench ag|rs|interference|train|layout`."""
 from __future__ import annotations
 
 import argparse
@@ -212,6 +212,20 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return demo.main()
 
 
+def _cmd_bench(which: str, rest: list[str]) -> int:
+    if which in ("ag", "rs"):
+        from tide.bench import collectives
+        return collectives.main(rest, op=which) or 0
+    if which == "interference":
+        from tide.bench import interference
+        return interference.main(rest) or 0
+    if which == "train":
+        from tide.bench import train
+        return train.main(rest) or 0
+    from tide.bench import layout
+    return layout.main(rest) or 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="tide", description=__doc__)
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -221,11 +235,12 @@ def main(argv: list[str] | None = None) -> int:
                    "the planner's view of Llama-3.1-70B on 8x8 GPUs")
     bp = sub.add_parser("bench", help="benchmarks: TIDE and the stock path side by side",
                         add_help=False)
-    bp.add_argument("which", choices=["layout"], help="layout: one GPU, N virtual ranks")
+    bp.add_argument("which", choices=["ag", "rs", "interference", "train", "layout"],
+                    help="ag/rs: latency tables (paper Tables 7, 8); interference: victim slowdown "
+                         "(Tables 4, 6); train: step time, memory, loss; layout: one GPU, N virtual ranks")
     args, rest = ap.parse_known_args(argv)
     if args.cmd == "bench":
-        from tide.bench import layout
-        return layout.main(rest) or 0
+        return _cmd_bench(args.which, rest)
     if rest:
         ap.error(f"unrecognized arguments: {' '.join(rest)}")
     if args.cmd == "plan":
