@@ -24,6 +24,7 @@ verdict() {
   if [[ $1 == 0 && $last == *passed* ]]; then echo "PASS ($last)"; else echo "FAIL rc=$1 ($last)"; fi
 }
 t0=$(date +%s)
+BUDGET_S=${SUMK_BUDGET_S:-560}  # the device tool allows 600 s per command: later steps skip past this
 
 # ---- 0. the built module has the variant knob -----------------------------------------------------
 if $PY -c "from tide import _core as c; assert c.cuda_available(); print('ran by default:', c.cuda_sum_kernel())" \
@@ -34,19 +35,35 @@ else
 fi
 
 # ---- 1. kernel tests, one pytest run per variant (the tests set TIDE_SUM_KERNEL themselves) -------
-for sel in "vec:not vec_l2 and not bulk" "vec_l2:vec_l2" "bulk:bulk"; do
+for sel in "vec:not vec_l2 and not bulk" "bulk:bulk" "vec_l2:vec_l2"; do
   name=${sel%%:*}
-  timeout 300 $PY -m pytest -q -p no:cacheprovider tests/test_cuda_kernels.py -k "${sel#*:}" -rs \
-    --timeout=120 --timeout-method=thread >"$OUT/tests_$name.log" 2>&1
+  timeout 240 $PY -m pytest -q -p no:cacheprovider tests/test_cuda_kernels.py -k "${sel#*:}" -rs \
+    --timeout=100 --timeout-method=thread >"$OUT/tests_$name.log" 2>&1
   put "tests_$name" "$(verdict $? "$OUT/tests_$name.log")"
 done
+# A hung bulk kernel (a ring/barrier bug) would hang every later bulk launch too: leave it out.
+VARIANTS=vec,vec_l2,bulk
+if grep -qiE "Timeout|timed out" "$OUT/tests_bulk.log"; then
+  VARIANTS=vec,vec_l2
+  BULK_HUNG=1
+fi
 
-# ---- 2. executor tests (AG/RS bitwise vs the CPU executor) with the bulk variant -------------------
-TIDE_SUM_KERNEL=bulk timeout 300 $PY -m pytest -q -p no:cacheprovider -x tests/test_cuda_executor.py -rs \
+# ---- 2. the sweep: variants x CTAs, L = 8, 256 MiB of fp32 output and 8 MiB ------------------------
+timeout 240 $PY -m tide.bench.sum_sweep --variants "$VARIANTS" --json "$OUT/sum_sweep.json" >"$OUT/sweep.log" 2>&1
+rc=$?
+put sweep "$([[ $rc == 0 ]] && echo PASS || echo "FAIL rc=$rc") (variants $VARIANTS bitwise equal, no spills)"
+put spills "$(grep -E '^# kernels:' "$OUT/sweep.log" | sed 's/^# //')"
+
+# ---- 3. executor tests (AG/RS bitwise vs the CPU executor) with the bulk variant -------------------
+if [[ -n ${BULK_HUNG:-} ]] || (( $(date +%s) - t0 > BUDGET_S - 240 )); then
+  put executor_bulk "SKIP ($([[ -n ${BULK_HUNG:-} ]] && echo 'bulk kernel tests hung' || echo 'time budget'))"
+else
+TIDE_SUM_KERNEL=bulk timeout 240 $PY -m pytest -q -p no:cacheprovider -x tests/test_cuda_executor.py -rs \
   --timeout=120 --timeout-method=thread >"$OUT/tests_executor_bulk.log" 2>&1
 put executor_bulk "$(verdict $? "$OUT/tests_executor_bulk.log")"
+fi
 
-# ---- 3. compute-sanitizer: bulk vs vec, SUM and REDUCE, ring wrapping, misaligned pieces ----------
+# ---- 4. compute-sanitizer: bulk vs vec, SUM and REDUCE, ring wrapping, misaligned pieces ----------
 cat >"$OUT/sumk_case.py" <<'PYEOF'
 import os, struct, sys
 from tide import _core as c
@@ -80,9 +97,12 @@ print("bulk != vec:", bad if bad else "none")
 for p in bases + [seg, runs, dst]: c.cuda_free(p)
 sys.exit(1 if bad else 0)
 PYEOF
-if command -v compute-sanitizer >/dev/null; then
+if [[ -n ${BULK_HUNG:-} ]]; then
+  put sanitize "SKIP (bulk kernel tests hung)"
+elif command -v compute-sanitizer >/dev/null; then
   for tool in memcheck racecheck synccheck; do
-    PYTHONPATH=$PWD timeout 180 compute-sanitizer --tool $tool --error-exitcode 9 $PY "$OUT/sumk_case.py" \
+    if (( $(date +%s) - t0 > BUDGET_S - 90 )); then put "sanitize_$tool" "SKIP (time budget)"; continue; fi
+    PYTHONPATH=$PWD timeout 90 compute-sanitizer --tool $tool --error-exitcode 9 $PY "$OUT/sumk_case.py" \
       >"$OUT/sanitize_$tool.log" 2>&1
     rc=$?
     summ=$(grep -E "ERROR SUMMARY|RACECHECK SUMMARY|bulk != vec" "$OUT/sanitize_$tool.log" | tr '\n' ' ')
@@ -93,14 +113,8 @@ else
   put sanitize "SKIP (no compute-sanitizer); plain run rc=$? $(tail -1 "$OUT/sanitize_none.log")"
 fi
 
-# ---- 4. the sweep: variants x CTAs, L = 8, 256 MiB of fp32 output and 8 MiB ------------------------
-timeout 300 $PY -m tide.bench.sum_sweep --json "$OUT/sum_sweep.json" >"$OUT/sweep.log" 2>&1
-rc=$?
-put sweep "$([[ $rc == 0 ]] && echo PASS || echo "FAIL rc=$rc") (bitwise across variants, no spills)"
-put spills "$(grep -E '^# kernels:' "$OUT/sweep.log" | sed 's/^# //')"
-put wall_s "$(($(date +%s) - t0))"
-
 # ---- summary (last) ----------------------------------------------------------------------------------
+put wall_s "$(($(date +%s) - t0))"
 echo "================ sweep, 256 MiB output (all sizes: $OUT/sweep.log) ================"
 grep -E "^# .*ceiling|^# kernels|^#   |^entry" "$OUT/sweep.log"
 grep -E "^(sum|reduce) .* 67108864 " "$OUT/sweep.log" | head -60
