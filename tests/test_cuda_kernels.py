@@ -164,6 +164,28 @@ def test_sum_specials_and_negative_zero(variant):
         _assert_same(dst, ref, f"SUM ({variant}) with special values at ctas={ctas}")
 
 
+def test_sum_captured_in_graph(variant):
+    """SUM launched inside a CUDA graph capture (as the executor's captured programs do) and
+    replayed twice: same bits as the CPU reference. n_staged = 5 appears in no other test, so
+    the capture holds that kernel's first launch (lazy module loading under capture)."""
+    gen = torch.Generator().manual_seed(55)
+    rows, grads, n = _segments([100_000, 77, 20_000], 8, gen, [0, 1, 8])
+    staged = [torch.randn(n, generator=gen).to(torch.bfloat16).to(DEV) for _ in range(5)]
+    ref, _ = _sum_reference(staged, rows, grads, n)
+    table = _seg_table(rows)
+    dst = _poisoned(n)
+    side = torch.cuda.Stream()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=side):
+        _core.cuda_sum(dst.data_ptr(), n, [x.data_ptr() for x in staged], table.data_ptr(), len(rows),
+                       [g.data_ptr() for g in grads], 4, torch.cuda.current_stream().cuda_stream)
+    for _ in range(2):
+        dst.view(torch.int32).fill_(POISON)
+        graph.replay()
+        torch.cuda.synchronize()
+        _assert_same(dst, ref, f"SUM ({variant}) replayed from a CUDA graph")
+
+
 # ---- REDUCE: the executor's run-table kernel (SUM and LAND), through cuda_reduce -----------------
 MAX_TERMS = 12
 

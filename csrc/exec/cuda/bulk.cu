@@ -302,14 +302,22 @@ int current_device() {
   return dev;
 }
 
-// Per-device, per-kernel one-time opt-in to the ring's dynamic shared memory.
+// The ring's dynamic shared memory (> 48 KiB) needs a per-kernel opt-in. bulk_supported() does
+// it for every instantiation at once, the first time it sees a device, so the first bulk launch
+// inside a stream capture finds it done (the variant fixture of the tests, the sweep, and
+// sum_kernel_effective() at every launch all ask bulk_supported() first).
 template <class K>
-void ensure_smem(K kernel, std::atomic<uint64_t>& done, int dev) {
-  const uint64_t bit = uint64_t(1) << (dev & 63);
-  if (done.load(std::memory_order_acquire) & bit) return;
+void opt_in(K kernel) {
   TIDE_CHECK_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kRingBytes),
                   "raising the bulk SUM kernel's shared memory to ", kRingBytes, " bytes");
-  done.fetch_or(bit, std::memory_order_acq_rel);
+}
+template <int... I>
+void opt_in_sum(std::integer_sequence<int, I...>) {
+  (opt_in(sum_bulk_kernel<I>), ...);
+}
+template <int... I>
+void opt_in_reduce(std::integer_sequence<int, I...>) {
+  (opt_in(reduce_bulk_kernel<I + 1>), ...);
 }
 
 int clamp(int ctas, int64_t n) {
@@ -319,21 +327,17 @@ int clamp(int ctas, int64_t n) {
 
 template <int NS>
 void sum_ns(const SumArgs& a, int ctas, cudaStream_t s) {
-  static std::atomic<uint64_t> done{0};
   int sizes[NS + 1];
   for (int i = 0; i <= NS; ++i) sizes[i] = 2;
   const Ring g = make_ring(sizes, NS + 1);
-  ensure_smem(sum_bulk_kernel<NS>, done, current_device());
   sum_bulk_kernel<NS><<<clamp(ctas, a.n), kBulkThreads, g.stages * g.stage_bytes, s>>>(a, g);
 }
 
 template <int T>
 void reduce_t(const ReduceArgs& a, int ctas, cudaStream_t s) {
-  static std::atomic<uint64_t> done{0};
   int sizes[T];
   for (int i = 0; i < T; ++i) sizes[i] = (a.fp32_terms >> i) & 1 ? 4 : 2;
   const Ring g = make_ring(sizes, T);
-  ensure_smem(reduce_bulk_kernel<T>, done, current_device());
   reduce_bulk_kernel<T><<<clamp(ctas, a.n), kBulkThreads, g.stages * g.stage_bytes, s>>>(a, g);
 }
 
@@ -371,7 +375,11 @@ bool bulk_supported() {
   TIDE_CHECK_CUDA(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev),
                   "shared memory per block");
   const bool yes = major >= 9 && optin >= kRingBytes + 2 * kMaxStages * 8;
-  if (yes) ok.fetch_or(bit, std::memory_order_acq_rel);
+  if (yes) {
+    opt_in_sum(std::make_integer_sequence<int, kMaxStaged + 1>{});
+    opt_in_reduce(std::make_integer_sequence<int, kMaxTerms>{});
+    ok.fetch_or(bit, std::memory_order_acq_rel);
+  }
   known.fetch_or(bit, std::memory_order_acq_rel);
   return yes;
 }

@@ -130,7 +130,7 @@ SumKernel sum_kernel_effective();          // the variant a launch on the curren
 const char* sum_kernel_name(SumKernel k);  // "vec", "vec_l2", "bulk"
 
 // bulk.cu: the warp-specialized variant (called by launch_sum / launch_reduce).
-bool bulk_supported();  // current device: compute capability >= 9.0 and enough shared memory
+bool bulk_supported();  // current device: cc >= 9.0 and the shared memory (opts every bulk kernel in)
 void launch_sum_bulk(const SumArgs& a, int ctas, cudaStream_t stream);
 void launch_reduce_bulk(const ReduceArgs& a, int ctas, cudaStream_t stream);
 
