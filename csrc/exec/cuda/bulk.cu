@@ -28,11 +28,15 @@
 // 8-element-aligned ranges, no persistence, one CTA per SM: the ring takes ~192 KiB).
 //
 // Prediction (before the first H200 run): with 6 stages x 32 KiB (L = 8: 7 staged + own bf16,
-// chunk 2048 elements, 4 KiB per term copy) up to ~160 KiB is in flight per CTA, about twice
-// Little's bound, so a CTA is no longer latency bound: 110-140 GB/s per CTA at 1-16 CTAs (the
-// consumers' ~160 instructions per warp per chunk cost ~150 ns per 40 KB chunk, < 50 % of the
-// issue rate), and at a full grid HBM-bound at 85-90 % of the copy ceiling (the reads are bulk,
-// the fp32 stores are plain 16-byte stores as in a copy kernel).
+// chunk 2048 elements, one 4 KiB copy per term) up to ~160 KiB is in flight per CTA, about twice
+// Little's bound, so a CTA is no longer latency bound. What bounds it next is one SM's share of
+// the L2 fabric (~64 B/clk, ~120 GB/s of reads; 100 GB/s logical needs 80 GB/s of reads) and the
+// consumers (~160 instructions per warp per 40 KB chunk, ~150 ns, well under the ~330 ns a chunk
+// takes at 120 GB/s). Predicted: 105-130 GB/s per CTA at 1-16 CTAs (vec: 98/95/86 at 1/4/16,
+// Run 2), and at a full grid HBM-bound at 85-90 % of the copy ceiling (bulk reads, plain
+// 16-byte stores; vec: 78 %). REDUCE's `vec` kernel (256 threads, one 16-byte load per term per
+// thread: 32 KiB in flight at L = 8) should sit near 40-50 GB/s per CTA; its `bulk` variant is
+// the same ring as SUM's and should match SUM bulk within a few percent.
 #include <cuda_runtime.h>
 
 #include <algorithm>
