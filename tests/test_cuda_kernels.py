@@ -81,8 +81,11 @@ def test_sum_bitwise(n_staged, shape, variant):
     lens = {"aligned": [4096, 1024, 8, 24576], "ragged": [1000, 3, 77, 4099],
             "long": [200_000, 5, 123_457, 64]}[shape]
     pad = {"aligned": 8, "ragged": 5, "long": 13}[shape]
-    # "long": own offsets that keep the first and last segments on the vector/bulk path.
-    rows, grads, n = _segments(lens, pad, gen, [0, 3, 5, 8] if shape == "long" else None)
+    # "long": own offsets with dst_off - src_off = 0 mod 8 for both long segments (dst_off 0 and
+    # 200_031), so they take the vector/bulk body; the short ones stay scalar.
+    rows, grads, n = _segments(lens, pad, gen, [0, 3, 7, 5] if shape == "long" else None)
+    if shape == "long":
+        assert [(d - s) % 8 for d, _, s, p in rows if p in (0, 2)] == [0, 0]
     staged = [torch.randn(n, generator=gen).to(torch.bfloat16).to(DEV) for _ in range(n_staged)]
     ref, ref64 = _sum_reference(staged, rows, grads, n)
     table = _seg_table(rows)
