@@ -5,12 +5,20 @@
 #
 #   bash tools/gpu/sumk.sh          # from the repo root; logs and JSON go to $OUT (./gpu_out_sumk)
 #
+# Files in $OUT (three; the device tool brings back at most 8): sumk_tests.log (every pytest and
+# sanitizer log, in order), sumk_sweep.log (the sweep's table) and sumk_sweep.json.
+#
 # Assumes tide/_core*.so is already built with CUDA (tools/gpu_check.sh's build step); does not
 # rebuild. Safety: multicast stays off (NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-$PWD/gpu_out_sumk}
 mkdir -p "$OUT"
+TMPD=$(mktemp -d)
+TESTS_LOG="$OUT/sumk_tests.log"
+SWEEP_LOG="$OUT/sumk_sweep.log"
+: >"$TESTS_LOG"
+keep() { { echo "==================== $1"; cat "$2"; } >>"$TESTS_LOG"; }  # step log -> sumk_tests.log
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONUNBUFFERED=1
 unset TIDE_ENABLE_MULTICAST TIDE_SUM_KERNEL
 export CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-32}
@@ -28,43 +36,46 @@ BUDGET_S=${SUMK_BUDGET_S:-560}  # the device tool allows 600 s per command: late
 
 # ---- 0. the built module has the variant knob -----------------------------------------------------
 if $PY -c "from tide import _core as c; assert c.cuda_available(); print('ran by default:', c.cuda_sum_kernel())" \
-    >"$OUT/module.log" 2>&1; then
-  put module "PASS ($(tail -1 "$OUT/module.log"))"
+    >"$TMPD/module.log" 2>&1; then
+  put module "PASS ($(tail -1 "$TMPD/module.log"))"
 else
-  put module "FAIL (tide._core without cuda_sum_kernel or no GPU: rebuild with TIDE_CUDA=on; $(tail -1 "$OUT/module.log"))"
+  put module "FAIL (tide._core without cuda_sum_kernel or no GPU: rebuild with TIDE_CUDA=on; $(tail -1 "$TMPD/module.log"))"
 fi
+keep module "$TMPD/module.log"
 
 # ---- 1. kernel tests, one pytest run per variant (the tests set TIDE_SUM_KERNEL themselves) -------
 for sel in "vec:not vec_l2 and not bulk" "bulk:bulk" "vec_l2:vec_l2"; do
   name=${sel%%:*}
   timeout 240 $PY -m pytest -q -p no:cacheprovider tests/test_cuda_kernels.py -k "${sel#*:}" -rs \
-    --timeout=100 --timeout-method=thread >"$OUT/tests_$name.log" 2>&1
-  put "tests_$name" "$(verdict $? "$OUT/tests_$name.log")"
+    --timeout=100 --timeout-method=thread >"$TMPD/tests_$name.log" 2>&1
+  put "tests_$name" "$(verdict $? "$TMPD/tests_$name.log")"
+  keep "tests_$name" "$TMPD/tests_$name.log"
 done
 # A hung bulk kernel (a ring/barrier bug) would hang every later bulk launch too: leave it out.
 VARIANTS=vec,vec_l2,bulk
-if grep -qiE "Timeout|timed out" "$OUT/tests_bulk.log"; then
+if grep -qiE "Timeout|timed out" "$TMPD/tests_bulk.log"; then
   VARIANTS=vec,vec_l2
   BULK_HUNG=1
 fi
 
 # ---- 2. the sweep: variants x CTAs, L = 8, 256 MiB of fp32 output and 8 MiB ------------------------
-timeout 240 $PY -m tide.bench.sum_sweep --variants "$VARIANTS" --json "$OUT/sum_sweep.json" >"$OUT/sweep.log" 2>&1
+timeout 240 $PY -m tide.bench.sum_sweep --variants "$VARIANTS" --json "$OUT/sumk_sweep.json" >"$SWEEP_LOG" 2>&1
 rc=$?
-put sweep "$([[ $rc == 0 ]] && echo PASS || echo "FAIL rc=$rc") (variants $VARIANTS bitwise equal, no spills)"
-put spills "$(grep -E '^# kernels:' "$OUT/sweep.log" | sed 's/^# //')"
+put sweep "$([[ $rc == 0 ]] && echo PASS || echo "FAIL rc=$rc") (PASS = ran, $VARIANTS bitwise equal, no spills)"
+put spills "$(grep -E '^# kernels:' "$SWEEP_LOG" | sed 's/^# //')"
 
 # ---- 3. executor tests (AG/RS bitwise vs the CPU executor) with the bulk variant -------------------
 if [[ -n ${BULK_HUNG:-} ]] || (( $(date +%s) - t0 > BUDGET_S - 240 )); then
   put executor_bulk "SKIP ($([[ -n ${BULK_HUNG:-} ]] && echo 'bulk kernel tests hung' || echo 'time budget'))"
 else
 TIDE_SUM_KERNEL=bulk timeout 240 $PY -m pytest -q -p no:cacheprovider -x tests/test_cuda_executor.py -rs \
-  --timeout=120 --timeout-method=thread >"$OUT/tests_executor_bulk.log" 2>&1
-put executor_bulk "$(verdict $? "$OUT/tests_executor_bulk.log")"
+  --timeout=120 --timeout-method=thread >"$TMPD/tests_executor_bulk.log" 2>&1
+put executor_bulk "$(verdict $? "$TMPD/tests_executor_bulk.log")"
+keep executor_bulk "$TMPD/tests_executor_bulk.log"
 fi
 
 # ---- 4. compute-sanitizer: bulk vs vec, SUM and REDUCE, ring wrapping, misaligned pieces ----------
-cat >"$OUT/sumk_case.py" <<'PYEOF'
+cat >"$TMPD/sumk_case.py" <<'PYEOF'
 import os, struct, sys
 from tide import _core as c
 n = 40_003
@@ -102,25 +113,28 @@ if [[ -n ${BULK_HUNG:-} ]]; then
 elif command -v compute-sanitizer >/dev/null; then
   for tool in memcheck racecheck synccheck; do
     if (( $(date +%s) - t0 > BUDGET_S - 90 )); then put "sanitize_$tool" "SKIP (time budget)"; continue; fi
-    PYTHONPATH=$PWD timeout 90 compute-sanitizer --tool $tool --error-exitcode 9 $PY "$OUT/sumk_case.py" \
-      >"$OUT/sanitize_$tool.log" 2>&1
+    PYTHONPATH=$PWD timeout 90 compute-sanitizer --tool $tool --error-exitcode 9 $PY "$TMPD/sumk_case.py" \
+      >"$TMPD/sanitize_$tool.log" 2>&1
     rc=$?
-    summ=$(grep -E "ERROR SUMMARY|RACECHECK SUMMARY|bulk != vec" "$OUT/sanitize_$tool.log" | tr '\n' ' ')
+    summ=$(grep -E "ERROR SUMMARY|RACECHECK SUMMARY|bulk != vec" "$TMPD/sanitize_$tool.log" | tr '\n' ' ')
     put "sanitize_$tool" "$([[ $rc == 0 ]] && echo PASS || echo "FAIL rc=$rc") ($summ)"
+    keep "sanitize_$tool" "$TMPD/sanitize_$tool.log"
   done
 else
-  PYTHONPATH=$PWD timeout 120 $PY "$OUT/sumk_case.py" >"$OUT/sanitize_none.log" 2>&1
-  put sanitize "SKIP (no compute-sanitizer); plain run rc=$? $(tail -1 "$OUT/sanitize_none.log")"
+  PYTHONPATH=$PWD timeout 120 $PY "$TMPD/sumk_case.py" >"$TMPD/sanitize_none.log" 2>&1
+  put sanitize "SKIP (no compute-sanitizer); plain run rc=$? $(tail -1 "$TMPD/sanitize_none.log")"
+  keep sanitize_none "$TMPD/sanitize_none.log"
 fi
 
 # ---- summary (last) ----------------------------------------------------------------------------------
 put wall_s "$(($(date +%s) - t0))"
-echo "================ sweep, 256 MiB output (all sizes: $OUT/sweep.log) ================"
-grep -E "^# .*ceiling|^# kernels|^#   |^entry" "$OUT/sweep.log"
-grep -E "^(sum|reduce) .* 67108864 " "$OUT/sweep.log" | head -60
-grep -E "^# (bitwise|target|variants)" "$OUT/sweep.log"
-grep -E "^(FAILED|ERROR)" "$OUT"/tests_*.log 2>/dev/null | head -20
+echo "================ sweep, 256 MiB output (all sizes: $SWEEP_LOG) ================"
+grep -E "^# .*ceiling|^# kernels|^#   |^entry" "$SWEEP_LOG"
+grep -E "^(sum|reduce) .* 67108864 " "$SWEEP_LOG" | head -60
+grep -E "^# (bitwise|target|variants)" "$SWEEP_LOG"
+grep -E "^(FAILED|ERROR)" "$TESTS_LOG" 2>/dev/null | head -20
 echo
 echo "================ sumk summary ($(date -u +%FT%TZ)) ================"
 for k in "${KEYS[@]}"; do printf '%-20s %s\n' "$k" "${R[$k]}"; done
-grep -E "^# variants meeting" "$OUT/sweep.log" | sed 's/^# /targets             /'
+grep -E "^# variants meeting" "$SWEEP_LOG" | sed 's/^# /targets             /'
+rm -rf "$TMPD"
