@@ -1,9 +1,12 @@
-"""CUDA kernel unit tests (SUM, LAND, CAST, ZERO), copy paths, stream memops and the watchdog.
+"""CUDA kernel unit tests (SUM, REDUCE, LAND, CAST, ZERO), copy paths, stream memops, watchdog.
 
-Run on the GPU machine (tools/gpu_check.sh). Every output is poisoned before the launch and
-compared bit for bit with a CPU fp32 reference of the same association, and with an fp64
-reference within tolerance. Fresh random data for every case; never zeros.
+Run on the GPU machine (tools/gpu_check.sh, tools/gpu/sumk.sh). Every output is poisoned before
+the launch and compared bit for bit with a CPU fp32 reference of the same association, and with
+an fp64 reference within tolerance. Fresh random data for every case; never zeros. SUM and
+REDUCE run under every TIDE_SUM_KERNEL variant (vec, vec_l2, bulk): all must give the same bits.
 """
+import struct
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -12,6 +15,17 @@ from tide import _core  # noqa: E402
 pytestmark = pytest.mark.gpu
 
 DEV = "cuda"
+VARIANTS = ["vec", "vec_l2", "bulk"]
+
+
+@pytest.fixture(params=VARIANTS)
+def variant(request, monkeypatch):
+    """Select the SUM/REDUCE kernel variant (read by every launch) and check it is the one run."""
+    monkeypatch.setenv("TIDE_SUM_KERNEL", request.param)
+    cc = _core.cuda_capabilities(0)["cc"]
+    expect = request.param if request.param != "bulk" or cc[0] >= 9 else "vec"
+    assert _core.cuda_sum_kernel() == expect
+    return request.param
 
 
 def _stream():
@@ -22,11 +36,11 @@ def _bits_equal(a, b):
     return torch.equal(a.contiguous().view(torch.int32).cpu(), b.contiguous().view(torch.int32).cpu())
 
 
-def _segments(param_lens, n_pad_between, gen):
+def _segments(param_lens, n_pad_between, gen, src_offs=None):
     """Own-contribution segments: each parameter piece followed by zero padding."""
     rows, grads, off = [], [], 0
     for p, ln in enumerate(param_lens):
-        src_off = int(torch.randint(0, 9, (1,), generator=gen))
+        src_off = int(torch.randint(0, 9, (1,), generator=gen)) if src_offs is None else src_offs[p]
         g = torch.randn(src_off + ln + 3, generator=gen).to(torch.bfloat16).to(DEV)
         grads.append(g)
         rows.append((off, ln, src_off, p))
@@ -60,12 +74,18 @@ def _sum_reference(staged, rows, grads, n):
 
 
 @pytest.mark.parametrize("n_staged", [0, 1, 3, 7])
-@pytest.mark.parametrize("shape", ["aligned", "ragged"])
-def test_sum_bitwise(n_staged, shape):
+@pytest.mark.parametrize("shape", ["aligned", "ragged", "long"])
+def test_sum_bitwise(n_staged, shape, variant):
     gen = torch.Generator().manual_seed(100 + n_staged)
-    lens = [4096, 1024, 8, 24576] if shape == "aligned" else [1000, 3, 77, 4099]
-    pad = 8 if shape == "aligned" else 5
-    rows, grads, n = _segments(lens, pad, gen)
+    # "long": segments of many bulk chunks, so the ring (6 stages) wraps several times per CTA.
+    lens = {"aligned": [4096, 1024, 8, 24576], "ragged": [1000, 3, 77, 4099],
+            "long": [200_000, 5, 123_457, 64]}[shape]
+    pad = {"aligned": 8, "ragged": 5, "long": 13}[shape]
+    # "long": own offsets with dst_off - src_off = 0 mod 8 for both long segments (dst_off 0 and
+    # 200_031), so they take the vector/bulk body; the short ones stay scalar.
+    rows, grads, n = _segments(lens, pad, gen, [0, 3, 7, 5] if shape == "long" else None)
+    if shape == "long":
+        assert [(d - s) % 8 for d, _, s, p in rows if p in (0, 2)] == [0, 0]
     staged = [torch.randn(n, generator=gen).to(torch.bfloat16).to(DEV) for _ in range(n_staged)]
     ref, ref64 = _sum_reference(staged, rows, grads, n)
     table = _seg_table(rows)
@@ -80,6 +100,214 @@ def test_sum_bitwise(n_staged, shape):
         outs.append(dst)
     err = (outs[0].double().cpu() - ref64).norm() / max(ref64.norm(), 1e-30)
     assert err < 1e-6
+
+
+# ---- special values and NaN-aware bitwise comparison --------------------------------------------
+POISON = 0x7F80DEAD  # a signalling-NaN pattern no kernel produces: marks unwritten elements
+
+
+def _poisoned(n):
+    return torch.full((n,), POISON, dtype=torch.int32, device=DEV).view(torch.float32)
+
+
+def _assert_same(got, ref, what):
+    """Bitwise equal, except that NaN payloads may differ (IEEE adds do not keep them)."""
+    g = got.cpu().contiguous()
+    r = ref.contiguous()
+    gi, ri = g.view(torch.int32), r.view(torch.int32)
+    assert not (gi == POISON).any(), f"{what}: {(gi == POISON).sum().item()} elements unwritten"
+    gn, rn = torch.isnan(g), torch.isnan(r)
+    assert torch.equal(gn, rn), f"{what}: NaN positions differ ({(gn != rn).sum().item()} elements)"
+    bad = (gi != ri) & ~gn
+    if bad.any():
+        k = int(bad.nonzero()[0])
+        raise AssertionError(f"{what}: {int(bad.sum())} elements differ; first at {k}: "
+                             f"got {g[k].item()!r} ({gi[k].item() & 0xFFFFFFFF:#010x}), "
+                             f"want {r[k].item()!r} ({ri[k].item() & 0xFFFFFFFF:#010x})")
+
+
+def _specials(x, gen, frac=0.01):
+    """Overwrite ~frac of x (CPU fp32 or bf16) with NaN, +-Inf, +-0.0 and the smallest subnormal."""
+    n = x.numel()
+    vals = torch.tensor([float("nan"), float("inf"), -float("inf"), -0.0, 0.0,
+                         1e-40 if x.dtype == torch.float32 else 9.2e-41], dtype=torch.float32).to(x.dtype)
+    idx = torch.randint(0, n, (max(1, int(n * frac)),), generator=gen)
+    x[idx] = vals[torch.randint(0, len(vals), (idx.numel(),), generator=gen)]
+    return x
+
+
+def test_sum_specials_and_negative_zero(variant):
+    """NaN/Inf/-0.0 in staged and own terms; at some elements every term is -0.0 (result -0.0:
+    the first term initialises, nothing is added to a +0.0 start) or +0.0 and -0.0 mix (+0.0)."""
+    gen = torch.Generator().manual_seed(77)
+    n_staged = 7
+    rows, grads, n = _segments([50_000, 7, 30_001], 9, gen, [0, 1, 8])
+    staged_cpu = [_specials(torch.randn(n, generator=gen).to(torch.bfloat16), gen) for _ in range(n_staged)]
+    grads_cpu = [_specials(g.cpu(), gen) for g in grads]
+    neg = torch.randint(0, n, (500,), generator=gen)
+    mix = torch.randint(0, n, (500,), generator=gen)
+    for x in staged_cpu:
+        x[neg] = -0.0
+        x[mix] = -0.0
+    staged_cpu[3][mix] = 0.0
+    for d, ln, src, p in rows:
+        if p >= 0:
+            sel = neg[(neg >= d) & (neg < d + ln)]
+            grads_cpu[p][sel - d + src] = -0.0
+    staged = [x.to(DEV) for x in staged_cpu]
+    grads = [g.to(DEV) for g in grads_cpu]
+    ref, _ = _sum_reference(staged, rows, grads, n)
+    assert (ref[neg].view(torch.int32) == torch.tensor(-0.0).view(torch.int32)).sum() > 100
+    table = _seg_table(rows)
+    for ctas in (1, 7, 132):
+        dst = _poisoned(n)
+        _core.cuda_sum(dst.data_ptr(), n, [x.data_ptr() for x in staged], table.data_ptr(), len(rows),
+                       [g.data_ptr() for g in grads], ctas, _stream())
+        torch.cuda.synchronize()
+        _assert_same(dst, ref, f"SUM ({variant}) with special values at ctas={ctas}")
+
+
+def test_sum_captured_in_graph(variant):
+    """SUM launched inside a CUDA graph capture (as the executor's captured programs do) and
+    replayed twice: same bits as the CPU reference. n_staged = 5 appears in no other test, so
+    the capture holds that kernel's first launch (lazy module loading under capture)."""
+    gen = torch.Generator().manual_seed(55)
+    rows, grads, n = _segments([100_000, 77, 20_000], 8, gen, [0, 1, 8])
+    staged = [torch.randn(n, generator=gen).to(torch.bfloat16).to(DEV) for _ in range(5)]
+    ref, _ = _sum_reference(staged, rows, grads, n)
+    table = _seg_table(rows)
+    dst = _poisoned(n)
+    side = torch.cuda.Stream()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=side):
+        _core.cuda_sum(dst.data_ptr(), n, [x.data_ptr() for x in staged], table.data_ptr(), len(rows),
+                       [g.data_ptr() for g in grads], 4, torch.cuda.current_stream().cuda_stream)
+    for _ in range(2):
+        dst.view(torch.int32).fill_(POISON)
+        graph.replay()
+        torch.cuda.synchronize()
+        _assert_same(dst, ref, f"SUM ({variant}) replayed from a CUDA graph")
+
+
+# ---- REDUCE: the executor's run-table kernel (SUM and LAND), through cuda_reduce -----------------
+MAX_TERMS = 12
+
+
+def _pack_runs(runs):
+    """ReduceRun records (kernels.h): int64 dst_off, len, off[12]; int16 slot[12], pad[4]."""
+    out = bytearray()
+    for d0, ln, terms in runs:  # terms[i] = (slot, byte offset) or None
+        offs = [t[1] if t else 0 for t in terms] + [0] * (MAX_TERMS - len(terms))
+        slots = [t[0] if t else -1 for t in terms] + [-1] * (MAX_TERMS - len(terms))
+        out += struct.pack("<14q16h", d0, ln, *offs, *slots, 0, 0, 0, 0)
+    assert len(out) == 144 * len(runs)
+    return torch.frombuffer(out, dtype=torch.uint8).clone().to(DEV)
+
+
+def _reduce_case(n_terms, dtypes, gen):
+    """Terms (one buffer per term, bf16 or fp32, specials sprinkled) and runs covering [0, n):
+    long 8-aligned runs (the vector/bulk body, several bulk chunks), runs whose terms are
+    misaligned to each other (scalar), short runs, a run with absent terms and one with none."""
+    sizes = [4 if dt == torch.float32 else 2 for dt in dtypes]
+    cap = 160_000
+    bufs = [_specials(torch.randn(cap, generator=gen).to(dt), gen) for dt in dtypes]
+    plan = [("aligned", 70_001, "all"), ("misaligned", 1_003, "all"), ("aligned", 8, "all"),
+            ("aligned", 5, "all"), ("aligned", 777, "none"), ("aligned", 40_000, "some"),
+            ("misaligned", 12_345, "some"), ("aligned", 20_000, "all"), ("aligned", 3, "first")]
+    runs, d0 = [], 0
+    for kind, ln, present in plan:
+        terms = []
+        for i in range(n_terms):
+            on = (present == "all" or (present == "some" and (i % 3 != 1 or n_terms == 1))
+                  or (present == "first" and i == 0))
+            if not on:
+                terms.append(None)
+                continue
+            s = int(torch.randint(0, cap - ln - 16, (1,), generator=gen))
+            if kind == "aligned":
+                s = s - (s % 8) + (d0 % 8)  # element d0 of dst <-> element s: same phase mod 8
+            else:
+                s = s - (s % 8) + (d0 + 1 + i) % 8
+            terms.append((i, s * sizes[i]))
+        runs.append((d0, ln, terms))
+        d0 += ln
+    return bufs, runs, d0
+
+
+def _reduce_reference(bufs, runs, n, land, accumulate, alpha, old):
+    out = torch.zeros(n, dtype=torch.float32)
+    for d0, ln, terms in runs:
+        t = None
+        for i, term in enumerate(terms):
+            if term is None:
+                continue
+            s = term[1] // bufs[i].element_size()
+            x = bufs[i][s:s + ln].float()
+            t = x.clone() if t is None else t + x  # the first present term initialises
+        out[d0:d0 + ln] = 0.0 if t is None else t
+    if land:
+        v = torch.tensor(alpha, dtype=torch.float32) * out
+        out = old + v if accumulate else v
+    return out
+
+
+@pytest.mark.parametrize("n_terms", list(range(1, MAX_TERMS + 1)))
+@pytest.mark.parametrize("dtype", ["bf16", "fp32", "mixed"])
+@pytest.mark.parametrize("op", ["sum", "land", "land_accumulate"])
+def test_reduce_bitwise(n_terms, dtype, op, variant):
+    gen = torch.Generator().manual_seed(1000 * n_terms + 10 * len(dtype) + len(op))
+    dtypes = {"bf16": [torch.bfloat16] * n_terms, "fp32": [torch.float32] * n_terms,
+              "mixed": [torch.float32 if i % 2 else torch.bfloat16 for i in range(n_terms)]}[dtype]
+    mask = sum(1 << i for i, dt in enumerate(dtypes) if dt == torch.float32)
+    bufs, runs, n = _reduce_case(n_terms, dtypes, gen)
+    land, accumulate = op != "sum", op == "land_accumulate"
+    alpha = 0.125 if accumulate else 1.0 / 3.0
+    old = _specials(torch.randn(n, generator=gen), gen)
+    ref = _reduce_reference(bufs, runs, n, land, accumulate, alpha, old)
+    dev_bufs = [b.to(DEV) for b in bufs]
+    table = _pack_runs(runs)
+    for ctas in (1, 5, 132):
+        dst = old.to(DEV) if accumulate else _poisoned(n)
+        _core.cuda_reduce(dst.data_ptr(), n, table.data_ptr(), len(runs), n_terms, mask, land, accumulate,
+                          alpha, [b.data_ptr() for b in dev_bufs], ctas, _stream())
+        torch.cuda.synchronize()
+        _assert_same(dst, ref, f"REDUCE {op} ({variant}, {n_terms} {dtype} terms) at ctas={ctas}")
+
+
+def test_reduce_unaligned_dst(variant):
+    """dst 4 bytes off a 16-byte boundary: no vector/bulk body anywhere, same bits."""
+    gen = torch.Generator().manual_seed(5)
+    dtypes = [torch.bfloat16] * 8
+    bufs, runs, n = _reduce_case(8, dtypes, gen)
+    ref = _reduce_reference(bufs, runs, n, False, False, 1.0, None)
+    dev_bufs = [b.to(DEV) for b in bufs]
+    table = _pack_runs(runs)
+    base = _poisoned(n + 4)
+    _core.cuda_reduce(base.data_ptr() + 4, n, table.data_ptr(), len(runs), 8, 0, False, False, 1.0,
+                      [b.data_ptr() for b in dev_bufs], 3, _stream())
+    torch.cuda.synchronize()
+    _assert_same(base[1:n + 1], ref, f"REDUCE ({variant}) into an unaligned dst")
+    assert base[0].view(torch.int32).item() == POISON and base[n + 1].view(torch.int32).item() == POISON
+
+
+def test_sum_kernel_knob_rejects_unknown(monkeypatch):
+    monkeypatch.setenv("TIDE_SUM_KERNEL", "fast")
+    with pytest.raises(ValueError, match="TIDE_SUM_KERNEL=fast: expected vec, vec_l2 or bulk"):
+        _core.cuda_sum_kernel()
+    gen = torch.Generator().manual_seed(1)
+    rows, grads, n = _segments([64], 0, gen)
+    dst = _poisoned(n)
+    with pytest.raises(ValueError, match="TIDE_SUM_KERNEL"):
+        _core.cuda_sum(dst.data_ptr(), n, [], _seg_table(rows).data_ptr(), len(rows),
+                       [g.data_ptr() for g in grads], 1, _stream())
+
+
+def test_sum_kernels_do_not_spill():
+    attrs = _core.cuda_sum_kernel_attrs()
+    names = {a["name"] for a in attrs}
+    assert {"sum_kernel<7>", "reduce_kernel<12>", "sum_bulk_kernel<7>", "reduce_bulk_kernel<12>"} <= names
+    spilled = [a for a in attrs if a["local_bytes"] != 0]
+    assert not spilled, f"kernels with local memory (spills or stack): {spilled}"
 
 
 @pytest.mark.parametrize("n_src", [1, 2, 8])

@@ -56,6 +56,41 @@ void bind_cuda_ops(nb::module_& m) {
         nb::arg("grads"), nb::arg("ctas"), nb::arg("stream") = 0,
         "SUM: dst[k] = ((staged_0 + staged_1) + ...) + own, fp32. `segs` is a device table of "
         "int64 rows (dst_off, len, src_off, param) with param < 0 for zero padding.");
+  m.def("cuda_reduce",
+        [](uint64_t dst, int64_t n, uint64_t runs, int n_runs, int n_terms, uint32_t fp32_terms, bool land,
+           bool accumulate, float alpha, const std::vector<uint64_t>& bases, int ctas, uint64_t stream) {
+          TIDE_PLAN_CHECK(bases.size() <= static_cast<size_t>(kMaxSlots), "bases: at most ", kMaxSlots, " slots");
+          ReduceArgs a;
+          a.dst = ptr<float>(dst);
+          a.n = n;
+          a.runs = ptr<const ReduceRun>(runs);
+          a.n_runs = n_runs;
+          a.n_terms = n_terms;
+          a.fp32_terms = fp32_terms;
+          a.land = land ? 1 : 0;
+          a.accumulate = accumulate ? 1 : 0;
+          a.alpha = alpha;
+          for (size_t i = 0; i < bases.size(); ++i) a.base[i] = ptr<const void>(bases[i]);
+          launch_reduce(a, ctas, strm(stream));
+        },
+        nb::arg("dst"), nb::arg("n"), nb::arg("runs"), nb::arg("n_runs"), nb::arg("n_terms"),
+        nb::arg("fp32_terms"), nb::arg("land"), nb::arg("accumulate"), nb::arg("alpha"), nb::arg("bases"),
+        nb::arg("ctas"), nb::arg("stream") = 0,
+        "REDUCE (the executor's SUM/LAND kernel): `runs` is a device table of ReduceRun records "
+        "(144 bytes: int64 dst_off, len, off[12]; int16 slot[12], pad[4]); `bases[slot]` are the "
+        "slot base addresses. Follows TIDE_SUM_KERNEL like cuda_sum.");
+  m.def("cuda_sum_kernel", []() { return std::string(sum_kernel_name(sum_kernel_effective())); },
+        "The SUM/REDUCE variant a launch on the current device runs now (TIDE_SUM_KERNEL, kernels.h).");
+  m.def("cuda_sum_kernel_attrs", []() {
+    nb::list out;
+    for (const KernelAttrs& k : sum_kernel_attrs()) {
+      nb::dict d;
+      d["name"] = k.name; d["regs"] = k.regs; d["local_bytes"] = k.local_bytes;
+      d["static_smem"] = k.static_smem; d["max_threads"] = k.max_threads;
+      out.append(d);
+    }
+    return out;
+  }, "Registers and local memory (spills + stack) of every SUM/REDUCE kernel (cudaFuncGetAttributes).");
   m.def("cuda_land",
         [](const std::vector<std::tuple<uint64_t, std::vector<uint64_t>, int64_t>>& jobs, float alpha,
            bool accumulate, int ctas, uint64_t stream) {

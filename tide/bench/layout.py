@@ -290,9 +290,11 @@ def main(argv=None):
     bench_stream = torch.cuda.Stream()
     torch.cuda.set_stream(bench_stream)
     ceiling = measure_ceiling(torch)
+    sum_kernel = core.cuda_sum_kernel()  # TIDE_SUM_KERNEL (kernels.h); tide.bench.sum_sweep compares them
     result = dict(device=props.name, sms=n_sm, ceiling_gbps=ceiling / 1e9, ranks=args.ranks, groups=[], rows=[],
-                  capabilities=core.cuda_capabilities(0))
-    print(f"# {props.name}, {n_sm} SMs; device-to-device ceiling {ceiling / 1e9:.0f} GB/s (read+write)")
+                  capabilities=core.cuda_capabilities(0), sum_kernel=sum_kernel)
+    print(f"# {props.name}, {n_sm} SMs; device-to-device ceiling {ceiling / 1e9:.0f} GB/s (read+write); "
+          f"SUM kernel variant {sum_kernel}")
     for name in args.groups.split(","):
         plan = tide.plan(models.signature(GROUPS[name], "block"), tide.Topology(1, args.ranks))
         rows, info = run_group(torch, core, name, plan, args.ranks, ceiling, n_sm, args.sum_ctas, args.land_ctas)

@@ -1,4 +1,5 @@
-// Device helpers shared by the CUDA kernels (kernels.cu, reduce.cu). Include from .cu files only.
+// Device helpers shared by the CUDA kernels (kernels.cu, reduce.cu, bulk.cu). Include from .cu
+// files only.
 #pragma once
 
 #include <cstdint>
@@ -14,7 +15,9 @@ __device__ __forceinline__ float bf16_hi(uint32_t w) { return __uint_as_float(w 
 // HBM latency. One thread per operand asks the bulk-copy engine to prefetch the chunk `dist`
 // iterations ahead into L2 (cp.async.bulk.prefetch.L2, sm_90; no registers, no shared memory, no
 // completion to wait for). The distance shrinks with the grid so the prefetched working set stays
-// well inside the 60 MB L2. Measured on the H200 (BENCHMARKS.md Run 4) it did not pay for SUM.
+// well inside the 60 MB L2. Measured on the H200 (BENCHMARKS.md Run 4) it made SUM slower
+// (98 -> 79 GB/s per CTA), so SUM and REDUCE issue it only as the opt-in `vec_l2` variant
+// (TIDE_SUM_KERNEL, kernels.h); LAND keeps it.
 __device__ __forceinline__ void l2_prefetch(const void* p, int64_t bytes) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   bytes &= ~int64_t(15);
@@ -25,5 +28,89 @@ __device__ __forceinline__ void l2_prefetch(const void* p, int64_t bytes) {
 #endif
 }
 __device__ __forceinline__ int prefetch_dist() { return gridDim.x <= 16 ? 4 : (gridDim.x <= 48 ? 2 : 1); }
+
+// ---- sm_90 bulk copies and shared-memory barriers (the `bulk` SUM variant, bulk.cu) ----------
+// Host code launches kernels that use these only on compute capability >= 9.0; an older target
+// traps instead of silently computing nothing.
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ void sm90_only() {
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ < 900
+  __trap();
+#endif
+}
+
+// mbarrier with `count` expected arrivals per phase; phase 0 starts incomplete.
+__device__ __forceinline__ void mbar_init(uint64_t* bar, uint32_t count) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_addr(bar)), "r"(count) : "memory");
+#else
+  sm90_only();
+#endif
+}
+
+// Makes the initialised barriers visible to the async proxy (bulk-copy completions); follow
+// with a CTA barrier before any thread uses them.
+__device__ __forceinline__ void mbar_init_fence() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+#endif
+}
+
+// One arrival that also raises the phase's expected transaction bytes by `bytes`.
+__device__ __forceinline__ void mbar_arrive_expect_tx(uint64_t* bar, uint32_t bytes) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("mbarrier.arrive.expect_tx.release.cta.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(bar)),
+               "r"(bytes)
+               : "memory");
+#else
+  sm90_only();
+#endif
+}
+
+// One plain arrival (release: this thread's earlier shared-memory reads are ordered before it).
+__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("mbarrier.arrive.release.cta.shared::cta.b64 _, [%0];" ::"r"(smem_addr(bar)) : "memory");
+#else
+  sm90_only();
+#endif
+}
+
+// Blocks until the phase with parity `parity` has completed (acquire). On a fresh barrier,
+// parity 1 names the phase before phase 0 and returns at once (the producer's first pass).
+__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  const uint32_t a = smem_addr(bar);
+  uint32_t done = 0;
+  do {
+    asm volatile(
+        "{\n\t.reg .pred p;\n\t"
+        "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n\t"
+        "selp.u32 %0, 1, 0, p;\n\t}"
+        : "=r"(done)
+        : "r"(a), "r"(parity)
+        : "memory");
+  } while (!done);
+#else
+  sm90_only();
+#endif
+}
+
+// 1-D bulk copy global -> shared (TMA); completes `bytes` transaction bytes on `bar`.
+// dst and src 16-byte aligned, bytes a multiple of 16.
+__device__ __forceinline__ void bulk_load(void* dst_smem, const void* src, uint32_t bytes, uint64_t* bar) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+          smem_addr(dst_smem)),
+      "l"(src), "r"(bytes), "r"(smem_addr(bar))
+      : "memory");
+#else
+  sm90_only();
+#endif
+}
 
 }  // namespace tide::cuda::device

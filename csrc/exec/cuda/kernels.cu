@@ -10,10 +10,16 @@
 // A memory-bound CTA's rate is bytes-in-flight / latency. SUM issues every load of an
 // iteration (n_staged + 1 vectors of 16 B, for kSumUnroll vectors per thread) before the first
 // add, so one 512-thread CTA keeps up to 512 * 2 * 8 * 16 B = 128 KiB in flight at L = 8.
+// TIDE_SUM_KERNEL picks this kernel (`vec`), it with the L2 prefetch (`vec_l2`) or the bulk
+// pipeline of bulk.cu (`bulk`); kernels.h.
 #include <cuda_runtime.h>
 
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
+#include <string>
+#include <utility>
+#include <vector>
 
 #include "exec/cuda/device.cuh"
 #include "exec/cuda/kernels.h"
@@ -75,7 +81,7 @@ __device__ __forceinline__ void set8(float (&acc)[kVec], const uint4& v) {
 
 template <int NS>
 __global__ void __launch_bounds__(kSumThreads, 1) sum_kernel(const __grid_constant__ SumArgs a,
-                                                          int vec_ok) {
+                                                          int vec_ok, int l2) {
   int64_t begin, end;
   cta_range(a.n, kVec, &begin, &end);
   if (begin >= end) return;
@@ -107,9 +113,10 @@ __global__ void __launch_bounds__(kSumThreads, 1) sum_kernel(const __grid_consta
         if (static_cast<int>(threadIdx.x) < NS) l2_prefetch(a.staged[threadIdx.x] + b + first, span * 2);
         else if (own) l2_prefetch(own + b + first + shift, span * 2);
       };
-      for (int d = 0; d < dist; ++d) prefetch(d);
+      if (l2)
+        for (int d = 0; d < dist; ++d) prefetch(d);
       for (int64_t v0 = threadIdx.x; v0 < nv; v0 += kSumUnroll * blockDim.x) {
-        prefetch((v0 - threadIdx.x) / (kSumUnroll * blockDim.x) + dist);
+        if (l2) prefetch((v0 - threadIdx.x) / (kSumUnroll * blockDim.x) + dist);
         uint4 s[NS > 0 ? NS : 1][kSumUnroll];
         uint4 o[kSumUnroll];
 #pragma unroll
@@ -284,8 +291,19 @@ int clamp_ctas(int ctas, int64_t work_items, int threads) {
 }
 
 template <int NS>
-void launch_sum_ns(const SumArgs& a, int ctas, int vec_ok, cudaStream_t s) {
-  sum_kernel<NS><<<ctas, kSumThreads, 0, s>>>(a, vec_ok);
+void launch_sum_ns(const SumArgs& a, int ctas, int vec_ok, int l2, cudaStream_t s) {
+  sum_kernel<NS><<<ctas, kSumThreads, 0, s>>>(a, vec_ok, l2);
+}
+
+template <int... I>
+void sum_attrs(std::integer_sequence<int, I...>, std::vector<KernelAttrs>* out) {
+  auto one = [&](auto kernel, int ns) {
+    cudaFuncAttributes fa{};
+    TIDE_CHECK_CUDA(cudaFuncGetAttributes(&fa, kernel), "cudaFuncGetAttributes(sum_kernel)");
+    out->push_back({"sum_kernel<" + std::to_string(ns) + ">", fa.numRegs, static_cast<int>(fa.localSizeBytes),
+                    static_cast<int>(fa.sharedSizeBytes), fa.maxThreadsPerBlock});
+  };
+  (one(sum_kernel<I>, I), ...);
 }
 
 __global__ void stall_kernel(uint64_t ns) {
@@ -307,6 +325,37 @@ void launch_stall(double seconds, cudaStream_t stream) {
 
 uint16_t float_to_bf16_rne(float f) { return f_to_bf16(f); }
 
+const char* sum_kernel_name(SumKernel k) {
+  switch (k) {
+    case SumKernel::kVecL2: return "vec_l2";
+    case SumKernel::kBulk: return "bulk";
+    default: return "vec";
+  }
+}
+
+SumKernel sum_kernel_requested() {
+  // Read at every launch (a getenv, no allocation), so a process can sweep the variants.
+  const char* v = std::getenv("TIDE_SUM_KERNEL");
+  if (v == nullptr || *v == '\0' || std::strcmp(v, "vec") == 0) return SumKernel::kVec;
+  if (std::strcmp(v, "vec_l2") == 0) return SumKernel::kVecL2;
+  if (std::strcmp(v, "bulk") == 0) return SumKernel::kBulk;
+  TIDE_PLAN_CHECK(false, "TIDE_SUM_KERNEL=", v, ": expected vec, vec_l2 or bulk");
+  return SumKernel::kVec;
+}
+
+SumKernel sum_kernel_effective() {
+  const SumKernel k = sum_kernel_requested();
+  return k == SumKernel::kBulk && !bulk_supported() ? SumKernel::kVec : k;
+}
+
+std::vector<KernelAttrs> sum_kernel_attrs() {
+  std::vector<KernelAttrs> v;
+  sum_attrs(std::make_integer_sequence<int, kMaxStaged + 1>{}, &v);
+  append_reduce_kernel_attrs(&v);
+  append_bulk_kernel_attrs(&v);
+  return v;
+}
+
 void launch_sum(const SumArgs& a, int ctas, cudaStream_t stream) {
   TIDE_CHECK(a.n_staged >= 0 && a.n_staged <= kMaxStaged, "n_staged=", a.n_staged);
   TIDE_CHECK(a.n == 0 || (a.dst && a.segs && a.n_segs > 0), "SUM needs dst and a segment table");
@@ -316,16 +365,22 @@ void launch_sum(const SumArgs& a, int ctas, cudaStream_t stream) {
     TIDE_CHECK(a.staged[j] != nullptr, "staged slice ", j, " is null");
     vec_ok = vec_ok && (reinterpret_cast<uintptr_t>(a.staged[j]) & 15) == 0;
   }
+  const SumKernel variant = sum_kernel_effective();
+  if (variant == SumKernel::kBulk) {
+    launch_sum_bulk(a, ctas, stream);
+    return;
+  }
+  const int l2 = variant == SumKernel::kVecL2 ? 1 : 0;
   const int c = clamp_ctas(ctas, a.n / kVec + 1, kSumThreads);
   switch (a.n_staged) {
-    case 0: launch_sum_ns<0>(a, c, vec_ok, stream); break;
-    case 1: launch_sum_ns<1>(a, c, vec_ok, stream); break;
-    case 2: launch_sum_ns<2>(a, c, vec_ok, stream); break;
-    case 3: launch_sum_ns<3>(a, c, vec_ok, stream); break;
-    case 4: launch_sum_ns<4>(a, c, vec_ok, stream); break;
-    case 5: launch_sum_ns<5>(a, c, vec_ok, stream); break;
-    case 6: launch_sum_ns<6>(a, c, vec_ok, stream); break;
-    default: launch_sum_ns<7>(a, c, vec_ok, stream); break;
+    case 0: launch_sum_ns<0>(a, c, vec_ok, l2, stream); break;
+    case 1: launch_sum_ns<1>(a, c, vec_ok, l2, stream); break;
+    case 2: launch_sum_ns<2>(a, c, vec_ok, l2, stream); break;
+    case 3: launch_sum_ns<3>(a, c, vec_ok, l2, stream); break;
+    case 4: launch_sum_ns<4>(a, c, vec_ok, l2, stream); break;
+    case 5: launch_sum_ns<5>(a, c, vec_ok, l2, stream); break;
+    case 6: launch_sum_ns<6>(a, c, vec_ok, l2, stream); break;
+    default: launch_sum_ns<7>(a, c, vec_ok, l2, stream); break;
   }
   TIDE_CHECK_CUDA(cudaGetLastError(), "launching SUM");
 }

@@ -16,6 +16,8 @@
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
+#include <string>
+#include <vector>
 
 namespace tide::cuda {
 
@@ -100,6 +102,7 @@ struct ReduceRun {
   int16_t slot[kMaxTerms];     // < 0: term absent in this run
   int16_t pad_[4];
 };
+static_assert(sizeof(ReduceRun) == 144, "ReduceRun: cuda_reduce's callers pack 144-byte records");
 struct ReduceArgs {
   float* dst = nullptr;
   const ReduceRun* runs = nullptr;  // device table
@@ -113,6 +116,36 @@ struct ReduceArgs {
   const void* base[kMaxSlots] = {};
 };
 void launch_reduce(const ReduceArgs& a, int ctas, cudaStream_t stream);
+
+// ---- SUM/REDUCE kernel variant (env TIDE_SUM_KERNEL, read at every launch) ------------------
+//   vec    : register-staged 16-byte loads (the default; BENCHMARKS.md Run 2)
+//   vec_l2 : vec plus the L2 bulk prefetch ahead of the loads (Run 4; opt-in, measured slower)
+//   bulk   : sm_90 warp-specialized bulk-copy pipeline (bulk.cu [Note: bulk pipeline]); runs
+//            as `vec` on a device below compute capability 9.0
+// All three produce the same bits (the association above). launch_sum and launch_reduce (SUM
+// and LAND) follow the knob; launch_land does not.
+enum class SumKernel : int { kVec = 0, kVecL2 = 1, kBulk = 2 };
+SumKernel sum_kernel_requested();          // unset/empty -> kVec; an unknown value is an error
+SumKernel sum_kernel_effective();          // the variant a launch on the current device runs
+const char* sum_kernel_name(SumKernel k);  // "vec", "vec_l2", "bulk"
+
+// bulk.cu: the warp-specialized variant (called by launch_sum / launch_reduce).
+bool bulk_supported();  // current device: cc >= 9.0 and the shared memory (opts every bulk kernel in)
+void launch_sum_bulk(const SumArgs& a, int ctas, cudaStream_t stream);
+void launch_reduce_bulk(const ReduceArgs& a, int ctas, cudaStream_t stream);
+
+// Registers and local memory (spills + stack) of every SUM/REDUCE kernel instantiation, as the
+// driver reports them for the current device (cudaFuncGetAttributes).
+struct KernelAttrs {
+  std::string name;
+  int regs = 0;
+  int local_bytes = 0;
+  int static_smem = 0;
+  int max_threads = 0;
+};
+std::vector<KernelAttrs> sum_kernel_attrs();
+void append_reduce_kernel_attrs(std::vector<KernelAttrs>* out);  // reduce.cu
+void append_bulk_kernel_attrs(std::vector<KernelAttrs>* out);    // bulk.cu
 
 void launch_sum(const SumArgs& a, int ctas, cudaStream_t stream);
 void launch_land(const LandArgs& a, int ctas, cudaStream_t stream);

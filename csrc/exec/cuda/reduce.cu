@@ -5,7 +5,13 @@
 // a piecewise own term). Programs may cut terms differently (valid extents, spares, several
 // pieces per term), so the executor runs this run-table kernel, which takes any term shape with
 // the same per-CTA work split and 16-byte loads. Both start from the association in kernels.h.
+// TIDE_SUM_KERNEL picks this kernel (`vec`), it with the L2 prefetch (`vec_l2`) or the bulk
+// pipeline of bulk.cu (`bulk`); kernels.h.
 #include <cuda_runtime.h>
+
+#include <string>
+#include <utility>
+#include <vector>
 
 #include "exec/cuda/device.cuh"
 #include "exec/cuda/kernels.h"
@@ -47,7 +53,7 @@ __device__ __forceinline__ float finish(const ReduceArgs& a, float t, float old)
 }
 
 template <int T>
-__global__ void __launch_bounds__(kReduceThreads, 1) reduce_kernel(const __grid_constant__ ReduceArgs a) {
+__global__ void __launch_bounds__(kReduceThreads, 1) reduce_kernel(const __grid_constant__ ReduceArgs a, int l2) {
   int64_t per = (a.n + gridDim.x - 1) / gridDim.x;
   per = (per + kV - 1) / kV * kV;
   const int64_t begin = static_cast<int64_t>(blockIdx.x) * per;
@@ -93,9 +99,10 @@ __global__ void __launch_bounds__(kReduceThreads, 1) reduce_kernel(const __grid_
             device::l2_prefetch(src[t] + (b - r0 + first) * size, span * size);
           }
       };
-      for (int d = 0; d < dist; ++d) prefetch(d);
+      if (l2)
+        for (int d = 0; d < dist; ++d) prefetch(d);
       for (int64_t v = threadIdx.x; v < nv; v += blockDim.x) {
-        prefetch((v - threadIdx.x) / blockDim.x + dist);
+        if (l2) prefetch((v - threadIdx.x) / blockDim.x + dist);
         const int64_t k = b + v * kV;
         float x[T][kV];
 #pragma unroll
@@ -150,31 +157,52 @@ __global__ void __launch_bounds__(kReduceThreads, 1) reduce_kernel(const __grid_
 }
 
 template <int T>
-void launch_t(const ReduceArgs& a, int ctas, cudaStream_t s) {
-  reduce_kernel<T><<<ctas, kReduceThreads, 0, s>>>(a);
+void launch_t(const ReduceArgs& a, int ctas, int l2, cudaStream_t s) {
+  reduce_kernel<T><<<ctas, kReduceThreads, 0, s>>>(a, l2);
+}
+
+template <int... I>
+void reduce_attrs(std::integer_sequence<int, I...>, std::vector<KernelAttrs>* out) {
+  auto one = [&](auto kernel, int t) {
+    cudaFuncAttributes fa{};
+    TIDE_CHECK_CUDA(cudaFuncGetAttributes(&fa, kernel), "cudaFuncGetAttributes(reduce_kernel)");
+    out->push_back({"reduce_kernel<" + std::to_string(t) + ">", fa.numRegs, static_cast<int>(fa.localSizeBytes),
+                    static_cast<int>(fa.sharedSizeBytes), fa.maxThreadsPerBlock});
+  };
+  (one(reduce_kernel<I + 1>, I + 1), ...);
 }
 
 }  // namespace
+
+void append_reduce_kernel_attrs(std::vector<KernelAttrs>* out) {
+  reduce_attrs(std::make_integer_sequence<int, kMaxTerms>{}, out);
+}
 
 void launch_reduce(const ReduceArgs& a, int ctas, cudaStream_t stream) {
   TIDE_CHECK(a.n_terms >= 1 && a.n_terms <= kMaxTerms, "REDUCE n_terms=", a.n_terms);
   TIDE_CHECK(a.n == 0 || (a.dst && a.runs && a.n_runs > 0), "REDUCE needs dst and runs");
   if (a.n == 0) return;
+  const SumKernel variant = sum_kernel_effective();
+  if (variant == SumKernel::kBulk) {
+    launch_reduce_bulk(a, ctas, stream);
+    return;
+  }
+  const int l2 = variant == SumKernel::kVecL2 ? 1 : 0;
   int64_t need = (a.n / kV + kReduceThreads) / kReduceThreads;
   const int c = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(ctas > 0 ? ctas : 1, need)));
   switch (a.n_terms) {
-    case 1: launch_t<1>(a, c, stream); break;
-    case 2: launch_t<2>(a, c, stream); break;
-    case 3: launch_t<3>(a, c, stream); break;
-    case 4: launch_t<4>(a, c, stream); break;
-    case 5: launch_t<5>(a, c, stream); break;
-    case 6: launch_t<6>(a, c, stream); break;
-    case 7: launch_t<7>(a, c, stream); break;
-    case 8: launch_t<8>(a, c, stream); break;
-    case 9: launch_t<9>(a, c, stream); break;
-    case 10: launch_t<10>(a, c, stream); break;
-    case 11: launch_t<11>(a, c, stream); break;
-    default: launch_t<12>(a, c, stream); break;
+    case 1: launch_t<1>(a, c, l2, stream); break;
+    case 2: launch_t<2>(a, c, l2, stream); break;
+    case 3: launch_t<3>(a, c, l2, stream); break;
+    case 4: launch_t<4>(a, c, l2, stream); break;
+    case 5: launch_t<5>(a, c, l2, stream); break;
+    case 6: launch_t<6>(a, c, l2, stream); break;
+    case 7: launch_t<7>(a, c, l2, stream); break;
+    case 8: launch_t<8>(a, c, l2, stream); break;
+    case 9: launch_t<9>(a, c, l2, stream); break;
+    case 10: launch_t<10>(a, c, l2, stream); break;
+    case 11: launch_t<11>(a, c, l2, stream); break;
+    default: launch_t<12>(a, c, l2, stream); break;
   }
   TIDE_CHECK_CUDA(cudaGetLastError(), "launching REDUCE");
 }
