@@ -329,6 +329,8 @@ std::string describe_op(const IssueContext& c, int rank, int i, int64_t seq) {
     const std::string name = idx < pc.counter_names.size() && !pc.counter_names[idx].empty()
                                  ? pc.counter_names[idx] : std::to_string(op.counter.index);
     s += TIDE_STR_CAT(", counter ", name, "@rank ", fabric_rank(c, op.counter.rank), " >= ", op.target(seq));
+    const int producer = c.tables->producer[static_cast<size_t>(op.counter.rank)][idx];
+    s += producer >= 0 ? TIDE_STR_CAT(", produced by rank ", fabric_rank(c, producer)) : std::string(", no producer");
   }
   return s + TIDE_STR_CAT(") seq ", seq);
 }

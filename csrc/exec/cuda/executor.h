@@ -121,7 +121,8 @@ struct IssueContext {
   int dead_rank = -1;
 };
 void issue_call(const IssueContext& c, int64_t seq);
-// "rank R op I (KIND, tag T[, round D][, counter NAME@rank Q >= V]) seq S" (fabric ranks).
+// "rank R op I (KIND, tag T[, round D][, counter NAME@rank Q >= V, produced by rank P]) seq S"
+// (fabric ranks).
 std::string describe_op(const IssueContext& c, int rank, int op_index, int64_t seq);
 uint64_t* counter_address(const IssueContext& c, int rank, int index);
 
