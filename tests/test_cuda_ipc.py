@@ -161,10 +161,46 @@ def _calls_torch(rank, cfg, fab, ex, plan, conn):
     ex.synchronize()
 
 
+def _calls_hsdp(rank, cfg, fab, ex, plan, conn):
+    """HSDP shard groups {0, 2} and {1, 3} of a 2 x 2 world each run a 2 x 1 plan (ranks=);
+    shards bound as user buffers (no adoption)."""
+    groups = [[0, 2], [1, 3]]
+    g = rank % 2
+    i = groups[g].index(rank)
+    regions, lay = cfg["regions"], plan.layout
+    base, NS, ring0 = fab.arena_ptr, lay.S * 2, regions["ring0"][0]
+    ag = _core.build_ag_programs(plan, resident=False, arena=regions, landing_region="ring0")
+    ptrs = []
+    for seq in range(1, CALLS + 1):
+        shards = [np.ascontiguousarray(x) for x in _ag_inputs(plan, 2, cfg["seed"] + 50 * g, seq, False)[i]]
+        binds = []
+        for p, x in enumerate(shards):
+            if len(ptrs) <= p:
+                ptrs.append(_core.cuda_malloc(x.nbytes))
+            _core.cuda_h2d(ptrs[p], x.view(np.uint8).tobytes())
+            binds.append((KIND["shard"], p, ptrs[p], x.nbytes))
+        _core.cuda_memset(base + ring0, 0xFF, NS, 0)
+        ex.run(ag, seq, buffers=binds, ranks=groups[g])
+        conn.send(("call", (seq, _core.cuda_d2h(base + ring0, NS), None)))
+    ex.synchronize()
+    if rank == 0:  # bad input is refused before anything is enqueued, naming it
+        with pytest.raises(_core.PlanError, match="pass ranks= for a sub-group"):
+            ex.run(ag, CALLS + 1)
+        with pytest.raises(_core.PlanError, match="rank 0 is not in ranks"):
+            ex.run(ag, CALLS + 1, ranks=[1, 3])
+        with pytest.raises(_core.PlanError, match=r"needs shard\[0\] \(\d+ bytes\); none is bound"):
+            ex.run(ag, CALLS + 1, ranks=groups[0])
+        short = [(k, p, ptr, 2) for k, p, ptr, _ in binds]
+        with pytest.raises(_core.PlanError, match=r"shard\[0\] has 2 bytes, the program touches \d+"):
+            ex.run(ag, CALLS + 1, buffers=short, ranks=groups[0])
+    for p in ptrs:
+        _core.cuda_free(p)
+
+
 def _rank_main(rank, cfg, conn):
     try:
         M, L = cfg["M"], cfg["L"]
-        _, plan = _plan(M, L, cfg["cast"])
+        _, plan = _plan(2, 1, False) if cfg["mode"] == "hsdp" else _plan(M, L, cfg["cast"])
         fab = _core.CudaIpcFabric(rank, M * L, cfg["devices"][rank], cfg["nbytes"])
         conn.send(("handle", fab.handle()))
         fab.open_peers(conn.recv())
@@ -176,7 +212,8 @@ def _rank_main(rank, cfg, conn):
         if rank != cfg["dead"]:
             t0 = time.monotonic()
             try:
-                (_calls_torch if cfg["torch"] else _calls_raw)(rank, cfg, fab, ex, plan, conn)
+                calls = {"raw": _calls_raw, "torch": _calls_torch, "hsdp": _calls_hsdp}[cfg["mode"]]
+                calls(rank, cfg, fab, ex, plan, conn)
                 conn.send(("stats", (ex.cached_program_sets, ex.runs_started)))
             except tide.TimeoutError as e:
                 conn.send(("timeout", (str(e), time.monotonic() - t0)))
@@ -195,12 +232,12 @@ def _devices(N, spread):
     return [r % n if spread else 0 for r in range(N)]
 
 
-def _run_world(M, L, *, spread=False, cast=False, dead=-1, timeout_s=10.0, fence=True, use_torch=False):
+def _run_world(M, L, *, spread=False, cast=False, dead=-1, timeout_s=10.0, fence=True, mode="raw"):
     N = M * L
-    _, plan = _plan(M, L, cast)
+    _, plan = _plan(2, 1, False) if mode == "hsdp" else _plan(M, L, cast)
     regions, nbytes = _layout(plan)
     seed = int.from_bytes(os.urandom(4), "little") % 100000  # fresh inputs every run
-    cfg = dict(M=M, L=L, cast=cast, dead=dead, timeout_s=timeout_s, fence=fence, torch=use_torch, seed=seed,
+    cfg = dict(M=M, L=L, cast=cast, dead=dead, timeout_s=timeout_s, fence=fence, mode=mode, seed=seed,
                regions=regions, nbytes=nbytes, devices=_devices(N, spread))
     ctx = mp.get_context("spawn")  # fresh CUDA contexts: never fork a process that may hold one
     pipes = [ctx.Pipe() for _ in range(N)]
@@ -238,11 +275,17 @@ def _run_world(M, L, *, spread=False, cast=False, dead=-1, timeout_s=10.0, fence
         expect("done")
         for c in conns:
             c.send("exit")
+    except BaseException:
+        for p in procs:  # a failed rank leaves its peers blocked on the pipe: end them now
+            p.kill()
+        raise
     finally:
         for p in procs:
             p.join(timeout=30)
             if p.is_alive():
                 p.kill()
+    codes = [p.exitcode for p in procs]
+    assert codes == [0] * N, f"rank exit codes {codes} (teardown hung or crashed)"
     return cfg, got
 
 
@@ -282,8 +325,23 @@ def test_ranks_spread_over_gpus_match_the_virtual_cluster(M, L):
 
 def test_torch_side_stream_as_the_caller_stream():
     pytest.importorskip("torch")
-    cfg, got = _run_world(1, 2, use_torch=True)
+    cfg, got = _run_world(1, 2, mode="torch")
     _check_bitwise(1, 2, cfg, got)
+
+
+def test_hsdp_sub_groups_run_with_ranks():
+    cfg, got = _run_world(2, 2, mode="hsdp")
+    topo, plan = _plan(2, 1, False)
+    for g, members in enumerate([[0, 2], [1, 3]]):
+        vc = tide.VirtualCluster(topo)
+        for seq in range(1, CALLS + 1):
+            vc.all_gather(plan, _ag_inputs(plan, 2, cfg["seed"] + 50 * g, seq, False), resident=False)
+            for i, r in enumerate(members):
+                raw = np.empty(plan.layout.S * 2, dtype=np.uint8)
+                vc.arena(plan).read(i, KIND["ring0"], 0, raw)
+                calls = {v[0]: v[1] for tag, v in got[r] if tag == "call"}
+                assert sorted(calls) == list(range(1, CALLS + 1)), (r, got[r])
+                assert calls[seq] == raw.tobytes(), f"group {g} rank {r} seq {seq}"
 
 
 @pytest.mark.parametrize("fence", [True, False])

@@ -53,6 +53,21 @@ uint64_t fingerprint(const std::vector<Program>& progs) {
 
 const char* region_name(BufKind k) { return buf_kind_name(k); }
 
+// The caller's current device is restored on return (torch keeps its own notion of it).
+struct DeviceGuard {
+  int prev = -1;
+  explicit DeviceGuard(int device) {
+    if (cudaGetDevice(&prev) != cudaSuccess) {
+      cudaGetLastError();
+      prev = -1;
+    }
+    TIDE_CHECK_CUDA(cudaSetDevice(device), "device ", device);
+  }
+  ~DeviceGuard() {
+    if (prev >= 0) cudaSetDevice(prev);
+  }
+};
+
 }  // namespace
 
 CudaRankExecutor::CudaRankExecutor(std::shared_ptr<fabric::Fabric> fabric, int rank, const Topology& topo,
@@ -258,7 +273,7 @@ void CudaRankExecutor::check_buffers(const Entry& e, const RankBuffers& b) const
 // k's stream 0 starts only after run k-1 joined every internal stream into it, so "started k"
 // implies "finished k-1" exactly as on the CPU.
 void CudaRankExecutor::fence(const Entry& e, int64_t seq, const std::vector<Program>& progs) {
-  const uint64_t k = ++runs_;
+  const uint64_t k = runs_;
   const ArenaSpec& a = e.tables->layout;
   auto fence_ptr = [&](int g) {
     char* arena = fabric_->arena(g);
@@ -294,7 +309,7 @@ void CudaRankExecutor::run(const std::shared_ptr<const std::vector<Program>>& pr
   } else {
     for (int r = 0; r < world(); ++r) members.push_back(r);
   }
-  TIDE_CHECK_CUDA(cudaSetDevice(device_), "device ", device_);
+  DeviceGuard device(device_);
   // Bad input stops here, before anything is enqueued (the executor stays usable).
   Entry& e = prepare(progs, program_layout, members);
   check_buffers(e, buffers);
@@ -332,6 +347,7 @@ void CudaRankExecutor::run(const std::shared_ptr<const std::vector<Program>>& pr
   try {
     TIDE_CHECK_CUDA(cudaEventRecord(ev_caller_, caller), "recording the caller stream");
     TIDE_CHECK_CUDA(cudaStreamWaitEvent(streams_[0], ev_caller_, 0));
+    ++runs_;
     if (fence_) fence(e, seq, *progs);
     TIDE_CHECK_CUDA(cudaEventRecord(ev_entry_, streams_[0]));
     for (size_t s = 1; s < ns; ++s) TIDE_CHECK_CUDA(cudaStreamWaitEvent(streams_[s], ev_entry_, 0));
@@ -351,7 +367,7 @@ void CudaRankExecutor::run(const std::shared_ptr<const std::vector<Program>>& pr
 
 void CudaRankExecutor::synchronize() {
   std::lock_guard<std::mutex> lock(mu_);
-  cudaSetDevice(device_);
+  DeviceGuard device(device_);
   try {
     watchdog_->drain();
   } catch (const TimeoutError& e) {

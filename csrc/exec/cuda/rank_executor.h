@@ -22,6 +22,8 @@
 //     "counters" is the executor's; every run writes "started run #k" there (cuStreamWriteValue64
 //     on stream 0, after the previous run has joined) and waits (WAIT_VALUE_64 GEQ, watched) until
 //     every peer it writes into has started run #k. Every rank must issue the same run sequence.
+//   - One CudaRankExecutor per fabric: the entry fence counts this executor's runs. The caller's
+//     current device is left as it was.
 //   - Fail-stop: after any error the executor refuses further calls. Bad input (buffers too small
 //     or missing, regions absent, programs for another topology) is a PlanError/Error before
 //     anything is enqueued.
@@ -78,7 +80,7 @@ class CudaRankExecutor {
   ExecOptions opt_;
   bool fence_;
   int device_;
-  uint64_t runs_ = 0;  // runs started (the entry fence's value)
+  uint64_t runs_ = 0;  // runs enqueued (the entry fence's "started run #k")
   std::vector<cudaStream_t> streams_;
   cudaEvent_t ev_caller_ = nullptr, ev_entry_ = nullptr, ev_done_ = nullptr;
   std::vector<cudaEvent_t> ev_join_;
