@@ -319,7 +319,7 @@ def test_ranks_spread_over_gpus_match_the_virtual_cluster(M, L):
     if _core.cuda_device_count() < 2:
         pytest.skip("one GPU visible: ranks cannot spread (the one-GPU cases cover the rest)")
     cfg, got = _run_world(M, L, spread=True)
-    assert len(set(cfg["devices"])) == 2
+    assert len(set(cfg["devices"])) >= 2
     _check_bitwise(M, L, cfg, got)
 
 

@@ -124,11 +124,13 @@ CudaRankExecutor::Entry& CudaRankExecutor::prepare(const std::shared_ptr<const s
                                                    bool program_layout, const std::vector<int>& members) {
   const std::vector<Program>& progs = *sp;
   const uint64_t fp = fingerprint(progs);
-  const bool any_dead = std::any_of(cache_.begin(), cache_.end(), [](const auto& e) { return e->owner.expired(); });
-  if (any_dead) {
+  // Stale: the set died, or was mutated in place (inject_fault) since it was prepared.
+  auto stale = [&](const std::unique_ptr<Entry>& e) {
+    return e->owner.expired() || (e->key == sp.get() && e->fingerprint != fp);
+  };
+  if (std::any_of(cache_.begin(), cache_.end(), stale)) {
     for (auto s : streams_) cudaStreamSynchronize(s);  // their run tables may still be read
-    cache_.erase(std::remove_if(cache_.begin(), cache_.end(), [](const auto& e) { return e->owner.expired(); }),
-                 cache_.end());
+    cache_.erase(std::remove_if(cache_.begin(), cache_.end(), stale), cache_.end());
   }
   for (auto& e : cache_)
     if (e->key == sp.get() && e->fingerprint == fp && e->members == members && e->program_layout == program_layout)
