@@ -188,6 +188,8 @@ CudaRankExecutor::Entry& CudaRankExecutor::prepare(const std::shared_ptr<const s
   bool uses_counters = false;
   auto note = [&](const BufRef& b, bool write) {
     const int k = static_cast<int>(b.kind);
+    TIDE_PLAN_CHECK(b.rank >= 0 && b.rank < N && k >= 0 && k < kNumBufKinds, "rank ", rank_,
+                    "'s program references buffer kind ", k, " of rank ", b.rank, " (", N, " ranks)");
     if (is_user_buffer(b.kind)) {
       TIDE_PLAN_CHECK(b.rank == e->me, "rank ", rank_, "'s program touches rank ", members[b.rank], "'s ",
                       region_name(b.kind), " (the push rule: user buffers are rank-local)");
