@@ -4,6 +4,8 @@
 # over them; bit-equal to the CPU VirtualCluster; a dead peer is a named timeout), then the
 # in-process CUDA executor's tests as a regression check. Assumes tide/_core*.so is built with
 # CUDA (tools/gpu_check.sh's build step). Logs go to $OUT (or ./gpu_out); a table is printed LAST.
+# PASS: pytest passed and at least one test ran (an all-skipped file is a FAIL: no GPU / no CUDA
+# build). With one GPU the two spread-over-GPU cases of test_cuda_ipc.py skip (reason printed).
 #
 #   bash tools/gpu/cudarank.sh
 set -uo pipefail
@@ -30,7 +32,12 @@ run() {  # name, timeout_s, log, pytest args...
   order+=("$name")
   local t0=$(date +%s)
   if timeout $limit $PY -m pytest -x -q -rs "$@" >"$OUT/$log" 2>&1; then
-    R[$name]="PASS ($(tail -1 "$OUT/$log" | sed 's/=//g' | xargs), $(($(date +%s) - t0)) s)"
+    local summary="$(tail -1 "$OUT/$log" | sed 's/=//g' | xargs)"
+    if [[ "$summary" == *passed* ]]; then
+      R[$name]="PASS ($summary, $(($(date +%s) - t0)) s)"
+    else  # everything skipped: no GPU or no CUDA build here
+      R[$name]="FAIL (nothing ran: $summary; see $log)"
+    fi
   else
     R[$name]="FAIL (rc $?, see $log)"
     tail -40 "$OUT/$log"
