@@ -31,3 +31,46 @@ def test_bench_layout_module_imports_without_gpu():
     plan = tide.plan(models.signature(layout.GROUPS["llama70b"], "block"), tide.Topology(1, 8))
     lay = layout._layout(plan)  # the bench's geometry is the plan's
     assert 8 * 2 * lay.E == 1711308800  # NS of the 70B layer group, bytes
+
+
+# ---- CudaRankExecutor / CudaIpcFabric (tide_torch's per-rank CUDA path): the binding surface ------
+def _params(fn):
+    """Parameter names of a nanobind function, from its signature line."""
+    import re
+    sig = (fn.__doc__ or "").splitlines()[0]
+    return re.findall(r"(\w+):", sig[sig.index("(") + 1:])
+
+
+def test_rank_executor_binding_surface():
+    if not _core.built_with_cuda:
+        for name in ("CudaIpcFabric", "CudaRankExecutor", "cuda_capabilities"):
+            with pytest.raises(tide.PlanError, match=f"{name}: this build of tide._core has no CUDA executor"):
+                getattr(_core, name)(0)
+        return
+    assert _params(_core.CudaIpcFabric.__init__) == ["rank", "world", "device", "arena_bytes"]
+    assert _params(_core.CudaRankExecutor.__init__) == ["fabric", "rank", "nodes", "gpus_per_node", "regions",
+                                                        "timeout_s", "fence", "sum_ctas", "land_ctas"]
+    assert _params(_core.CudaRankExecutor.run) == ["programs", "seq", "buffers", "stream", "ranks"]
+    assert "= 30.0" in _core.CudaRankExecutor.__init__.__doc__.splitlines()[0]
+    for name in ("arena_ptr", "rank", "world", "device", "arena_bytes", "peers_open"):
+        assert isinstance(getattr(_core.CudaIpcFabric, name), property), name
+    for name in ("handle", "open_peers", "peer_arena_ptr"):
+        assert callable(getattr(_core.CudaIpcFabric, name)), name
+    assert callable(_core.CudaRankExecutor.synchronize) and callable(_core.cuda_capabilities)
+
+
+def test_ipc_fabric_refuses_cleanly_without_gpu():
+    if not _core.built_with_cuda:
+        pytest.skip("no CUDA build: test_rank_executor_binding_surface covers the refusal")
+    with pytest.raises(tide.PlanError, match="rank 2 is outside"):
+        _core.CudaIpcFabric(2, 2, 0, 1 << 20)
+    with pytest.raises(tide.PlanError, match="arena_bytes must be positive"):
+        _core.CudaIpcFabric(0, 2, 0, 0)
+    if _core.cuda_available():
+        pytest.skip("a GPU is usable here: tests/test_cuda_ipc.py covers the fabric")
+    with pytest.raises(tide.PlanError, match="device 0 is not a usable CUDA device"):
+        _core.CudaIpcFabric(0, 2, 0, 1 << 20)
+    with pytest.raises(TypeError):  # no fabric, no executor
+        _core.CudaRankExecutor(None, 0, 1, 2)
+    with pytest.raises(_core.Error):  # the probe reports the missing device instead of crashing
+        _core.cuda_capabilities(0)

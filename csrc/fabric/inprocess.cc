@@ -31,7 +31,6 @@ InProcessFabric::InProcessFabric(std::vector<int> rank_device, int64_t arena_byt
     }
   }
   arena_.assign(rank_device_.size(), nullptr);
-  issued_.resize(rank_device_.size());
   try {
     for (size_t r = 0; r < rank_device_.size(); ++r) {
       TIDE_CHECK_CUDA(cudaSetDevice(rank_device_[r]));

@@ -15,35 +15,29 @@
 #include <cstdint>
 #include <vector>
 
+#include "fabric/fabric.h"
+
 namespace tide::fabric {
 
-class InProcessFabric {
+class InProcessFabric : public Fabric {
  public:
   // rank_device[r]: the CUDA device of rank r (all 0 on a one-GPU virtual cluster).
   InProcessFabric(std::vector<int> rank_device, int64_t arena_bytes);
-  ~InProcessFabric();
+  ~InProcessFabric() override;
   InProcessFabric(const InProcessFabric&) = delete;
   InProcessFabric& operator=(const InProcessFabric&) = delete;
 
-  int world() const { return static_cast<int>(arena_.size()); }
-  int device_of(int rank) const { return rank_device_[static_cast<size_t>(rank)]; }
-  char* arena(int rank) const { return arena_[static_cast<size_t>(rank)]; }
-  int64_t arena_bytes() const { return arena_bytes_; }
-  bool multicast() const { return false; }
-  // Host mirror of the value last *issued* to each counter of `rank` (not yet necessarily
-  // written). Counters have a single producing stream, so "counter += v" is issued as a write of
-  // issued + v. It lives with the arena because every executor over this arena shares counters.
-  std::vector<uint64_t>& issued(int rank, size_t num_counters) {
-    auto& v = issued_[static_cast<size_t>(rank)];
-    if (v.size() < num_counters) v.resize(num_counters, 0);
-    return v;
-  }
+  int world() const override { return static_cast<int>(arena_.size()); }
+  int device_of(int rank) const override { return rank_device_[static_cast<size_t>(rank)]; }
+  char* arena(int rank) const override { return arena_[static_cast<size_t>(rank)]; }
+  int64_t arena_bytes() const override { return arena_bytes_; }
+  bool is_local(int) const override { return true; }
+  // issued(): lives with the arena because every executor over this arena shares counters.
 
  private:
   std::vector<int> rank_device_;
   std::vector<char*> arena_;
   int64_t arena_bytes_;
-  std::vector<std::vector<uint64_t>> issued_;
 };
 
 }  // namespace tide::fabric

@@ -3,6 +3,7 @@
 
 #include <nanobind/nanobind.h>
 
+#include <memory>
 #include <vector>
 
 #include "tide/exec_cpu.h"
@@ -10,7 +11,9 @@
 
 namespace tide {
 // One Program per rank, shared by Python objects so Call pointers stay valid during a run.
-struct ProgramSet {
+// enable_shared_from_this: every conversion from Python yields the same control block, so the
+// CUDA rank executor can key its per-set cache on the set's identity (weak_ptr).
+struct ProgramSet : std::enable_shared_from_this<ProgramSet> {
   std::vector<Program> progs;
   bool arena_bound = false;  // built with arena=: progs' arena specs are the caller's layout
 };

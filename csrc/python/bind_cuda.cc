@@ -214,5 +214,14 @@ void bind_cuda(nb::module_& m) {
 #ifdef TIDE_WITH_CUDA
   bind_cuda_ops(m);
   bind_cuda_exec(m);
+#else
+  // The CUDA names exist without CUDA too, so callers (tide_torch) get a clear error, not an
+  // AttributeError.
+  for (const char* name : {"CudaIpcFabric", "CudaRankExecutor", "cuda_capabilities"}) {
+    const std::string msg = std::string(name) +
+                            ": this build of tide._core has no CUDA executor (built with TIDE_CUDA=off or "
+                            "without nvcc); rebuild with TIDE_CUDA=on on a machine with the CUDA toolkit";
+    m.def(name, [msg](nb::args, nb::kwargs) -> nb::object { throw tide::PlanError(msg); });
+  }
 #endif
 }

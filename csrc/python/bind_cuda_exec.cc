@@ -13,7 +13,9 @@
 #include <vector>
 
 #include "exec/cuda/executor.h"
+#include "exec/cuda/rank_executor.h"
 #include "fabric/inprocess.h"
+#include "fabric/ipc.h"
 #include "python/bind_common.h"
 
 namespace nb = nanobind;
@@ -39,6 +41,30 @@ cuda::RankBuffers to_buffers(const BindList& l) {
       case BufKind::kOut: b.out = p; break;
       default: throw PlanError(TIDE_STR_CAT("binding kind ", kind, " is not a user buffer"));
     }
+  }
+  return b;
+}
+
+// [(kind, index, data_ptr, nbytes), ...] -> one rank's buffers with their sizes.
+cuda::RankBuffers rank_buffers(const nb::list& l) {
+  BindList v;
+  std::vector<int64_t> sizes;
+  for (auto item : l) {
+    nb::sequence t = nb::borrow<nb::sequence>(item);
+    TIDE_PLAN_CHECK(nb::len(t) == 4, "CudaRankExecutor.run: buffers are (kind, index, data_ptr, nbytes)");
+    const int kind = nb::cast<int>(t[0]);
+    TIDE_PLAN_CHECK(kind >= 0 && kind < 4, "CudaRankExecutor.run: kind ", kind, " is not a user buffer");
+    const int64_t nbytes = nb::cast<int64_t>(t[3]);
+    TIDE_PLAN_CHECK(nbytes >= 0, "CudaRankExecutor.run: buffer (kind ", kind, ", index ", nb::cast<int>(t[1]),
+                    ") has negative nbytes ", nbytes);
+    v.emplace_back(kind, nb::cast<int>(t[1]), nb::cast<uint64_t>(t[2]));
+    sizes.push_back(nbytes);
+  }
+  cuda::RankBuffers b = to_buffers(v);
+  for (size_t i = 0; i < v.size(); ++i) {
+    const int kind = std::get<0>(v[i]);
+    const int index = kind == static_cast<int>(BufKind::kOut) ? -1 : std::get<1>(v[i]);
+    b.bytes[{kind, index}] = sizes[i];
   }
   return b;
 }
@@ -121,5 +147,83 @@ void bind_cuda_exec(nb::module_& m) {
       }, nb::arg("dead_rank") = -1, nb::arg("stall_rank") = -1, nb::arg("stall_s") = 0.0,
          "Executor-level fault injection (tests): a dead rank issues nothing; a stalled rank's "
          "first stream sleeps stall_s before its first op.");
+
+  nb::class_<fabric::IpcFabric>(m, "CudaIpcFabric",
+                                "CUDA-IPC fabric of one rank per process: this rank's zeroed cudaMalloc arena, "
+                                "exported as a 64-byte IPC handle; peers' arenas opened from their handles.")
+      .def("__init__", [](fabric::IpcFabric* self, int rank, int world, int device, int64_t arena_bytes) {
+        new (self) fabric::IpcFabric(rank, world, device, arena_bytes);
+      }, nb::arg("rank"), nb::arg("world"), nb::arg("device"), nb::arg("arena_bytes"))
+      .def_prop_ro("rank", &fabric::IpcFabric::rank)
+      .def_prop_ro("world", &fabric::IpcFabric::world)
+      .def_prop_ro("device", &fabric::IpcFabric::device)
+      .def_prop_ro("arena_bytes", &fabric::IpcFabric::arena_bytes)
+      .def_prop_ro("peers_open", &fabric::IpcFabric::peers_open)
+      .def_prop_ro("arena_ptr", [](const fabric::IpcFabric& f) {
+        return static_cast<uint64_t>(reinterpret_cast<uintptr_t>(f.arena(f.rank())));
+      }, "Device pointer of this rank's arena (the cudaMalloc base).")
+      .def("peer_arena_ptr", [](const fabric::IpcFabric& f, int r) {
+        TIDE_PLAN_CHECK(r >= 0 && r < f.world(), "CudaIpcFabric.peer_arena_ptr: rank ", r, " is outside [0, ",
+                        f.world(), ")");
+        return static_cast<uint64_t>(reinterpret_cast<uintptr_t>(f.arena(r)));
+      }, nb::arg("rank"), "Rank r's arena as mapped in this process (0 until open_peers).")
+      .def("handle", [](const fabric::IpcFabric& f) {
+        const std::string h = f.handle();
+        return nb::bytes(h.data(), h.size());
+      }, "This rank's CUDA IPC handle (64 bytes).")
+      .def("open_peers", [](fabric::IpcFabric& f, const nb::list& handles) {
+        std::vector<std::string> v;
+        for (auto h : handles) {
+          TIDE_PLAN_CHECK(nb::isinstance<nb::bytes>(h), "CudaIpcFabric.open_peers: handles[", v.size(),
+                          "] is not bytes");
+          nb::bytes b = nb::borrow<nb::bytes>(h);
+          v.emplace_back(b.c_str(), b.size());
+        }
+        f.open_peers(v);
+      }, nb::arg("handles"), "handles[r]: every rank's handle() (the own entry is ignored).");
+
+  nb::class_<cuda::CudaRankExecutor>(m, "CudaRankExecutor",
+                                     "Runs only `rank`'s TIDE programs on CUDA streams; peers run theirs in their own "
+                                     "processes over a CudaIpcFabric.")
+      .def("__init__", [](cuda::CudaRankExecutor* self, std::shared_ptr<fabric::IpcFabric> fab, int rank, int nodes,
+                          int gpus_per_node, nb::object regions, double timeout_s, bool fence, int sum_ctas,
+                          int land_ctas) {
+        TIDE_PLAN_CHECK(fab != nullptr, "CudaRankExecutor: fabric is None");
+        Topology topo;
+        topo.nodes = nodes;
+        topo.gpus_per_node = gpus_per_node;
+        const RegionTable table = regions.is_none() ? RegionTable{} : regions_from_python(regions);
+        cuda::ExecOptions o;
+        o.timeout_s = timeout_s;
+        o.sum_ctas = sum_ctas;
+        o.land_ctas = land_ctas;
+        new (self) cuda::CudaRankExecutor(std::move(fab), rank, topo, table, o, fence);
+      }, nb::arg("fabric"), nb::arg("rank"), nb::arg("nodes"), nb::arg("gpus_per_node"),
+         nb::arg("regions") = nb::none(), nb::arg("timeout_s") = 30.0, nb::arg("fence") = true,
+         nb::arg("sum_ctas") = 16, nb::arg("land_ctas") = 4)
+      .def_prop_ro("rank", &cuda::CudaRankExecutor::rank)
+      .def_prop_ro("world", &cuda::CudaRankExecutor::world)
+      .def_prop_ro("cached_program_sets", &cuda::CudaRankExecutor::cached_program_sets)
+      .def_prop_ro("runs_started", &cuda::CudaRankExecutor::runs_started)
+      .def("run", [](cuda::CudaRankExecutor& ex, std::shared_ptr<ProgramSet> ps, int64_t seq, const nb::list& buffers,
+                     uint64_t stream, nb::object ranks) {
+        TIDE_PLAN_CHECK(ps != nullptr, "CudaRankExecutor.run: programs is None");
+        cuda::RankBuffers b = rank_buffers(buffers);
+        std::vector<int> members;
+        if (!ranks.is_none())
+          for (auto r : ranks) members.push_back(nb::cast<int>(r));
+        std::shared_ptr<const std::vector<Program>> progs(ps, &ps->progs);  // shares the set's identity
+        const bool bound = ps->arena_bound;
+        nb::gil_scoped_release release;
+        ex.run(progs, bound, seq, b, reinterpret_cast<cudaStream_t>(static_cast<uintptr_t>(stream)),
+               ranks.is_none() ? nullptr : &members);
+      }, nb::arg("programs"), nb::arg("seq"), nb::arg("buffers") = nb::list(), nb::arg("stream") = 0,
+         nb::arg("ranks") = nb::none(),
+         "Enqueues this rank's program of `programs` for call `seq` and returns without host-synchronising. "
+         "buffers: [(buf_kind, index, data_ptr, nbytes), ...]; stream: the caller's cudaStream_t as int (0: "
+         "legacy default) -- the call waits for its prior work and it waits for the call; ranks: a sub-group's "
+         "global ranks (group rank i = ranks[i]).")
+      .def("synchronize", &cuda::CudaRankExecutor::synchronize, nb::call_guard<nb::gil_scoped_release>(),
+           "Waits for everything enqueued; raises tide.TimeoutError (rank, op, seq) after a timeout.");
 }
 #endif

@@ -33,28 +33,6 @@ std::string region_names(const RegionTable& regions) {
   return s.empty() ? "none" : s;
 }
 
-// Layout from a region table: absent arena kinds get offset -1; counters from "counters".
-ArenaSpec layout_from(const RegionTable& regions, int64_t limit, const char* who) {
-  ArenaSpec a;
-  for (int k = 0; k < kNumBufKinds; ++k) { a.offset[k] = -1; a.bytes[k] = 0; }
-  a.counters_offset = -1;
-  for (const auto& kv : regions) {
-    const int64_t off = kv.second.first, bytes = kv.second.second;
-    TIDE_PLAN_CHECK(off >= 0 && bytes >= 0 && (limit < 0 || off + bytes <= limit), who, ": region '", kv.first,
-                    "' [", off, ", ", off + bytes, ") does not fit the ", limit, "-byte arena segment");
-    a.total = std::max(a.total, off + bytes);
-    if (kv.first == "counters") {
-      TIDE_PLAN_CHECK(off % 8 == 0, who, ": region 'counters' at offset ", off, " is not 8-byte aligned");
-      a.counters_offset = off;
-      a.counters_bytes = bytes;
-      continue;
-    }
-    const int k = kind_of(kv.first);
-    if (k >= 0) { a.offset[k] = off; a.bytes[k] = bytes; }
-  }
-  return a;
-}
-
 // Every arena kind a program touches (its ops' buffer references), and the peers whose arenas
 // it writes.
 void used_kinds(const Program& pr, int64_t need[kNumBufKinds], bool* uses_counters, std::vector<int>* writes) {
@@ -80,6 +58,27 @@ void used_kinds(const Program& pr, int64_t need[kNumBufKinds], bool* uses_counte
 }
 
 }  // namespace
+
+ArenaSpec arena_layout_from(const RegionTable& regions, int64_t limit, const char* who) {
+  ArenaSpec a;
+  for (int k = 0; k < kNumBufKinds; ++k) { a.offset[k] = -1; a.bytes[k] = 0; }
+  a.counters_offset = -1;
+  for (const auto& kv : regions) {
+    const int64_t off = kv.second.first, bytes = kv.second.second;
+    TIDE_PLAN_CHECK(off >= 0 && bytes >= 0 && (limit < 0 || off + bytes <= limit), who, ": region '", kv.first,
+                    "' [", off, ", ", off + bytes, ") does not fit the ", limit, "-byte arena segment");
+    a.total = std::max(a.total, off + bytes);
+    if (kv.first == "counters") {
+      TIDE_PLAN_CHECK(off % 8 == 0, who, ": region 'counters' at offset ", off, " is not 8-byte aligned");
+      a.counters_offset = off;
+      a.counters_bytes = bytes;
+      continue;
+    }
+    const int k = kind_of(kv.first);
+    if (k >= 0) { a.offset[k] = off; a.bytes[k] = bytes; }
+  }
+  return a;
+}
 
 RankExecutor::RankExecutor(int rank, const Topology& topo, const std::vector<std::string>& segment_names,
                            int64_t segment_bytes, const RegionTable& regions, double timeout_s, bool fence)
@@ -134,7 +133,7 @@ RankExecutor::RankExecutor(int rank, const Topology& topo, const std::vector<uin
 
 void RankExecutor::init(const RegionTable& regions) {
   TIDE_PLAN_CHECK(rank_ >= 0 && rank_ < world(), "RankExecutor: rank ", rank_, " is outside [0, ", world(), ")");
-  layout_ = layout_from(regions, segment_bytes_, "RankExecutor");
+  layout_ = arena_layout_from(regions, segment_bytes_, "RankExecutor");
   shared_mem_.assign(CpuArena::Shared::bytes(world()) + 64, 0);
 }
 
@@ -276,7 +275,7 @@ void bind_programs_to_arena(std::vector<Program>& progs, const ArenaBindOptions&
                   "landing_region / landing_offset / resident_offset need arena= (the caller's region layout)");
   ArenaSpec layout;
   if (opt.regions) {
-    layout = layout_from(*opt.regions, -1, "arena");
+    layout = arena_layout_from(*opt.regions, -1, "arena");
     auto shift = [&](int k, const std::string& region, int64_t extra, const char* what) {
       auto it = opt.regions->find(region);
       TIDE_PLAN_CHECK(it != opt.regions->end(), what, ": region '", region, "' is not in arena (",

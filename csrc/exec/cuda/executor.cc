@@ -1,4 +1,5 @@
-// CUDA executor over the program IR (contract and enqueue-order note in executor.h).
+// CUDA executors' shared issue path and the in-process executor (contract and enqueue-order note
+// in executor.h).
 #include "exec/cuda/executor.h"
 
 #include <algorithm>
@@ -29,125 +30,12 @@ const char* buf_name(BufKind k) {
 }
 }  // namespace
 
-CudaExecutor::CudaExecutor(std::shared_ptr<fabric::InProcessFabric> fabric,
-                           std::vector<Program> programs, ExecOptions opt)
-    : fabric_(std::move(fabric)), programs_(std::move(programs)), opt_(opt) {
-  const int n = fabric_->world();
-  TIDE_PLAN_CHECK(static_cast<int>(programs_.size()) == n, "CudaExecutor: ", programs_.size(),
-                  " programs for a fabric of ", n, " ranks");
-  TIDE_PLAN_CHECK(n <= kMaxSlots - kSlotArena0, "CudaExecutor: at most ", kMaxSlots - kSlotArena0, " ranks");
-  const Program& p0 = programs_[0];
-  for (int r = 0; r < n; ++r) {
-    const Program& p = programs_[static_cast<size_t>(r)];
-    TIDE_PLAN_CHECK(p.version == kProgramIrVersion, "rank ", r, ": program IR version ", p.version);
-    TIDE_PLAN_CHECK(p.rank == r, "program ", r, " is rank ", p.rank, "'s program");
-    // All ranks must run the same plan and group, or the collective order is broken (I4).
-    TIDE_PLAN_CHECK(p.plan_hash == p0.plan_hash && p.group == p0.group && p.collective == p0.collective,
-                    "rank ", r, " runs plan ", p.plan_hash, " group ", p.group, " but rank 0 runs plan ",
-                    p0.plan_hash, " group ", p0.group, " (inconsistent programs)");
-    TIDE_PLAN_CHECK(p.arena.total <= fabric_->arena_bytes(), "rank ", r, ": arena needs ", p.arena.total,
-                    " bytes, fabric has ", fabric_->arena_bytes());
-    TIDE_PLAN_CHECK(p.arena.counters_offset + 8ll * p.num_counters <= fabric_->arena_bytes(),
-                    "rank ", r, ": counters exceed the arena");
-    for (int k = 0; k < kNumBufKinds; ++k)
-      TIDE_PLAN_CHECK(p.arena.offset[k] == p0.arena.offset[k], "arena layouts differ on rank ", r);
-  }
-  watchdog_ = std::make_unique<Watchdog>(fabric_->device_of(0), opt_.timeout_s);
-  streams_.resize(static_cast<size_t>(n));
-  stream_ops_.resize(static_cast<size_t>(n));
-  reduce_.resize(static_cast<size_t>(n));
-  std::vector<ReduceRun> table;
-  for (int r = 0; r < n; ++r) {
-    const Program& p = programs_[static_cast<size_t>(r)];
-    TIDE_CHECK_CUDA(cudaSetDevice(fabric_->device_of(r)));
-    const size_t ns = std::max<size_t>(1, p.streams.size());
-    // [Note: internal streams] one non-blocking stream per named program stream (caller,
-    // readiness, scatter, completion, ...): ordering between them is only what the program's
-    // waits and events say, exactly as on the CPU executor.
-    streams_[r].resize(ns, nullptr);
-    for (auto& s : streams_[r]) TIDE_CHECK_CUDA(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
-    stream_ops_[r].resize(ns);
-    reduce_[r].resize(p.ops.size());
-    fabric_->issued(r, static_cast<size_t>(p.num_counters));
-    for (size_t i = 0; i < p.ops.size(); ++i) {
-      const Op& op = p.ops[i];
-      TIDE_PLAN_CHECK(op.stream < ns, "rank ", r, " op ", i, ": stream ", int(op.stream), " of ", ns);
-      stream_ops_[r][op.stream].push_back(static_cast<int>(i));
-      if (op.kind == OpKind::kSum || op.kind == OpKind::kLand)
-        reduce_[r][i] = build_run_table(programs_, r, static_cast<int>(i), table);
-    }
-  }
-  if (!table.empty()) {
-    TIDE_CHECK_CUDA(cudaSetDevice(fabric_->device_of(0)));
-    TIDE_CHECK_CUDA(cudaMalloc(reinterpret_cast<void**>(&d_runs_), table.size() * sizeof(ReduceRun)), "run tables");
-    TIDE_CHECK_CUDA(cudaMemcpy(d_runs_, table.data(), table.size() * sizeof(ReduceRun), cudaMemcpyHostToDevice),
-                    "uploading run tables");
-  }
+ReduceOpInfo build_run_table(const std::vector<Program>& programs, int rank, int i,
+                             std::vector<ReduceRun>& table) {
+  return build_run_table(programs, programs.at(0).arena, rank, i, table);
 }
 
-CudaExecutor::~CudaExecutor() {
-  for (auto& rs : streams_)
-    for (auto s : rs) {
-      cudaStreamSynchronize(s);
-      cudaStreamDestroy(s);
-    }
-  watchdog_.reset();
-  if (d_runs_) cudaFree(d_runs_);
-}
-
-cudaStream_t CudaExecutor::stream(int rank, int s) const {
-  return streams_.at(static_cast<size_t>(rank)).at(static_cast<size_t>(s));
-}
-
-uint64_t* CudaExecutor::counter_ptr(int rank, int index) const {
-  const Program& p = programs_.at(static_cast<size_t>(rank));
-  TIDE_CHECK(index >= 0 && index < p.num_counters, "counter ", index, " of rank ", rank);
-  return reinterpret_cast<uint64_t*>(fabric_->arena(rank) + p.arena.counters_offset) + index;
-}
-
-std::string CudaExecutor::describe(int rank, int i, int64_t seq) const {
-  const Op& op = programs_[static_cast<size_t>(rank)].ops[static_cast<size_t>(i)];
-  std::string s = TIDE_STR_CAT("rank ", rank, " op ", i, " (", kind_name(op.kind), ", tag ",
-                               static_cast<int>(op.tag));
-  if (op.round >= 0) s += TIDE_STR_CAT(", round ", op.round);
-  const Program& p = programs_[static_cast<size_t>(rank)];
-  if (is_wait(op.kind) && op.counter.index >= 0) {
-    const Program& pc = programs_[static_cast<size_t>(op.counter.rank)];
-    const std::string name = static_cast<size_t>(op.counter.index) < pc.counter_names.size()
-                                 ? pc.counter_names[static_cast<size_t>(op.counter.index)]
-                                 : std::to_string(op.counter.index);
-    s += TIDE_STR_CAT(", counter ", name, "@rank ", op.counter.rank, " >= ", op.target(seq));
-  }
-  (void)p;
-  return s + TIDE_STR_CAT(") seq ", seq);
-}
-
-void* CudaExecutor::resolve(const BufRef& ref, const std::vector<RankBuffers>& all) const {
-  TIDE_CHECK(ref.rank >= 0 && ref.rank < fabric_->world(), "buffer rank ", ref.rank);
-  if (is_user_buffer(ref.kind)) {
-    const RankBuffers& b = all.at(static_cast<size_t>(ref.rank));
-    void* base = nullptr;
-    auto pick = [&](const std::vector<void*>& v) -> void* {
-      return ref.index >= 0 && static_cast<size_t>(ref.index) < v.size() ? v[static_cast<size_t>(ref.index)] : nullptr;
-    };
-    switch (ref.kind) {
-      case BufKind::kShard: base = pick(b.shard); break;
-      case BufKind::kLanding: base = ref.index < 0 ? b.landing : pick(b.landing_p); break;
-      case BufKind::kGrad: base = pick(b.grad); break;
-      default: base = b.out; break;
-    }
-    TIDE_PLAN_CHECK(base != nullptr, "rank ", ref.rank, ": no ", buf_name(ref.kind), "[", ref.index,
-                    "] bound for this call");
-    return static_cast<char*>(base) + ref.offset;
-  }
-  const ArenaSpec& a = programs_[0].arena;
-  const int k = static_cast<int>(ref.kind);
-  TIDE_CHECK(ref.end() <= a.bytes[k], buf_name(ref.kind), " access [", ref.offset, ", ", ref.end(),
-             ") beyond the region's ", a.bytes[k], " bytes");
-  return fabric_->arena(ref.rank) + a.offset[k] + ref.offset;
-}
-
-ReduceOpInfo build_run_table(const std::vector<Program>& programs_, int rank, int i,
+ReduceOpInfo build_run_table(const std::vector<Program>& programs_, const ArenaSpec& layout, int rank, int i,
                              std::vector<ReduceRun>& table) {
   const Op& op = programs_.at(static_cast<size_t>(rank)).ops.at(static_cast<size_t>(i));
   TIDE_PLAN_CHECK(op.kind == OpKind::kSum || op.kind == OpKind::kLand, "rank ", rank, " op ", i,
@@ -220,10 +108,10 @@ ReduceOpInfo build_run_table(const std::vector<Program>& programs_, int rank, in
         run.off[t] = s.offset + skip;
       } else if (!is_user_buffer(s.kind)) {
         const int k = static_cast<int>(s.kind);
-        TIDE_PLAN_CHECK(s.offset + p.elems * size <= programs_[0].arena.bytes[k], "rank ", rank, " op ", i,
+        TIDE_PLAN_CHECK(s.offset + p.elems * size <= layout.bytes[k], "rank ", rank, " op ", i,
                         ": term beyond ", buf_name(s.kind));
         run.slot[t] = static_cast<int16_t>(kSlotArena0 + s.rank);
-        run.off[t] = programs_[0].arena.offset[k] + s.offset + skip;
+        run.off[t] = layout.offset[k] + s.offset + skip;
       } else {
         throw PlanError(TIDE_STR_CAT("rank ", rank, " op ", i, ": SUM/LAND cannot read ", buf_name(s.kind)));
       }
@@ -234,51 +122,151 @@ ReduceOpInfo build_run_table(const std::vector<Program>& programs_, int rank, in
   return ro;
 }
 
-void CudaExecutor::issue(int rank, int i, int64_t seq, const RankBuffers& b) {
-  const Op& op = programs_[static_cast<size_t>(rank)].ops[static_cast<size_t>(i)];
-  const std::vector<RankBuffers>& all = *bound_;
-  cudaStream_t s = streams_[static_cast<size_t>(rank)][op.stream];
-  auto bump = [&](const CounterRef& c, uint64_t new_value) {
-    uint64_t& sh = shadow(c);
-    sh = std::max(sh, new_value);
-    signal(s, counter_ptr(c.rank, c.index), sh);
+
+// ---- program tables ---------------------------------------------------------------------------
+ProgramTables::~ProgramTables() {
+  if (d_runs) {
+    cudaSetDevice(device);
+    cudaFree(d_runs);
+  }
+}
+
+std::unique_ptr<ProgramTables> make_program_tables(const std::vector<Program>& programs, std::vector<int> members,
+                                                   std::vector<char> local, const ArenaSpec& layout, int device) {
+  auto t = std::make_unique<ProgramTables>();
+  const size_t n = programs.size();
+  TIDE_CHECK(members.size() == n && local.size() == n, "program tables: ", n, " programs, ", members.size(),
+             " members");
+  t->members = std::move(members);
+  t->local = std::move(local);
+  t->layout = layout;
+  t->device = device;
+  t->stream_ops.resize(n);
+  t->reduce.resize(n);
+  t->producer.resize(n);
+  for (size_t r = 0; r < n; ++r) t->producer[r].assign(static_cast<size_t>(std::max(0, programs[r].num_counters)), -1);
+  std::vector<ReduceRun> table;
+  for (size_t r = 0; r < n; ++r) {
+    const Program& p = programs[r];
+    const size_t ns = std::max<size_t>(1, p.streams.size());
+    t->stream_ops[r].resize(ns);
+    if (t->local[r]) t->reduce[r].resize(p.ops.size());
+    for (size_t i = 0; i < p.ops.size(); ++i) {
+      const Op& op = p.ops[i];
+      TIDE_PLAN_CHECK(op.stream < ns, "rank ", t->members[r], " op ", i, ": stream ", int(op.stream), " of ", ns);
+      t->stream_ops[r][op.stream].push_back(static_cast<int>(i));
+      if (op.counter.index >= 0)
+        TIDE_PLAN_CHECK(op.counter.rank >= 0 && static_cast<size_t>(op.counter.rank) < n &&
+                            op.counter.index < programs[static_cast<size_t>(op.counter.rank)].num_counters,
+                        "rank ", t->members[r], " op ", i, ": counter ", op.counter.index, " of rank ",
+                        op.counter.rank, " is outside the program set's counters");
+      if (!is_wait(op.kind) && op.counter.index >= 0)
+        t->producer[static_cast<size_t>(op.counter.rank)][static_cast<size_t>(op.counter.index)] = static_cast<int>(r);
+      if (t->local[r] && (op.kind == OpKind::kSum || op.kind == OpKind::kLand))
+        t->reduce[r][i] = build_run_table(programs, layout, static_cast<int>(r), static_cast<int>(i), table);
+    }
+  }
+  if (!table.empty()) {
+    TIDE_CHECK_CUDA(cudaSetDevice(device));
+    TIDE_CHECK_CUDA(cudaMalloc(reinterpret_cast<void**>(&t->d_runs), table.size() * sizeof(ReduceRun)), "run tables");
+    TIDE_CHECK_CUDA(cudaMemcpy(t->d_runs, table.data(), table.size() * sizeof(ReduceRun), cudaMemcpyHostToDevice),
+                    "uploading run tables");
+  }
+  return t;
+}
+
+// ---- issue ------------------------------------------------------------------------------------
+namespace {
+
+const Program& prog(const IssueContext& c, int r) { return (*c.programs)[static_cast<size_t>(r)]; }
+int fabric_rank(const IssueContext& c, int r) { return c.tables->members[static_cast<size_t>(r)]; }
+
+// The fabric's issued value of a counter (group ranks).
+uint64_t& shadow(const IssueContext& c, const CounterRef& ref) {
+  const Program& p = prog(c, ref.rank);
+  TIDE_CHECK(ref.index >= 0 && ref.index < p.num_counters, "counter ", ref.index, " of rank ", ref.rank);
+  return c.fabric->issued(fabric_rank(c, ref.rank), static_cast<size_t>(p.num_counters))[static_cast<size_t>(ref.index)];
+}
+
+void* resolve(const IssueContext& c, const BufRef& ref) {
+  TIDE_CHECK(ref.rank >= 0 && static_cast<size_t>(ref.rank) < c.programs->size(), "buffer rank ", ref.rank);
+  if (is_user_buffer(ref.kind)) {
+    const RankBuffers& b = (*c.buffers).at(static_cast<size_t>(ref.rank));
+    void* base = nullptr;
+    auto pick = [&](const std::vector<void*>& v) -> void* {
+      return ref.index >= 0 && static_cast<size_t>(ref.index) < v.size() ? v[static_cast<size_t>(ref.index)] : nullptr;
+    };
+    switch (ref.kind) {
+      case BufKind::kShard: base = pick(b.shard); break;
+      case BufKind::kLanding: base = ref.index < 0 ? b.landing : pick(b.landing_p); break;
+      case BufKind::kGrad: base = pick(b.grad); break;
+      default: base = b.out; break;
+    }
+    TIDE_PLAN_CHECK(base != nullptr, "rank ", fabric_rank(c, ref.rank), ": no ", buf_name(ref.kind), "[", ref.index,
+                    "] bound for this call");
+    return static_cast<char*>(base) + ref.offset;
+  }
+  const ArenaSpec& a = c.tables->layout;
+  const int k = static_cast<int>(ref.kind);
+  TIDE_CHECK(a.offset[k] >= 0 && ref.end() <= a.bytes[k], buf_name(ref.kind), " access [", ref.offset, ", ",
+             ref.end(), ") beyond the region's ", a.bytes[k], " bytes");
+  char* arena = c.fabric->arena(fabric_rank(c, ref.rank));
+  TIDE_CHECK(arena != nullptr, "rank ", fabric_rank(c, ref.rank), "'s arena is not open in this process");
+  return arena + a.offset[k] + ref.offset;
+}
+
+// The counter value after a bump op (PUT/SIGNAL/CREDIT add, EVENT_RECORD raises to its target).
+uint64_t bumped(const Op& op, int64_t seq, uint64_t cur) {
+  if (op.kind == OpKind::kEventRecord) return std::max(cur, static_cast<uint64_t>(std::max<int64_t>(0, op.target(seq))));
+  return cur + static_cast<uint64_t>(op.value);
+}
+bool bumps(OpKind k) {
+  return k == OpKind::kPut || k == OpKind::kSignal || k == OpKind::kCredit || k == OpKind::kEventRecord;
+}
+
+void issue(const IssueContext& c, int rank, int i, int64_t seq) {
+  const Op& op = prog(c, rank).ops[static_cast<size_t>(i)];
+  const RankBuffers& b = (*c.buffers)[static_cast<size_t>(rank)];
+  const ExecOptions& opt = *c.opt;
+  cudaStream_t s = (*c.streams)[static_cast<size_t>(rank)][op.stream];
+  auto bump = [&]() {
+    uint64_t& sh = shadow(c, op.counter);
+    sh = bumped(op, seq, sh);
+    signal(s, counter_address(c, op.counter.rank, op.counter.index), sh);
   };
   switch (op.kind) {
     case OpKind::kCopy:
     case OpKind::kPut: {
       std::vector<CopyDesc> d;
       d.reserve(op.copies.size());
-      for (const auto& c : op.copies) {
-        TIDE_CHECK(c.src.width == c.dst.width && c.src.height == c.dst.height, describe(rank, i, seq),
+      for (const auto& cp : op.copies) {
+        TIDE_CHECK(cp.src.width == cp.dst.width && cp.src.height == cp.dst.height, describe_op(c, rank, i, seq),
                    ": copy shapes differ");
-        d.push_back({resolve(c.dst, all), resolve(c.src, all), static_cast<size_t>(c.dst.width),
-                     static_cast<size_t>(c.dst.height), static_cast<size_t>(c.dst.pitch),
-                     static_cast<size_t>(c.src.pitch)});
+        d.push_back({resolve(c, cp.dst), resolve(c, cp.src), static_cast<size_t>(cp.dst.width),
+                     static_cast<size_t>(cp.dst.height), static_cast<size_t>(cp.dst.pitch),
+                     static_cast<size_t>(cp.src.pitch)});
       }
       submit_copies(s, d.data(), d.size());
-      if (op.kind == OpKind::kPut) {
-        const uint64_t cur = shadow(op.counter);
-        bump(op.counter, cur + static_cast<uint64_t>(op.value));  // data first, then the bump
-      }
+      if (op.kind == OpKind::kPut) bump();  // data first, then the bump
       break;
     }
     case OpKind::kCast:
-      for (const auto& c : op.copies) {
-        TIDE_CHECK(c.src.width == 2 * c.dst.width && c.src.height == c.dst.height, describe(rank, i, seq),
+      for (const auto& cp : op.copies) {
+        TIDE_CHECK(cp.src.width == 2 * cp.dst.width && cp.src.height == cp.dst.height, describe_op(c, rank, i, seq),
                    ": CAST shapes");
-        char* dst = static_cast<char*>(resolve(c.dst, all));
-        const char* src = static_cast<const char*>(resolve(c.src, all));
-        for (int64_t h = 0; h < c.dst.height; ++h)
-          launch_cast(reinterpret_cast<uint16_t*>(dst + h * c.dst.pitch),
-                      reinterpret_cast<const float*>(src + h * c.src.pitch), c.dst.width / 2, opt_.cast_ctas, s);
+        char* dst = static_cast<char*>(resolve(c, cp.dst));
+        const char* src = static_cast<const char*>(resolve(c, cp.src));
+        for (int64_t h = 0; h < cp.dst.height; ++h)
+          launch_cast(reinterpret_cast<uint16_t*>(dst + h * cp.dst.pitch),
+                      reinterpret_cast<const float*>(src + h * cp.src.pitch), cp.dst.width / 2, opt.cast_ctas, s);
       }
       break;
     case OpKind::kSum:
     case OpKind::kLand: {
-      const ReduceOp& ro = reduce_[static_cast<size_t>(rank)][static_cast<size_t>(i)];
+      const ReduceOpInfo& ro = c.tables->reduce[static_cast<size_t>(rank)][static_cast<size_t>(i)];
       ReduceArgs a;
-      a.dst = static_cast<float*>(resolve(op.dst, all));
-      a.runs = d_runs_ + ro.table_offset;
+      a.dst = static_cast<float*>(resolve(c, op.dst));
+      a.runs = c.tables->d_runs + ro.table_offset;
       a.n_runs = ro.n_runs;
       a.n_terms = ro.n_terms;
       a.fp32_terms = ro.fp32_terms;
@@ -288,46 +276,188 @@ void CudaExecutor::issue(int rank, int i, int64_t seq, const RankBuffers& b) {
       a.n = ro.n;
       for (size_t p = 0; p < b.grad.size() && p < static_cast<size_t>(kMaxGradPtrs); ++p) a.base[p] = b.grad[p];
       a.base[kSlotOut] = b.out;
-      for (int r = 0; r < fabric_->world(); ++r) a.base[kSlotArena0 + r] = fabric_->arena(r);
-      launch_reduce(a, op.kind == OpKind::kSum ? opt_.sum_ctas : opt_.land_ctas, s);
+      for (size_t r = 0; r < c.programs->size(); ++r) a.base[kSlotArena0 + r] = c.fabric->arena(c.tables->members[r]);
+      launch_reduce(a, op.kind == OpKind::kSum ? opt.sum_ctas : opt.land_ctas, s);
       break;
     }
     case OpKind::kZero: {
       ZeroArgs z;
-      char* base = static_cast<char*>(resolve(op.dst, all));
+      char* base = static_cast<char*>(resolve(c, op.dst));
       for (int64_t h = 0; h < op.dst.height; ++h) {
         if (z.n_regions == kMaxZeroRegions) {
-          launch_zero(z, opt_.zero_ctas, s);
+          launch_zero(z, opt.zero_ctas, s);
           z.n_regions = 0;
         }
         z.regions[z.n_regions++] = {base + h * op.dst.pitch, op.dst.width};
       }
-      launch_zero(z, opt_.zero_ctas, s);
+      launch_zero(z, opt.zero_ctas, s);
       break;
     }
     case OpKind::kSignal:
-    case OpKind::kCredit: {
-      const uint64_t cur = shadow(op.counter);
-      bump(op.counter, cur + static_cast<uint64_t>(op.value));
-      break;
-    }
+    case OpKind::kCredit:
     case OpKind::kEventRecord:
-      bump(op.counter, static_cast<uint64_t>(std::max<int64_t>(0, op.target(seq))));
+      bump();
       break;
     case OpKind::kWait:
     case OpKind::kEventWait: {
       if (op.target(seq) <= 0) break;  // counters start at 0: trivially satisfied (first call)
-      WaitSpec w{counter_ptr(op.counter.rank, op.counter.index), static_cast<uint64_t>(op.target(seq))};
-      watchdog_->watched_wait(s, &w, 1, describe(rank, i, seq), op.deadline_s);  // 0: executor's
+      WaitSpec w{counter_address(c, op.counter.rank, op.counter.index), static_cast<uint64_t>(op.target(seq))};
+      c.watchdog->watched_wait(s, &w, 1, describe_op(c, rank, i, seq), op.deadline_s);  // 0: executor's
       break;
     }
   }
 }
 
-uint64_t& CudaExecutor::shadow(const CounterRef& c) {
-  const Program& p = programs_.at(static_cast<size_t>(c.rank));
-  TIDE_CHECK(c.index >= 0 && c.index < p.num_counters, "counter ", c.index, " of rank ", c.rank);
-  return fabric_->issued(c.rank, static_cast<size_t>(p.num_counters))[static_cast<size_t>(c.index)];
+}  // namespace
+
+uint64_t* counter_address(const IssueContext& c, int rank, int index) {
+  const Program& p = prog(c, rank);
+  TIDE_CHECK(index >= 0 && index < p.num_counters, "counter ", index, " of rank ", fabric_rank(c, rank));
+  char* arena = c.fabric->arena(fabric_rank(c, rank));
+  TIDE_CHECK(arena != nullptr, "rank ", fabric_rank(c, rank), "'s arena is not open in this process");
+  return reinterpret_cast<uint64_t*>(arena + c.tables->layout.counters_offset) + index;
+}
+
+std::string describe_op(const IssueContext& c, int rank, int i, int64_t seq) {
+  const Op& op = prog(c, rank).ops[static_cast<size_t>(i)];
+  std::string s = TIDE_STR_CAT("rank ", fabric_rank(c, rank), " op ", i, " (", kind_name(op.kind), ", tag ",
+                               static_cast<int>(op.tag));
+  if (op.round >= 0) s += TIDE_STR_CAT(", round ", op.round);
+  if (is_wait(op.kind) && op.counter.index >= 0) {
+    const Program& pc = prog(c, op.counter.rank);
+    const size_t idx = static_cast<size_t>(op.counter.index);
+    const std::string name = idx < pc.counter_names.size() && !pc.counter_names[idx].empty()
+                                 ? pc.counter_names[idx] : std::to_string(op.counter.index);
+    s += TIDE_STR_CAT(", counter ", name, "@rank ", fabric_rank(c, op.counter.rank), " >= ", op.target(seq));
+    const int producer = c.tables->producer[static_cast<size_t>(op.counter.rank)][idx];
+    s += producer >= 0 ? TIDE_STR_CAT(", produced by rank ", fabric_rank(c, producer)) : std::string(", no producer");
+  }
+  return s + TIDE_STR_CAT(") seq ", seq);
+}
+
+void issue_call(const IssueContext& c, int64_t seq) {
+  const ProgramTables& t = *c.tables;
+  const int n = static_cast<int>(c.programs->size());
+  std::vector<std::vector<size_t>> cur(static_cast<size_t>(n));
+  for (int r = 0; r < n; ++r) cur[static_cast<size_t>(r)].assign(t.stream_ops[static_cast<size_t>(r)].size(), 0);
+  // trust_remote: the simulation stalled on a peer's stream; local waits on remote producers
+  // are then enqueued ungated and peers are no longer simulated ([Note: enqueue order]).
+  bool trust_remote = false;
+  auto considered = [&](int r) { return r != c.dead_rank && (t.local[static_cast<size_t>(r)] || !trust_remote); };
+  for (;;) {
+    bool progress = false, done = true, remote_left = false;
+    for (int r = 0; r < n; ++r) {
+      if (!considered(r)) continue;
+      const bool local = t.local[static_cast<size_t>(r)];
+      const Program& p = prog(c, r);
+      for (size_t s = 0; s < cur[static_cast<size_t>(r)].size(); ++s) {
+        const auto& ops = t.stream_ops[static_cast<size_t>(r)][s];
+        size_t& k = cur[static_cast<size_t>(r)][s];
+        while (k < ops.size()) {
+          const Op& op = p.ops[static_cast<size_t>(ops[k])];
+          if (is_wait(op.kind) && op.target(seq) > 0) {
+            const int producer = t.producer[static_cast<size_t>(op.counter.rank)][static_cast<size_t>(op.counter.index)];
+            const bool gated = !(trust_remote && producer >= 0 && !t.local[static_cast<size_t>(producer)]);
+            if (gated && shadow(c, op.counter) < static_cast<uint64_t>(op.target(seq))) break;  // producer not issued
+          }
+          if (local) {
+            issue(c, r, ops[k], seq);
+          } else if (bumps(op.kind)) {
+            uint64_t& sh = shadow(c, op.counter);  // a peer's bump: simulated
+            sh = bumped(op, seq, sh);
+          }
+          ++k;
+          progress = true;
+        }
+        if (k < ops.size()) {
+          done = false;
+          remote_left = remote_left || !local;
+        }
+      }
+    }
+    if (done) return;
+    if (progress) continue;
+    if (remote_left && !trust_remote) {
+      trust_remote = true;
+      continue;
+    }
+    std::string stuck;
+    int shown = 0;
+    for (int r = 0; r < n && shown < 4; ++r) {
+      if (!considered(r)) continue;
+      for (size_t s = 0; s < cur[static_cast<size_t>(r)].size() && shown < 4; ++s) {
+        const auto& ops = t.stream_ops[static_cast<size_t>(r)][s];
+        const size_t k = cur[static_cast<size_t>(r)][s];
+        if (k < ops.size()) {
+          stuck += (shown ? "; " : "") + describe_op(c, r, ops[k], seq);
+          ++shown;
+        }
+      }
+    }
+    throw TimeoutError("wait never satisfied, its producer is never issued (fail-stop): " + stuck);
+  }
+}
+
+// ---- in-process executor ------------------------------------------------------------------------
+CudaExecutor::CudaExecutor(std::shared_ptr<fabric::Fabric> fabric, std::vector<Program> programs, ExecOptions opt)
+    : fabric_(std::move(fabric)), programs_(std::move(programs)), opt_(opt) {
+  const int n = fabric_->world();
+  TIDE_PLAN_CHECK(static_cast<int>(programs_.size()) == n, "CudaExecutor: ", programs_.size(),
+                  " programs for a fabric of ", n, " ranks");
+  TIDE_PLAN_CHECK(n <= kMaxSlots - kSlotArena0, "CudaExecutor: at most ", kMaxSlots - kSlotArena0, " ranks");
+  const Program& p0 = programs_[0];
+  for (int r = 0; r < n; ++r) {
+    const Program& p = programs_[static_cast<size_t>(r)];
+    TIDE_PLAN_CHECK(fabric_->is_local(r), "CudaExecutor: rank ", r, " is not in this process (use CudaRankExecutor)");
+    TIDE_PLAN_CHECK(p.version == kProgramIrVersion, "rank ", r, ": program IR version ", p.version);
+    TIDE_PLAN_CHECK(p.rank == r, "program ", r, " is rank ", p.rank, "'s program");
+    // All ranks must run the same plan and group, or the collective order is broken (I4).
+    TIDE_PLAN_CHECK(p.plan_hash == p0.plan_hash && p.group == p0.group && p.collective == p0.collective,
+                    "rank ", r, " runs plan ", p.plan_hash, " group ", p.group, " but rank 0 runs plan ",
+                    p0.plan_hash, " group ", p0.group, " (inconsistent programs)");
+    TIDE_PLAN_CHECK(p.arena.total <= fabric_->arena_bytes(), "rank ", r, ": arena needs ", p.arena.total,
+                    " bytes, fabric has ", fabric_->arena_bytes());
+    TIDE_PLAN_CHECK(p.arena.counters_offset + 8ll * p.num_counters <= fabric_->arena_bytes(),
+                    "rank ", r, ": counters exceed the arena");
+    for (int k = 0; k < kNumBufKinds; ++k)
+      TIDE_PLAN_CHECK(p.arena.offset[k] == p0.arena.offset[k], "arena layouts differ on rank ", r);
+  }
+  watchdog_ = std::make_unique<Watchdog>(fabric_->device_of(0), opt_.timeout_s);
+  streams_.resize(static_cast<size_t>(n));
+  std::vector<int> members(static_cast<size_t>(n));
+  for (int r = 0; r < n; ++r) {
+    members[static_cast<size_t>(r)] = r;
+    const Program& p = programs_[static_cast<size_t>(r)];
+    TIDE_CHECK_CUDA(cudaSetDevice(fabric_->device_of(r)));
+    // [Note: internal streams] one non-blocking stream per named program stream (caller,
+    // readiness, scatter, completion, ...): ordering between them is only what the program's
+    // waits and events say, exactly as on the CPU executor.
+    streams_[r].resize(std::max<size_t>(1, p.streams.size()), nullptr);
+    for (auto& s : streams_[r]) TIDE_CHECK_CUDA(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+    fabric_->issued(r, static_cast<size_t>(p.num_counters));
+  }
+  tables_ = make_program_tables(programs_, members, std::vector<char>(static_cast<size_t>(n), 1), p0.arena,
+                                fabric_->device_of(0));
+}
+
+CudaExecutor::~CudaExecutor() {
+  for (auto& rs : streams_)
+    for (auto s : rs) {
+      cudaStreamSynchronize(s);
+      cudaStreamDestroy(s);
+    }
+  watchdog_.reset();
+  tables_.reset();
+}
+
+cudaStream_t CudaExecutor::stream(int rank, int s) const {
+  return streams_.at(static_cast<size_t>(rank)).at(static_cast<size_t>(s));
+}
+
+uint64_t* CudaExecutor::counter_ptr(int rank, int index) const {
+  const Program& p = programs_.at(static_cast<size_t>(rank));
+  TIDE_CHECK(index >= 0 && index < p.num_counters, "counter ", index, " of rank ", rank);
+  return reinterpret_cast<uint64_t*>(fabric_->arena(rank) + p.arena.counters_offset) + index;
 }
 
 void CudaExecutor::fail(const std::string& msg) {
@@ -338,64 +468,29 @@ void CudaExecutor::run(int64_t seq, const std::vector<RankBuffers>& buffers) {
   if (!failed_.empty()) throw Error("CudaExecutor failed earlier (fail-stop): " + failed_);
   const int n = fabric_->world();
   TIDE_PLAN_CHECK(static_cast<int>(buffers.size()) == n, "run: ", buffers.size(), " buffer sets for ", n, " ranks");
-  bound_ = &buffers;
   TIDE_CHECK_CUDA(cudaSetDevice(fabric_->device_of(0)));
   if (opt_.stall_rank >= 0 && opt_.stall_rank < n && opt_.stall_s > 0)
     for (auto st : streams_[static_cast<size_t>(opt_.stall_rank)]) launch_stall(opt_.stall_s, st);
-  std::vector<std::vector<size_t>> cur(static_cast<size_t>(n));
-  for (int r = 0; r < n; ++r) cur[static_cast<size_t>(r)].assign(streams_[static_cast<size_t>(r)].size(), 0);
+  IssueContext c;
+  c.fabric = fabric_.get();
+  c.programs = &programs_;
+  c.tables = tables_.get();
+  c.opt = &opt_;
+  c.watchdog = watchdog_.get();
+  c.streams = &streams_;
+  c.buffers = &buffers;
+  c.dead_rank = opt_.dead_rank;
   try {
-    for (;;) {
-      bool progress = false, done = true;
-      for (int r = 0; r < n; ++r) {
-        if (r == opt_.dead_rank) continue;
-        const Program& p = programs_[static_cast<size_t>(r)];
-        for (size_t s = 0; s < cur[static_cast<size_t>(r)].size(); ++s) {
-          const auto& ops = stream_ops_[static_cast<size_t>(r)][s];
-          size_t& c = cur[static_cast<size_t>(r)][s];
-          while (c < ops.size()) {
-            const Op& op = p.ops[static_cast<size_t>(ops[c])];
-            if (is_wait(op.kind) && op.target(seq) > 0 &&
-                shadow(op.counter) < static_cast<uint64_t>(op.target(seq)))
-              break;  // its producer is not issued yet
-            issue(r, ops[c], seq, buffers[static_cast<size_t>(r)]);
-            ++c;
-            progress = true;
-          }
-          if (c < ops.size()) done = false;
-        }
-      }
-      if (done) break;
-      if (!progress) {
-        std::string stuck;
-        int shown = 0;
-        for (int r = 0; r < n && shown < 4; ++r) {
-          if (r == opt_.dead_rank) continue;
-          for (size_t s = 0; s < cur[static_cast<size_t>(r)].size() && shown < 4; ++s) {
-            const auto& ops = stream_ops_[static_cast<size_t>(r)][s];
-            const size_t c = cur[static_cast<size_t>(r)][s];
-            if (c < ops.size()) {
-              stuck += (shown ? "; " : "") + describe(r, ops[c], seq);
-              ++shown;
-            }
-          }
-        }
-        const std::string msg = "wait never satisfied, its producer is never issued (fail-stop): " + stuck;
-        fail(msg);
-        bound_ = nullptr;
-        for (auto& rs : streams_)
-          for (auto st : rs) cudaStreamSynchronize(st);  // what was issued has its producers
-        throw TimeoutError(msg);
-      }
-    }
-  } catch (const TimeoutError&) {
+    issue_call(c, seq);
+  } catch (const TimeoutError& e) {
+    fail(e.what());
+    for (auto& rs : streams_)
+      for (auto st : rs) cudaStreamSynchronize(st);  // what was issued has its producers
     throw;
   } catch (const std::exception& e) {
     fail(e.what());
-    bound_ = nullptr;
     throw;
   }
-  bound_ = nullptr;
 }
 
 void CudaExecutor::synchronize() {

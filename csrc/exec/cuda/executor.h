@@ -23,16 +23,26 @@
 // issued only after the op producing its target has been issued. By induction the oldest
 // unfinished op always has its producers and hardware-queue predecessors finished, so any
 // mapping of streams onto hardware queues makes progress.
+// A rank executor (rank_executor.h) issues only its local rank's ops, but it walks the same
+// global order: it simulates every peer's program (bumps only update the fabric's host mirror)
+// and enqueues its own ops where they fall in that order. Every process thus enqueues a
+// restriction of one global topological order, so the argument above holds per process (each
+// process has its own hardware queues). If the simulation stalls on a peer's stream, the local
+// waits on remote producers are enqueued ungated (the watchdog judges them); only a wait whose
+// LOCAL producer is never issued fails at enqueue time.
 #pragma once
 
 #include <cuda_runtime_api.h>
 
+#include <map>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "exec/cuda/kernels.h"
 #include "exec/cuda/runtime.h"
+#include "fabric/fabric.h"
 #include "fabric/inprocess.h"
 #include "tide/program.h"
 
@@ -45,6 +55,7 @@ struct RankBuffers {
   std::vector<void*> landing_p;   // per-parameter landings (kLanding index p)
   std::vector<void*> grad;        // grad[p]
   void* out = nullptr;            // fp32 output shard
+  std::map<std::pair<int, int>, int64_t> bytes;  // bound sizes by (kind, index), where known
 };
 
 struct ExecOptions {
@@ -69,13 +80,55 @@ struct ReduceOpInfo {
   uint32_t fp32_terms = 0;
   int64_t n = 0;             // dst elements
 };
+// `layout`: the arena offsets (symmetric); the first form uses programs[0].arena.
 ReduceOpInfo build_run_table(const std::vector<Program>& programs, int rank, int op_index,
                              std::vector<ReduceRun>& table);
+ReduceOpInfo build_run_table(const std::vector<Program>& programs, const ArenaSpec& layout, int rank,
+                             int op_index, std::vector<ReduceRun>& table);
+
+// One program set prepared for issue over a fabric: per-stream op lists, the producer of every
+// counter, and the local ranks' SUM/LAND run tables, uploaded once to `device`. Ranks are the
+// set's group ranks; members[i] is group rank i's fabric rank.
+struct ProgramTables {
+  std::vector<int> members;
+  std::vector<char> local;  // group rank i is issued by this executor
+  ArenaSpec layout;         // arena offsets on every rank
+  std::vector<std::vector<std::vector<int>>> stream_ops;  // [rank][stream] -> op indices
+  std::vector<std::vector<ReduceOpInfo>> reduce;          // [rank][op] (local ranks)
+  std::vector<std::vector<int>> producer;                 // [owner][counter] -> rank, -1: none
+  int device = 0;
+  ReduceRun* d_runs = nullptr;
+  ProgramTables() = default;
+  ~ProgramTables();
+  ProgramTables(const ProgramTables&) = delete;
+  ProgramTables& operator=(const ProgramTables&) = delete;
+};
+std::unique_ptr<ProgramTables> make_program_tables(const std::vector<Program>& programs, std::vector<int> members,
+                                                   std::vector<char> local, const ArenaSpec& layout, int device);
+
+// Enqueues call `seq` of the local ranks of `t` in the global topological order ([Note: enqueue
+// order]). streams[r][s]: local rank r's CUDA stream for program stream s. dead_rank (a group
+// rank; tests) issues nothing. Throws TimeoutError when a local wait's local producer is never
+// issued, tide::Error / PlanError on bad programs or buffers.
+struct IssueContext {
+  fabric::Fabric* fabric = nullptr;
+  const std::vector<Program>* programs = nullptr;
+  const ProgramTables* tables = nullptr;
+  const ExecOptions* opt = nullptr;
+  Watchdog* watchdog = nullptr;
+  const std::vector<std::vector<cudaStream_t>>* streams = nullptr;
+  const std::vector<RankBuffers>* buffers = nullptr;
+  int dead_rank = -1;
+};
+void issue_call(const IssueContext& c, int64_t seq);
+// "rank R op I (KIND, tag T[, round D][, counter NAME@rank Q >= V, produced by rank P]) seq S"
+// (fabric ranks).
+std::string describe_op(const IssueContext& c, int rank, int op_index, int64_t seq);
+uint64_t* counter_address(const IssueContext& c, int rank, int index);
 
 class CudaExecutor {
  public:
-  CudaExecutor(std::shared_ptr<fabric::InProcessFabric> fabric, std::vector<Program> programs,
-               ExecOptions opt);
+  CudaExecutor(std::shared_ptr<fabric::Fabric> fabric, std::vector<Program> programs, ExecOptions opt);
   ~CudaExecutor();
   CudaExecutor(const CudaExecutor&) = delete;
   CudaExecutor& operator=(const CudaExecutor&) = delete;
@@ -88,22 +141,14 @@ class CudaExecutor {
   ExecOptions& options() { return opt_; }
 
  private:
-  using ReduceOp = ReduceOpInfo;
-  void issue(int rank, int op_index, int64_t seq, const RankBuffers& b);
-  void* resolve(const BufRef& ref, const std::vector<RankBuffers>& all) const;
-  std::string describe(int rank, int op_index, int64_t seq) const;
   void fail(const std::string& msg);
-  uint64_t& shadow(const CounterRef& c);  // the fabric's issued value of a counter
 
-  std::shared_ptr<fabric::InProcessFabric> fabric_;
+  std::shared_ptr<fabric::Fabric> fabric_;
   std::vector<Program> programs_;
   ExecOptions opt_;
-  std::vector<std::vector<cudaStream_t>> streams_;         // [rank][stream]
-  std::vector<std::vector<std::vector<int>>> stream_ops_;  // [rank][stream] -> op indices
-  std::vector<std::vector<ReduceOp>> reduce_;              // [rank][op]
-  ReduceRun* d_runs_ = nullptr;
+  std::vector<std::vector<cudaStream_t>> streams_;  // [rank][stream]
+  std::unique_ptr<ProgramTables> tables_;
   std::unique_ptr<Watchdog> watchdog_;
-  const std::vector<RankBuffers>* bound_ = nullptr;        // valid during run()
   std::string failed_;
 };
 

@@ -124,6 +124,9 @@ void run_cpu(CpuArena& arena, const std::vector<std::vector<Call>>& per_rank,
 //     it writes into has started the same run number (see [Note: entry fence]); the last counter
 //     of region "counters" is the executor's. Every rank must issue the same sequence of runs.
 using RegionTable = std::map<std::string, std::pair<int64_t, int64_t>>;  // name -> (offset, bytes)
+// The arena layout a region table describes: absent arena kinds get offset -1, counters come
+// from "counters"; every region must fit `limit` bytes (< 0: unbounded). `who` prefixes errors.
+ArenaSpec arena_layout_from(const RegionTable& regions, int64_t limit, const char* who);
 
 class RankExecutor {
  public:

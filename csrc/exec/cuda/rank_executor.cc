@@ -1,0 +1,385 @@
+// CUDA rank executor (contract in rank_executor.h).
+#include "exec/cuda/rank_executor.h"
+
+#include <algorithm>
+#include <map>
+
+#include "tide/errors.h"
+
+namespace tide::cuda {
+
+struct CudaRankExecutor::Entry {
+  const void* key = nullptr;
+  std::weak_ptr<const void> owner;
+  uint64_t fingerprint = 0;
+  std::vector<int> members;
+  bool program_layout = false;
+  int me = -1;                       // this rank's group rank
+  std::unique_ptr<ProgramTables> tables;
+  std::vector<int> writes;           // fabric ranks whose arenas this rank writes (entry fence)
+  std::map<std::pair<int, int>, int64_t> needs;  // (user kind, index) -> bytes the program touches
+  int64_t fence_index = -1;          // the executor's counter in region "counters"
+};
+
+namespace {
+
+// FNV-1a over what identifies a set's schedule: a set mutated in place (inject_fault) or a new
+// set at a freed set's address never reuses stale tables.
+uint64_t fingerprint(const std::vector<Program>& progs) {
+  uint64_t h = 1469598103934665603ull;
+  auto mix = [&](int64_t v) {
+    h ^= static_cast<uint64_t>(v);
+    h *= 1099511628211ull;
+  };
+  for (const Program& p : progs) {
+    mix(static_cast<int64_t>(p.plan_hash));
+    mix(p.group);
+    mix(static_cast<int>(p.collective));
+    mix(p.num_counters);
+    mix(p.arena.counters_offset);
+    for (int k = 0; k < kNumBufKinds; ++k) mix(p.arena.offset[k]);
+    mix(static_cast<int64_t>(p.ops.size()));
+    for (const Op& op : p.ops) {
+      mix(static_cast<int>(op.kind) | (op.stream << 8) | (static_cast<int>(op.tag) << 16));
+      mix(op.counter.rank * 1000003ll + op.counter.index);
+      mix(op.value);
+      mix(op.per_call);
+      mix(static_cast<int64_t>(op.copies.size() + (op.terms.size() << 20)));
+      if (!op.copies.empty()) mix(op.copies[0].dst.offset);
+    }
+  }
+  return h;
+}
+
+const char* region_name(BufKind k) { return buf_kind_name(k); }
+
+// The caller's current device is restored on return (torch keeps its own notion of it).
+struct DeviceGuard {
+  int prev = -1;
+  explicit DeviceGuard(int device) {
+    if (cudaGetDevice(&prev) != cudaSuccess) {
+      cudaGetLastError();
+      prev = -1;
+    }
+    TIDE_CHECK_CUDA(cudaSetDevice(device), "device ", device);
+  }
+  ~DeviceGuard() {
+    if (prev >= 0) cudaSetDevice(prev);
+  }
+};
+
+}  // namespace
+
+CudaRankExecutor::CudaRankExecutor(std::shared_ptr<fabric::Fabric> fabric, int rank, const Topology& topo,
+                                   const RegionTable& regions, ExecOptions opt, bool fence)
+    : fabric_(std::move(fabric)), rank_(rank), topo_(topo), opt_(opt), fence_(fence) {
+  TIDE_PLAN_CHECK(fabric_ != nullptr, "CudaRankExecutor: no fabric");
+  TIDE_PLAN_CHECK(topo.nodes >= 1 && topo.gpus_per_node >= 1 && topo.world() == fabric_->world(),
+                  "CudaRankExecutor: a ", topo.nodes, "x", topo.gpus_per_node, " topology over a fabric of ",
+                  fabric_->world(), " ranks");
+  TIDE_PLAN_CHECK(rank >= 0 && rank < fabric_->world(), "CudaRankExecutor: rank ", rank, " is outside [0, ",
+                  fabric_->world(), ")");
+  TIDE_PLAN_CHECK(fabric_->is_local(rank) && fabric_->device_of(rank) >= 0, "CudaRankExecutor: rank ", rank,
+                  "'s arena does not belong to this process's fabric");
+  TIDE_PLAN_CHECK(opt.timeout_s > 0, "CudaRankExecutor: timeout_s must be positive, got ", opt.timeout_s);
+  TIDE_PLAN_CHECK(opt.sum_ctas >= 1 && opt.land_ctas >= 1, "CudaRankExecutor: sum_ctas and land_ctas must be >= 1");
+  have_layout_ = !regions.empty();
+  if (have_layout_) layout_ = arena_layout_from(regions, fabric_->arena_bytes(), "CudaRankExecutor");
+  device_ = fabric_->device_of(rank);
+  TIDE_CHECK_CUDA(cudaSetDevice(device_), "device ", device_);
+  watchdog_ = std::make_unique<Watchdog>(device_, opt_.timeout_s);
+  for (cudaEvent_t* e : {&ev_caller_, &ev_entry_, &ev_done_})
+    TIDE_CHECK_CUDA(cudaEventCreateWithFlags(e, cudaEventDisableTiming));
+}
+
+CudaRankExecutor::~CudaRankExecutor() {
+  cudaSetDevice(device_);
+  for (auto s : streams_) cudaStreamSynchronize(s);  // stuck waits are released by the watchdog
+  watchdog_.reset();
+  cache_.clear();
+  for (auto s : streams_) cudaStreamDestroy(s);
+  for (auto e : ev_join_) cudaEventDestroy(e);
+  for (cudaEvent_t e : {ev_caller_, ev_entry_, ev_done_})
+    if (e) cudaEventDestroy(e);
+}
+
+void CudaRankExecutor::fail(const std::string& msg) {
+  if (failed_.empty()) failed_ = msg;
+}
+
+void CudaRankExecutor::ensure_streams(size_t n) {
+  while (streams_.size() < n) {
+    // [Note: internal streams] non-blocking; the pool persists across calls and program sets,
+    // so stream s of one call queues behind stream s of the previous (as the IR assumes).
+    cudaStream_t s = nullptr;
+    cudaEvent_t e = nullptr;
+    TIDE_CHECK_CUDA(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "rank ", rank_, " stream");
+    streams_.push_back(s);
+    TIDE_CHECK_CUDA(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+    ev_join_.push_back(e);
+  }
+}
+
+CudaRankExecutor::Entry& CudaRankExecutor::prepare(const std::shared_ptr<const std::vector<Program>>& sp,
+                                                   bool program_layout, const std::vector<int>& members) {
+  const std::vector<Program>& progs = *sp;
+  const uint64_t fp = fingerprint(progs);
+  // Stale: the set died, or was mutated in place (inject_fault) since it was prepared.
+  auto stale = [&](const std::unique_ptr<Entry>& e) {
+    return e->owner.expired() || (e->key == sp.get() && e->fingerprint != fp);
+  };
+  if (std::any_of(cache_.begin(), cache_.end(), stale)) {
+    for (auto s : streams_) cudaStreamSynchronize(s);  // their run tables may still be read
+    cache_.erase(std::remove_if(cache_.begin(), cache_.end(), stale), cache_.end());
+  }
+  for (auto& e : cache_)
+    if (e->key == sp.get() && e->fingerprint == fp && e->members == members && e->program_layout == program_layout)
+      return *e;
+
+  const int N = static_cast<int>(members.size());
+  TIDE_PLAN_CHECK(static_cast<int>(progs.size()) == N, "CudaRankExecutor.run: a program set of ", progs.size(),
+                  " programs for ", N, " ranks", N == world() ? " (pass ranks= for a sub-group's programs)" : "");
+  TIDE_PLAN_CHECK(N <= kMaxSlots - kSlotArena0, "CudaRankExecutor: at most ", kMaxSlots - kSlotArena0, " ranks");
+  auto e = std::make_unique<Entry>();
+  e->key = sp.get();
+  e->owner = sp;
+  e->fingerprint = fp;
+  e->members = members;
+  e->program_layout = program_layout;
+  for (int i = 0; i < N; ++i) {
+    TIDE_PLAN_CHECK(members[i] >= 0 && members[i] < world(), "CudaRankExecutor.run: ranks[", i, "] = ", members[i],
+                    " is outside [0, ", world(), ")");
+    TIDE_PLAN_CHECK(std::count(members.begin(), members.end(), members[i]) == 1, "CudaRankExecutor.run: rank ",
+                    members[i], " appears twice in ranks");
+    if (members[i] == rank_) e->me = i;
+  }
+  TIDE_PLAN_CHECK(e->me >= 0, "CudaRankExecutor.run: rank ", rank_, " is not in ranks");
+  const Program& mine = progs[static_cast<size_t>(e->me)];
+  const bool whole = N == world() && members == [&] {
+    std::vector<int> v(static_cast<size_t>(N));
+    for (int i = 0; i < N; ++i) v[static_cast<size_t>(i)] = i;
+    return v;
+  }();
+  TIDE_PLAN_CHECK(!whole || (mine.topo.nodes == topo_.nodes && mine.topo.gpus_per_node == topo_.gpus_per_node),
+                  "CudaRankExecutor.run: the program is for ", mine.topo.nodes, "x", mine.topo.gpus_per_node,
+                  " ranks, this executor is ", topo_.nodes, "x", topo_.gpus_per_node);
+  for (int i = 0; i < N; ++i) {
+    const Program& p = progs[static_cast<size_t>(i)];
+    TIDE_PLAN_CHECK(p.version == kProgramIrVersion, "rank ", members[i], ": program IR version ", p.version);
+    TIDE_PLAN_CHECK(p.rank == i, "program at position ", i, " is rank ", p.rank, "'s program");
+    TIDE_PLAN_CHECK(p.topo.world() == N, "CudaRankExecutor.run: the program is for ", p.topo.world(),
+                    " ranks, ranks= names ", N);
+    TIDE_PLAN_CHECK(p.plan_hash == progs[0].plan_hash && p.group == progs[0].group &&
+                        p.collective == progs[0].collective,
+                    "rank ", members[i], " runs plan ", p.plan_hash, " group ", p.group, " but rank ", members[0],
+                    " runs plan ", progs[0].plan_hash, " group ", progs[0].group, " (inconsistent programs)");
+  }
+  // Layout: the caller's regions, or the set's own (built with arena=, or no regions given).
+  ArenaSpec layout = have_layout_ && !program_layout ? layout_ : mine.arena;
+  if (have_layout_ && program_layout)
+    TIDE_PLAN_CHECK(layout.counters_offset == layout_.counters_offset && layout.counters_bytes == layout_.counters_bytes,
+                    "CudaRankExecutor.run: the programs were bound to a 'counters' region [", layout.counters_offset,
+                    ", +", layout.counters_bytes, ") other than this executor's [", layout_.counters_offset, ", +",
+                    layout_.counters_bytes, ")");
+  // What this rank's program touches: arena regions (any rank), its own user buffers, the peers
+  // it writes into.
+  int64_t need[kNumBufKinds];
+  std::fill(need, need + kNumBufKinds, int64_t{-1});
+  bool uses_counters = false;
+  auto note = [&](const BufRef& b, bool write) {
+    const int k = static_cast<int>(b.kind);
+    TIDE_PLAN_CHECK(b.rank >= 0 && b.rank < N && k >= 0 && k < kNumBufKinds, "rank ", rank_,
+                    "'s program references buffer kind ", k, " of rank ", b.rank, " (", N, " ranks)");
+    if (is_user_buffer(b.kind)) {
+      TIDE_PLAN_CHECK(b.rank == e->me, "rank ", rank_, "'s program touches rank ", members[b.rank], "'s ",
+                      region_name(b.kind), " (the push rule: user buffers are rank-local)");
+      int64_t& n = e->needs[{k, b.kind == BufKind::kOut ? -1 : b.index}];
+      n = std::max(n, b.end());
+      return;
+    }
+    need[k] = std::max(need[k], b.end());
+    const int g = members[static_cast<size_t>(b.rank)];
+    if (write && g != rank_ && std::find(e->writes.begin(), e->writes.end(), g) == e->writes.end())
+      e->writes.push_back(g);
+  };
+  for (const Op& op : mine.ops) {
+    for (const auto& cd : op.copies) {
+      note(cd.src, false);
+      note(cd.dst, true);
+    }
+    for (const auto& t : op.terms) note(t.src, false);
+    if (op.kind == OpKind::kSum || op.kind == OpKind::kLand || op.kind == OpKind::kZero) note(op.dst, true);
+    if (op.counter.index >= 0) uses_counters = true;
+  }
+  for (int k = 4; k < kNumBufKinds; ++k) {
+    if (need[k] < 0) continue;
+    const char* name = region_name(static_cast<BufKind>(k));
+    if (layout.offset[k] < 0)
+      throw Error(TIDE_STR_CAT("CudaRankExecutor: rank ", rank_, "'s program (group ", mine.group,
+                               ") uses arena region '", name, "', which the arena layout does not have"));
+    TIDE_PLAN_CHECK(layout.offset[k] + layout.bytes[k] <= fabric_->arena_bytes(), "CudaRankExecutor: region '", name,
+                    "' [", layout.offset[k], ", ", layout.offset[k] + layout.bytes[k], ") does not fit the ",
+                    fabric_->arena_bytes(), "-byte arena");
+    if (need[k] > layout.bytes[k])
+      throw Error(TIDE_STR_CAT("CudaRankExecutor: rank ", rank_, "'s program (group ", mine.group, ") addresses ",
+                               need[k], " bytes of arena region '", name, "', which has ", layout.bytes[k]));
+  }
+  if (uses_counters || fence_) {
+    if (layout.counters_offset < 0 || layout.counters_bytes < 8)
+      throw Error(TIDE_STR_CAT("CudaRankExecutor: rank ", rank_, "'s program (group ", mine.group,
+                               ") uses arena region 'counters', which the arena layout does not have"));
+    TIDE_PLAN_CHECK(layout.counters_offset % 8 == 0 &&
+                        layout.counters_offset + layout.counters_bytes <= fabric_->arena_bytes(),
+                    "CudaRankExecutor: region 'counters' is misaligned or outside the ", fabric_->arena_bytes(),
+                    "-byte arena");
+    const int64_t slots = layout.counters_bytes / 8;
+    const int64_t usable = slots - (fence_ ? 1 : 0);
+    for (const Program& p : progs)
+      if (p.num_counters > usable)
+        throw Error(TIDE_STR_CAT("CudaRankExecutor: rank ", members[static_cast<size_t>(p.rank)], "'s program (group ",
+                                 p.group, ") uses ", p.num_counters, " counters (counter_base included), region "
+                                 "'counters' holds ", usable, fence_ ? " (its last counter is the executor's entry fence)" : ""));
+    e->fence_index = slots - 1;
+  }
+  std::vector<char> local(static_cast<size_t>(N), 0);
+  local[static_cast<size_t>(e->me)] = 1;
+  TIDE_CHECK_CUDA(cudaSetDevice(device_));
+  e->tables = make_program_tables(progs, members, std::move(local), layout, device_);
+  cache_.push_back(std::move(e));
+  return *cache_.back();
+}
+
+void CudaRankExecutor::check_buffers(const Entry& e, const RankBuffers& b) const {
+  static const char* names[] = {"shard", "landing", "grad", "out"};
+  for (const auto& [ki, end] : e.needs) {
+    const int kind = ki.first, index = ki.second;
+    auto pick = [&](const std::vector<void*>& v) -> void* {
+      return index >= 0 && static_cast<size_t>(index) < v.size() ? v[static_cast<size_t>(index)] : nullptr;
+    };
+    void* p = nullptr;
+    switch (static_cast<BufKind>(kind)) {
+      case BufKind::kShard: p = pick(b.shard); break;
+      case BufKind::kLanding: p = index < 0 ? b.landing : pick(b.landing_p); break;
+      case BufKind::kGrad: p = pick(b.grad); break;
+      default: p = b.out; break;
+    }
+    const std::string what = TIDE_STR_CAT(names[kind], index >= 0 ? TIDE_STR_CAT("[", index, "]") : std::string());
+    TIDE_PLAN_CHECK(p != nullptr, "CudaRankExecutor.run: rank ", rank_, "'s program needs ", what, " (", end,
+                    " bytes); none is bound");
+    auto it = b.bytes.find({kind, index});
+    TIDE_PLAN_CHECK(it == b.bytes.end() || it->second >= end, "CudaRankExecutor.run: rank ", rank_, ": ", what,
+                    " has ", it == b.bytes.end() ? 0 : it->second, " bytes, the program touches ", end);
+  }
+}
+
+// [Note: entry fence] (tide/exec_cpu.h, RankExecutor) on the GPU: stream 0 writes "started run
+// #k" into this rank's fence counter and waits until every peer it writes into shows >= k. Run
+// k's stream 0 starts only after run k-1 joined every internal stream into it, so "started k"
+// implies "finished k-1" exactly as on the CPU.
+void CudaRankExecutor::fence(const Entry& e, int64_t seq, const std::vector<Program>& progs) {
+  const uint64_t k = runs_;
+  const ArenaSpec& a = e.tables->layout;
+  auto fence_ptr = [&](int g) {
+    char* arena = fabric_->arena(g);
+    TIDE_CHECK(arena != nullptr, "rank ", g, "'s arena is not open in this process (open_peers first)");
+    return reinterpret_cast<uint64_t*>(arena + a.counters_offset) + e.fence_index;
+  };
+  signal(streams_[0], fence_ptr(rank_), k);
+  for (int g : e.writes) {
+    WaitSpec w{fence_ptr(g), k};
+    const std::string what = TIDE_STR_CAT("rank ", rank_, " entry fence before op 0 (waits for rank ", g,
+                                          " to start run #", k, "; counter fence@rank ", g, " >= ", k, ") seq ",
+                                          seq, " group ", progs[0].group, ": rank ", g,
+                                          " is behind (still in an earlier collective, stalled or dead)");
+    watchdog_->watched_wait(streams_[0], &w, 1, what);
+  }
+}
+
+void CudaRankExecutor::run(const std::shared_ptr<const std::vector<Program>>& progs, bool program_layout, int64_t seq,
+                           const RankBuffers& buffers, cudaStream_t caller, const std::vector<int>* ranks) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!failed_.empty()) throw Error("CudaRankExecutor failed earlier (fail-stop): " + failed_);
+  try {
+    watchdog_->check();  // a timeout seen since the last call
+  } catch (const TimeoutError& e) {
+    fail(e.what());
+    throw;
+  }
+  TIDE_PLAN_CHECK(progs != nullptr && !progs->empty(), "CudaRankExecutor.run: empty program set");
+  TIDE_PLAN_CHECK(seq >= 1, "CudaRankExecutor.run: seq must be >= 1, got ", seq);
+  std::vector<int> members;
+  if (ranks) {
+    members = *ranks;
+  } else {
+    for (int r = 0; r < world(); ++r) members.push_back(r);
+  }
+  DeviceGuard device(device_);
+  // Bad input stops here, before anything is enqueued (the executor stays usable).
+  Entry& e = prepare(progs, program_layout, members);
+  check_buffers(e, buffers);
+  for (int g : e.members)
+    TIDE_PLAN_CHECK(fabric_->arena(g) != nullptr, "CudaRankExecutor.run: rank ", g,
+                    "'s arena is not open in this process (call open_peers first)");
+  const size_t N = e.members.size();
+  const size_t ns = e.tables->stream_ops[static_cast<size_t>(e.me)].size();
+  ensure_streams(ns);
+
+  std::vector<std::vector<cudaStream_t>> streams(N);
+  streams[static_cast<size_t>(e.me)].assign(streams_.begin(), streams_.begin() + static_cast<long>(ns));
+  std::vector<RankBuffers> bufs(N);
+  bufs[static_cast<size_t>(e.me)] = buffers;
+  IssueContext c;
+  c.fabric = fabric_.get();
+  c.programs = progs.get();
+  c.tables = e.tables.get();
+  c.opt = &opt_;
+  c.watchdog = watchdog_.get();
+  c.streams = &streams;
+  c.buffers = &bufs;
+  auto join = [&](bool check) {
+    // Every internal stream joins stream 0; the caller's stream waits for stream 0.
+    auto ok = [&](cudaError_t r, const char* what) {
+      if (check) TIDE_CHECK_CUDA(r, "rank ", rank_, " call seq ", seq, ": ", what);
+    };
+    for (size_t s = 1; s < ns; ++s) {
+      ok(cudaEventRecord(ev_join_[s], streams_[s]), "joining an internal stream");
+      ok(cudaStreamWaitEvent(streams_[0], ev_join_[s], 0), "joining an internal stream");
+    }
+    ok(cudaEventRecord(ev_done_, streams_[0]), "recording the call's completion");
+    ok(cudaStreamWaitEvent(caller, ev_done_, 0), "the caller stream waiting for the call");
+  };
+  try {
+    TIDE_CHECK_CUDA(cudaEventRecord(ev_caller_, caller), "recording the caller stream");
+    TIDE_CHECK_CUDA(cudaStreamWaitEvent(streams_[0], ev_caller_, 0));
+    ++runs_;
+    if (fence_) fence(e, seq, *progs);
+    TIDE_CHECK_CUDA(cudaEventRecord(ev_entry_, streams_[0]));
+    for (size_t s = 1; s < ns; ++s) TIDE_CHECK_CUDA(cudaStreamWaitEvent(streams_[s], ev_entry_, 0));
+    issue_call(c, seq);
+  } catch (const std::exception& ex) {
+    fail(ex.what());
+    join(false);  // the caller's stream stays ordered after whatever was enqueued
+    throw;
+  }
+  try {
+    join(true);
+  } catch (const std::exception& ex) {
+    fail(ex.what());
+    throw;
+  }
+}
+
+void CudaRankExecutor::synchronize() {
+  std::lock_guard<std::mutex> lock(mu_);
+  DeviceGuard device(device_);
+  try {
+    watchdog_->drain();
+  } catch (const TimeoutError& e) {
+    fail(e.what());
+    for (auto s : streams_) cudaStreamSynchronize(s);  // released waits let the streams drain
+    throw;
+  }
+  for (auto s : streams_) TIDE_CHECK_CUDA(cudaStreamSynchronize(s), "rank ", rank_, " executor stream");
+}
+
+}  // namespace tide::cuda

@@ -1,0 +1,93 @@
+// CudaRankExecutor: ONE rank's TIDE programs on CUDA streams, peers in other processes over a
+// CUDA-IPC fabric (fabric/ipc.h) — the GPU twin of the CPU RankExecutor (tide/exec_cpu.h,
+// docs/rank_executor.md). tide_torch runs one per torchrun process.
+//
+// Contract
+//   - run(progs, seq, buffers, caller_stream, ranks) enqueues only this rank's ops of call `seq`
+//     of a program set and returns without host-synchronising. Ops go in the global enqueue order
+//     (executor.h, [Note: enqueue order]); a wait whose producer is local and never issued fails
+//     at enqueue time (TimeoutError); waits on remote producers are left to the watchdog, whose
+//     TimeoutError (from synchronize() or the next run) names rank, op, seq and the counter.
+//   - Caller stream interop: program stream 0 (the caller's stream in the IR) is an internal
+//     stream that first waits for the caller's prior work (an event recorded on `caller_stream`),
+//     and the caller stream then waits for the whole call (an event after every internal stream
+//     has joined stream 0). 0 is the legacy default stream; torch's current stream may be passed.
+//   - Program sets may differ per call (AG/RS of several groups, RS banks): each set is prepared
+//     once (producer map, run tables uploaded) and cached by its identity and a fingerprint of its
+//     ops; a set that dies is dropped from the cache at the next run.
+//   - Arena layout: `regions` (name -> (offset, bytes), as RankExecutor) for sets not built with
+//     arena=; sets built with arena= use their own layout, whose "counters" must be the
+//     executor's. Without regions, every set uses its own layout.
+//   - Entry fence (default on), as RankExecutor's [Note: entry fence]: the last counter of region
+//     "counters" is the executor's; every run writes "started run #k" there (cuStreamWriteValue64
+//     on stream 0, after the previous run has joined) and waits (WAIT_VALUE_64 GEQ, watched) until
+//     every peer it writes into has started run #k. Every rank must issue the same run sequence.
+//   - One CudaRankExecutor per fabric: the entry fence counts this executor's runs. The caller's
+//     current device is left as it was.
+//   - Fail-stop: after any error the executor refuses further calls. Bad input (buffers too small
+//     or missing, regions absent, programs for another topology) is a PlanError/Error before
+//     anything is enqueued.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "exec/cuda/executor.h"
+#include "fabric/fabric.h"
+#include "tide/exec_cpu.h"
+#include "tide/program.h"
+
+namespace tide::cuda {
+
+class CudaRankExecutor {
+ public:
+  // regions empty: every program set uses its own arena layout.
+  CudaRankExecutor(std::shared_ptr<fabric::Fabric> fabric, int rank, const Topology& topo, const RegionTable& regions,
+                   ExecOptions opt, bool fence = true);
+  ~CudaRankExecutor();
+  CudaRankExecutor(const CudaRankExecutor&) = delete;
+  CudaRankExecutor& operator=(const CudaRankExecutor&) = delete;
+
+  // progs: a program set (one Program per group rank); the shared_ptr's identity keys the cache.
+  // program_layout: the set was built with arena= (its layout is the caller's).
+  // buffers: this rank's user buffers. ranks: a sub-group's fabric ranks (nullptr: every rank).
+  void run(const std::shared_ptr<const std::vector<Program>>& progs, bool program_layout, int64_t seq,
+           const RankBuffers& buffers, cudaStream_t caller_stream, const std::vector<int>* ranks = nullptr);
+  void synchronize();
+  int rank() const { return rank_; }
+  int world() const { return fabric_->world(); }
+  size_t cached_program_sets() const { return cache_.size(); }
+  uint64_t runs_started() const { return runs_; }
+
+ private:
+  struct Entry;
+  Entry& prepare(const std::shared_ptr<const std::vector<Program>>& progs, bool program_layout,
+                 const std::vector<int>& members);
+  void check_buffers(const Entry& e, const RankBuffers& b) const;
+  void fence(const Entry& e, int64_t seq, const std::vector<Program>& progs);
+  void fail(const std::string& msg);
+  void ensure_streams(size_t n);
+
+  std::shared_ptr<fabric::Fabric> fabric_;
+  int rank_;
+  Topology topo_;
+  ArenaSpec layout_;
+  bool have_layout_;
+  ExecOptions opt_;
+  bool fence_;
+  int device_;
+  uint64_t runs_ = 0;  // runs enqueued (the entry fence's "started run #k")
+  std::vector<cudaStream_t> streams_;
+  cudaEvent_t ev_caller_ = nullptr, ev_entry_ = nullptr, ev_done_ = nullptr;
+  std::vector<cudaEvent_t> ev_join_;
+  std::unique_ptr<Watchdog> watchdog_;
+  std::vector<std::unique_ptr<Entry>> cache_;
+  std::string failed_;
+  std::mutex mu_;
+};
+
+}  // namespace tide::cuda
