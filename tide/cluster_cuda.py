@@ -167,7 +167,7 @@ class CudaVirtualCluster(VirtualCluster):
         for r in range(N):
             base, _ = self._region(g, progs, r, ring)
             with torch.cuda.device(self.device_of(r)):
-                land = torch.empty(lay.S * N, dtype=torch.uint8)
+                land = torch.empty(lay.S * N, dtype=torch.uint8, device=f"cuda:{self.device_of(r)}")
                 _core.cuda_copies([(land.data_ptr(), base, lay.S * N, 1, 0, 0)], torch.cuda.current_stream().cuda_stream)
             row = []
             for p in range(lay.P):
