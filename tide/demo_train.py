@@ -202,7 +202,11 @@ def _worker(rank: int, world: int, init_file: str, device_kind: str, topo_mn: tu
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.cuda.set_device(rank)
         device, backend = torch.device("cuda", rank), "nccl"
+        # Same kernels in every run (bitwise comparison); NaN-filling torch.empty would only
+        # add time to both runs' steps.
         torch.use_deterministic_algorithms(True, warn_only=True)
+        torch.utils.deterministic.fill_uninitialized_memory = False
+        warnings.filterwarnings("ignore", message=".*deterministic")
     else:
         torch.set_num_threads(1)
         device, backend = torch.device("cpu"), "gloo"
