@@ -238,7 +238,7 @@ def print_training(res: dict) -> None:
                       for n, a in agree.items())
           + f"; losses equal: {yes[all(a['losses_equal'] for a in agree.values())]}")
     if res["device"] == "cuda":
-        print("  step time (median after the first step): "
+        print("  step time (median, first and profiled steps excluded): "
               + ", ".join(f"{_RUN_TITLES[n]} {runs[n]['step_ms']:.2f} ms" for n in runs))
 
     print(f"\n  FSDP2's layout copies in one training step (torch.profiler, step "

@@ -10,6 +10,7 @@ Imported only by ``tide.demo`` when it trains, so ``tide plan`` never imports to
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -155,26 +156,27 @@ def _train_one(name: str, cfg: Config, mesh, device, topo, data) -> dict:
     for step, tokens in enumerate(data):
         profiling = step == cfg.profile_step
         before = handle.stats if handle is not None else None
-        prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
-                                      record_shapes=True) if profiling else None
-        if prof is not None:
-            prof.__enter__()
-        t0 = time.perf_counter()
-        logits = model(tokens[:, :-1])
-        loss = F.cross_entropy(logits.float().reshape(-1, cfg.vocab), tokens[:, 1:].reshape(-1))
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        times.append(time.perf_counter() - t0)
-        losses.append(loss.item())
-        if prof is not None:
-            prof.__exit__(None, None, None)
+        with (torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
+                                     record_shapes=True) if profiling
+              else contextlib.nullcontext()) as prof:
+            t0 = time.perf_counter()
+            logits = model(tokens[:, :-1])
+            loss = F.cross_entropy(logits.float().reshape(-1, cfg.vocab),
+                                   tokens[:, 1:].reshape(-1))
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            times.append(time.perf_counter() - t0)
+            losses.append(loss.item())
+        if profiling:
             ops = _copy_ops(prof, dist.get_world_size())
             if handle is not None:
                 calls = {k: v - before[k] for k, v in handle.stats.items()}
-    res = {"losses": losses, "step_ms": statistics.median(times[1:] or times) * 1e3,
+    # Step time: neither the first step (builds the unsharded parameters) nor the profiled one.
+    steady = [t for i, t in enumerate(times) if i not in (0, cfg.profile_step)] or times
+    res = {"losses": losses, "step_ms": statistics.median(steady) * 1e3,
            "copy_ops": ops, "tide_calls": calls, "transport": "stock", "fallbacks": {},
            "memory": None}
     if handle is not None:
