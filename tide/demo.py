@@ -187,8 +187,8 @@ def train(device: str = "auto", cfg=None) -> dict | None:
         try:
             res = demo_train.run("cuda", cfg)
         except Exception as e:  # noqa: BLE001 - the demo goes on on the CPU, saying why
-            first = str(e).strip().splitlines()[-1:] or [""]
-            print(f"  GPU training failed ({type(e).__name__}: {first[0]}); "
+            last = (str(e).strip().splitlines() or [""])[-1]  # a rank's error, not its traceback
+            print(f"  GPU training failed ({type(e).__name__}: {last}); "
                   "training on the CPU virtual cluster instead")
         else:
             print_training(res)
