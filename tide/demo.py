@@ -259,17 +259,20 @@ def print_training(res: dict) -> None:
     mem = tide_run["memory"]
     if not mem or not mem.get("groups"):
         return
-    print("\n  Buffers, bytes per rank: FSDP2 allocates two per call; TIDE's arena once, at enable()")
+    print("\n  Buffers, bytes per rank: FSDP2 allocates its all-gather output on every all-gather "
+          "(and the unsharded parameters\n  it copies out into, as large again) and its packed "
+          "fp32 reduce-scatter input on every reduce-scatter;\n  TIDE allocates one arena, once, "
+          "at enable()")
     print(f"  {'group':10s} {'TIDE slot':>10s} {'FSDP2 AG output':>16s} {'FSDP2 RS input':>16s}"
-          f" {'RS output (both)':>17s}")
+          f" {'FSDP2 RS output':>19s}")
     for fqn, g in mem["groups"].items():
         print(f"  {fqn:10s} {g['slot']:>10s} {g['unsharded_bytes']:>16,} "
-              f"{g['stock_rs_input_bytes']:>16,} {g['rs_output_bytes']:>17,}")
+              f"{g['stock_rs_input_bytes']:>16,} {g['rs_output_bytes']:>19,}")
     regions = ", ".join(f"{k} {v:,}" for k, v in mem["regions"].items() if v)
-    print(f"  TIDE arena: {mem['arena_bytes']:,} B ({regions}); the unsharded parameters are "
-          f"views of the ring slots, so FSDP2's separate all-gather output, its copy-out and "
-          f"its fp32 pack buffer do not exist. At this toy size the CPU executor's counters "
-          f"dominate the arena; the memory model below is the at-scale picture.")
+    print(f"  TIDE arena: {mem['arena_bytes']:,} B ({regions}).\n  The unsharded parameters "
+          f"are views of the arena's landing slots (ring0/ring1/fixed): no separate all-gather "
+          f"output, no copy-out,\n  no fp32 pack buffer; TIDE-RS writes FSDP2's fp32 RS output in place. At this toy size the executor's "
+          f"counters dominate the arena; the 70B memory model below is the at-scale picture.")
 
 
 def main(device: str = "auto", train_steps: int | None = 4) -> int:
