@@ -171,3 +171,26 @@ def test_demo_without_torch_skips_training_and_passes():
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     assert "Training with FSDP2: skipped (torch is not installed" in out.stdout
     assert "Agreement check: PASS" in out.stdout
+
+
+@pytest.mark.gpu
+def test_demo_training_on_the_gpus():
+    """The GPU path of the training section: one rank per GPU over NCCL (world 1 on one GPU),
+    stock FSDP2 against tide_torch on CUDA, bitwise on exact data."""
+    pytest.importorskip("torch")
+    from dataclasses import replace
+
+    from tide import demo_train
+
+    assert demo_train.gpu_unavailable_reason() is None
+    res = demo_train.run("cuda", replace(demo_train.Config(), layers=2, steps=3))
+    assert res["device"] == "cuda"
+    fallbacks = res["runs"]["in_place"]["fallbacks"]
+    if not demo._tide_served(res):
+        pytest.skip(f"tide_torch served no group on {res['world']} GPU rank(s): {fallbacks}")
+    for name in ("in_place", "slot_reuse"):
+        agree = res["agreement"][name]
+        assert agree["bitwise"] and agree["losses_equal"], (name, agree)
+        assert all(c["calls"] == 0 for c in res["runs"][name]["copy_ops"].values()), name
+    if res["world"] > 1:  # at world 1 FSDP2 itself skips the all-gather and its copies
+        assert all(c["calls"] > 0 for c in res["runs"]["stock"]["copy_ops"].values())
