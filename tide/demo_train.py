@@ -281,6 +281,8 @@ def run(device: str = "cpu", cfg: Config | None = None,
     returns rank 0's JSON result."""
     import torch.multiprocessing as mp
 
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"demo training: device must be 'cpu' or 'cuda', got {device!r}")
     cfg = cfg or Config()
     if device == "cuda":
         topology = gpu_topology(torch.cuda.device_count())
@@ -296,7 +298,10 @@ def run(device: str = "cpu", cfg: Config | None = None,
     try:
         mp.start_processes(_worker, args=(world, init_file, device, topology, asdict(cfg),
                                           out_path),
-                           nprocs=world, join=True, start_method="forkserver")
+                           nprocs=world, join=True,
+                           # CUDA ranks start from a fresh interpreter: nothing CUDA-initialised
+                           # is ever forked. CPU ranks fork from a server that preloaded torch.
+                           start_method="spawn" if device == "cuda" else "forkserver")
         with open(out_path) as f:
             return json.load(f)
     finally:
