@@ -1,5 +1,10 @@
 """The main job's checks (tide demo): they must really compare, and really pass."""
+import copy
+import subprocess
+import sys
+
 import numpy as np
+import pytest
 
 import tide
 from tide import demo
@@ -25,3 +30,167 @@ def test_demo_reference_detects_a_wrong_result():
     bad = np.array(outs[1], copy=True)
     bad[7] += 1e-2
     assert not np.allclose(bad, ref[1], rtol=0, atol=1e-5)
+
+
+# ---- the training section (tide/demo_train.py): 4 gloo ranks as 2 nodes x 2 ---------------------
+
+def test_demo_training_agrees_bitwise_and_removes_the_copies(capsys):
+    pytest.importorskip("torch")
+    from dataclasses import replace
+
+    from tide import demo_train
+
+    cfg = replace(demo_train.Config(), layers=2, steps=3)
+    res = demo.train("cpu", cfg)
+    out = capsys.readouterr().out
+    assert res["device"] == "cpu" and res["world"] == 4 and res["topology"] == [2, 2]
+    runs = res["runs"]
+    # The two TIDE runs really ran TIDE's programs: every collective of the profiled step.
+    for name in ("in_place", "slot_reuse"):
+        assert runs[name]["transport"] == "tide-executor", runs[name]["transport"]
+        assert not runs[name]["fallbacks"], runs[name]["fallbacks"]
+        calls = runs[name]["tide_calls"]
+        assert calls["ag_tide"] > 0 and calls["rs_tide"] > 0, calls
+        assert calls["ag_stock"] == 0 and calls["rs_stock"] == 0, calls
+        agree = res["agreement"][name]
+        assert agree["bitwise"] and agree["losses_equal"] and agree["max_abs_diff"] == 0.0, agree
+        assert runs[name]["losses"] == runs["stock"]["losses"]
+        # ... and FSDP2's layout copies are gone.
+        assert all(c["calls"] == 0 and c["bytes"] == 0 for c in runs[name]["copy_ops"].values())
+    # Stock FSDP2 shows every one of them (the profiler check is not vacuous), with their bytes:
+    # copy-out reads the whole bf16 all-gather output, the pack writes the fp32 RS input.
+    stock = runs["stock"]["copy_ops"]
+    for op in demo_train.COPY_OPS:
+        assert stock[op]["calls"] > 0 and stock[op]["bytes"] > 0, (op, stock)
+    groups = runs["in_place"]["memory"]["groups"]
+    assert stock["aten::_chunk_cat"]["calls"] == len(groups)  # one RS per group per step
+    assert stock["aten::_chunk_cat"]["bytes"] == sum(g["stock_rs_input_bytes"]
+                                                     for g in groups.values())
+    assert runs["stock"]["losses"][-1] < runs["stock"]["losses"][0]  # it trains
+    assert runs["in_place"]["memory"]["arena_bytes"] > 0
+    assert demo.training_ok(res)
+    assert ("parameters bitwise equal to stock FSDP2 on every rank: In-Place yes, "
+            "Slot-Reuse yes; losses equal: yes") in out
+    assert "split_with_sizes_copy (AG copy-out)" in out and "TIDE arena:" in out
+
+
+def test_training_ok_rejects_disagreement_and_leftover_copies():
+    res = {"agreement": {m: {"bitwise": True, "losses_equal": True, "max_abs_diff": 0.0}
+                         for m in ("in_place", "slot_reuse")},
+           "runs": {m: {"copy_ops": {"aten::_chunk_cat": {"calls": 0, "bytes": 0}},
+                        "tide_calls": {"ag_tide": 3, "rs_tide": 2}}
+                    for m in ("stock", "in_place", "slot_reuse")}}
+    assert demo.training_ok(res)
+    bad = copy.deepcopy(res)
+    bad["agreement"]["slot_reuse"]["bitwise"] = False
+    assert not demo.training_ok(bad)
+    bad = copy.deepcopy(res)
+    bad["runs"]["in_place"]["copy_ops"]["aten::_chunk_cat"]["calls"] = 1
+    assert not demo.training_ok(bad)
+    bad = copy.deepcopy(res)
+    bad["runs"]["in_place"]["tide_calls"]["rs_tide"] = 0  # everything handed to stock
+    assert not demo.training_ok(bad)
+
+
+def test_compare_shards_sees_one_ulp():
+    torch = pytest.importorskip("torch")
+    from tide import demo_train
+
+    ref = {"w": torch.randn(5, 3), "b": torch.randn(7)}
+    same, diff = demo_train.compare_shards(ref, {k: v.clone() for k, v in ref.items()})
+    assert same and diff == 0.0
+    got = {k: v.clone() for k, v in ref.items()}
+    got["b"][4] = torch.nextafter(got["b"][4], torch.tensor(float("inf")))
+    same, diff = demo_train.compare_shards(ref, got)
+    assert not same and diff > 0.0
+    with pytest.raises(ValueError, match="parameter names differ"):
+        demo_train.compare_shards(ref, {"w": ref["w"]})
+
+
+def test_gpu_path_falls_back_to_the_cpu_with_a_line(monkeypatch, capsys):
+    pytest.importorskip("torch")
+    from tide import demo_train
+
+    canned = {"device": "cpu"}
+    calls = []
+
+    def fake_run(device, cfg=None):
+        calls.append(device)
+        if device == "cuda":
+            raise RuntimeError("NCCL error: unhandled system error")
+        return canned
+
+    monkeypatch.setattr(demo_train, "run", fake_run)
+    monkeypatch.setattr(demo, "print_training", lambda res: None)
+    # A GPU path that is unavailable: say why, train on the CPU.
+    monkeypatch.setattr(demo_train, "gpu_unavailable_reason", lambda: "tide._core has no usable "
+                        "CUDA executor (built without CUDA, or no driver)")
+    assert demo.train("auto") is canned and calls == ["cpu"]
+    assert "GPU path unavailable: tide._core has no usable CUDA executor" in capsys.readouterr().out
+    # A GPU path that fails while running: say so, train on the CPU.
+    calls.clear()
+    monkeypatch.setattr(demo_train, "gpu_unavailable_reason", lambda: None)
+    assert demo.train("auto") is canned and calls == ["cuda", "cpu"]
+    assert ("GPU training failed (RuntimeError: NCCL error: unhandled system error); training "
+            "on the CPU virtual cluster instead") in capsys.readouterr().out
+    # No GPU at all on "auto": the CPU, quietly.
+    calls.clear()
+    monkeypatch.setattr(demo_train, "gpu_unavailable_reason", lambda: "torch sees no CUDA device")
+    assert demo.train("auto") is canned and calls == ["cpu"]
+    assert "unavailable" not in capsys.readouterr().out
+
+
+def test_gpu_topology_one_rank_per_gpu():
+    pytest.importorskip("torch")
+    from tide import demo_train
+    assert demo_train.gpu_topology(1) == (1, 1)
+    assert demo_train.gpu_topology(2) == (1, 2)
+    assert demo_train.gpu_topology(8) == (1, 8)
+    assert demo_train.gpu_topology(16) == (2, 8)
+    assert demo_train.gpu_topology(12) == (1, 1)
+
+
+def test_demo_main_without_training_and_cli_steps(capsys):
+    assert demo.main(device="cpu", train_steps=None) == 0
+    out = capsys.readouterr().out
+    assert "Agreement check: PASS" in out and "llama3.1-70b / largest" in out
+    assert "Training" not in out
+    from tide import cli
+    assert cli.main(["demo", "--steps", "1"]) == 2
+
+
+def test_demo_without_torch_skips_training_and_passes():
+    """`tide demo` on an install without torch: the virtual-cluster checks and the planner run,
+    the training section says why it is skipped (and torch is never imported)."""
+    code = ("import sys; sys.modules['torch'] = None; sys.modules['jax'] = None\n"
+            "from tide import demo\n"
+            "rc = demo.main(device='auto', train_steps=4)\n"
+            "assert 'torch' not in sys.modules or sys.modules['torch'] is None\n"
+            "sys.exit(rc)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    assert "Training with FSDP2: skipped (torch is not installed" in out.stdout
+    assert "Agreement check: PASS" in out.stdout
+
+
+@pytest.mark.gpu
+def test_demo_training_on_the_gpus():
+    """The GPU path of the training section: one rank per GPU over NCCL (world 1 on one GPU),
+    stock FSDP2 against tide_torch on CUDA, bitwise on exact data."""
+    pytest.importorskip("torch")
+    from dataclasses import replace
+
+    from tide import demo_train
+
+    assert demo_train.gpu_unavailable_reason() is None
+    res = demo_train.run("cuda", replace(demo_train.Config(), layers=2, steps=3))
+    assert res["device"] == "cuda"
+    fallbacks = res["runs"]["in_place"]["fallbacks"]
+    if not demo._tide_served(res):
+        pytest.skip(f"tide_torch served no group on {res['world']} GPU rank(s): {fallbacks}")
+    for name in ("in_place", "slot_reuse"):
+        agree = res["agreement"][name]
+        assert agree["bitwise"] and agree["losses_equal"], (name, agree)
+        assert all(c["calls"] == 0 for c in res["runs"][name]["copy_ops"].values()), name
+    if res["world"] > 1:  # at world 1 FSDP2 itself skips the all-gather and its copies
+        assert all(c["calls"] > 0 for c in res["runs"]["stock"]["copy_ops"].values())

@@ -209,7 +209,11 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
 def _cmd_demo(args: argparse.Namespace) -> int:
     from tide import demo
-    return demo.main()
+    if args.steps < 2:
+        print("tide demo: error: --steps must be >= 2 (step 1 is the profiled one)",
+              file=sys.stderr)
+        return 2
+    return demo.main(device=args.device, train_steps=None if args.no_train else args.steps)
 
 
 def _cmd_bench(which: str, rest: list[str]) -> int:
@@ -231,8 +235,14 @@ def main(argv: list[str] | None = None) -> int:
     sub = ap.add_subparsers(dest="cmd", required=True)
     pp = sub.add_parser("plan", help="plan a parameter group and print the memory model")
     _add_plan_args(pp)
-    sub.add_parser("demo", help="the main job: TIDE-AG/RS on a virtual cluster, checked; "
-                   "the planner's view of Llama-3.1-70B on 8x8 GPUs")
+    dp = sub.add_parser("demo", help="the main job: TIDE-AG/RS on a virtual cluster, checked; "
+                        "FSDP2 training with and without TIDE, checked bit for bit; the "
+                        "planner's view of Llama-3.1-70B on 8x8 GPUs")
+    dp.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
+                    help="where the training section runs (auto: the GPUs when the GPU path "
+                         "can run, else 2 nodes x 2 gloo processes on the CPU)")
+    dp.add_argument("--steps", type=int, default=4, help="AdamW steps per training run")
+    dp.add_argument("--no-train", action="store_true", help="skip the training section")
     bp = sub.add_parser("bench", help="benchmarks: TIDE and the stock path side by side",
                         add_help=False)
     bp.add_argument("which", choices=["ag", "rs", "interference", "train", "layout"],

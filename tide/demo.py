@@ -1,9 +1,17 @@
-"""`tide demo`: the main job. Runs TIDE-AG and TIDE-RS on a virtual cluster (the CPU executor, or
-the CUDA executor when a GPU is usable) for a small Llama-style block, checks both against
-references, shows what TIDE removes from FSDP2's path, then the planner's view of Llama-3.1-70B.
+"""`tide demo`: the main job.
+
+1. TIDE-AG and TIDE-RS on a virtual cluster (the CPU executor, or the CUDA executor when a GPU is
+   usable) for a small Llama-style block, checked against references;
+2. a small Llama-style model trained with FSDP2, stock and with ``tide_torch`` (In-Place and
+   Slot-Reuse), on the same data on every rank: parameters must agree bit for bit; what TIDE
+   removed (FSDP2's layout copies counted by torch.profiler, their bytes, per-call buffers vs
+   TIDE's arena). CPU: 2 nodes x 2 as gloo processes; with GPUs: one rank per GPU
+   (``tide/demo_train.py``; torch is imported only here, so ``tide plan`` stays framework-free);
+3. what TIDE removes per call and the memory model, then the planner's view of Llama-3.1-70B.
 """
 from __future__ import annotations
 
+import importlib.util
 import time
 
 import numpy as np
@@ -117,10 +125,19 @@ def run(topo: tide.Topology | None = None, seed: int = 0) -> dict:
               f"({t_ag * 1e3:.0f} ms) | RS vs fp64: max rel err {err:.1e} (bound 1e-05) "
               f"| RS integer data bit-exact: {'yes' if exact else 'NO'} ({t_rs * 1e3:.0f} ms)")
 
+    return res
+
+
+def removals(topo: tide.Topology | None = None) -> dict:
+    """Prints what TIDE removes from FSDP2's path for the demo's block (the memory model)."""
+    topo = topo or tide.Topology(nodes=2, gpus_per_node=2)
+    sig = small_llama_block()
+    res: dict = {}
     plan = tide.plan(sig, topo, mode="in_place")
     lay, mem = plan.layout, plan.memory()
     ns = lay.S * lay.N
-    print("\n== What TIDE removes from FSDP2's path for this group (per rank, per call)")
+    print(f"\n== What TIDE removes from FSDP2's path for this block (per rank, per call, "
+          f"{topo.nodes} x {topo.gpus_per_node})")
     print(f"  all-gather copy-out (split_with_sizes_copy): {2 * ns:,} bytes of HBM traffic, "
           f"{lay.P} copies -> 0 (shards land at Landing(p, r))")
     print(f"  all-gather copy-in (all_gather_copy_in):     {2 * lay.S:,} bytes -> 0 "
@@ -136,13 +153,147 @@ def run(topo: tide.Topology | None = None, seed: int = 0) -> dict:
     return res
 
 
-def main() -> int:
+# ---- training ----------------------------------------------------------------------------------
+_RUN_TITLES = {"stock": "stock FSDP2", "in_place": "TIDE In-Place", "slot_reuse": "TIDE Slot-Reuse"}
+_OP_TITLES = {"aten::split_with_sizes_copy": "split_with_sizes_copy (AG copy-out)",
+              "aten::_chunk_cat": "_chunk_cat (RS fp32 pack)",
+              "fsdp::all_gather_copy_in": "all_gather_copy_in (AG copy-in)"}
+
+
+def _pick_device(device: str) -> str:
+    """"auto" -> "cuda" when the GPU path can run, else "cpu" (saying why when a GPU is there)."""
+    from tide import demo_train
+    if device == "cpu":
+        return "cpu"
+    why = demo_train.gpu_unavailable_reason()
+    if why is None:
+        return "cuda"
+    if device == "cuda" or why != "torch sees no CUDA device":
+        print(f"  GPU path unavailable: {why}; training on the CPU virtual cluster instead")
+    return "cpu"
+
+
+def train(device: str = "auto", cfg=None) -> dict | None:
+    """The training section: prints it and returns the measured result (rank 0's JSON), or None
+    when torch is not installed. ``cfg``: a ``tide.demo_train.Config``."""
+    if importlib.util.find_spec("torch") is None:
+        print("\n== Training with FSDP2: skipped (torch is not installed: pip install 'tide[torch]')")
+        return None
+    from tide import demo_train
+    print()
+    device = _pick_device(device)
+    res = None
+    if device == "cuda":
+        try:
+            res = demo_train.run("cuda", cfg)
+        except Exception as e:  # noqa: BLE001 - the demo goes on on the CPU, saying why
+            last = (str(e).strip().splitlines() or [""])[-1]  # a rank's error, not its traceback
+            print(f"  GPU training failed ({type(e).__name__}: {last}); "
+                  "training on the CPU virtual cluster instead")
+        else:
+            print_training(res)
+            if not _tide_served(res):
+                print("  TIDE served no collective on the GPU run (see the fallbacks above); "
+                      "the CPU virtual cluster shows TIDE's path:\n")
+                res = None
+    if res is None:
+        res = demo_train.run("cpu", cfg)
+        print_training(res)
+    return res
+
+
+def _tide_served(res: dict) -> bool:
+    calls = res["runs"]["in_place"]["tide_calls"] or {}
+    return calls.get("ag_tide", 0) > 0 and calls.get("rs_tide", 0) > 0
+
+
+def training_ok(res: dict) -> bool:
+    """Bitwise agreement with stock FSDP2 in both modes, and no layout copy left with TIDE."""
+    agree = all(a["bitwise"] and a["losses_equal"] for a in res["agreement"].values())
+    no_copies = all(c["calls"] == 0 for name in ("in_place", "slot_reuse")
+                    for c in res["runs"][name]["copy_ops"].values())
+    return agree and no_copies and _tide_served(res)
+
+
+def print_training(res: dict) -> None:
+    c, runs, (M, L) = res["config"], res["runs"], res["topology"]
+    where = (f"{M} node(s) x {L} GPUs, one process per GPU ({res['device_name']})"
+             if res["device"] == "cuda" else
+             f"{M} nodes x {L} GPUs as {res['world']} gloo processes (CPU emulation)")
+    print(f"== Training a small Llama-style model with FSDP2: {where}")
+    tide_run = runs["in_place"]
+    served = len((tide_run["memory"] or {}).get("groups", {}))
+    print(f"  {c['layers']} blocks + root (vocab {c['vocab']}, dim {c['dim']}), {c['steps']} AdamW "
+          f"steps, MixedPrecisionPolicy(bf16, fp32), the same tokens on every rank, so every "
+          f"gradient sum is exact\n  TIDE: transport {tide_run['transport']}, {served} FSDP2 "
+          f"group(s) served, stock fallbacks: {tide_run['fallbacks'] or 'none'}")
+    print("\n  step " + "".join(f"{'loss ' + _RUN_TITLES[n]:>26s}" for n in runs))
+    for i in range(c["steps"]):
+        print(f"  {i:4d} " + "".join(f"{runs[n]['losses'][i]:26.9f}" for n in runs))
+    agree = res["agreement"]
+    yes = {True: "yes", False: "NO"}
+    print("  parameters bitwise equal to stock FSDP2 on every rank: "
+          + ", ".join(f"{_RUN_TITLES[n][5:]} {yes[a['bitwise']]}"
+                      + ("" if a["bitwise"] else f" (max |diff| {a['max_abs_diff']:.3e})")
+                      for n, a in agree.items())
+          + f"; losses equal: {yes[all(a['losses_equal'] for a in agree.values())]}")
+    if res["device"] == "cuda":
+        print("  step time (median, first and profiled steps excluded): "
+              + ", ".join(f"{_RUN_TITLES[n]} {runs[n]['step_ms']:.2f} ms" for n in runs))
+
+    print(f"\n  FSDP2's layout copies in one training step (torch.profiler, step "
+          f"{c['profile_step']}, rank 0): calls (bytes written)")
+    print(f"  {'op':38s}" + "".join(f"{_RUN_TITLES[n]:>22s}" for n in runs))
+    for op, title in _OP_TITLES.items():
+        cells = []
+        for n in runs:
+            o = runs[n]["copy_ops"][op]
+            cells.append(f"{o['calls']:d} ({o['bytes']:,} B)" if o["calls"] else "0")
+        print(f"  {title:38s}" + "".join(f"{x:>22s}" for x in cells))
+    for n in ("in_place", "slot_reuse"):
+        k = runs[n]["tide_calls"] or {}
+        print(f"  {_RUN_TITLES[n]} ran {k.get('ag_tide', 0)} all-gathers and "
+              f"{k.get('rs_tide', 0)} reduce-scatters through TIDE in that step "
+              f"({k.get('ag_stock', 0) + k.get('rs_stock', 0)} handed to stock)")
+
+    mem = tide_run["memory"]
+    if not mem or not mem.get("groups"):
+        return
+    print("\n  Buffers, bytes per rank: FSDP2 allocates its all-gather output on every all-gather "
+          "(and the unsharded parameters\n  it copies out into, as large again) and its packed "
+          "fp32 reduce-scatter input on every reduce-scatter;\n  TIDE allocates one arena, once, "
+          "at enable()")
+    print(f"  {'group':10s} {'TIDE slot':>10s} {'FSDP2 AG output':>16s} {'FSDP2 RS input':>16s}"
+          f" {'FSDP2 RS output':>19s}")
+    for fqn, g in mem["groups"].items():
+        print(f"  {fqn:10s} {g['slot']:>10s} {g['unsharded_bytes']:>16,} "
+              f"{g['stock_rs_input_bytes']:>16,} {g['rs_output_bytes']:>19,}")
+    regions = ", ".join(f"{k} {v:,}" for k, v in mem["regions"].items() if v)
+    print(f"  TIDE arena: {mem['arena_bytes']:,} B ({regions}).\n  The unsharded parameters "
+          f"are views of the arena's landing slots (ring0/ring1/fixed): no separate all-gather "
+          f"output, no copy-out,\n  no fp32 pack buffer; TIDE-RS writes FSDP2's fp32 RS output in place. At this toy size the executor's "
+          f"counters dominate the arena; the 70B memory model below is the at-scale picture.")
+
+
+def main(device: str = "auto", train_steps: int | None = 4) -> int:
+    """``tide demo``: ``device`` "auto" | "cpu" | "cuda" for the training section;
+    ``train_steps`` None skips training."""
     from tide import models
     from tide.cli import format_plan
 
     res = run()
     ok = all(res[m]["ag_bitexact"] and res[m]["rs_int_bitexact"] and res[m]["rs_rel_err"] <= 1e-5
              for m in ("in_place", "slot_reuse"))
+    removals()
+    if train_steps is not None:
+        from dataclasses import replace
+        cfg = None
+        if importlib.util.find_spec("torch") is not None:
+            from tide import demo_train
+            cfg = replace(demo_train.Config(), steps=train_steps)
+        tres = train(device, cfg)
+        if tres is not None:
+            ok = ok and training_ok(tres)
     print(f"\n== Agreement check: {'PASS' if ok else 'FAIL'}\n")
     print("== The planner's view of Llama-3.1-70B on 8 nodes x 8 GPUs\n")
     topo = tide.Topology(8, 8)
