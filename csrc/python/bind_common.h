@@ -3,6 +3,7 @@
 
 #include <nanobind/nanobind.h>
 
+#include <memory>
 #include <vector>
 
 #include "tide/exec_cpu.h"
@@ -10,9 +11,15 @@
 
 namespace tide {
 // One Program per rank, shared by Python objects so Call pointers stay valid during a run.
+// A generated set ([Note: generated programs]) holds headers and the generator `gen`.
 struct ProgramSet {
   std::vector<Program> progs;
   bool arena_bound = false;  // built with arena=: progs' arena specs are the caller's layout
+  std::shared_ptr<const ProgramGen> gen;
+  // Rank r's program with its ops (a generated set emits them: a copy).
+  Program program(int r) const;
+  // Throws PlanError naming `what` when the set is generated (it needs built ops).
+  void require_built(const char* what) const;
 };
 // {name: (offset, nbytes)} -> RegionTable (bind_rank_exec.cc).
 RegionTable regions_from_python(const nanobind::handle& regions);

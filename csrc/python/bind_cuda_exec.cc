@@ -95,6 +95,7 @@ void bind_cuda_exec(nb::module_& m) {
   nb::class_<cuda::CudaExecutor>(m, "CudaExecutor")
       .def("__init__", [](cuda::CudaExecutor* self, std::shared_ptr<fabric::InProcessFabric> f,
                           const ProgramSet& ps, double timeout_s, int sum_ctas, int land_ctas) {
+        ps.require_built("CudaExecutor");
         cuda::ExecOptions o;
         o.timeout_s = timeout_s;
         o.sum_ctas = sum_ctas;
