@@ -70,13 +70,27 @@ def test_lean_reduce_scatter_is_bitwise_the_checked_path(mode, grad_dtype):
     assert {k[3] for k in gen_keys} == {0, 1}
 
 
+@pytest.mark.parametrize("M,L", [(3, 4), (5, 2), (4, 8)])
+def test_generated_producer_map_matches_the_built_ops(M, L):
+    """Generated programs name a counter's producer without op tables (timeouts, wait chains)."""
+    _, plan = _plan(M, L)
+    built, gen = _core.build_rs_programs(plan), _core.generate_rs_programs(plan)
+    n = built.num_counters
+    for r in range(M * L):
+        for i in range(n):
+            want = built.producer(r, i)
+            if want != (-1, -1):  # unused slots (e.g. the last arrival index) have no producer
+                assert gen.producer(r, i) == want, (r, i)
+    assert gen.producer(M * L, 0) == (-1, -1) and gen.producer(0, n) == (-1, -1)
+
+
 def test_lean_timeout_names_rank_op_and_stream():
     _, plan = _plan(2, 2)
     vc = tide.VirtualCluster(tide.Topology(2, 2), lean=True, timeout_s=0.5)
     vc.faults = dict(dead_rank=1, dead_op=0)
     grads = [[np.zeros(s, np.float32) for s in [(9, 4), (3,), (37, 5)]] for _ in range(4)]
     with pytest.raises(tide.TimeoutError, match=r"rank \d .*call seq 1.*op \d+ \w+ \[stream (read|rail|land)\].*"
-                                                r"producer: not indexed"):
+                                                r"producer: rank \d \[(read|rail|land)\] \(generated program\).*root: rank 1 is not blocked"):
         vc.reduce_scatter(plan, grads)
 
 

@@ -225,8 +225,6 @@ RsProgramGen::RsProgramGen(std::shared_ptr<const Plan> plan, const RsCallOptions
   TIDE_PLAN_CHECK(plan_->sig.grad_dtype == DType::kBF16 || plan_->sig.grad_dtype == DType::kFP32,
                   "GroupSignature.grad_dtype: TIDE-RS reduces bfloat16 or float32 gradients, got ",
                   dtype_name(plan_->sig.grad_dtype));
-  TIDE_PLAN_CHECK(!opt.expert_lane, "RsProgramGen: the expert lane is built, not generated "
-                  "(RsCallOptions.expert_lane must be false)");
 }
 
 namespace {
@@ -432,6 +430,29 @@ void RsProgramGen::emit(int rank, int stream, int step, std::vector<Op>& out) co
   }
   for (int l = 0; l < L; ++l)
     x.bump(OpKind::kSignal, kLandStream, rs_tag::kLanded, x.rank_of(n, l), x.landed_from(me));
+}
+
+int RsProgramGen::producer(const CounterRef& c, int* stream) const {
+  const Plan& plan = *plan_;
+  *stream = -1;
+  if (c.rank < 0 || c.rank >= plan.topo.world()) return -1;
+  std::vector<Op> none;
+  const Ctx x = make_ctx(plan, opt_, c.rank, &none);
+  const int L = x.L, M = x.M, n = x.n, me = x.me, i = c.index;
+  if (i < 0 || i >= x.num_counters()) return -1;
+  const auto at = [&](int node, int local, int s) { *stream = s; return x.rank_of(node, local); };
+  if (i < L) return at(n, i, kRead);                                      // pushed_from[i]
+  if (i < 2 * L) return at(n, i - L, kRead);                              // stg_free_from[j]
+  if (i < 3 * L) return at(n, i - 2 * L, kRail);                          // ready_from[j]
+  if (i < 4 * L) return at(n, i - 3 * L, kLandStream);                    // landed_from[l]
+  if (i < 4 * L + M) return at(i - 4 * L, me, kRail);                     // credit_from[t]
+  if (i < x.ev_progress()) {  // arrival_from[c]: the PUT of contributor node n - c
+    const int cc = i - 4 * L - M + 1;
+    return cc < M ? at(((n - cc) % M + M) % M, me, kRail) : -1;
+  }
+  if (i == x.ev_progress() || i == x.ev_release()) return at(n, me, kRead);
+  if (i == x.ev_done()) return at(n, me, kLandStream);
+  return at(n, me, kRail);  // sent, rail_done, spare_copied
 }
 
 Program build_rs_program(const Plan& plan, const RsCallOptions& opt, int rank) {

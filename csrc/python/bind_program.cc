@@ -100,6 +100,24 @@ void bind_program(nb::module_& m) {
       .def_prop_ro("plan_hash", [](const ProgramSet& s) { return s.progs.empty() ? 0 : s.progs[0].plan_hash; })
       .def("num_ops", [](const ProgramSet& s, int r) { return s.program(r).ops.size(); })
       .def_prop_ro("generated", [](const ProgramSet& s) { return s.gen != nullptr; })
+      .def("producer", [](const ProgramSet& s, int rank, int index) {
+        // (rank, stream) of the ops that bump counter `index` on `rank`; (-1, -1): none.
+        const CounterRef c{rank, index};
+        if (s.gen) {
+          int stream = -1;
+          const int p = s.gen->producer(c, &stream);
+          return std::make_pair(p, p < 0 ? -1 : stream);
+        }
+        for (const Program& pr : s.progs)
+          for (const Op& op : pr.ops) {
+            const bool produces = op.kind == OpKind::kSignal || op.kind == OpKind::kCredit ||
+                                  op.kind == OpKind::kPut || op.kind == OpKind::kEventRecord;
+            if (produces && op.counter.rank == rank && op.counter.index == index)
+              return std::make_pair(pr.rank, static_cast<int>(op.stream));
+          }
+        return std::make_pair(-1, -1);
+      }, nb::arg("rank"), nb::arg("index"),
+         "Tests: (rank, stream) producing counter `index` on `rank` (ops scanned, or the generator's map).")
       .def("first_difference", [](const ProgramSet& a, const ProgramSet& b, int r) {
         const Program pa = a.program(r), pb = b.program(r);
         const size_t n = std::min(pa.ops.size(), pb.ops.size());

@@ -133,8 +133,23 @@ struct Runner {
     return arena.counters(c.rank)[c.index];
   }
 
+  // A generated call's generator, if any rank runs one (then no rank has op tables to scan).
+  const ProgramGen* generator() const {
+    for (const auto& calls : per_rank)
+      for (const Call& call : calls)
+        if (call.gen) return call.gen;
+    return nullptr;
+  }
+
   std::string producer_of(const Call& call, const CounterRef& c) const {
-    if (call.gen) return "not indexed (generated programs)";
+    if (call.gen) {
+      int stream = -1;
+      const int p = call.gen->producer(c, &stream);
+      if (p < 0) return "unknown (generated program)";
+      const auto& names = call.program->streams;
+      return TIDE_STR_CAT("rank ", p, " [", stream >= 0 && stream < static_cast<int>(names.size()) ? names[stream] : "?",
+                          "] (generated program)");
+    }
     for (const auto& calls : per_rank) {
       if (calls.empty()) continue;
       const Program& pr = *calls.front().program;
@@ -150,6 +165,10 @@ struct Runner {
   }
 
   int producer_rank(const CounterRef& c) const {
+    if (const ProgramGen* gen = generator()) {
+      int stream = -1;
+      return gen->producer(c, &stream);
+    }
     for (const auto& calls : per_rank) {
       if (calls.empty()) continue;
       const Program& pr = *calls.front().program;
@@ -165,9 +184,6 @@ struct Runner {
   // Follows "waits for a counter produced by rank p, which itself waits for ..." to the root.
   std::string wait_chain(CounterRef c) const {
     std::string out;
-    for (const auto& calls : per_rank)
-      for (const Call& call : calls)
-        if (call.gen) return out;  // no op tables to follow
     std::vector<int> seen;
     for (int hop = 0; hop < 8; ++hop) {
       const int p = producer_rank(c);

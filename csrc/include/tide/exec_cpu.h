@@ -24,7 +24,8 @@
 //   - Generated calls (Call::gen, [Note: generated programs] in program.h) run in threads mode
 //     only: each stream emits its next step when its current one is done, so a rank holds one
 //     step per stream, not its program. Their timeouts name rank, stream and the op's position
-//     in its stream; producers are not looked up (no op tables) and PUTs are not checksummed.
+//     in its stream; producers come from ProgramGen::producer (no op tables to scan) and PUTs
+//     are not checksummed.
 #pragma once
 
 #include <atomic>

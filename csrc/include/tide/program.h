@@ -245,6 +245,13 @@ class ProgramGen {
   virtual int steps(int rank, int stream) const = 0;
   // Appends step `step` of `stream` of rank `rank`'s program to `out`.
   virtual void emit(int rank, int stream, int step, std::vector<Op>& out) const = 0;
+  // The rank (and its stream) whose ops bump `counter` (single producer), for timeout messages
+  // without op tables; -1 when unknown.
+  virtual int producer(const CounterRef& counter, int* stream) const {
+    (void)counter;
+    *stream = -1;
+    return -1;
+  }
 };
 
 // One call of a program on one rank: the collective order is the order of these per rank.
