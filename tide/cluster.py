@@ -35,7 +35,12 @@ class _GroupState:
 
 class VirtualCluster:
     """M x L ranks on one machine. `check`: run the static checker (I1-I4) on every new program
-    set before its first use (None: when the world has at most 64 ranks)."""
+    set before its first use (None: when the world has at most 64 ranks).
+
+    `lean` (scale runs, e.g. 1024 x 8): reduce_scatter generates each rank's RS program while it
+    runs (`_core.generate_rs_programs`, [Note: generated programs] in program.h) instead of
+    holding every rank's ops, only for the bank a call uses; the checker does not run on them
+    (it needs built programs; it proves the same ops over the CI grid). Threads mode only."""
 
     def __new__(cls, topo=None, backend: str = "cpu", *args, **kwargs):
         # Backend hook: backend="cuda" builds the CUDA virtual cluster (tide/cluster_cuda.py).
@@ -45,12 +50,19 @@ class VirtualCluster:
         return super().__new__(cls)
 
     def __init__(self, topo, backend: str = "cpu", ranks_as: str = "threads", *,
-                 timeout_s: float = 30.0, check: bool | None = None, workers: int = 0):
+                 timeout_s: float = 30.0, check: bool | None = None, workers: int = 0,
+                 lean: bool = False):
         if backend != "cpu":
             raise _core.PlanError(f"VirtualCluster.backend: {backend!r} is not available here "
                                   "(this build runs backend='cpu')")
         if ranks_as not in ("threads", "processes"):
             raise _core.PlanError(f"VirtualCluster.ranks_as: expected 'threads' or 'processes', got {ranks_as!r}")
+        if lean and ranks_as != "threads":
+            raise _core.PlanError("VirtualCluster.lean: generated programs run with ranks_as='threads', "
+                                  f"got {ranks_as!r}")
+        if lean and check:
+            raise _core.PlanError("VirtualCluster.lean: the checker needs built programs (pass check=None or False)")
+        self.lean = bool(lean)
         self.topo = topo
         self.backend = backend
         self.ranks_as = ranks_as
@@ -71,7 +83,7 @@ class VirtualCluster:
                                   f"{self.topo.nodes}x{self.topo.gpus_per_node}")
 
     def _checking(self) -> bool:
-        return bool(self.check or (self.check is None and self.world <= 64))
+        return bool(self.check or (self.check is None and self.world <= 64)) and not self.lean
 
     def _check_rs_args(self, grads, accumulate):
         N = self.world
@@ -206,15 +218,25 @@ class VirtualCluster:
             self._rs_groups = getattr(self, "_rs_groups", {})
             st = None
         seq = (st.seq if st else 0) + 1
-        key = ("rs", float(scale), accumulate is not None, expert_lane)
-        banks = st.programs.get(key) if st else None
-        if banks is None:
-            banks = self._rs_banks(plan, build, scale, accumulate is not None, expert_lane)
-            if st is None:
-                arena = _core.CpuArena(N, banks[0], self.ranks_as == "processes")
-                st = self._rs_groups[gkey] = _GroupState(arena)
-            st.programs[key] = banks
-        progs = banks[seq % 2]
+        if self.lean and not expert_lane:  # generated, and only the bank this call uses
+            key = ("rs-gen", float(scale), accumulate is not None, seq % 2)
+            progs = st.programs.get(key) if st else None
+            if progs is None:
+                progs = _core.generate_rs_programs(plan, bank=seq % 2, alpha=float(scale),
+                                                   accumulate=accumulate is not None)
+                if st is None:
+                    st = self._rs_groups[gkey] = _GroupState(_core.CpuArena(N, progs, False))
+                st.programs[key] = progs
+        else:
+            key = ("rs", float(scale), accumulate is not None, expert_lane)
+            banks = st.programs.get(key) if st else None
+            if banks is None:
+                banks = self._rs_banks(plan, build, scale, accumulate is not None, expert_lane)
+                if st is None:
+                    arena = _core.CpuArena(N, banks[0], self.ranks_as == "processes")
+                    st = self._rs_groups[gkey] = _GroupState(arena)
+                st.programs[key] = banks
+            progs = banks[seq % 2]
         gdt = _DTYPES[grad_name]
         bindings, outs = [], []
         for r in range(N):

@@ -57,60 +57,66 @@ void build_segments(RsSchedule& rs, const GroupLayout& layout, int64_t E) {
 // (pitch e_p = R_p*K_p in G_p, E_chunk in staging), so one strided copy covers the fully valid
 // rows, one short tail the final padded row, and rows wholly past D_p are never copied: the sum
 // treats them as zero (valid extents), which is what FSDP2's zero padding contributes.
+// for_each_level1_copy_of: the pushes of one unit (c, pass, owner j, chunk) of `rank`.
 template <typename F>
-void for_each_level1_copy(const GroupLayout& layout, const RsSchedule& rs, int rank, F&& f) {
+void for_each_level1_copy_of(const GroupLayout& layout, const RsSchedule& rs, int rank, int c, int pass,
+                             int j, int chunk, F&& f) {
   const int M = rs.M, L = rs.L;
-  const int n = rank / L, i = rank % L;
+  const int n = rank / L;
   const int64_t b = rs.b_grad;
-  for (int c = 1; c <= M; ++c) {
-    const int t = (n + c) % M;
-    for (int pass = 0; pass < rs.n_part; ++pass) {
-      for (int j = 0; j < L; ++j) {
-        if (j == i) continue;  // the owner reads its own contribution in place
-        const int s = subslice_of(j, c, M, L);
-        const RsSubslice& sub = rs.subslice(pass, s);
-        for (int chunk = 0; chunk < rs.n_chunks; ++chunk) {
-          const int64_t col0 = chunk * rs.E_chunk, col1 = col0 + rs.E_chunk;
-          for (int si = sub.seg_begin; si < sub.seg_end; ++si) {
-            const RsSegment& seg = rs.segments[si];
-            const int64_t x0 = std::max(col0, seg.sub_offset);
-            const int64_t x1 = std::min(col1, seg.sub_offset + seg.length);
-            if (x0 >= x1) continue;
-            const ParamLayout& pl = layout.params[seg.param];
-            const int64_t po = seg.param_offset + (x0 - seg.sub_offset);
-            const int64_t w = x1 - x0;
-            int l_full = 0;
-            while (l_full < L && layout.valid_rows(seg.param, t * L + l_full) * pl.K >= po + w)
-              ++l_full;
-            RsL1Copy cp;
-            cp.c = c; cp.t = t; cp.owner = j; cp.pass = pass; cp.s = s; cp.chunk = chunk;
-            cp.copy.param = seg.param;
-            cp.copy.src_pitch = pl.e * b;
-            cp.copy.dst_pitch = rs.E_chunk * b;
-            if (l_full > 0) {
-              cp.copy.src_offset = (static_cast<int64_t>(t) * L * pl.e + po) * b;
-              cp.copy.dst_offset = (x0 - col0) * b;
-              cp.copy.width = w * b;
-              cp.copy.height = l_full;
-              cp.tail = false;
-              f(cp);
-            }
-            if (l_full < L) {
-              const int64_t valid = layout.valid_rows(seg.param, t * L + l_full) * pl.K;
-              if (valid > po) {
-                cp.copy.src_offset = ((static_cast<int64_t>(t) * L + l_full) * pl.e + po) * b;
-                cp.copy.dst_offset = (l_full * rs.E_chunk + x0 - col0) * b;
-                cp.copy.width = (valid - po) * b;
-                cp.copy.height = 1;
-                cp.tail = true;
-                f(cp);
-              }
-            }
-          }
-        }
+  const int t = (n + c) % M;
+  const int s = subslice_of(j, c, M, L);
+  const RsSubslice& sub = rs.subslice(pass, s);
+  const int64_t col0 = chunk * rs.E_chunk, col1 = col0 + rs.E_chunk;
+  for (int si = sub.seg_begin; si < sub.seg_end; ++si) {
+    const RsSegment& seg = rs.segments[si];
+    const int64_t x0 = std::max(col0, seg.sub_offset);
+    const int64_t x1 = std::min(col1, seg.sub_offset + seg.length);
+    if (x0 >= x1) continue;
+    const ParamLayout& pl = layout.params[seg.param];
+    const int64_t po = seg.param_offset + (x0 - seg.sub_offset);
+    const int64_t w = x1 - x0;
+    int l_full = 0;
+    while (l_full < L && layout.valid_rows(seg.param, t * L + l_full) * pl.K >= po + w)
+      ++l_full;
+    RsL1Copy cp;
+    cp.c = c; cp.t = t; cp.owner = j; cp.pass = pass; cp.s = s; cp.chunk = chunk;
+    cp.copy.param = seg.param;
+    cp.copy.src_pitch = pl.e * b;
+    cp.copy.dst_pitch = rs.E_chunk * b;
+    if (l_full > 0) {
+      cp.copy.src_offset = (static_cast<int64_t>(t) * L * pl.e + po) * b;
+      cp.copy.dst_offset = (x0 - col0) * b;
+      cp.copy.width = w * b;
+      cp.copy.height = l_full;
+      cp.tail = false;
+      f(cp);
+    }
+    if (l_full < L) {
+      const int64_t valid = layout.valid_rows(seg.param, t * L + l_full) * pl.K;
+      if (valid > po) {
+        cp.copy.src_offset = ((static_cast<int64_t>(t) * L + l_full) * pl.e + po) * b;
+        cp.copy.dst_offset = (l_full * rs.E_chunk + x0 - col0) * b;
+        cp.copy.width = (valid - po) * b;
+        cp.copy.height = 1;
+        cp.tail = true;
+        f(cp);
       }
     }
   }
+}
+
+template <typename F>
+void for_each_level1_copy(const GroupLayout& layout, const RsSchedule& rs, int rank, F&& f) {
+  const int M = rs.M, L = rs.L;
+  const int i = rank % L;
+  for (int c = 1; c <= M; ++c)
+    for (int pass = 0; pass < rs.n_part; ++pass)
+      for (int j = 0; j < L; ++j) {
+        if (j == i) continue;  // the owner reads its own contribution in place
+        for (int chunk = 0; chunk < rs.n_chunks; ++chunk)
+          for_each_level1_copy_of(layout, rs, rank, c, pass, j, chunk, f);
+      }
 }
 
 }  // namespace
@@ -190,6 +196,12 @@ std::vector<RsL1Copy> rs_level1_copies(const GroupLayout& layout, const RsSchedu
   std::vector<RsL1Copy> out;
   for_each_level1_copy(layout, rs, rank, [&](const RsL1Copy& c) { out.push_back(c); });
   return out;
+}
+
+void rs_level1_unit_copies(const GroupLayout& layout, const RsSchedule& rs, int rank, int c, int pass,
+                           int owner, int chunk, std::vector<RsL1Copy>& out) {
+  for_each_level1_copy_of(layout, rs, rank, c, pass, owner, chunk,
+                          [&](const RsL1Copy& cp) { out.push_back(cp); });
 }
 
 RsSchedule build_rs_schedule(const GroupLayout& layout, const Topology& topo, const Options& opt) {

@@ -16,6 +16,7 @@
 #include "tide/rs_program.h"
 
 #include <algorithm>
+#include <memory>
 
 namespace tide {
 
@@ -33,7 +34,7 @@ struct Ctx {
   int b;  // grad item size
   int64_t units;  // Level-1 units per call: n_part * M * n_chunks
   int T;          // waves per call
-  Program prog;
+  std::vector<Op>* out;  // ops are appended here (a Program's ops or a generated step)
 
   // Counter indices.
   int pushed_from(int i) const { return i; }
@@ -62,8 +63,8 @@ struct Ctx {
   int64_t spare_off() const { return static_cast<int64_t>(opt.bank) * rs.n_spare * rs.block_bytes; }
 
   Op& emit(OpKind kind, uint8_t stream, OpTag tag, int32_t round = -1) {
-    prog.ops.emplace_back();
-    Op& op = prog.ops.back();
+    out->emplace_back();
+    Op& op = out->back();
     op.kind = kind;
     op.stream = stream;
     op.tag = tag;
@@ -96,9 +97,6 @@ struct Ctx {
   }
   // Valid gradient elements of parameter p in destination rank r's rows (rows past D_p: none).
   int64_t valid_elems(int p, int r) const { return lay.valid_rows(p, r) * lay.params[p].K; }
-  int64_t copy_key(int c, int pass, int owner, int chunk) const {
-    return ((static_cast<int64_t>(c - 1) * rs.n_part + pass) * L + owner) * rs.n_chunks + chunk;
-  }
   // Read order inside a pass (Algorithm 1): the first min(n_out, M-1) remote destinations, then
   // the own-node partial (into the spare), then the remote destinations that wait for sends.
   int first_reads() const { return std::min(rs.n_out, M - 1); }
@@ -120,9 +118,8 @@ std::pair<int64_t, int64_t> staging_free_target(const Ctx& x, int64_t u) {
 
 // Level-1 unit (pass, c, chunk): push my contribution to every other owner, then sum my own
 // sub-slice as owner into `dst_kind` (outbox block or spare).
-void level1_unit(Ctx& x, int pass, int c, int chunk, const std::vector<RsL1Copy>& mine,
-                 const std::vector<std::pair<int, int>>& by_key, BufKind dst_kind, int dst_index,
-                 int64_t dst_block_off) {
+void level1_unit(Ctx& x, int pass, int c, int chunk, std::vector<RsL1Copy>& mine, BufKind dst_kind,
+                 int dst_index, int64_t dst_block_off) {
   const RsSchedule& rs = x.rs;
   const int L = x.L, M = x.M, me = x.me;
   const int64_t u = x.unit_index(pass, c, chunk);
@@ -137,9 +134,9 @@ void level1_unit(Ctx& x, int pass, int c, int chunk, const std::vector<RsL1Copy>
     const int area = me < j ? me : me - 1;
     const int owner = x.rank_of(x.n, j);
     const int s_j = subslice_of(j, c, M, L);
-    const std::pair<int, int> range = by_key[x.copy_key(c, pass, j, chunk)];
-    for (int ci = range.first; ci < range.second; ++ci) {
-      const RsL1Copy& cp = mine[ci];
+    mine.clear();
+    rs_level1_unit_copies(x.lay, rs, x.rank, c, pass, j, chunk, mine);
+    for (const RsL1Copy& cp : mine) {
       TIDE_CHECK(cp.s == s_j && cp.t == t && cp.c == c && cp.owner == j, "Level-1 copy order");
       CopyDesc d;
       d.src = x.ref(BufKind::kGrad, x.rank, cp.copy.param, cp.copy.src_offset, cp.copy.width,
@@ -166,7 +163,7 @@ void level1_unit(Ctx& x, int pass, int c, int chunk, const std::vector<RsL1Copy>
     op.dst = whole ? x.ref(dst_kind, x.rank, dst_index, dst_block_off, rs.block_bytes)
                    : x.ref(dst_kind, x.rank, dst_index,
                            dst_block_off + (l * rs.E_sub + col0) * 4, cols * 4);
-    sums.push_back(x.prog.ops.size() - 1);
+    sums.push_back(x.out->size() - 1);
   }
   for (int si = sub.seg_begin; si < sub.seg_end; ++si) {
     const RsSegment& seg = rs.segments[si];
@@ -179,7 +176,7 @@ void level1_unit(Ctx& x, int pass, int c, int chunk, const std::vector<RsL1Copy>
       const int r = x.rank_of(t, l);
       const int64_t v = std::min(x1 - x0, x.valid_elems(seg.param, r) - po);
       if (v <= 0) continue;
-      Op& op = x.prog.ops[sums[whole ? 0 : l]];
+      Op& op = (*x.out)[sums[whole ? 0 : l]];
       const int64_t dst_elem = whole ? l * rs.E_sub + x0 : x0 - col0;
       int term = 0;
       for (int i = 0; i < L; ++i) {
@@ -220,25 +217,35 @@ float rs_fold_alpha(RsReduceOp op, int world, double premul, double predivide, d
   return static_cast<float>(a);
 }
 
-Program build_rs_program(const Plan& plan, const RsCallOptions& opt, int rank) {
+RsProgramGen::RsProgramGen(std::shared_ptr<const Plan> plan, const RsCallOptions& opt)
+    : plan_(std::move(plan)), opt_(opt) {
   TIDE_PLAN_CHECK(opt.struct_size == sizeof(RsCallOptions), "RsCallOptions.struct_size: ",
                   opt.struct_size, " does not match this build's ", sizeof(RsCallOptions));
   TIDE_PLAN_CHECK(opt.bank == 0 || opt.bank == 1, "RsCallOptions.bank: must be 0 or 1, got ", opt.bank);
+  TIDE_PLAN_CHECK(plan_->sig.grad_dtype == DType::kBF16 || plan_->sig.grad_dtype == DType::kFP32,
+                  "GroupSignature.grad_dtype: TIDE-RS reduces bfloat16 or float32 gradients, got ",
+                  dtype_name(plan_->sig.grad_dtype));
+}
+
+namespace {
+Ctx make_ctx(const Plan& plan, const RsCallOptions& opt, int rank, std::vector<Op>* out) {
   TIDE_PLAN_CHECK(rank >= 0 && rank < plan.topo.world(), "rank: ", rank, " is outside [0, ",
                   plan.topo.world(), ")");
-  TIDE_PLAN_CHECK(plan.sig.grad_dtype == DType::kBF16 || plan.sig.grad_dtype == DType::kFP32,
-                  "GroupSignature.grad_dtype: TIDE-RS reduces bfloat16 or float32 gradients, got ",
-                  dtype_name(plan.sig.grad_dtype));
-  const RsSchedule& rs = plan.rs;
-  Ctx x{plan, rs, plan.layout, opt, rank, plan.topo.nodes, plan.topo.gpus_per_node,
+  Ctx x{plan, plan.rs, plan.layout, opt, rank, plan.topo.nodes, plan.topo.gpus_per_node,
         rank / plan.topo.gpus_per_node, rank % plan.topo.gpus_per_node, plan.sig.grad_dtype,
-        dtype_size(plan.sig.grad_dtype), 0, 0, Program()};
-  const int M = x.M, L = x.L, n = x.n, me = x.me;
-  x.units = static_cast<int64_t>(rs.n_part) * M * rs.n_chunks;
-  x.T = static_cast<int>(rs.wave_list.size());
-  const int64_t PM = static_cast<int64_t>(rs.n_part) * M;
-  const int64_t D = rs.d_rem;
-  Program& prog = x.prog;
+        dtype_size(plan.sig.grad_dtype), 0, 0, out};
+  x.units = static_cast<int64_t>(plan.rs.n_part) * x.M * plan.rs.n_chunks;
+  x.T = static_cast<int>(plan.rs.wave_list.size());
+  return x;
+}
+}  // namespace
+
+Program RsProgramGen::header(int rank, bool counter_names) const {
+  const Plan& plan = *plan_;
+  const RsCallOptions& opt = opt_;
+  Program prog;
+  Ctx x = make_ctx(plan, opt, rank, &prog.ops);
+  const int M = x.M, L = x.L;
   prog.collective = Collective::kReduceScatter;
   prog.rank = rank;
   prog.topo = plan.topo;
@@ -246,24 +253,26 @@ Program build_rs_program(const Plan& plan, const RsCallOptions& opt, int rank) {
   prog.group = opt.group;
   prog.streams = {"read", "rail", "land"};
   prog.num_counters = x.num_counters();
-  prog.counter_names.resize(prog.num_counters);
-  for (int i = 0; i < L; ++i) {
+  prog.release_event = x.ev_release();
+  prog.done_event = x.ev_done();
+  prog.arena = arena_spec_for(plan, prog.num_counters);
+  prog.counter_names.resize(counter_names ? prog.num_counters : 0);
+  for (int i = 0; i < L && counter_names; ++i) {
     prog.counter_names[x.pushed_from(i)] = TIDE_STR_CAT("pushed_from[", i, "]");
     prog.counter_names[x.stg_free_from(i)] = TIDE_STR_CAT("stg_free_from[", i, "]");
     prog.counter_names[x.ready_from(i)] = TIDE_STR_CAT("ready_from[", i, "]");
     prog.counter_names[x.landed_from(i)] = TIDE_STR_CAT("landed_from[", i, "]");
   }
-  for (int t = 0; t < M; ++t) prog.counter_names[x.credit_from(t)] = TIDE_STR_CAT("credit_from[", t, "]");
-  for (int c = 1; c < M; ++c) prog.counter_names[x.arrival_from(c)] = TIDE_STR_CAT("arrival_from[", c, "]");
-  prog.counter_names[x.ev_progress()] = "read_progress";
-  prog.counter_names[x.ev_sent()] = "sent";
-  prog.counter_names[x.ev_rail_done()] = "rail_done";
-  prog.counter_names[x.ev_release()] = "release";
-  prog.counter_names[x.ev_done()] = "done";
-  prog.counter_names[x.ev_spare()] = "spare_copied";
-  prog.release_event = x.ev_release();
-  prog.done_event = x.ev_done();
-  prog.arena = arena_spec_for(plan, prog.num_counters);
+  if (counter_names) {
+    for (int t = 0; t < M; ++t) prog.counter_names[x.credit_from(t)] = TIDE_STR_CAT("credit_from[", t, "]");
+    for (int c = 1; c < M; ++c) prog.counter_names[x.arrival_from(c)] = TIDE_STR_CAT("arrival_from[", c, "]");
+    prog.counter_names[x.ev_progress()] = "read_progress";
+    prog.counter_names[x.ev_sent()] = "sent";
+    prog.counter_names[x.ev_rail_done()] = "rail_done";
+    prog.counter_names[x.ev_release()] = "release";
+    prog.counter_names[x.ev_done()] = "done";
+    prog.counter_names[x.ev_spare()] = "spare_copied";
+  }
   const RsArenaNeeds need = rs_arena_needs(plan);
   const auto region = [&](BufKind k) { return prog.arena.bytes[static_cast<int>(k)]; };
   TIDE_CHECK(region(BufKind::kStaging) >= need.staging && region(BufKind::kOutbox) >= need.outbox &&
@@ -282,68 +291,64 @@ Program build_rs_program(const Plan& plan, const RsCallOptions& opt, int rank) {
   }
   prog.user_buffer_bytes[static_cast<int>(BufKind::kOut)] = {x.lay.E * 4};
   prog.user_outputs.push_back(x.ref(BufKind::kOut, rank, -1, 0, x.lay.E * 4));
-  // Eq. 5 provenance: every valid element of out[p, r] is the sum over ranks u of grad_u[p] rows
-  // I_{p,r}; padded rows are zero. (alpha scales values, not provenance; accumulate adds the
-  // previous output, which the checker cannot name, so no expects then.)
-  if (!opt.accumulate) {
-    for (int p = 0; p < P; ++p) {
-      const ParamLayout& pl = x.lay.params[p];
-      const int64_t v = x.valid_elems(p, rank);
-      if (v > 0) {
-        Expect e;
-        e.region = x.ref(BufKind::kOut, rank, -1, pl.o32 * 4, v * 4);
-        e.region_dtype = DType::kFP32;
-        for (int u = 0; u < plan.topo.world(); ++u)
-          e.sources.push_back({x.ref(BufKind::kGrad, u, p, rank * pl.e * x.b, v * x.b), x.gdt});
-        prog.expects.push_back(e);
-      }
-      if (v < pl.e) {
-        Expect e;
-        e.region = x.ref(BufKind::kOut, rank, -1, (pl.o32 + std::max<int64_t>(v, 0)) * 4,
-                         (pl.e - std::max<int64_t>(v, 0)) * 4);
-        e.region_dtype = DType::kFP32;
-        prog.expects.push_back(e);
-      }
-    }
-  }
+  return prog;
+}
 
-  // ---- read stream: Level 1 (Algorithm 1 lines 1-7; later sums follow the sends) ----------
-  const std::vector<RsL1Copy> mine = rs_level1_copies(x.lay, rs, rank);
-  std::vector<std::pair<int, int>> by_key(static_cast<size_t>(M) * rs.n_part * L * rs.n_chunks,
-                                          {0, 0});
-  for (size_t i = 0; i < mine.size(); ++i) {
-    auto& r = by_key[x.copy_key(mine[i].c, mine[i].pass, mine[i].owner, mine[i].chunk)];
-    if (r.second == 0) r.first = static_cast<int>(i);
-    r.second = static_cast<int>(i) + 1;
-  }
-  // Bank b was last used by call e-2: its sends and spare copies must be done.
-  x.wait(kRead, rs_tag::kBankWait, rank, x.ev_rail_done(), -2, 1, true);
-  for (int pass = 0; pass < rs.n_part; ++pass) {
-    for (int pos = 0; pos < M; ++pos) {
-      const int c = x.c_at(pos);
-      BufKind kind = BufKind::kSpare;
-      int index = opt.bank;
-      int64_t off = x.spare_off();
-      if (c == M && pass > 0)  // one spare per bank: the previous pass's own partial is copied out
-        x.wait(kRead, rs_tag::kSpareWait, rank, x.ev_spare(), pass - rs.n_part, rs.n_part, true);
-      if (c < M) {
-        const int64_t J = static_cast<int64_t>(pass) * (M - 1) + c - 1;
-        index = static_cast<int>(J % rs.n_out);
-        kind = BufKind::kOutbox;
-        off = x.outbox_off(index);
-        if (J >= rs.n_out)  // partial outbox: block J mod n_out is free once J - n_out is sent
-          x.wait(kRead, rs_tag::kOutboxWait, rank, x.ev_sent(), J - rs.n_out + 1 - D, D, true);
-      }
-      for (int chunk = 0; chunk < rs.n_chunks; ++chunk)
-        level1_unit(x, pass, c, chunk, mine, by_key, kind, index, off);
-      x.record(kRead, rs_tag::kProgress, x.ev_progress(), x.read_pos(pass, c) + 1 - PM, PM);
-    }
-  }
-  x.record(kRead, OpTag::kRelease, x.ev_release(), 0, 1);
+int RsProgramGen::steps(int, int stream) const {
+  const RsSchedule& rs = plan_->rs;
+  const int T = static_cast<int>(rs.wave_list.size());
+  // read: bank wait, one step per (pass, position), release; rail/land: one step per wave, final record.
+  return stream == kRead ? rs.n_part * rs.M + 2 : stream == kRail || stream == kLandStream ? T + 1 : 0;
+}
 
-  // ---- rail stream: Level 2 waves (Algorithm 1 lines 8-17) --------------------------------
-  const int T = x.T;
-  for (int g = 0; g < T; ++g) {
+void RsProgramGen::emit(int rank, int stream, int step, std::vector<Op>& out) const {
+  const Plan& plan = *plan_;
+  const RsCallOptions& opt = opt_;
+  const RsSchedule& rs = plan.rs;
+  Ctx x = make_ctx(plan, opt, rank, &out);
+  const int M = x.M, L = x.L, n = x.n, me = x.me, T = x.T;
+  const int64_t PM = static_cast<int64_t>(rs.n_part) * M;
+  const int64_t D = rs.d_rem;
+  TIDE_CHECK(step >= 0 && step < steps(rank, stream), "RsProgramGen::emit: rank ", rank, " stream ",
+             stream, " has no step ", step);
+  if (stream == kRead) {
+    // ---- read stream: Level 1 (Algorithm 1 lines 1-7; later sums follow the sends) --------
+    if (step == 0) {  // bank b was last used by call e-2: its sends and spare copies must be done
+      x.wait(kRead, rs_tag::kBankWait, rank, x.ev_rail_done(), -2, 1, true);
+      return;
+    }
+    if (step == PM + 1) {
+      x.record(kRead, OpTag::kRelease, x.ev_release(), 0, 1);
+      return;
+    }
+    const int pass = (step - 1) / M, pos = (step - 1) % M;
+    std::vector<RsL1Copy> mine;
+    const int c = x.c_at(pos);
+    BufKind kind = BufKind::kSpare;
+    int index = opt.bank;
+    int64_t off = x.spare_off();
+    if (c == M && pass > 0)  // one spare per bank: the previous pass's own partial is copied out
+      x.wait(kRead, rs_tag::kSpareWait, rank, x.ev_spare(), pass - rs.n_part, rs.n_part, true);
+    if (c < M) {
+      const int64_t J = static_cast<int64_t>(pass) * (M - 1) + c - 1;
+      index = static_cast<int>(J % rs.n_out);
+      kind = BufKind::kOutbox;
+      off = x.outbox_off(index);
+      if (J >= rs.n_out)  // partial outbox: block J mod n_out is free once J - n_out is sent
+        x.wait(kRead, rs_tag::kOutboxWait, rank, x.ev_sent(), J - rs.n_out + 1 - D, D, true);
+    }
+    for (int chunk = 0; chunk < rs.n_chunks; ++chunk)
+      level1_unit(x, pass, c, chunk, mine, kind, index, off);
+    x.record(kRead, rs_tag::kProgress, x.ev_progress(), x.read_pos(pass, c) + 1 - PM, PM);
+    return;
+  }
+  if (stream == kRail) {
+    // ---- rail stream: Level 2 waves (Algorithm 1 lines 8-17) ------------------------------
+    if (step == T) {
+      x.record(kRail, rs_tag::kRailDone, x.ev_rail_done(), 0, 1);
+      return;
+    }
+    const int g = step;
     const RsWave& w = rs.wave_list[g];
     const int q = w.gen, pass = w.pass;
     // Generation q is free once the previous wave on it landed on every local GPU. For the first
@@ -393,38 +398,97 @@ Program build_rs_program(const Plan& plan, const RsCallOptions& opt, int rank) {
     }
     for (int l = 0; l < L; ++l)
       x.bump(OpKind::kSignal, kRail, rs_tag::kReady, x.rank_of(n, l), x.ready_from(me));
+    return;
   }
-  x.record(kRail, rs_tag::kRailDone, x.ev_rail_done(), 0, 1);
+  // ---- land stream: one landing per wave and sub-slice ----------------------------------
+  if (step == T) {
+    x.record(kLandStream, OpTag::kComplete, x.ev_done(), 0, 1);
+    return;
+  }
+  const int g = step;
+  const RsWave& w = rs.wave_list[g];
+  const int q = w.gen;
+  for (int j = 0; j < L; ++j)
+    x.wait(kLandStream, rs_tag::kReadyWait, rank, x.ready_from(j), g + 1 - T, T);
+  for (int s = 0; s < L; ++s) {
+    const RsSubslice& sub = rs.subslice(w.pass, s);
+    if (sub.length == 0) continue;
+    Op& land = x.emit(OpKind::kLand, kLandStream, rs_tag::kLand, g);
+    land.dst = x.ref(BufKind::kOut, rank, -1, sub.out_begin * 4, sub.length * 4);
+    land.alpha = opt.alpha;
+    land.accumulate = opt.accumulate || w.w > 0;
+    for (int j = 0; j < L; ++j) {
+      SumTerm st;
+      st.src = x.ref(BufKind::kInbox, x.rank_of(n, j), q,
+                     x.inbox_off(q, s) + static_cast<int64_t>(me) * rs.E_sub * 4, sub.length * 4);
+      st.dtype = DType::kFP32;
+      st.dst_elem = 0;
+      st.elems = sub.length;
+      st.term = j;
+      land.terms.push_back(st);
+    }
+  }
+  for (int l = 0; l < L; ++l)
+    x.bump(OpKind::kSignal, kLandStream, rs_tag::kLanded, x.rank_of(n, l), x.landed_from(me));
+}
 
-  // ---- land stream: one landing per wave and sub-slice ------------------------------------
-  for (int g = 0; g < T; ++g) {
-    const RsWave& w = rs.wave_list[g];
-    const int q = w.gen;
-    for (int j = 0; j < L; ++j)
-      x.wait(kLandStream, rs_tag::kReadyWait, rank, x.ready_from(j), g + 1 - T, T);
-    for (int s = 0; s < L; ++s) {
-      const RsSubslice& sub = rs.subslice(w.pass, s);
-      if (sub.length == 0) continue;
-      Op& land = x.emit(OpKind::kLand, kLandStream, rs_tag::kLand, g);
-      land.dst = x.ref(BufKind::kOut, rank, -1, sub.out_begin * 4, sub.length * 4);
-      land.alpha = opt.alpha;
-      land.accumulate = opt.accumulate || w.w > 0;
-      for (int j = 0; j < L; ++j) {
-        SumTerm st;
-        st.src = x.ref(BufKind::kInbox, x.rank_of(n, j), q,
-                       x.inbox_off(q, s) + static_cast<int64_t>(me) * rs.E_sub * 4, sub.length * 4);
-        st.dtype = DType::kFP32;
-        st.dst_elem = 0;
-        st.elems = sub.length;
-        st.term = j;
-        land.terms.push_back(st);
+int RsProgramGen::producer(const CounterRef& c, int* stream) const {
+  const Plan& plan = *plan_;
+  *stream = -1;
+  if (c.rank < 0 || c.rank >= plan.topo.world()) return -1;
+  std::vector<Op> none;
+  const Ctx x = make_ctx(plan, opt_, c.rank, &none);
+  const int L = x.L, M = x.M, n = x.n, me = x.me, i = c.index;
+  if (i < 0 || i >= x.num_counters()) return -1;
+  const auto at = [&](int node, int local, int s) { *stream = s; return x.rank_of(node, local); };
+  if (i < L) return at(n, i, kRead);                                      // pushed_from[i]
+  if (i < 2 * L) return at(n, i - L, kRead);                              // stg_free_from[j]
+  if (i < 3 * L) return at(n, i - 2 * L, kRail);                          // ready_from[j]
+  if (i < 4 * L) return at(n, i - 3 * L, kLandStream);                    // landed_from[l]
+  if (i < 4 * L + M) return at(i - 4 * L, me, kRail);                     // credit_from[t]
+  if (i < x.ev_progress()) {  // arrival_from[c]: the PUT of contributor node n - c
+    const int cc = i - 4 * L - M + 1;
+    return cc < M ? at(((n - cc) % M + M) % M, me, kRail) : -1;
+  }
+  if (i == x.ev_progress() || i == x.ev_release()) return at(n, me, kRead);
+  if (i == x.ev_done()) return at(n, me, kLandStream);
+  return at(n, me, kRail);  // sent, rail_done, spare_copied
+}
+
+Program build_rs_program(const Plan& plan, const RsCallOptions& opt, int rank) {
+  // A non-owning handle: the generator lives only inside this call.
+  const RsProgramGen gen(std::shared_ptr<const Plan>(std::shared_ptr<const Plan>(), &plan), opt);
+  Program prog = gen.header(rank);
+  Ctx x = make_ctx(plan, opt, rank, &prog.ops);
+  const int P = x.lay.P;
+  // Eq. 5 provenance: every valid element of out[p, r] is the sum over ranks u of grad_u[p] rows
+  // I_{p,r}; padded rows are zero. (alpha scales values, not provenance; accumulate adds the
+  // previous output, which the checker cannot name, so no expects then.)
+  if (!opt.accumulate) {
+    for (int p = 0; p < P; ++p) {
+      const ParamLayout& pl = x.lay.params[p];
+      const int64_t v = x.valid_elems(p, rank);
+      if (v > 0) {
+        Expect e;
+        e.region = x.ref(BufKind::kOut, rank, -1, pl.o32 * 4, v * 4);
+        e.region_dtype = DType::kFP32;
+        for (int u = 0; u < plan.topo.world(); ++u)
+          e.sources.push_back({x.ref(BufKind::kGrad, u, p, rank * pl.e * x.b, v * x.b), x.gdt});
+        prog.expects.push_back(e);
+      }
+      if (v < pl.e) {
+        Expect e;
+        e.region = x.ref(BufKind::kOut, rank, -1, (pl.o32 + std::max<int64_t>(v, 0)) * 4,
+                         (pl.e - std::max<int64_t>(v, 0)) * 4);
+        e.region_dtype = DType::kFP32;
+        prog.expects.push_back(e);
       }
     }
-    for (int l = 0; l < L; ++l)
-      x.bump(OpKind::kSignal, kLandStream, rs_tag::kLanded, x.rank_of(n, l), x.landed_from(me));
   }
-  x.record(kLandStream, OpTag::kComplete, x.ev_done(), 0, 1);
-  return std::move(x.prog);
+
+  for (int stream = kRead; stream <= kLandStream; ++stream)
+    for (int step = 0, n = gen.steps(rank, stream); step < n; ++step) gen.emit(rank, stream, step, prog.ops);
+  return prog;
 }
 
 std::vector<Program> build_rs_programs(const Plan& plan, const RsCallOptions& opt) {

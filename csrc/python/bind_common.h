@@ -13,9 +13,15 @@ namespace tide {
 // One Program per rank, shared by Python objects so Call pointers stay valid during a run.
 // enable_shared_from_this: every conversion from Python yields the same control block, so the
 // CUDA rank executor can key its per-set cache on the set's identity (weak_ptr).
+// A generated set ([Note: generated programs]) holds headers and the generator `gen`.
 struct ProgramSet : std::enable_shared_from_this<ProgramSet> {
   std::vector<Program> progs;
   bool arena_bound = false;  // built with arena=: progs' arena specs are the caller's layout
+  std::shared_ptr<const ProgramGen> gen;
+  // Rank r's program with its ops (a generated set emits them: a copy).
+  Program program(int r) const;
+  // Throws PlanError naming `what` when the set is generated (it needs built ops).
+  void require_built(const char* what) const;
 };
 // {name: (offset, nbytes)} -> RegionTable (bind_rank_exec.cc).
 RegionTable regions_from_python(const nanobind::handle& regions);

@@ -121,6 +121,7 @@ void bind_cuda_exec(nb::module_& m) {
   nb::class_<cuda::CudaExecutor>(m, "CudaExecutor")
       .def("__init__", [](cuda::CudaExecutor* self, std::shared_ptr<fabric::InProcessFabric> f,
                           const ProgramSet& ps, double timeout_s, int sum_ctas, int land_ctas) {
+        ps.require_built("CudaExecutor");
         cuda::ExecOptions o;
         o.timeout_s = timeout_s;
         o.sum_ctas = sum_ctas;
@@ -208,6 +209,7 @@ void bind_cuda_exec(nb::module_& m) {
       .def("run", [](cuda::CudaRankExecutor& ex, std::shared_ptr<ProgramSet> ps, int64_t seq, const nb::list& buffers,
                      uint64_t stream, nb::object ranks) {
         TIDE_PLAN_CHECK(ps != nullptr, "CudaRankExecutor.run: programs is None");
+        ps->require_built("CudaRankExecutor.run");
         cuda::RankBuffers b = rank_buffers(buffers);
         std::vector<int> members;
         if (!ranks.is_none())

@@ -26,12 +26,52 @@ std::vector<std::vector<Call>> calls_from_python(const nb::list& per_rank) {
       auto ps = nb::cast<std::shared_ptr<ProgramSet>>(tup[0]);
       const int64_t seq = nb::cast<int64_t>(tup[1]);
       TIDE_PLAN_CHECK(r < static_cast<int>(ps->progs.size()), "calls: rank ", r, " has no program in its set");
-      v.push_back({&ps->progs[r], seq});
+      v.push_back({&ps->progs[r], seq, ps->gen.get()});
     }
     out.push_back(std::move(v));
   }
   return out;
 }
+
+Program ProgramSet::program(int r) const {
+  TIDE_PLAN_CHECK(r >= 0 && r < static_cast<int>(progs.size()), "rank: ", r, " is outside [0, ",
+                  progs.size(), ")");
+  if (!gen) return progs[static_cast<size_t>(r)];
+  Program p = progs[static_cast<size_t>(r)];
+  for (int s = 0; s < static_cast<int>(p.streams.size()); ++s)
+    for (int k = 0, n = gen->steps(r, s); k < n; ++k) gen->emit(r, s, k, p.ops);
+  return p;
+}
+
+void ProgramSet::require_built(const char* what) const {
+  TIDE_PLAN_CHECK(!gen, what, ": this program set is generated while it runs (no op tables); "
+                  "build it instead (e.g. build_rs_programs)");
+}
+
+namespace {
+bool same_ref(const BufRef& a, const BufRef& b) {
+  return a.kind == b.kind && a.rank == b.rank && a.index == b.index && a.offset == b.offset &&
+         a.width == b.width && a.height == b.height && a.pitch == b.pitch;
+}
+// Every field of two ops (tests: a generated program is the built one, op for op).
+bool same_op(const Op& a, const Op& b) {
+  if (a.kind != b.kind || a.stream != b.stream || a.tag != b.tag || a.round != b.round ||
+      !same_ref(a.dst, b.dst) || a.counter.rank != b.counter.rank || a.counter.index != b.counter.index ||
+      a.value != b.value || a.per_call != b.per_call || a.alpha != b.alpha || a.accumulate != b.accumulate ||
+      a.multicast != b.multicast || a.deadline_s != b.deadline_s || a.copies.size() != b.copies.size() ||
+      a.terms.size() != b.terms.size())
+    return false;
+  for (size_t i = 0; i < a.copies.size(); ++i)
+    if (!same_ref(a.copies[i].src, b.copies[i].src) || !same_ref(a.copies[i].dst, b.copies[i].dst)) return false;
+  for (size_t i = 0; i < a.terms.size(); ++i) {
+    const SumTerm &x = a.terms[i], &y = b.terms[i];
+    if (!same_ref(x.src, y.src) || x.dtype != y.dtype || x.dst_elem != y.dst_elem || x.elems != y.elems ||
+        x.term != y.term)
+      return false;
+  }
+  return true;
+}
+}  // namespace
 
 std::string describe_op(const Program& pr, int i) {
   const Op& op = pr.ops[i];
@@ -58,11 +98,39 @@ void bind_program(nb::module_& m) {
       .def("__len__", [](const ProgramSet& s) { return s.progs.size(); })
       .def("copy", [](const ProgramSet& s) { return std::make_shared<ProgramSet>(s); })
       .def_prop_ro("plan_hash", [](const ProgramSet& s) { return s.progs.empty() ? 0 : s.progs[0].plan_hash; })
-      .def("num_ops", [](const ProgramSet& s, int r) { return s.progs.at(r).ops.size(); })
+      .def("num_ops", [](const ProgramSet& s, int r) { return s.program(r).ops.size(); })
+      .def_prop_ro("generated", [](const ProgramSet& s) { return s.gen != nullptr; })
+      .def("producer", [](const ProgramSet& s, int rank, int index) {
+        // (rank, stream) of the ops that bump counter `index` on `rank`; (-1, -1): none.
+        const CounterRef c{rank, index};
+        if (s.gen) {
+          int stream = -1;
+          const int p = s.gen->producer(c, &stream);
+          return std::make_pair(p, p < 0 ? -1 : stream);
+        }
+        for (const Program& pr : s.progs)
+          for (const Op& op : pr.ops) {
+            const bool produces = op.kind == OpKind::kSignal || op.kind == OpKind::kCredit ||
+                                  op.kind == OpKind::kPut || op.kind == OpKind::kEventRecord;
+            if (produces && op.counter.rank == rank && op.counter.index == index)
+              return std::make_pair(pr.rank, static_cast<int>(op.stream));
+          }
+        return std::make_pair(-1, -1);
+      }, nb::arg("rank"), nb::arg("index"),
+         "Tests: (rank, stream) producing counter `index` on `rank` (ops scanned, or the generator's map).")
+      .def("first_difference", [](const ProgramSet& a, const ProgramSet& b, int r) {
+        const Program pa = a.program(r), pb = b.program(r);
+        const size_t n = std::min(pa.ops.size(), pb.ops.size());
+        for (size_t i = 0; i < n; ++i)
+          if (!same_op(pa.ops[i], pb.ops[i])) return static_cast<int64_t>(i);
+        return pa.ops.size() == pb.ops.size() ? int64_t{-1} : static_cast<int64_t>(n);
+      }, nb::arg("other"), nb::arg("rank"),
+         "Tests: index of the first op of rank r that differs in any field between the two sets (-1: none).")
       .def("streams", [](const ProgramSet& s, int r) { return s.progs.at(r).streams; })
       .def("describe", [](const ProgramSet& s, int r) {
         std::vector<std::string> v;
-        for (size_t i = 0; i < s.progs.at(r).ops.size(); ++i) v.push_back(describe_op(s.progs[r], static_cast<int>(i)));
+        const Program p = s.program(r);
+        for (size_t i = 0; i < p.ops.size(); ++i) v.push_back(describe_op(p, static_cast<int>(i)));
         return v;
       })
       .def_prop_ro("arena_bound", [](const ProgramSet& s) { return s.arena_bound; })
@@ -77,10 +145,12 @@ void bind_program(nb::module_& m) {
         return std::make_tuple(st.scatter_descriptors, st.put_ops, st.ops);
       })
       .def("check", [](const ProgramSet& s, int calls) {
+        s.require_built("ProgramSet.check");
         auto rep = check_program_set(s.progs, calls);
         return std::make_pair(rep.ok, rep.errors);
       }, nb::arg("calls") = 2)
       .def("inject_fault", [](ProgramSet& s, int kind, int rank, int tag) {
+        s.require_built("ProgramSet.inject_fault");
         return inject_fault(s.progs, static_cast<FaultKind>(kind), rank, static_cast<OpTag>(tag));
       }, nb::arg("kind"), nb::arg("rank"), nb::arg("tag") = 0);
 
@@ -112,6 +182,10 @@ void bind_program(nb::module_& m) {
 
   m.def("check_calls", [](const nb::list& per_rank, int max_errors) {
     auto calls = calls_from_python(per_rank);
+    for (const auto& rc : calls)
+      for (const Call& c : rc)
+        TIDE_PLAN_CHECK(!c.gen, "check_calls: rank ", c.program->rank, " calls a generated program set; "
+                        "the checker needs built programs");
     auto rep = check_programs(calls, max_errors);
     return std::make_pair(rep.ok, rep.errors);
   }, nb::arg("calls"), nb::arg("max_errors") = 8,

@@ -61,6 +61,7 @@ void bind_rank_exec(nb::module_& m) {
       }, nb::arg("rank"))
       .def("run", [](RankExecutor& ex, std::shared_ptr<ProgramSet> ps, int64_t seq, const nb::list& bindings,
                      nb::object ranks) {
+        ps->require_built("RankExecutor.run");
         RankBindings b;
         for (auto item : bindings) {
           auto t = nb::cast<nb::tuple>(item);

@@ -128,9 +128,26 @@ void bind_rs(nb::module_& m) {
       "arena={name: (offset, nbytes)} binds the programs to the caller's arena layout; counter_base "
       "offsets every counter index.");
   m.def(
+      "generate_rs_programs",
+      [](const Plan& plan, int bank, float alpha, bool accumulate, int group) {
+        RsCallOptions o;
+        o.bank = bank; o.alpha = alpha; o.accumulate = accumulate; o.group = group;
+        auto gen = std::make_shared<RsProgramGen>(std::make_shared<const Plan>(plan), o);
+        auto ps = std::make_shared<ProgramSet>();
+        ps->progs.reserve(static_cast<size_t>(plan.topo.world()));
+        for (int r = 0; r < plan.topo.world(); ++r) ps->progs.push_back(gen->header(r, false));
+        ps->gen = gen;
+        return ps;
+      },
+      nb::arg("plan"), nb::arg("bank") = 0, nb::arg("alpha") = 1.0f, nb::arg("accumulate") = false,
+      nb::arg("group") = 0,
+      "TIDE-RS programs generated while they run (scale runs): per-rank headers and a generator "
+      "that emits each stream's ops in steps, op for op what build_rs_programs builds. The CPU "
+      "executor runs them (threads mode); the checker and fault injection need built programs.");
+  m.def(
       "rs_program_stats",
       [](const ProgramSet& ps, int rank) {
-        const RsProgramStats st = rs_program_stats(ps.progs.at(rank));
+        const RsProgramStats st = rs_program_stats(ps.program(rank));
         nb::dict d;
         d["l1_descriptors"] = st.l1_descriptors; d["puts"] = st.puts; d["sums"] = st.sums;
         d["lands"] = st.lands; d["zeros"] = st.zeros; d["ops"] = st.ops;

@@ -49,7 +49,10 @@ float load_elem(const uint8_t* p, DType t) {
 // Per-rank run state: stream cursors over the rank's calls.
 struct StreamCursor {
   size_t call = 0;
-  size_t pos = 0;  // index into the call's per-stream op list
+  size_t pos = 0;  // index into the call's per-stream op list (generated call: ops issued so far)
+  int step = 0;            // generated call: next step to emit
+  std::vector<Op> window;  // generated call: the current step's ops
+  size_t wpos = 0;
   Clock::time_point blocked_since{};
   bool blocked = false;
 };
@@ -60,6 +63,7 @@ struct RankState {
   std::vector<std::vector<std::vector<int>>> stream_ops;  // [call][stream] -> op indices
   std::vector<StreamCursor> cursors;
   int64_t ops_done = 0;
+  const Op* cur = nullptr;  // the op being executed (generated calls have no op table)
   bool dead = false;
   bool stall_armed = false;
   Clock::time_point stall_until{};
@@ -84,8 +88,13 @@ struct Runner {
     throw Error(msg);
   }
 
+  // The op `idx` of `call` on `rs`: the program's op, or for a generated call the op being run.
+  static const Op& op_at(const RankState& rs, const Call& call, int idx) {
+    return call.gen ? *rs.cur : call.program->ops[idx];
+  }
+
   std::string op_name(const RankState& rs, const Call& call, int idx) const {
-    const Op& op = call.program->ops[idx];
+    const Op& op = op_at(rs, call, idx);
     const Program& pr = *call.program;
     return TIDE_STR_CAT("rank ", rs.rank, " (node ", pr.topo.node_of(rs.rank), ", local ",
                         pr.topo.local_of(rs.rank), ") call seq ", call.seq, " group ", pr.group,
@@ -124,7 +133,23 @@ struct Runner {
     return arena.counters(c.rank)[c.index];
   }
 
+  // A generated call's generator, if any rank runs one (then no rank has op tables to scan).
+  const ProgramGen* generator() const {
+    for (const auto& calls : per_rank)
+      for (const Call& call : calls)
+        if (call.gen) return call.gen;
+    return nullptr;
+  }
+
   std::string producer_of(const Call& call, const CounterRef& c) const {
+    if (call.gen) {
+      int stream = -1;
+      const int p = call.gen->producer(c, &stream);
+      if (p < 0) return "unknown (generated program)";
+      const auto& names = call.program->streams;
+      return TIDE_STR_CAT("rank ", p, " [", stream >= 0 && stream < static_cast<int>(names.size()) ? names[stream] : "?",
+                          "] (generated program)");
+    }
     for (const auto& calls : per_rank) {
       if (calls.empty()) continue;
       const Program& pr = *calls.front().program;
@@ -140,6 +165,10 @@ struct Runner {
   }
 
   int producer_rank(const CounterRef& c) const {
+    if (const ProgramGen* gen = generator()) {
+      int stream = -1;
+      return gen->producer(c, &stream);
+    }
     for (const auto& calls : per_rank) {
       if (calls.empty()) continue;
       const Program& pr = *calls.front().program;
@@ -198,7 +227,7 @@ struct Runner {
   // FNV-1a over a PUT's source (at send) or destination (at the receiver's wait) bytes.
   uint64_t put_hash(const RankState& rs, const Call& call, int idx, bool dst) {
     uint64_t h = 1469598103934665603ull;
-    for (const auto& cd : call.program->ops[idx].copies) {
+    for (const auto& cd : op_at(rs, call, idx).copies) {
       const BufRef& b = dst ? cd.dst : cd.src;
       const uint8_t* p = dst ? arena.region(b.rank, b.kind) + b.offset : resolve(rs, call, idx, b);
       for (int64_t row = 0; row < b.height; ++row)
@@ -228,14 +257,14 @@ struct Runner {
 
   // Returns true when the op could run (and ran); false when its wait is unsatisfied.
   bool exec(RankState& rs, const Call& call, int idx) {
-    const Op& op = call.program->ops[idx];
+    const Op& op = op_at(rs, call, idx);
     switch (op.kind) {
       case OpKind::kWait:
       case OpKind::kEventWait: {
         const int64_t t = op.target(call.seq);
         if (t <= 0) return true;
         if (static_cast<int64_t>(counter(rs, call, idx, op.counter).load(std::memory_order_acquire)) < t) return false;
-        if (op.kind == OpKind::kWait && op.tag == OpTag::kArrivalWait) verify_put(rs, call, idx);
+        if (op.kind == OpKind::kWait && op.tag == OpTag::kArrivalWait && !call.gen) verify_put(rs, call, idx);
         return true;
       }
       default: break;
@@ -255,7 +284,7 @@ struct Runner {
         }
         if (op.kind == OpKind::kPut && op.counter.index >= 0) {
           auto& c = counter(rs, call, idx, op.counter);
-          if (op.counter.index < kChecksumCounters) {
+          if (op.counter.index < kChecksumCounters && !call.gen) {
             auto* rec = arena.shared()->put_record(arena.world(), op.counter.rank, op.counter.index);
             rec->hash.store(put_hash(rs, call, idx, false));
             rec->src_rank.store(rs.rank);
@@ -342,10 +371,27 @@ struct Runner {
     for (size_t s = 0; s < rs.cursors.size(); ++s) {
       auto& cur = rs.cursors[s];
       while (cur.call < rs.calls->size()) {
-        const auto& list = rs.stream_ops[cur.call][s];
-        if (cur.pos >= list.size()) { ++cur.call; cur.pos = 0; continue; }
         const Call& call = (*rs.calls)[cur.call];
-        const int idx = list[cur.pos];
+        int idx;
+        if (call.gen) {  // [Note: generated programs] emit the stream's next step when needed
+          if (cur.wpos >= cur.window.size()) {
+            if (cur.step >= call.gen->steps(rs.rank, static_cast<int>(s))) {
+              ++cur.call; cur.pos = 0; cur.step = 0; cur.window.clear(); cur.wpos = 0;
+              continue;
+            }
+            cur.window.clear();
+            cur.wpos = 0;
+            call.gen->emit(rs.rank, static_cast<int>(s), cur.step++, cur.window);
+            continue;
+          }
+          rs.cur = &cur.window[cur.wpos];
+          idx = static_cast<int>(cur.pos);
+        } else {
+          const auto& list = rs.stream_ops[cur.call][s];
+          if (cur.pos >= list.size()) { ++cur.call; cur.pos = 0; continue; }
+          idx = list[cur.pos];
+          rs.cur = &call.program->ops[idx];
+        }
         if (cur.call == 0 && rs.rank == opt.dead_rank && idx >= opt.dead_op) { rs.dead = true; return progress; }
         if (cur.call == 0 && rs.rank == opt.stall_rank && idx >= opt.stall_op && !rs.stall_armed) {
           rs.stall_armed = true;
@@ -357,7 +403,7 @@ struct Runner {
             cur.blocked = true;
             cur.blocked_since = now;
             if (s < static_cast<size_t>(kMaxStreams)) {
-              const Op& op = call.program->ops[idx];
+              const Op& op = *rs.cur;
               auto* bw = arena.shared()->blocked(rs.rank, static_cast<int>(s));
               bw->op.store(idx);
               bw->counter_rank.store(op.counter.rank);
@@ -368,8 +414,8 @@ struct Runner {
             }
           }
           else if (std::chrono::duration<double>(now - cur.blocked_since).count() >
-                   (call.program->ops[idx].deadline_s > 0 ? call.program->ops[idx].deadline_s : opt.timeout_s)) {
-            const Op& op = call.program->ops[idx];
+                   (rs.cur->deadline_s > 0 ? rs.cur->deadline_s : opt.timeout_s)) {
+            const Op& op = *rs.cur;
             const int64_t have = static_cast<int64_t>(counter(rs, call, idx, op.counter).load());
             const auto& names = call.program->counter_names;
             fail(2, TIDE_STR_CAT("TIDE timeout after ", op.deadline_s > 0 ? op.deadline_s : opt.timeout_s, " s: ", op_name(rs, call, idx), " waits for counter ",
@@ -383,6 +429,7 @@ struct Runner {
         if (cur.blocked && s < static_cast<size_t>(kMaxStreams)) arena.shared()->blocked(rs.rank, static_cast<int>(s))->valid.store(0);
         cur.blocked = false;
         ++cur.pos;
+        if (call.gen) ++cur.wpos;
         ++rs.ops_done;
         progress = true;
       }
@@ -401,7 +448,7 @@ struct Runner {
     rs.cursors.resize(streams);
     for (const auto& c : per_rank[r]) {
       std::vector<std::vector<int>> so(streams);
-      for (size_t i = 0; i < c.program->ops.size(); ++i) so[c.program->ops[i].stream].push_back(static_cast<int>(i));
+      for (size_t i = 0; i < c.program->ops.size() && !c.gen; ++i) so[c.program->ops[i].stream].push_back(static_cast<int>(i));
       rs.stream_ops.push_back(std::move(so));
     }
     return rs;
@@ -486,6 +533,10 @@ void run_cpu(CpuArena& arena, const std::vector<std::vector<Call>>& per_rank,
     for (auto& t : threads) t.join();
   } else {
     TIDE_PLAN_CHECK(arena.shared_memory(), "run_cpu: processes mode needs a shared-memory arena");
+    for (int r = 0; r < N; ++r)
+      for (const auto& call : per_rank[r])
+        TIDE_PLAN_CHECK(!call.gen, "run_cpu: rank ", r, " runs a generated program, which runs in threads "
+                        "mode only (processes=false)");
     // [Note: process bounce buffers] Children inherit user inputs copy-on-write, but their writes
     // to user buffers would stay private, so every user buffer the programs write is bounced
     // through a shared anonymous mapping and copied back by the parent.

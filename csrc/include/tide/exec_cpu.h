@@ -21,6 +21,11 @@
 //     buffers of another rank are refused (the push rule).
 //   - TIDE_DEBUG=1 (read by exec_options_from_env(), not cached) traces every op per rank to
 //     stderr.
+//   - Generated calls (Call::gen, [Note: generated programs] in program.h) run in threads mode
+//     only: each stream emits its next step when its current one is done, so a rank holds one
+//     step per stream, not its program. Their timeouts name rank, stream and the op's position
+//     in its stream; producers come from ProgramGen::producer (no op tables to scan) and PUTs
+//     are not checksummed.
 #pragma once
 
 #include <atomic>

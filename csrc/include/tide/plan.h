@@ -291,6 +291,10 @@ void build_rs_rounds(RsSchedule& rs, int k, Mode mode);
 // Level-1 pushes of one rank for one call (all passes), in issue order: step c, sub-slice, chunk,
 // segment. Their count is what l1_descriptors_per_rank reports for the worst rank.
 std::vector<RsL1Copy> rs_level1_copies(const GroupLayout& layout, const RsSchedule& rs, int rank);
+// The pushes of one Level-1 unit (c, pass, owner, chunk) of `rank`, in issue order, appended to
+// `out` (the same copies rs_level1_copies lists for that unit).
+void rs_level1_unit_copies(const GroupLayout& layout, const RsSchedule& rs, int rank, int c, int pass,
+                           int owner, int chunk, std::vector<RsL1Copy>& out);
 
 // Validator (Prop. 4.1, App. D)                                                    [validator.cc]
 // check_* return "" when the schedule is valid, else why not; validate_rs throws that as PlanError.

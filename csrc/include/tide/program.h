@@ -47,6 +47,7 @@
 // only (new enum values appended, new fields with defaults appended to structs). Change log:
 //   v1 — initial IR (BufKind, BufRef, CopyDesc, SumTerm, Op, Program, Expect, ArenaSpec).
 //        Op::deadline_s (per-wait deadline) added before first merge.
+//   v1+ — ProgramGen and Call::gen (programs generated while they run; CPU executor only).
 #pragma once
 
 #include <cstdint>
@@ -232,10 +233,32 @@ struct Program {
   std::vector<std::vector<int64_t>> user_buffer_bytes = std::vector<std::vector<int64_t>>(4);
 };
 
+// [Note: generated programs] A program set too large to hold (e.g. TIDE-RS at 1024 x 8: ~50K
+// ops per rank) can be generated while it runs: the Program is then a header (streams, counters,
+// arena, user buffers; no ops, no expects) and a ProgramGen yields each stream's ops in steps,
+// in stream order, exactly the ops the built program holds for that stream. Only the CPU
+// executor runs such calls (threads mode); the checker and the CUDA executor need built ops.
+// An op's index in messages is then its position in its stream.
+class ProgramGen {
+ public:
+  virtual ~ProgramGen() = default;
+  virtual int steps(int rank, int stream) const = 0;
+  // Appends step `step` of `stream` of rank `rank`'s program to `out`.
+  virtual void emit(int rank, int stream, int step, std::vector<Op>& out) const = 0;
+  // The rank (and its stream) whose ops bump `counter` (single producer), for timeout messages
+  // without op tables; -1 when unknown.
+  virtual int producer(const CounterRef& counter, int* stream) const {
+    (void)counter;
+    *stream = -1;
+    return -1;
+  }
+};
+
 // One call of a program on one rank: the collective order is the order of these per rank.
 struct Call {
   const Program* program = nullptr;
   int64_t seq = 1;
+  const ProgramGen* gen = nullptr;  // set: `program` is a header, its ops come from gen
 };
 
 // ---------------------------------------------------------------------------------------------

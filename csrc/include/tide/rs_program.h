@@ -19,6 +19,7 @@
 //     knobs keep every operand grouping and the bits.
 #pragma once
 
+#include <memory>
 #include <vector>
 
 #include "tide/plan.h"
@@ -72,6 +73,26 @@ constexpr int kExpertSlots = 7;
 constexpr int kExpertRailParts = 4;
 Program build_rs_expert_program(const Plan& plan, const RsCallOptions& opt, int rank);
 int64_t rs_expert_inbox_bytes(const Plan& plan);  // 2 generations x 7 slots of E grad items
+
+// TIDE-RS programs generated while they run ([Note: generated programs] in program.h): the
+// read stream in n_part*M + 2 steps (bank wait, one per (pass, read position), release), rail and
+// land in T + 1 (one per wave, then the final record). build_rs_program concatenates exactly
+// these steps, so a generated program is the built one, op for op. Holds `plan` (shared). Not
+// for the expert lane (build_rs_expert_program; opt.expert_lane is ignored here, as there).
+class RsProgramGen final : public ProgramGen {
+ public:
+  RsProgramGen(std::shared_ptr<const Plan> plan, const RsCallOptions& opt);
+  // A rank's Program without ops and expects (counter_names off: no per-rank name table).
+  Program header(int rank, bool counter_names = true) const;
+  int steps(int rank, int stream) const override;
+  void emit(int rank, int stream, int step, std::vector<Op>& out) const override;
+  int producer(const CounterRef& counter, int* stream) const override;  // [Note: RS counters]
+  const Plan& plan() const { return *plan_; }
+
+ private:
+  std::shared_ptr<const Plan> plan_;
+  RsCallOptions opt_;
+};
 
 Program build_rs_program(const Plan& plan, const RsCallOptions& opt, int rank);
 std::vector<Program> build_rs_programs(const Plan& plan, const RsCallOptions& opt);
