@@ -125,10 +125,11 @@ def enable(model: nn.Module, *, mode: str = "in_place", topology: tide.Topology 
     world = dist.get_world_size() if initialized else 1
 
     record: dict[str, Any] = {"rank": rank, "error": None, "topology": None, "groups": [],
-                              "capabilities": None, "shm": None}
+                              "capabilities": None, "shm": None, "ipc": None}
     groups: list[TideGroup] = []
     arena: Arena | None = None
     topo: tide.Topology | None = None
+    device = torch.device("cpu")
     local_exc: BaseException | None = None
     try:
         _patches.require_supported_torch()
@@ -145,16 +146,23 @@ def enable(model: nn.Module, *, mode: str = "in_place", topology: tide.Topology 
                     f"group {g.fqn} is unsharded: call tide_torch.enable() between steps")
         served = [g for g in groups if g.eligible]
         if served:
+            device = served[0].pg.device
+        cuda_tide = (device.type == "cuda" and transport in ("auto", "executor")
+                     and comm.cuda_executor_available())
+        if served:
             sizes = placement.assign(groups, use_ring=ring)
-            arena = Arena(sizes, served[0].pg.device)
+            arena = Arena(sizes, device, rank=rank, world=world, fabric=cuda_tide)
         record.update(
             topology=(topo.nodes, topo.gpus_per_node),
             groups=[(g.fqn, g.status) for g in groups],
             capabilities={"torch": torch.__version__.split("+")[0], "mode": mode,
                           "layout_hook": _patches.has_all_gather_layout(),
                           "executor": comm._executor_api() is not None,
+                          "cuda_executor": cuda_tide,
+                          "cuda": _cuda_capabilities(device) if cuda_tide else None,
                           "transport": transport, "ring": ring},
-            shm=arena.shm_name if arena is not None else None)
+            shm=arena.shm_name if arena is not None else None,
+            ipc=arena.ipc_handle() if arena is not None else None)
     except Exception as e:  # noqa: BLE001 - reported to every rank before raising
         local_exc = e
         record["error"] = f"{type(e).__name__}: {e}"
@@ -173,15 +181,29 @@ def enable(model: nn.Module, *, mode: str = "in_place", topology: tide.Topology 
     for g in groups:
         if not g.eligible:
             log_fallback(g)
-    device = served[0].pg.device if served else torch.device("cpu")
     rt = Runtime(mode, groups, arena, device)
     if served:
-        placement.bind(groups, arena)
-        rt.transport = comm.make_transport(
-            transport, arena, [r["shm"] for r in records], rank, topo,
-            group_of=lambda g: g.pg.mesh_info.shard_process_group)
-        if isinstance(rt.transport, comm.ExecutorTransport) and world > 1:
-            dist.barrier()  # every rank has mapped every peer's arena segment
+        # Mapping the peers' arenas (shm segments, CUDA IPC handles) can fail on one rank only:
+        # a second exchange makes every rank raise together (and is the barrier after which
+        # every rank has mapped every peer's arena).
+        err = None
+        try:
+            placement.bind(groups, arena)
+            arena.open_peers([r["ipc"] for r in records])
+            rt.transport = comm.make_transport(
+                transport, arena, [r["shm"] for r in records], rank, topo,
+                group_of=lambda g: g.pg.mesh_info.shard_process_group, options=options)
+        except Exception as e:  # noqa: BLE001 - reported to every rank before raising
+            local_exc, err = e, f"{type(e).__name__}: {e}"
+        failed = [(r["rank"], r["error"]) for r in agreement.exchange({"rank": rank, "error": err})
+                  if r["error"]]
+        if failed:
+            arena.close()
+            if local_exc is not None:
+                raise local_exc
+            raise agreement.TideAgreementError(
+                "tide_torch.enable(): TIDE stays off on every rank: " +
+                "; ".join(f"rank {r} failed to map the peers' arenas: {e}" for r, e in failed))
         arena.close()  # unlink the names now: nothing can outlive the processes, even on a crash
         _patches.install(all_gather.foreach_all_gather, all_gather.foreach_all_gather_copy_out,
                          reduce_scatter.foreach_reduce_scatter_copy_in)
@@ -193,6 +215,14 @@ def enable(model: nn.Module, *, mode: str = "in_place", topology: tide.Topology 
     return TideHandle(rt, groups, topo)
 
 
+def _cuda_capabilities(device: torch.device) -> dict[str, Any]:
+    """What ranks must agree on about their GPUs (the device index may differ per rank)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    caps = dict(tide._core.cuda_capabilities(index))
+    caps.pop("device", None)
+    return {k: (list(v) if isinstance(v, tuple) else v) for k, v in sorted(caps.items())}
+
+
 def _activate(g: TideGroup) -> None:
     for p, fp in enumerate(g.pg.fsdp_params):
         if hasattr(fp, "_unsharded_param"):
@@ -200,6 +230,8 @@ def _activate(g: TideGroup) -> None:
             del fp._unsharded_param
         fp.all_gather_outputs = [g.landing_views[p]]
         _patches.patch_param_free(fp, free_in_arena(g, p))
+        if g.world == 1:  # See [Note: world 1] in groups.py
+            _patches.patch_param_init_outputs(fp, all_gather.init_outputs_at_world_1(g, p))
         if g.adopts:
             all_gather.adopt_shard(g, p)
     g.pg._reduce_scatter_comm = reduce_scatter.TideReduceScatter(g, g.pg._reduce_scatter_comm)
