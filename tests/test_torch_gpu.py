@@ -53,6 +53,7 @@ def _deterministic() -> None:
 
 
 def _check_tide_run(handle, model, ref, losses, ref_losses, what, *, exact=True):
+    handle.synchronize()  # raises the CUDA executor's errors, if any
     assert not handle.fallbacks, (what, handle.fallbacks)
     stats = handle.stats
     assert stats["ag_tide"] > 0 and stats["rs_tide"] > 0, (what, stats)
@@ -228,3 +229,78 @@ def test_world2_two_gpus_nccl():
     if torch.cuda.device_count() < 2:
         pytest.skip(f"needs 2 GPUs, this machine has {torch.cuda.device_count()}")
     spawn(_two_gpus, world=2, backend="nccl", cuda_devices=(0, 1), start_method="spawn")
+
+
+# ---- the CUDA transport's calls into tide._core, checked on CPU -------------------------------
+
+class _RecordingExecutor:
+    """Records what CudaExecutorTransport passes to tide._core.CudaRankExecutor (the bytes are
+    moved by the real executor in the GPU tests above)."""
+
+    def __init__(self, fabric, rank, nodes, gpus_per_node, *, regions, **knobs):
+        self.args = (fabric, rank, nodes, gpus_per_node)
+        self.regions, self.knobs, self.runs = regions, knobs, []
+
+    def run(self, progs, seq, buffers, *, stream, ranks):
+        self.runs.append((progs, seq, buffers, stream, ranks))
+
+    def synchronize(self):
+        self.runs.append("sync")
+
+
+def test_cuda_transport_calls(monkeypatch):
+    from types import SimpleNamespace
+
+    from tide_torch import comm, placement
+    from tide_torch.arena import Arena
+    from tide_torch.groups import TideGroup
+
+    sig = tide.GroupSignature(shapes=[(37, 16), (16,), (24, 16)], ag_dtype="bfloat16",
+                              grad_dtype="bfloat16", shard_dtype="float32")
+    topo = tide.Topology(nodes=1, gpus_per_node=2)
+    tg = TideGroup(index=1, fqn="layers.0", is_root=False, world=2, topology=topo,
+                   pg=SimpleNamespace(post_forward_mesh_info=object(),
+                                      reshard_after_backward=True),
+                   plan=tide.plan(sig, topo, mode="in_place"), param_dtype=torch.bfloat16,
+                   orig_dtype=torch.float32, reduce_dtype=torch.float32,
+                   shapes=[(37, 16), (16,), (24, 16)])
+    arena = Arena(placement.assign([tg]), torch.device("cpu"))
+    shm_name = arena.shm_name
+    try:
+        placement.bind([tg], arena)
+        arena.shm_name, arena.fabric = None, "the fabric"  # as on CUDA
+        monkeypatch.setattr(tide._core, "CudaRankExecutor", _RecordingExecutor, raising=False)
+        monkeypatch.setattr(tide._core, "CudaIpcFabric", object, raising=False)
+        monkeypatch.setattr(tide._core, "cuda_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "current_stream", lambda: SimpleNamespace(cuda_stream=77))
+        assert comm.cuda_executor_available()
+        t = comm.make_transport("auto", arena, [None, None], 1, topo, group_of=None,
+                                options={"sum_ctas": 8, "w_wave": 2})
+        assert isinstance(t, comm.CudaExecutorTransport) and t.name == "tide-cuda-executor"
+        ex = t._exec
+        assert ex.args == ("the fabric", 1, 1, 2) and ex.knobs == {"sum_ctas": 8}
+        assert ex.regions == {r.name: (r.offset, r.nbytes) for r in arena.regions.values()}
+
+        layout = tg.plan.layout
+        shards = [torch.zeros(pl.e) for pl in layout.params]
+        t.all_gather(tg, shards, tg.landing_views)
+        t.all_gather(tg, shards, tg.landing_views)
+        grads = [torch.zeros(s) for s in tg.shapes]
+        out = torch.zeros(layout.E)
+        t.reduce_scatter(tg, tg.plan, grads, out, 0.5)
+        t.reduce_scatter(tg, tg.plan, grads, out, 0.5)
+        t.synchronize()
+        (ag1, ag2, rs1, rs2, sync) = ex.runs
+        assert sync == "sync"
+        shard = dict(tide._core.buf_kinds)["shard"]
+        assert ag1[1:] == (1, [(shard, p, s.data_ptr(), 4 * s.numel())
+                               for p, s in enumerate(shards)], 77, None)
+        assert ag2[0] is ag1[0] and ag2[1] == 2  # programs built once, seq per group and kind
+        kinds = dict(tide._core.buf_kinds)
+        assert rs1[1] == 1 and rs2[1] == 2 and rs1[0] is not rs2[0]  # banks 1, 0
+        assert rs1[2][-1] == (kinds["out"], -1, out.data_ptr(), 4 * layout.E)
+        assert [b[:2] for b in rs1[2][:-1]] == [(kinds["grad"], p) for p in range(3)]
+        assert rs1[3] == 77 and rs1[4] is None
+    finally:
+        arena.shm_name, arena.fabric = shm_name, None
+        arena.close()

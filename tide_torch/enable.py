@@ -75,6 +75,13 @@ class TideHandle:
                 out[name] = (g.landing_address(p), got)
         return out
 
+    def synchronize(self) -> None:
+        """Waits for TIDE's enqueued GPU work and raises its errors (a CUDA run's collectives are
+        enqueue-only; a peer's timeout surfaces here or from a later call). No-op on CPU."""
+        sync = getattr(self._rt.transport, "synchronize", None)
+        if sync is not None:
+            sync()
+
     def disable(self) -> None:
         """Restores stock FSDP2 on every group; parameters move back to private storage."""
         if not self.enabled:
