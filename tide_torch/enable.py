@@ -107,8 +107,9 @@ def enable(model: nn.Module, *, mode: str = "in_place", topology: tide.Topology 
 
     ``mode``: ``"in_place"`` reads gradients where autograd leaves them; ``"slot_reuse"`` copies
     them into the group's vacated all-gather slot. ``topology``: ``tide.Topology(nodes, L)``;
-    default from ``LOCAL_WORLD_SIZE``. ``transport``: ``"auto"`` (TIDE's process-mode executor
-    when this build has it, else ``"interim"``), ``"executor"``, ``"virtual-cluster"`` or
+    default from ``LOCAL_WORLD_SIZE``. ``transport``: ``"auto"`` (TIDE's per-rank executor when
+    this build has it for the model's device: ``RankExecutor`` on CPU, ``CudaRankExecutor`` over
+    the CUDA-IPC fabric on CUDA; else ``"interim"``), ``"executor"``, ``"virtual-cluster"`` or
     ``"interim"`` (see ``tide_torch/comm.py``). ``ring``: share the two position-aware ring
     slots between resharding groups (default); ``False`` gives every group its own unsharded
     storage (needed when toggling ``set_reshard_after_backward`` during training).
