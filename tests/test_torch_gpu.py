@@ -58,6 +58,8 @@ def _check_tide_run(handle, model, ref, losses, ref_losses, what, *, exact=True)
     stats = handle.stats
     assert stats["ag_tide"] > 0 and stats["rs_tide"] > 0, (what, stats)
     assert stats["ag_stock"] == 0 and stats["rs_stock"] == 0, (what, stats)
+    if handle.mode == "in_place" and handle.topology.world > 1:
+        assert stats["ag_early"] > 0, (what, stats)  # [Note: early backward all-gather]
     got = local_shards(model)
     for name, t in ref.items():
         if exact:

@@ -114,7 +114,8 @@ class Arena:
             raw = torch.frombuffer(self._shm, dtype=torch.uint8, count=nbytes, offset=offset)
             return raw.view(dtype)
         if self.fabric is not None:  # See [Note: fabric lifetime]
-            return _device_view(self.fabric, self.base_ptr + offset, nbytes, self.device).view(dtype)
+            raw = _device_view(self.fabric, self.base_ptr + offset, nbytes, self.device)
+            return raw.view(dtype)
         storage = torch._C._construct_storage_from_data_pointer(
             self.base_ptr + offset, self.device, nbytes)
         out = torch.empty(0, dtype=dtype, device=self.device)

@@ -83,10 +83,18 @@ class TideHandle:
             sync()
 
     def disable(self) -> None:
-        """Restores stock FSDP2 on every group; parameters move back to private storage."""
+        """Restores stock FSDP2 on every group; parameters move back to private storage. On every
+        rank (on CUDA it waits for TIDE's work and then for every peer)."""
         if not self.enabled:
             return
         self.enabled = False
+        if isinstance(self._rt.transport, comm.CudaExecutorTransport):
+            # Peers push into this rank's arena: once the model and handle are gone the fabric
+            # frees it, so every rank's enqueued TIDE work must be done first (every rank calls
+            # disable(), like enable()).
+            self.synchronize()
+            if dist.is_initialized() and dist.get_world_size() > 1:
+                dist.barrier()
         served = [g for g in self._groups if g.eligible]
         for g in served:
             _deactivate(g)

@@ -47,6 +47,7 @@ class TideGroup:
     fqn: str
     pg: Any                        # FSDPParamGroup
     is_root: bool
+    state: Any = None              # the module's FSDPState (explicit prefetch lists)
     fallback: str | None = None    # reason when served by stock FSDP2
     plan: Any = None               # tide Plan (None on fallback)
     plan_fp32_grads: Any = None    # same group, gradients in the reduce dtype (accumulated)
@@ -108,7 +109,7 @@ def find_groups(model: nn.Module) -> list[TideGroup]:
             continue
         seen.add(id(pg))
         groups.append(TideGroup(index=len(groups), fqn=name or "<root>", pg=pg,
-                                is_root=module is model))
+                                is_root=module is model, state=state))
     if not groups:
         raise TideEnableError(
             f"tide_torch.enable() found no FSDP2 module in {type(model).__name__}: call "

@@ -100,6 +100,8 @@ class TideReduceScatter(_patches.ReduceScatter):
         else:
             staged.grads = list(unsharded_grads)  # See [Note: gradient lifetime]
         placeholder._tide_staged = staged
+        if staged.stock_input is None and not single:
+            rt.issue_early_all_gather(tg)  # See [Note: early backward all-gather] (runtime.py)
         if single and staged.stock_input is None:
             # N = 1: TIDE-RS writes FSDP2's packed input (which FSDP2 copies into its output and
             # divides by any divide factor itself), on the compute stream, alpha = 1.
