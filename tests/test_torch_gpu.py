@@ -101,6 +101,7 @@ def _world1(rank, world, device_type):
         handle = tide_torch.enable(model, mode=mode)
         expected = "tide-cuda-executor" if device_type == "cuda" else "tide-executor"
         assert handle.transport == expected, handle.transport
+        assert handle.memory()["regions"]["stage"] == 0  # never all-gathered at world 1
         losses = train(model, data[:1], device=device)
         names = _op_names(lambda: losses.extend(train(model, data[1:2], device=device)))
         assert not [n for n in names if any(b in n for b in BANNED)], (mode, sorted(names))
