@@ -7,8 +7,9 @@ both modes.
     all_gather_copy_in in the profiler. The same check runs on CPU (TIDE's CPU executor) here.
 (b) world 2 on ONE GPU (two processes, one arena each, opened through CUDA IPC). NCCL refuses two
     ranks on one GPU, so the process group is gloo. TIDE needs no stock collective when every
-    group is eligible (asserted: rs_stock == ag_stock == 0); the stock FSDP2 reference on the same
-    GPU gets its all-gather / reduce-scatter through gloo on host copies (custom FSDP2 comms).
+    group is eligible (asserted: rs_stock == ag_stock == 0, and the profiler sees no c10d / gloo
+    op in a TIDE step; test_world2_cpu checks the same on CPU); the stock FSDP2 reference on the
+    same GPU gets its all-gather / reduce-scatter through gloo on host copies (custom FSDP2 comms).
     Bitwise on exact data; random data within fp32 tolerance (a 2-rank sum is exact in either
     order, so it is expected bitwise too); and an fp32-policy run (in-place shard adoption) with
     SGD within fp32 tolerance of the same training on CPU (gloo, CPU) — GPU and CPU matmuls
@@ -81,6 +82,20 @@ def _op_names(fn) -> set[str]:
     return {e.name for e in prof.events()}
 
 
+def _train_profiled(model, data, device, **kw):
+    """train() in three calls (1 step, 1 profiled step, the rest): the losses and the op names
+    of the profiled step. References train the same way (each call starts a fresh AdamW)."""
+    losses = train(model, data[:1], device=device, **kw)
+    names = _op_names(lambda: losses.extend(train(model, data[1:2], device=device, **kw)))
+    losses += train(model, data[2:], device=device, **kw)
+    return losses, names
+
+
+def _pg_collectives(names: set[str]) -> list[str]:
+    """Process-group collectives among profiler event names (c10d ops, gloo / NCCL work)."""
+    return sorted(n for n in names if n.startswith(("c10d::", "gloo:", "nccl:")))
+
+
 # ---- (a) world 1 -------------------------------------------------------------------------------
 
 def _world1(rank, world, device_type):
@@ -91,10 +106,8 @@ def _world1(rank, world, device_type):
     mesh = mesh_1d(device_type)
     data = batches(STEPS, same_on_all_ranks=True)
     stock = build(mesh=mesh, device=device)
-    stock_losses = train(stock, data[:1], device=device)
-    names = _op_names(lambda: stock_losses.extend(train(stock, data[1:2], device=device)))
+    stock_losses, names = _train_profiled(stock, data, device)
     assert [n for n in names if "chunk_cat" in n], sorted(names)  # the check below means something
-    stock_losses += train(stock, data[2:], device=device)
     ref = local_shards(stock)
     for mode in MODES:
         model = build(mesh=mesh, device=device)
@@ -102,10 +115,8 @@ def _world1(rank, world, device_type):
         expected = "tide-cuda-executor" if device_type == "cuda" else "tide-executor"
         assert handle.transport == expected, handle.transport
         assert handle.memory()["regions"]["stage"] == 0  # never all-gathered at world 1
-        losses = train(model, data[:1], device=device)
-        names = _op_names(lambda: losses.extend(train(model, data[1:2], device=device)))
+        losses, names = _train_profiled(model, data, device)
         assert not [n for n in names if any(b in n for b in BANNED)], (mode, sorted(names))
-        losses += train(model, data[2:], device=device)
         _check_tide_run(handle, model, ref, losses, stock_losses, f"world 1 {device_type} {mode}")
         handle.disable()
 
@@ -118,6 +129,33 @@ def test_world1_cpu():
 @needs_cuda_tide
 def test_world1_cuda():
     spawn(_world1, "cuda", world=1, cuda_devices=(0,), start_method="spawn")
+
+
+def _world2_cpu(rank, world):
+    """(b)'s claims on CPU ranks: at world 2 every sum is exact (a + b, scaled by 1/2), so TIDE
+    matches stock FSDP2 bitwise on any data, and a TIDE step issues no process-group collective
+    (stock's does)."""
+    import tide_torch
+    topo = tide.Topology(nodes=1, gpus_per_node=2)
+    mesh = mesh_1d()
+    for exact in (True, False):
+        data = batches(STEPS, same_on_all_ranks=exact)
+        stock = build(mesh=mesh)
+        stock_losses, names = _train_profiled(stock, data, None)
+        assert _pg_collectives(names), sorted(names)
+        ref = local_shards(stock)
+        for mode in MODES:
+            model = build(mesh=mesh)
+            handle = tide_torch.enable(model, mode=mode, topology=topo)
+            losses, names = _train_profiled(model, data, None)
+            assert not _pg_collectives(names), (mode, _pg_collectives(names))
+            _check_tide_run(handle, model, ref, losses, stock_losses,
+                            f"CPU world 2 exact={exact} {mode}")
+            handle.disable()
+
+
+def test_world2_cpu():
+    spawn(_world2_cpu, world=2)
 
 
 # ---- (b) world 2 on one GPU, gloo --------------------------------------------------------------
@@ -165,13 +203,16 @@ def _one_gpu_world2(rank, world):
         data = batches(STEPS, same_on_all_ranks=exact)
         stock = build(mesh=mesh, device=device)
         _host_comms(stock)
-        stock_losses = train(stock, data, device=device)
+        stock_losses, names = _train_profiled(stock, data, device)
+        assert _pg_collectives(names), sorted(names)  # the check below means something
         ref = local_shards(stock)
         for mode in MODES:
             model = build(mesh=mesh, device=device)
             handle = tide_torch.enable(model, mode=mode, topology=topo)
             assert handle.transport == "tide-cuda-executor", handle.transport
-            losses = train(model, data, device=device)
+            losses, names = _train_profiled(model, data, device)
+            # No process-group collective in a TIDE step: gloo never sees a CUDA tensor.
+            assert not _pg_collectives(names), (mode, _pg_collectives(names))
             _check_tide_run(handle, model, ref, losses, stock_losses,
                             f"1 GPU world 2 exact={exact} {mode}", exact=exact)
             handle.disable()
