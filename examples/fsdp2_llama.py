@@ -13,7 +13,8 @@ Every run uses the same seed, data and MixedPrecisionPolicy(bf16, fp32). Step ti
 over the steps after ``--warmup`` (each step ends with torch.cuda.synchronize). Peak memory is
 torch.cuda.max_memory_allocated (reset between runs) plus, for TIDE, the arena: on the CUDA-IPC
 fabric it is a cudaMalloc outside torch's allocator and holds the unsharded parameters that
-stock FSDP2 allocates through it. On CPU it is the process's peak RSS (not reset between runs).
+stock FSDP2 allocates through it. On CPU the table shows the process's peak RSS (not reset
+between runs) and the JSON has null.
 ``--json PATH`` (rank 0) writes {"framework", "device", "world", "runs": [{"name", "step_ms",
 "peak_bytes", "final_loss", "losses"}]}.
 """
@@ -211,8 +212,9 @@ def main_worker(rank: int, world: int, init: str, args) -> None:
                 with open(args.json, "w") as f:
                     json.dump({"framework": "torch", "device": name,
                                "world": dist.get_world_size(),
-                               "runs": [{k: s[k] for k in JSON_KEYS} for s in results]}, f,
-                              indent=1)
+                               "runs": [{k: s[k] if k != "peak_bytes" or device.type == "cuda"
+                                         else None for k in JSON_KEYS} for s in results]},
+                              f, indent=1)
                 print(f"wrote {args.json}")
     finally:
         dist.destroy_process_group()
