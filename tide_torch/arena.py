@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import _posixshmem
 import atexit
-import logging
 import mmap
 import os
 import uuid
@@ -50,8 +49,6 @@ from dataclasses import dataclass
 import torch
 
 import tide
-
-logger = logging.getLogger("tide_torch")
 
 ALIGN = 256  # bytes; every region and every group inside a region starts on this boundary
 
@@ -71,9 +68,10 @@ class Arena:
     """A contiguous per-rank buffer carved into named regions."""
 
     def __init__(self, sizes: dict[str, int], device: torch.device, *, rank: int = 0,
-                 world: int = 1, fabric: bool = True) -> None:
+                 world: int = 1, fabric: bool = False) -> None:
         """``rank``/``world``: this rank in the default process group (the CUDA-IPC fabric's
-        world). ``fabric=False`` keeps a plain device allocation on CUDA."""
+        world). ``fabric``: on CUDA, allocate through ``tide._core.CudaIpcFabric`` (else a
+        plain device allocation)."""
         self.device = device
         self.regions: dict[str, Region] = {}
         off = 0
