@@ -17,6 +17,8 @@ STEPS=${TORCHGPU_STEPS:-10}
 # Safety (ARCHITECTURE.md): no multicast anywhere.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONUNBUFFERED=1
 unset TIDE_ENABLE_MULTICAST
+# Two ranks' streams share one GPU in the world-2 test: every hardware queue (as gpu_check.sh).
+export CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-32}
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 
 declare -A R
