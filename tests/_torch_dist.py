@@ -93,17 +93,21 @@ class TinyLlama(nn.Module):
         return self.output(self.norm(h))
 
 
-def mesh_1d():
+def mesh_1d(device_type: str = "cpu"):
     from torch.distributed.device_mesh import init_device_mesh
-    return init_device_mesh("cpu", (dist.get_world_size(),))
+    return init_device_mesh(device_type, (dist.get_world_size(),))
 
 
 def build(seed: int = 0, *, n_layers: int = 3, mesh=None, reshard_after_forward: Any = True,
           mp_policy=None, shard_placement_fn=None, last_no_reshard: bool = False,
-          dtype=torch.float32) -> nn.Module:
+          dtype=torch.float32, device=None) -> nn.Module:
+    """``device``: where the model lives (default CPU); initial values are drawn on CPU, so
+    they are the same on every device."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     torch.manual_seed(seed)
     model = TinyLlama(n_layers).to(dtype)
+    if device is not None:
+        model = model.to(device)
     if mp_policy is None:
         mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for i, layer in enumerate(model.layers):
@@ -123,12 +127,18 @@ def batches(n: int, *, same_on_all_ranks: bool, seed: int = 1, batch: int = 2, s
 
 
 def train(model: nn.Module, data: list, *, accumulate: int = 1, lr: float = 1e-2,
-          set_sync: bool = False, loss_scale: float = 1.0) -> list[float]:
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1)
+          set_sync: bool = False, loss_scale: float = 1.0, device=None,
+          optimizer: str = "adamw") -> list[float]:
+    if optimizer == "adamw":
+        opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1)
+    else:  # linear in the gradients: no sign amplification when comparing devices
+        opt = torch.optim.SGD(model.parameters(), lr=lr)
     losses = []
     for step in range(len(data) // accumulate):
         for micro in range(accumulate):
             tokens = data[step * accumulate + micro]
+            if device is not None:
+                tokens = tokens.to(device)
             if set_sync:
                 model.set_requires_gradient_sync(micro == accumulate - 1)
             logits = model(tokens[:, :-1])
@@ -141,7 +151,8 @@ def train(model: nn.Module, data: list, *, accumulate: int = 1, lr: float = 1e-2
 
 
 def local_shards(model: nn.Module) -> dict[str, torch.Tensor]:
-    return {n: p.to_local().detach().clone() for n, p in model.named_parameters()}
+    """This rank's parameter shards, on CPU."""
+    return {n: p.to_local().detach().cpu().clone() for n, p in model.named_parameters()}
 
 
 def reshard(model: nn.Module) -> None:
@@ -160,11 +171,17 @@ def assert_same(model: nn.Module, stock: nn.Module, what: str) -> None:
         assert torch.equal(got[name], t), (what, name, (got[name] - t).abs().max())
 
 
-def _entry(rank: int, world: int, init_file: str, fn: Callable, args: tuple) -> None:
+def _entry(rank: int, world: int, init_file: str, fn: Callable, args: tuple,
+           backend: str = "gloo", cuda_devices: tuple[int, ...] | None = None) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
-                            world_size=world)
+    kwargs = {}
+    if cuda_devices is not None:
+        torch.cuda.set_device(cuda_devices[rank])
+        if backend == "nccl":
+            kwargs["device_id"] = torch.device("cuda", cuda_devices[rank])
+    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank,
+                            world_size=world, **kwargs)
     try:
         fn(rank, world, *args)
     except BaseException:
@@ -185,14 +202,17 @@ def _start_method() -> str:
     return method
 
 
-def spawn(fn: Callable, *args: Any, world: int = 4) -> None:
-    """Runs fn(rank, world, *args) on ``world`` gloo ranks; re-raises the first failure."""
+def spawn(fn: Callable, *args: Any, world: int = 4, backend: str = "gloo",
+          cuda_devices: tuple[int, ...] | None = None, start_method: str | None = None) -> None:
+    """Runs fn(rank, world, *args) on ``world`` ranks (gloo by default); re-raises the first
+    failure. ``cuda_devices[r]``: rank r's GPU (set before the process group starts)."""
     fd, init_file = tempfile.mkstemp(prefix="tide_torch_pg_")
     os.close(fd)
     os.unlink(init_file)
     try:
-        mp.start_processes(_entry, args=(world, init_file, fn, args), nprocs=world,
-                           join=True, start_method=_start_method())
+        mp.start_processes(_entry, args=(world, init_file, fn, args, backend, cuda_devices),
+                           nprocs=world, join=True,
+                           start_method=start_method or _start_method())
     finally:
         if os.path.exists(init_file):
             os.unlink(init_file)

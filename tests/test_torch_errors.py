@@ -2,8 +2,9 @@
 
 - enable() before fully_shard;
 - an unsupported torch (a patched FSDP2 function with another signature);
-- ranks with different models, a different mode on one rank, a local failure on one rank:
-  every rank raises, naming the differing ranks/groups, and nothing stays patched.
+- ranks with different models, a different mode on one rank, a local failure on one rank
+  (planning, or mapping the peers' arenas): every rank raises, naming the differing
+  ranks/groups, and nothing stays patched.
 """
 from __future__ import annotations
 
@@ -69,6 +70,24 @@ def _errors(rank, world):
     exc = tide_torch.TideEnableError if rank == 2 else tide_torch.TideAgreementError
     _expect(exc, ["rank 2"] if rank != 2 else ["topology"],
             lambda: tide_torch.enable(model, topology=bad))
+    assert not _patches.installed()
+
+    # Mapping the peers' arenas fails on rank 3 only (after the plans agreed): every rank
+    # raises, rank 3 its own error, and nothing stays patched.
+    from tide_torch.arena import Arena
+    open_peers = Arena.open_peers
+
+    def failing_open_peers(self, handles):
+        if rank == 3:
+            raise RuntimeError("cannot open rank 0's arena")
+        return open_peers(self, handles)
+    Arena.open_peers = failing_open_peers
+    try:
+        exc = RuntimeError if rank == 3 else tide_torch.TideAgreementError
+        _expect(exc, ["rank 0's arena"] if rank == 3 else ["rank 3", "map the peers' arenas"],
+                lambda: tide_torch.enable(model, topology=TOPO))
+    finally:
+        Arena.open_peers = open_peers
     assert not _patches.installed()
 
     # Bad arguments are caught before any collective.

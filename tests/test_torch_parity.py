@@ -4,7 +4,8 @@ steps with MixedPrecisionPolicy(bf16, fp32):
 (a) identical data on every rank, so every gradient sum is exact in any order: final parameters
     and losses bitwise equal to stock FSDP2, for both modes;
 (b) ordinary per-rank random data: within fp32 tolerance of stock;
-(d) every unsharded parameter's data_ptr is its planned landing address.
+(d) every unsharded parameter's data_ptr is its planned landing address;
+(e) In-Place issues backward all-gathers ahead of the reduce-scatters, Slot-Reuse does not.
 
 This file runs the default transport on 2 x 2; test_torch_lane.py runs 4 x 1 (the L_sub = 1
 lane) and test_torch_programs.py runs TIDE's own AG/RS programs.
@@ -39,6 +40,10 @@ def parity(rank, world, nodes, gpn, transport="auto", cases=BOTH_MODES):
                 assert handle.transport == "tide-executor", handle.transport
             assert handle.stats["ag_tide"] > 0 and handle.stats["rs_tide"] > 0, handle.stats
             assert handle.stats["rs_stock"] == 0 and handle.stats["ag_stock"] == 0, handle.stats
+            # In-Place issues the next backward all-gather ahead of the reduce-scatter
+            # (runtime.py [Note: early backward all-gather]); Slot-Reuse cannot.
+            early = handle.stats["ag_early"]
+            assert (early > 0) if mode == "in_place" else (early == 0), (mode, handle.stats)
             got = local_shards(model)
             for name, t in ref.items():
                 if exact:

@@ -191,6 +191,13 @@ def patch_param_free(fsdp_param: Any, fn: Callable) -> None:
 
 def unpatch_param_free(fsdp_param: Any) -> None:
     fsdp_param.__dict__.pop("free_unsharded_param", None)
+    fsdp_param.__dict__.pop("init_all_gather_outputs", None)
+
+
+def patch_param_init_outputs(fsdp_param: Any, fn: Callable) -> None:
+    """Per-instance override of FSDPParam.init_all_gather_outputs (world 1; undone by
+    unpatch_param_free)."""
+    fsdp_param.init_all_gather_outputs = fn
 
 
 def is_inference(t: torch.Tensor) -> bool:

@@ -137,5 +137,24 @@ def foreach_all_gather_copy_out(all_gather_result, fsdp_params, group):
     # Nothing to copy: the shards landed in the unsharded parameters' storage.
 
 
+def init_outputs_at_world_1(tg: Any, p: int) -> Any:
+    """Per-instance FSDPParam.init_all_gather_outputs for a single-rank job, where FSDP2 never
+    calls foreach_all_gather and casts each shard straight into ``all_gather_outputs[0]`` (the
+    landing view) on the compute stream: the ring slot is acquired here instead.
+    See [Note: world 1] in groups.py."""
+    def init_all_gather_outputs(all_gather_input_numels, all_gather_input_dtypes, world_size,
+                                device, force_recreate=False):
+        if force_recreate or list(all_gather_input_numels) != [tg.plan.layout.params[p].e]:
+            raise RuntimeError(f"tide_torch: group {tg.fqn} parameter {p}: FSDP2 asked for "
+                               f"all-gather outputs {list(all_gather_input_numels)} "
+                               f"(force_recreate={force_recreate}); TIDE planned "
+                               f"[{tg.plan.layout.params[p].e}]")
+        if p == 0:
+            handle = _get_device_handle(tg.runtime.device.type)
+            tg.runtime.acquire_slot(tg, handle.current_stream())
+            tg.runtime.stats["ag_tide"] += 1
+    return init_all_gather_outputs
+
+
 foreach_all_gather._tide_hook = True
 foreach_all_gather_copy_out._tide_hook = True

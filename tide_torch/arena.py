@@ -13,8 +13,13 @@ Regions (App. F; sizes come from the groups' plans, see ``placement.py``):
 On CPU the arena is a POSIX shared-memory segment (mode 0600) so that TIDE's CPU executor,
 running ranks as processes, can push into peers' arenas. ``enable()`` unlinks its name as soon as
 every peer has mapped it (the mapping lives on), so nothing outlives the processes; ``close()``
-also runs at exit and from multiprocessing's exit hooks (forked ranks skip atexit). On CUDA it is
-a device allocation (symmetric registration belongs to the CUDA executor).
+also runs at exit and from multiprocessing's exit hooks (forked ranks skip atexit).
+
+On CUDA, when this build of tide._core has the CUDA-IPC fabric, the arena is the fabric's
+zeroed ``cudaMalloc`` (``tide._core.CudaIpcFabric``): ``enable()`` exchanges every rank's IPC
+handle and opens the peers' arenas, so TIDE's CUDA executor pushes into them (peers on other
+GPUs of the node, or other processes on the same GPU). Without the fabric it is a plain device
+allocation (the interim transport's). See [Note: fabric lifetime].
 
 [Note: zero-offset views]
 FSDP2 builds unsharded parameters with ``torch.as_strided(..., storage_offset=0)``, and
@@ -23,6 +28,13 @@ storage offset. Every view handed to FSDP2 is therefore rooted in a storage of i
 starts at the view's address (``storage_offset() == 0``) and has its own version counter.
 Such storages are not resizable: the FSDPParams whose unsharded data lives here get a per-instance
 ``free_unsharded_param`` that releases the slot logically instead of resizing storage.
+
+[Note: fabric lifetime]
+The fabric owns the device memory (and the peers' IPC mappings); freeing it under a live view
+would leave FSDP2 parameters pointing at freed memory. Every CUDA view is therefore made through
+``__cuda_array_interface__`` from an object that references the fabric: torch's storage keeps
+that object, hence the fabric, alive until the last view (and every alias FSDP2 or autograd made
+of it) is gone. The arena holds the fabric too, so peers' mappings stay open while it exists.
 """
 from __future__ import annotations
 
@@ -35,6 +47,8 @@ import weakref
 from dataclasses import dataclass
 
 import torch
+
+import tide
 
 ALIGN = 256  # bytes; every region and every group inside a region starts on this boundary
 
@@ -53,7 +67,11 @@ class Region:
 class Arena:
     """A contiguous per-rank buffer carved into named regions."""
 
-    def __init__(self, sizes: dict[str, int], device: torch.device) -> None:
+    def __init__(self, sizes: dict[str, int], device: torch.device, *, rank: int = 0,
+                 world: int = 1, fabric: bool = False) -> None:
+        """``rank``/``world``: this rank in the default process group (the CUDA-IPC fabric's
+        world). ``fabric``: on CUDA, allocate through ``tide._core.CudaIpcFabric`` (else a
+        plain device allocation)."""
         self.device = device
         self.regions: dict[str, Region] = {}
         off = 0
@@ -65,11 +83,16 @@ class Arena:
         self.shm_name: str | None = None
         self.closed = False
         self._shm = None
+        self.fabric = None
         if device.type == "cpu":
             self.shm_name = f"/tide_{os.getpid()}_{uuid.uuid4().hex[:12]}"
             self._shm = _map_shm(self.shm_name, self.nbytes)
             _LIVE.add(self)
             self._base = torch.frombuffer(self._shm, dtype=torch.uint8, count=self.nbytes)
+        elif fabric and fabric_api() is not None:
+            index = device.index if device.index is not None else torch.cuda.current_device()
+            self.fabric = fabric_api()(rank, world, index, self.nbytes)
+            self._base = _device_view(self.fabric, int(self.fabric.arena_ptr), self.nbytes, device)
         else:
             self._base = torch.empty(self.nbytes, dtype=torch.uint8, device=device)
         self.base_ptr = self._base.data_ptr()
@@ -88,11 +111,27 @@ class Arena:
         if self._shm is not None:
             raw = torch.frombuffer(self._shm, dtype=torch.uint8, count=nbytes, offset=offset)
             return raw.view(dtype)
+        if self.fabric is not None:  # See [Note: fabric lifetime]
+            raw = _device_view(self.fabric, self.base_ptr + offset, nbytes, self.device)
+            return raw.view(dtype)
         storage = torch._C._construct_storage_from_data_pointer(
             self.base_ptr + offset, self.device, nbytes)
         out = torch.empty(0, dtype=dtype, device=self.device)
         out.set_(storage, 0, (numel,), (1,))
         return out
+
+    def ipc_handle(self) -> bytes | None:
+        """This rank's CUDA IPC handle (None off the fabric)."""
+        return bytes(self.fabric.handle()) if self.fabric is not None else None
+
+    def open_peers(self, handles: list[bytes | None]) -> None:
+        """Maps every peer's arena (``handles[r]`` from rank r; this rank's entry is ignored)."""
+        if self.fabric is None:
+            return
+        missing = [r for r, h in enumerate(handles) if h is None]
+        if missing:
+            raise RuntimeError(f"tide_torch: ranks {missing} have no CUDA-IPC arena handle")
+        self.fabric.open_peers(list(handles))
 
     def flat(self, offset: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """A plain (shared-storage) view, for buffers FSDP2 never sees."""
@@ -114,6 +153,32 @@ class Arena:
 
     def describe(self) -> dict[str, int]:
         return {name: r.nbytes for name, r in self.regions.items()}
+
+
+def fabric_api():
+    """tide._core.CudaIpcFabric when this build has the CUDA-IPC fabric, else None."""
+    return getattr(tide._core, "CudaIpcFabric", None)
+
+
+class _FabricBytes:
+    """``nbytes`` of fabric memory at ``ptr``, as a CUDA array; references the fabric."""
+
+    def __init__(self, fabric, ptr: int, nbytes: int) -> None:
+        self.fabric = fabric
+        self.__cuda_array_interface__ = {
+            "shape": (nbytes,), "typestr": "|u1", "data": (ptr, False), "version": 2}
+
+
+def _device_view(fabric, ptr: int, nbytes: int, device: torch.device) -> torch.Tensor:
+    """A uint8 tensor over fabric memory whose storage keeps the fabric alive (zero offset)."""
+    if nbytes == 0:
+        return torch.empty(0, dtype=torch.uint8, device=device)
+    t = torch.as_tensor(_FabricBytes(fabric, ptr, nbytes), device=device)
+    if t.data_ptr() != ptr or t.storage_offset() != 0 or t.untyped_storage().nbytes() != nbytes:
+        raise RuntimeError(f"tide_torch: fabric view at {ptr:#x} ({nbytes} bytes) came back as "
+                           f"{t.data_ptr():#x} (+{t.storage_offset()}, "
+                           f"{t.untyped_storage().nbytes()} bytes)")
+    return t
 
 
 def _map_shm(name: str, nbytes: int) -> mmap.mmap:

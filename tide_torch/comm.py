@@ -18,6 +18,9 @@ Executors
   named segment (``Arena.shm_name``, exchanged at enable time), a rank reads only its own buffers
   and pushes into peers' arenas. ``ExecutorTransport`` ("auto"/"executor", the default on CPU)
   runs this rank's compiled TIDE-AG / TIDE-RS program through ``tide._core.RankExecutor``.
+  On CUDA, ``CudaExecutorTransport`` ("auto"/"executor" when tide._core has ``CudaRankExecutor``
+  and the arena sits on the CUDA-IPC fabric) runs the same programs on the GPU, enqueued on the
+  caller's current stream.
 
   Two stand-ins remain for comparison and debugging; neither is TIDE's transport (bytes cross
   torch.distributed) and both log so once:
@@ -26,7 +29,7 @@ Executors
     ``tide.VirtualCluster`` in the shard group's first rank, which gathers the group's inputs and
     hands every rank its bytes back over torch.distributed.
   - ``InterimTransport`` ("interim"): per-parameter torch.distributed collectives with the
-    adapter's addressing. Also what a CUDA run uses until the CUDA fabrics exist.
+    adapter's addressing. Also what a CUDA run uses on a build without the CUDA-IPC fabric.
 """
 from __future__ import annotations
 
@@ -78,16 +81,21 @@ class ExecutorTransport:
 
     def __init__(self, api: Any, arena: Any, peers: list[str], rank: int, topo: tide.Topology,
                  group_of: Any = None):
-        regions = {r.name: (r.offset, r.nbytes) for r in arena.regions.values()}
-        self._regions = regions
-        self._exec = api(rank, topo.nodes, topo.gpus_per_node, peers, arena.nbytes,
-                         regions=regions)
+        self._regions = {r.name: (r.offset, r.nbytes) for r in arena.regions.values()}
+        self._exec = self._make_executor(api, arena, peers, rank, topo)
         self._programs: dict[tuple, Any] = {}
         self._seq: dict[tuple[int, str], int] = {}
         self._kind = dict(tide._core.buf_kinds)
         self._group_of = group_of
         self._world = topo.nodes * topo.gpus_per_node
         self._ranks: dict[int, Any] = {}
+
+    def _make_executor(self, api, arena, peers, rank, topo):
+        return api(rank, topo.nodes, topo.gpus_per_node, peers, arena.nbytes,
+                   regions=self._regions)
+
+    def _run(self, progs: Any, seq: int, bindings: list, ranks: Any) -> None:
+        self._exec.run(progs, seq, bindings, ranks=ranks)
 
     def _ranks_of(self, tg: Any) -> Any:
         """The shard group's global ranks when it is a sub-group (HSDP), else None."""
@@ -121,7 +129,7 @@ class ExecutorTransport:
         bindings = [] if tg.adopts else [
             (self._kind["shard"], p, t.data_ptr(), t.numel() * t.element_size())
             for p, t in enumerate(inputs)]
-        self._exec.run(self._programs[key], seq, bindings, ranks=self._ranks_of(tg))
+        self._run(self._programs[key], seq, bindings, self._ranks_of(tg))
 
     def reduce_scatter(self, tg, plan, grads, output, alpha):
         what = "rs" if plan is tg.plan else "rs32"
@@ -135,7 +143,48 @@ class ExecutorTransport:
                     for p, g in enumerate(grads)]
         bindings.append((self._kind["out"], -1, output.data_ptr(),
                          output.numel() * output.element_size()))
-        self._exec.run(self._programs[key], seq, bindings, ranks=self._ranks_of(tg))
+        self._run(self._programs[key], seq, bindings, self._ranks_of(tg))
+
+
+def _cuda_executor_api() -> Any | None:
+    """TIDE's per-rank CUDA executor binding, when this build of tide._core has one."""
+    return getattr(tide._core, "CudaRankExecutor", None)
+
+
+def cuda_executor_available() -> bool:
+    """Whether this build can run TIDE's programs on CUDA ranks (executor + CUDA-IPC fabric)."""
+    return (_cuda_executor_api() is not None and getattr(tide._core, "CudaIpcFabric", None)
+            is not None and bool(tide._core.cuda_available()))
+
+
+class CudaExecutorTransport(ExecutorTransport):
+    """TIDE-AG / TIDE-RS programs through ``tide._core.CudaRankExecutor`` over the CUDA-IPC
+    fabric of the ranks' arenas (``Arena.fabric``; handles exchanged and opened at enable time).
+
+    Same program building, counter bases and per-group sequence numbers as the CPU executor.
+    Each call is enqueue-only on the caller's current stream (FSDP2's all-gather stream or
+    reduce-scatter stream): the program's stream 0 waits for that stream's prior work and the
+    stream waits for the program's completion, so there is no host synchronisation per call and
+    FSDP2's own events order everything around it. Errors (a peer's timeout names rank, op and
+    seq) surface from the call that detects them or from ``synchronize()``."""
+
+    name = "tide-cuda-executor"
+
+    def __init__(self, api: Any, arena: Any, rank: int, topo: tide.Topology,
+                 group_of: Any = None, **knobs: Any):
+        self._knobs = knobs  # sum_ctas / land_ctas / timeout_s
+        super().__init__(api, arena, [], rank, topo, group_of)
+
+    def _make_executor(self, api, arena, peers, rank, topo):
+        return api(arena.fabric, rank, topo.nodes, topo.gpus_per_node, regions=self._regions,
+                   **self._knobs)
+
+    def _run(self, progs, seq, bindings, ranks):
+        stream = torch.cuda.current_stream().cuda_stream
+        self._exec.run(progs, seq, bindings, stream=stream, ranks=ranks)
+
+    def synchronize(self) -> None:
+        self._exec.synchronize()
 
 
 class InterimTransport:
@@ -240,20 +289,27 @@ class VirtualClusterTransport:
 
 
 TRANSPORTS = ("auto", "executor", "virtual-cluster", "interim")
+_CUDA_KNOBS = ("sum_ctas", "land_ctas")
 
 
 def make_transport(kind: str, arena: Any, peers: list[str], rank: int, topo: tide.Topology,
-                   group_of: Any) -> Transport:
+                   group_of: Any, options: dict[str, int] | None = None) -> Transport:
     api = _executor_api()
     if kind in ("auto", "executor") and api is not None and arena.shm_name is not None:
         return ExecutorTransport(api, arena, peers, rank, topo, group_of)
+    cuda_api = _cuda_executor_api()
+    if kind in ("auto", "executor") and cuda_api is not None and arena.fabric is not None:
+        knobs = {k: int(v) for k, v in (options or {}).items() if k in _CUDA_KNOBS}
+        return CudaExecutorTransport(cuda_api, arena, rank, topo, group_of, **knobs)
     if kind == "executor":
-        raise RuntimeError("tide_torch: transport='executor' needs a process-mode executor "
-                           "binding in tide._core, which this build does not have")
+        raise RuntimeError(
+            f"tide_torch: transport='executor' needs TIDE's per-rank executor for a "
+            f"{arena.device.type} arena (tide._core.RankExecutor on CPU, CudaRankExecutor with "
+            "the CUDA-IPC fabric on CUDA), which this build does not have")
     if kind == "virtual-cluster":
         logger.info("tide_torch: running TIDE programs on tide.VirtualCluster from each shard "
                     "group's first rank (bytes cross torch.distributed)")
         return VirtualClusterTransport(group_of)
-    logger.info("tide_torch: this build of tide._core has no process-mode executor binding; "
-                "using the interim torch.distributed landing transport")
+    logger.info("tide_torch: this build of tide._core has no per-rank executor for %s arenas; "
+                "using the interim torch.distributed landing transport", arena.device.type)
     return InterimTransport(group_of)

@@ -75,11 +75,26 @@ class TideHandle:
                 out[name] = (g.landing_address(p), got)
         return out
 
+    def synchronize(self) -> None:
+        """Waits for TIDE's enqueued GPU work and raises its errors (a CUDA run's collectives are
+        enqueue-only; a peer's timeout surfaces here or from a later call). No-op on CPU."""
+        sync = getattr(self._rt.transport, "synchronize", None)
+        if sync is not None:
+            sync()
+
     def disable(self) -> None:
-        """Restores stock FSDP2 on every group; parameters move back to private storage."""
+        """Restores stock FSDP2 on every group; parameters move back to private storage. On every
+        rank (on CUDA it waits for TIDE's work and then for every peer)."""
         if not self.enabled:
             return
         self.enabled = False
+        if isinstance(self._rt.transport, comm.CudaExecutorTransport):
+            # Peers push into this rank's arena: once the model and handle are gone the fabric
+            # frees it, so every rank's enqueued TIDE work must be done first (every rank calls
+            # disable(), like enable()).
+            self.synchronize()
+            if dist.is_initialized() and dist.get_world_size() > 1:
+                dist.barrier()
         served = [g for g in self._groups if g.eligible]
         for g in served:
             _deactivate(g)
@@ -100,8 +115,9 @@ def enable(model: nn.Module, *, mode: str = "in_place", topology: tide.Topology 
 
     ``mode``: ``"in_place"`` reads gradients where autograd leaves them; ``"slot_reuse"`` copies
     them into the group's vacated all-gather slot. ``topology``: ``tide.Topology(nodes, L)``;
-    default from ``LOCAL_WORLD_SIZE``. ``transport``: ``"auto"`` (TIDE's process-mode executor
-    when this build has it, else ``"interim"``), ``"executor"``, ``"virtual-cluster"`` or
+    default from ``LOCAL_WORLD_SIZE``. ``transport``: ``"auto"`` (TIDE's per-rank executor when
+    this build has it for the model's device: ``RankExecutor`` on CPU, ``CudaRankExecutor`` over
+    the CUDA-IPC fabric on CUDA; else ``"interim"``), ``"executor"``, ``"virtual-cluster"`` or
     ``"interim"`` (see ``tide_torch/comm.py``). ``ring``: share the two position-aware ring
     slots between resharding groups (default); ``False`` gives every group its own unsharded
     storage (needed when toggling ``set_reshard_after_backward`` during training).
@@ -125,10 +141,11 @@ def enable(model: nn.Module, *, mode: str = "in_place", topology: tide.Topology 
     world = dist.get_world_size() if initialized else 1
 
     record: dict[str, Any] = {"rank": rank, "error": None, "topology": None, "groups": [],
-                              "capabilities": None, "shm": None}
+                              "capabilities": None, "shm": None, "ipc": None}
     groups: list[TideGroup] = []
     arena: Arena | None = None
     topo: tide.Topology | None = None
+    device = torch.device("cpu")
     local_exc: BaseException | None = None
     try:
         _patches.require_supported_torch()
@@ -145,16 +162,23 @@ def enable(model: nn.Module, *, mode: str = "in_place", topology: tide.Topology 
                     f"group {g.fqn} is unsharded: call tide_torch.enable() between steps")
         served = [g for g in groups if g.eligible]
         if served:
+            device = served[0].pg.device
+        cuda_tide = (device.type == "cuda" and transport in ("auto", "executor")
+                     and comm.cuda_executor_available())
+        if served:
             sizes = placement.assign(groups, use_ring=ring)
-            arena = Arena(sizes, served[0].pg.device)
+            arena = Arena(sizes, device, rank=rank, world=world, fabric=cuda_tide)
         record.update(
             topology=(topo.nodes, topo.gpus_per_node),
             groups=[(g.fqn, g.status) for g in groups],
             capabilities={"torch": torch.__version__.split("+")[0], "mode": mode,
                           "layout_hook": _patches.has_all_gather_layout(),
                           "executor": comm._executor_api() is not None,
+                          "cuda_executor": cuda_tide,
+                          "cuda": _cuda_capabilities(device) if cuda_tide else None,
                           "transport": transport, "ring": ring},
-            shm=arena.shm_name if arena is not None else None)
+            shm=arena.shm_name if arena is not None else None,
+            ipc=arena.ipc_handle() if arena is not None else None)
     except Exception as e:  # noqa: BLE001 - reported to every rank before raising
         local_exc = e
         record["error"] = f"{type(e).__name__}: {e}"
@@ -173,15 +197,29 @@ def enable(model: nn.Module, *, mode: str = "in_place", topology: tide.Topology 
     for g in groups:
         if not g.eligible:
             log_fallback(g)
-    device = served[0].pg.device if served else torch.device("cpu")
     rt = Runtime(mode, groups, arena, device)
     if served:
-        placement.bind(groups, arena)
-        rt.transport = comm.make_transport(
-            transport, arena, [r["shm"] for r in records], rank, topo,
-            group_of=lambda g: g.pg.mesh_info.shard_process_group)
-        if isinstance(rt.transport, comm.ExecutorTransport) and world > 1:
-            dist.barrier()  # every rank has mapped every peer's arena segment
+        # Mapping the peers' arenas (shm segments, CUDA IPC handles) can fail on one rank only:
+        # a second exchange makes every rank raise together (and is the barrier after which
+        # every rank has mapped every peer's arena).
+        err = None
+        try:
+            placement.bind(groups, arena)
+            arena.open_peers([r["ipc"] for r in records])
+            rt.transport = comm.make_transport(
+                transport, arena, [r["shm"] for r in records], rank, topo,
+                group_of=lambda g: g.pg.mesh_info.shard_process_group, options=options)
+        except Exception as e:  # noqa: BLE001 - reported to every rank before raising
+            local_exc, err = e, f"{type(e).__name__}: {e}"
+        failed = [(r["rank"], r["error"]) for r in agreement.exchange({"rank": rank, "error": err})
+                  if r["error"]]
+        if failed:
+            arena.close()
+            if local_exc is not None:
+                raise local_exc
+            raise agreement.TideAgreementError(
+                "tide_torch.enable(): TIDE stays off on every rank: " +
+                "; ".join(f"rank {r} failed to map the peers' arenas: {e}" for r, e in failed))
         arena.close()  # unlink the names now: nothing can outlive the processes, even on a crash
         _patches.install(all_gather.foreach_all_gather, all_gather.foreach_all_gather_copy_out,
                          reduce_scatter.foreach_reduce_scatter_copy_in)
@@ -193,6 +231,14 @@ def enable(model: nn.Module, *, mode: str = "in_place", topology: tide.Topology 
     return TideHandle(rt, groups, topo)
 
 
+def _cuda_capabilities(device: torch.device) -> dict[str, Any]:
+    """What ranks must agree on about their GPUs (the device index may differ per rank)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    caps = dict(tide._core.cuda_capabilities(index))
+    caps.pop("device", None)
+    return {k: (list(v) if isinstance(v, tuple) else v) for k, v in sorted(caps.items())}
+
+
 def _activate(g: TideGroup) -> None:
     for p, fp in enumerate(g.pg.fsdp_params):
         if hasattr(fp, "_unsharded_param"):
@@ -200,6 +246,8 @@ def _activate(g: TideGroup) -> None:
             del fp._unsharded_param
         fp.all_gather_outputs = [g.landing_views[p]]
         _patches.patch_param_free(fp, free_in_arena(g, p))
+        if g.world == 1:  # See [Note: world 1] in groups.py
+            _patches.patch_param_init_outputs(fp, all_gather.init_outputs_at_world_1(g, p))
         if g.adopts:
             all_gather.adopt_shard(g, p)
     g.pg._reduce_scatter_comm = reduce_scatter.TideReduceScatter(g, g.pg._reduce_scatter_comm)

@@ -1,10 +1,10 @@
 """Finding FSDP2 parameter groups, deciding which ones TIDE serves, and planning them.
 
 A group is served by TIDE when it meets the TIDE contract (paper §2, fsdp2.md): dim-0 sharding
-over more than one rank, plain tensors (no ``fsdp_pre_all_gather`` extension, no TP DTensor, no
-CPU offload), one parameter dtype, bf16 or fp32 all-gather, an fp32 reduce dtype, at most 256
-parameters, and a shard group whose ranks are node-major on the topology. Everything else falls
-back to stock FSDP2 with one log line.
+over more than one rank (or a single-rank job, see [Note: world 1]), plain tensors (no
+``fsdp_pre_all_gather`` extension, no TP DTensor, no CPU offload), one parameter dtype, bf16 or
+fp32 all-gather, an fp32 reduce dtype, at most 256 parameters, and a shard group whose ranks are
+node-major on the topology. Everything else falls back to stock FSDP2 with one log line.
 """
 from __future__ import annotations
 
@@ -22,6 +22,15 @@ from tide_torch import _patches
 
 logger = logging.getLogger("tide_torch")
 
+# [Note: world 1]
+# A single-rank job is served too (one GPU, e.g. the first CUDA test). FSDP2 never calls its
+# all-gather there: ``wait_for_unshard`` casts the shard straight into ``all_gather_outputs``,
+# which are TIDE's landing views, so parameters still live at their planned addresses and ring
+# slots are acquired from a per-instance ``init_all_gather_outputs`` (all_gather.py). Nor does it
+# call the reduce-scatter comm: it copies the packed input into the output, so TIDE-RS (N = 1)
+# writes that input from the per-parameter gradients in place of ``_chunk_cat``
+# (reduce_scatter.py). A shard group of one rank inside a larger job keeps stock collectives.
+
 _DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 PLAN_OPTIONS = ("w_wave", "k", "n_part", "n_stg", "chunk_bytes", "sum_ctas", "land_ctas")
 
@@ -38,6 +47,7 @@ class TideGroup:
     fqn: str
     pg: Any                        # FSDPParamGroup
     is_root: bool
+    state: Any = None              # the module's FSDPState (explicit prefetch lists)
     fallback: str | None = None    # reason when served by stock FSDP2
     plan: Any = None               # tide Plan (None on fallback)
     plan_fp32_grads: Any = None    # same group, gradients in the reduce dtype (accumulated)
@@ -99,7 +109,7 @@ def find_groups(model: nn.Module) -> list[TideGroup]:
             continue
         seen.add(id(pg))
         groups.append(TideGroup(index=len(groups), fqn=name or "<root>", pg=pg,
-                                is_root=module is model))
+                                is_root=module is model, state=state))
     if not groups:
         raise TideEnableError(
             f"tide_torch.enable() found no FSDP2 module in {type(model).__name__}: call "
@@ -152,8 +162,8 @@ def _why_not(tg: TideGroup, names: dict[int, str]) -> str | None:
     if len(fsdp_params) > 256:
         return f"{len(fsdp_params)} parameters (> 256)"
     tg.world = pg.mesh_info.shard_process_group.size()
-    if tg.world == 1:
-        return "shard world size 1"
+    if tg.world == 1 and dist.get_world_size() > 1:
+        return "shard world size 1 inside a larger job"
     for fp in fsdp_params:
         who = names.get(id(fp.sharded_param), "?")
         if fp.fsdp_placement.dim != 0:

@@ -64,6 +64,8 @@ def assign(groups: list[TideGroup], use_ring: bool = True) -> dict[str, int]:
         else:
             stage_slot = max(stage_slot, align_up(g.plan.layout.S))
     sizes["stage"] = max([2 * stage_slot] + [int(tide._core.plan_ag(g.plan).stage_bytes) for g in served])
+    if served and all(g.world == 1 for g in served):
+        sizes["stage"] = 0  # a single-rank job never all-gathers (groups.py [Note: world 1])
     # TIDE-RS scratch (staging/outbox/inbox/spare/counters): reduce-scatters run one group at a
     # time in collective order, so one set sized for the largest group serves all of them.
     for name in EXECUTOR_REGIONS:
@@ -104,6 +106,8 @@ def bind(groups: list[TideGroup], arena: Arena) -> None:
             g.resident_views = [arena.view(g.resident_offset + pl.o, pl.e, g.orig_dtype)
                                 for pl in layout.params]
             g.input_views = g.resident_views
+        elif stage.nbytes == 0:  # world 1: never all-gathered
+            g.input_views = []
         else:
             # [Note: stage parity] consecutive groups use different stage slots, so the cast of
             # the next group never writes the slot the current all-gather still reads.

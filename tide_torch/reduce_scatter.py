@@ -65,9 +65,14 @@ class TideReduceScatter(_patches.ReduceScatter):
     def allocate(self, size, *, dtype, device):
         if self._next_is_input:
             self._next_is_input = False
-            ph = _placeholder(size, dtype, device)
+            if self.tg.world == 1:
+                # FSDP2 copies this input into its output itself: TIDE-RS writes it (stage()).
+                ph = torch.empty(*size, dtype=dtype, device=device)
+            else:
+                ph = _placeholder(size, dtype, device)
             ph._tide_comm = self
             return ph
+        self._next_is_input = True  # the output; at world 1 no __call__ follows
         return torch.empty(*size, dtype=dtype, device=device)
 
     # Called from the patched foreach_reduce_scatter_copy_in, on the compute stream.
@@ -76,11 +81,12 @@ class TideReduceScatter(_patches.ReduceScatter):
               world_size: int) -> None:
         tg, rt = self.tg, self.tg.runtime
         staged = _Staged(plan=self._plan_for(unsharded_grads, world_size))
+        single = tg.world == 1  # See [Note: world 1] in groups.py
         if staged.plan is None:
             # e.g. frozen parameters (a subset of the group), or fp32 grads accumulated without
             # sync: this call keeps FSDP2's packing and collective.
-            staged.stock_input = torch.empty(placeholder.shape, dtype=placeholder.dtype,
-                                             device=placeholder.device)
+            staged.stock_input = placeholder if single else torch.empty(
+                placeholder.shape, dtype=placeholder.dtype, device=placeholder.device)
             _patches.stock(_patches._coll, "foreach_reduce_scatter_copy_in")(
                 unsharded_grads, staged.stock_input, world_size)
             rt.stats["rs_stock"] += 1
@@ -94,7 +100,16 @@ class TideReduceScatter(_patches.ReduceScatter):
         else:
             staged.grads = list(unsharded_grads)  # See [Note: gradient lifetime]
         placeholder._tide_staged = staged
-        self._next_is_input = False
+        if staged.stock_input is None and not single:
+            rt.issue_early_all_gather(tg)  # See [Note: early backward all-gather] (runtime.py)
+        if single and staged.stock_input is None:
+            # N = 1: TIDE-RS writes FSDP2's packed input (which FSDP2 copies into its output and
+            # divides by any divide factor itself), on the compute stream, alpha = 1.
+            rt.transport.reduce_scatter(tg, staged.plan, staged.grads, placeholder, 1.0)
+            if staged.in_slot:
+                rt.release_slot_after_rs(tg)
+            staged.grads = None  # read on this stream: autograd's storage may go now
+            rt.stats["rs_tide"] += 1
 
     def _plan_for(self, grads: list[torch.Tensor], world_size: int) -> Any:
         """The group's plan for these gradients (bf16 from autograd, or fp32 accumulated without

@@ -21,16 +21,30 @@ from tide_torch import _patches
 
 
 class Runtime:
+    # [Note: early backward all-gather]
+    # FSDP2's post_backward(l) enqueues l's reduce-scatter before the next pre_backward enqueues
+    # the next all-gather, which can then wait behind l's whole network phase (paper §5.2,
+    # "backward prefetch inversion"). Under In-Place, l's landing slot is free once l has
+    # resharded (its gradients stay in autograd's storage), so TIDE issues that next all-gather
+    # from l's reduce-scatter copy-in, ahead of the reduce-scatter: the same target FSDP2 would
+    # prefetch next (post_forward_order[j - 1], j the latest forward invocation still waiting
+    # for its backward, as FSDP2's _backward_prefetch pops it), through FSDP2's own
+    # _prefetch_unshard, so FSDP2's later prefetch of it is a no-op. Only when that target lands
+    # in the slot l just released; never with explicit prefetch lists, at world 1 or under
+    # Slot-Reuse (the slot then holds l's gradients until the reduce-scatter has read them).
+
     def __init__(self, mode: str, groups: list[Any], arena: Any, device: torch.device):
         self.mode = mode
         self.groups = groups
         self.arena = arena
         self.device = device
         self.transport: Any = None
-        self.stats: Counter = Counter(ag_tide=0, ag_stock=0, rs_tide=0, rs_stock=0)
+        self.stats: Counter = Counter(ag_tide=0, ag_stock=0, rs_tide=0, rs_stock=0,
+                                            ag_early=0)
         self._owner: dict[str, Any] = {}
         self._release_events: dict[str, list[Any]] = {}
         self._events = device.type != "cpu"  # CPU streams are synchronous
+        self._by_pg = {id(g.pg): g for g in groups if g.eligible}
         self._tail = max((g for g in groups if g.eligible and g.slot.startswith("ring")),
                          key=lambda g: g.ring_index, default=None)
 
@@ -58,6 +72,31 @@ class Runtime:
         for event in self._release_events.pop(key, ()):
             stream.wait_event(event)
         self._owner[key] = tg
+
+    def issue_early_all_gather(self, tg: Any) -> None:
+        """See [Note: early backward all-gather]. Called on the compute stream from tg's
+        reduce-scatter copy-in, after tg resharded and before its reduce-scatter is enqueued."""
+        pg = tg.pg
+        if (self.mode != "in_place" or tg.world == 1 or not tg.slot.startswith("ring")
+                or pg._training_state != _patches.TrainingState.POST_BACKWARD
+                or not pg.is_sharded or self._owner.get(self._key(tg)) is not tg
+                or _patches.compiled_autograd_enabled()
+                or any(getattr(g.state, "_states_to_backward_prefetch", None)
+                       for g in self.groups)):
+            return
+        order = getattr(getattr(pg, "comm_ctx", None), "post_forward_order", None)
+        pending = [idx[-1] for g in (order or ())
+                   if (idx := getattr(g, "_post_forward_indices", None))]
+        if not pending or max(pending) < 1:
+            return
+        target_pg = order[max(pending) - 1]
+        target = self._by_pg.get(id(target_pg))
+        if (target is None or target is tg or target.slot != tg.slot or not target_pg.is_sharded
+                or target_pg._all_gather_result is not None):
+            return
+        _patches.FSDPParamGroup._prefetch_unshard(target_pg, "backward")
+        if target_pg._all_gather_result is not None:
+            self.stats["ag_early"] += 1
 
     def slot_is_free(self, tg: Any) -> bool:
         """Whether tg's own landing storage may hold its gradients (Slot-Reuse)."""

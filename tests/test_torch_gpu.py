@@ -1,0 +1,350 @@
+"""tide_torch on CUDA: TIDE's programs through tide._core.CudaRankExecutor over the CUDA-IPC
+fabric of the ranks' arenas, 5 AdamW steps of the tiny Llama with MixedPrecisionPolicy(bf16, fp32),
+both modes.
+
+(a) world 1 on cuda:0: parameters and losses bitwise equal to stock FSDP2 (exact data), every
+    unsharded parameter at its planned landing address, no _chunk_cat / split_with_sizes_copy /
+    all_gather_copy_in in the profiler. The same check runs on CPU (TIDE's CPU executor) here.
+(b) world 2 on ONE GPU (two processes, one arena each, opened through CUDA IPC). NCCL refuses two
+    ranks on one GPU, so the process group is gloo. TIDE needs no stock collective when every
+    group is eligible (asserted: rs_stock == ag_stock == 0, and the profiler sees no c10d / gloo
+    op in a TIDE step; test_world2_cpu checks the same on CPU); the stock FSDP2 reference on the
+    same GPU gets its all-gather / reduce-scatter through gloo on host copies (custom FSDP2 comms).
+    Bitwise on exact data; random data within fp32 tolerance (a 2-rank sum is exact in either
+    order, so it is expected bitwise too); and an fp32-policy run (in-place shard adoption) with
+    SGD within fp32 tolerance of the same training on CPU (gloo, CPU) — GPU and CPU matmuls
+    differ in summation order, so CPU vs GPU is never bitwise.
+(c) with two GPUs: world 2 over NCCL, TIDE vs stock FSDP2 bitwise on exact data, both modes.
+
+Each GPU case runs with deterministic algorithms, so stock and TIDE compute identical gradients.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import tide
+from _torch_dist import batches, build, local_shards, mesh_1d, spawn, train
+
+STEPS = 5
+MODES = ("in_place", "slot_reuse")
+BANNED = ("split_with_sizes_copy", "_chunk_cat", "chunk_cat", "all_gather_copy_in")
+
+
+def _cuda_tide() -> bool:
+    try:
+        from tide_torch import comm
+        return comm.cuda_executor_available()
+    except Exception:  # noqa: BLE001 - no CUDA build: no CUDA path
+        return False
+
+
+needs_cuda_tide = pytest.mark.skipif(
+    not _cuda_tide(), reason="this build of tide._core has no CudaRankExecutor / CudaIpcFabric")
+
+
+def _deterministic() -> None:
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+
+
+def _check_tide_run(handle, model, ref, losses, ref_losses, what, *, exact=True):
+    handle.synchronize()  # raises the CUDA executor's errors, if any
+    assert not handle.fallbacks, (what, handle.fallbacks)
+    stats = handle.stats
+    assert stats["ag_tide"] > 0 and stats["rs_tide"] > 0, (what, stats)
+    assert stats["ag_stock"] == 0 and stats["rs_stock"] == 0, (what, stats)
+    if handle.mode == "in_place" and handle.topology.world > 1:
+        assert stats["ag_early"] > 0, (what, stats)  # [Note: early backward all-gather]
+    got = local_shards(model)
+    for name, t in ref.items():
+        if exact:
+            assert torch.equal(got[name], t), (what, name, (got[name] - t).abs().max())
+        else:
+            torch.testing.assert_close(got[name], t, rtol=1e-4, atol=1e-5,
+                                       msg=lambda m: f"{what} {name}: {m}")
+    if exact:
+        assert losses == ref_losses, (what, losses, ref_losses)
+    landings = handle.landings()
+    assert len(landings) == sum(1 for _ in model.parameters()), what
+    for name, (planned, got_ptr) in landings.items():
+        assert got_ptr == planned, (what, name, hex(planned), got_ptr)
+
+
+def _op_names(fn) -> set[str]:
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        fn()
+    return {e.name for e in prof.events()}
+
+
+def _train_profiled(model, data, device, **kw):
+    """train() in three calls (1 step, 1 profiled step, the rest): the losses and the op names
+    of the profiled step. References train the same way (each call starts a fresh AdamW)."""
+    losses = train(model, data[:1], device=device, **kw)
+    names = _op_names(lambda: losses.extend(train(model, data[1:2], device=device, **kw)))
+    losses += train(model, data[2:], device=device, **kw)
+    return losses, names
+
+
+def _pg_collectives(names: set[str]) -> list[str]:
+    """Process-group collectives among profiler event names (c10d ops, gloo / NCCL work)."""
+    return sorted(n for n in names if n.startswith(("c10d::", "gloo:", "nccl:")))
+
+
+# ---- (a) world 1 -------------------------------------------------------------------------------
+
+def _world1(rank, world, device_type):
+    import tide_torch
+    device = torch.device(device_type, 0) if device_type == "cuda" else torch.device("cpu")
+    if device_type == "cuda":
+        _deterministic()
+    mesh = mesh_1d(device_type)
+    data = batches(STEPS, same_on_all_ranks=True)
+    stock = build(mesh=mesh, device=device)
+    stock_losses, names = _train_profiled(stock, data, device)
+    assert [n for n in names if "chunk_cat" in n], sorted(names)  # the check below means something
+    ref = local_shards(stock)
+    for mode in MODES:
+        model = build(mesh=mesh, device=device)
+        handle = tide_torch.enable(model, mode=mode)
+        expected = "tide-cuda-executor" if device_type == "cuda" else "tide-executor"
+        assert handle.transport == expected, handle.transport
+        assert handle.memory()["regions"]["stage"] == 0  # never all-gathered at world 1
+        losses, names = _train_profiled(model, data, device)
+        assert not [n for n in names if any(b in n for b in BANNED)], (mode, sorted(names))
+        _check_tide_run(handle, model, ref, losses, stock_losses, f"world 1 {device_type} {mode}")
+        handle.disable()
+
+
+def test_world1_cpu():
+    spawn(_world1, "cpu", world=1)
+
+
+@pytest.mark.gpu
+@needs_cuda_tide
+def test_world1_cuda():
+    spawn(_world1, "cuda", world=1, cuda_devices=(0,), start_method="spawn")
+
+
+def _world2_cpu(rank, world):
+    """(b)'s claims on CPU ranks: at world 2 every sum is exact (a + b, scaled by 1/2), so TIDE
+    matches stock FSDP2 bitwise on any data, and a TIDE step issues no process-group collective
+    (stock's does)."""
+    import tide_torch
+    topo = tide.Topology(nodes=1, gpus_per_node=2)
+    mesh = mesh_1d()
+    for exact in (True, False):
+        data = batches(STEPS, same_on_all_ranks=exact)
+        stock = build(mesh=mesh)
+        stock_losses, names = _train_profiled(stock, data, None)
+        assert _pg_collectives(names), sorted(names)
+        ref = local_shards(stock)
+        for mode in MODES:
+            model = build(mesh=mesh)
+            handle = tide_torch.enable(model, mode=mode, topology=topo)
+            losses, names = _train_profiled(model, data, None)
+            assert not _pg_collectives(names), (mode, _pg_collectives(names))
+            _check_tide_run(handle, model, ref, losses, stock_losses,
+                            f"CPU world 2 exact={exact} {mode}")
+            handle.disable()
+
+
+def test_world2_cpu():
+    spawn(_world2_cpu, world=2)
+
+
+# ---- (b) world 2 on one GPU, gloo --------------------------------------------------------------
+
+def _host_comms(model) -> None:
+    """Stock FSDP2 on CUDA ranks whose process group is gloo: its all-gather / reduce-scatter go
+    through gloo on host copies, on FSDP2's own streams (everything else stays stock)."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
+
+    class HostAllGather(AllGather):
+        def allocate(self, size, *, dtype, device):
+            return torch.empty(*size, dtype=dtype, device=device)
+
+        def __call__(self, output_tensor, input_tensor, group, async_op=False):
+            out = torch.empty(output_tensor.shape, dtype=output_tensor.dtype)
+            dist.all_gather_into_tensor(out, input_tensor.cpu(), group=group)
+            output_tensor.copy_(out)
+            return None
+
+    class HostReduceScatter(ReduceScatter):
+        def allocate(self, size, *, dtype, device):
+            return torch.empty(*size, dtype=dtype, device=device)
+
+        def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+            out = torch.empty(output_tensor.shape, dtype=output_tensor.dtype)
+            dist.reduce_scatter_tensor(out, input_tensor.cpu(), op=op, group=group)
+            output_tensor.copy_(out)
+            return None
+
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.set_custom_all_gather(HostAllGather())
+            m.set_custom_reduce_scatter(HostReduceScatter())
+
+
+def _one_gpu_world2(rank, world):
+    import tide_torch
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+    _deterministic()
+    device = torch.device("cuda", 0)
+    topo = tide.Topology(nodes=1, gpus_per_node=2)
+    mesh = mesh_1d("cuda")
+    for exact in (True, False):
+        data = batches(STEPS, same_on_all_ranks=exact)
+        stock = build(mesh=mesh, device=device)
+        _host_comms(stock)
+        stock_losses, names = _train_profiled(stock, data, device)
+        assert _pg_collectives(names), sorted(names)  # the check below means something
+        ref = local_shards(stock)
+        for mode in MODES:
+            model = build(mesh=mesh, device=device)
+            handle = tide_torch.enable(model, mode=mode, topology=topo)
+            assert handle.transport == "tide-cuda-executor", handle.transport
+            losses, names = _train_profiled(model, data, device)
+            # No process-group collective in a TIDE step: gloo never sees a CUDA tensor.
+            assert not _pg_collectives(names), (mode, _pg_collectives(names))
+            _check_tide_run(handle, model, ref, losses, stock_losses,
+                            f"1 GPU world 2 exact={exact} {mode}", exact=exact)
+            handle.disable()
+
+    # fp32 parameters (in-place shard adoption: the all-gather reads the shards in the arena),
+    # SGD: same GPU bitwise, and within fp32 tolerance of the same training on CPU.
+    fp32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
+    data = batches(STEPS, same_on_all_ranks=True)
+    cpu = build(mesh=mesh_1d("cpu"), mp_policy=fp32)
+    cpu_losses = train(cpu, data, optimizer="sgd")
+    cpu_ref = local_shards(cpu)
+    stock = build(mesh=mesh, device=device, mp_policy=fp32)
+    _host_comms(stock)
+    stock_losses = train(stock, data, device=device, optimizer="sgd")
+    ref = local_shards(stock)
+    model = build(mesh=mesh, device=device, mp_policy=fp32)
+    handle = tide_torch.enable(model, mode="slot_reuse", topology=topo)
+    assert handle.memory()["regions"]["resident"] > 0
+    losses = train(model, data, device=device, optimizer="sgd")
+    _check_tide_run(handle, model, ref, losses, stock_losses, "1 GPU world 2 fp32 adopted")
+    torch.testing.assert_close(losses, cpu_losses, rtol=1e-4, atol=1e-5)
+    for name, t in local_shards(model).items():
+        torch.testing.assert_close(t, cpu_ref[name], rtol=1e-4, atol=1e-5,
+                                   msg=lambda m: f"CUDA vs CPU {name}: {m}")
+    handle.disable()
+
+
+@pytest.mark.gpu
+@needs_cuda_tide
+def test_world2_one_gpu_ipc():
+    spawn(_one_gpu_world2, world=2, backend="gloo", cuda_devices=(0, 0), start_method="spawn")
+
+
+# ---- (c) world 2 on two GPUs, NCCL -------------------------------------------------------------
+
+def _two_gpus(rank, world):
+    import tide_torch
+    _deterministic()
+    device = torch.device("cuda", rank)
+    topo = tide.Topology(nodes=1, gpus_per_node=2)
+    mesh = mesh_1d("cuda")
+    data = batches(STEPS, same_on_all_ranks=True)
+    stock = build(mesh=mesh, device=device)
+    stock_losses = train(stock, data, device=device)
+    ref = local_shards(stock)
+    for mode in MODES:
+        model = build(mesh=mesh, device=device)
+        handle = tide_torch.enable(model, mode=mode, topology=topo)
+        assert handle.transport == "tide-cuda-executor", handle.transport
+        losses = train(model, data, device=device)
+        _check_tide_run(handle, model, ref, losses, stock_losses, f"2 GPUs NCCL {mode}")
+        handle.disable()
+
+
+@pytest.mark.gpu
+@needs_cuda_tide
+def test_world2_two_gpus_nccl():
+    if torch.cuda.device_count() < 2:
+        pytest.skip(f"needs 2 GPUs, this machine has {torch.cuda.device_count()}")
+    spawn(_two_gpus, world=2, backend="nccl", cuda_devices=(0, 1), start_method="spawn")
+
+
+# ---- the CUDA transport's calls into tide._core, checked on CPU -------------------------------
+
+class _RecordingExecutor:
+    """Records what CudaExecutorTransport passes to tide._core.CudaRankExecutor (the bytes are
+    moved by the real executor in the GPU tests above)."""
+
+    def __init__(self, fabric, rank, nodes, gpus_per_node, *, regions, **knobs):
+        self.args = (fabric, rank, nodes, gpus_per_node)
+        self.regions, self.knobs, self.runs = regions, knobs, []
+
+    def run(self, progs, seq, buffers, *, stream, ranks):
+        self.runs.append((progs, seq, buffers, stream, ranks))
+
+    def synchronize(self):
+        self.runs.append("sync")
+
+
+def test_cuda_transport_calls(monkeypatch):
+    from types import SimpleNamespace
+
+    from tide_torch import comm, placement
+    from tide_torch.arena import Arena
+    from tide_torch.groups import TideGroup
+
+    sig = tide.GroupSignature(shapes=[(37, 16), (16,), (24, 16)], ag_dtype="bfloat16",
+                              grad_dtype="bfloat16", shard_dtype="float32")
+    topo = tide.Topology(nodes=1, gpus_per_node=2)
+    tg = TideGroup(index=1, fqn="layers.0", is_root=False, world=2, topology=topo,
+                   pg=SimpleNamespace(post_forward_mesh_info=object(),
+                                      reshard_after_backward=True),
+                   plan=tide.plan(sig, topo, mode="in_place"), param_dtype=torch.bfloat16,
+                   orig_dtype=torch.float32, reduce_dtype=torch.float32,
+                   shapes=[(37, 16), (16,), (24, 16)])
+    arena = Arena(placement.assign([tg]), torch.device("cpu"))
+    shm_name = arena.shm_name
+    try:
+        placement.bind([tg], arena)
+        arena.shm_name, arena.fabric = None, "the fabric"  # as on CUDA
+        monkeypatch.setattr(tide._core, "CudaRankExecutor", _RecordingExecutor, raising=False)
+        monkeypatch.setattr(tide._core, "CudaIpcFabric", object, raising=False)
+        monkeypatch.setattr(tide._core, "cuda_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "current_stream", lambda: SimpleNamespace(cuda_stream=77))
+        assert comm.cuda_executor_available()
+        t = comm.make_transport("auto", arena, [None, None], 1, topo, group_of=None,
+                                options={"sum_ctas": 8, "w_wave": 2})
+        assert isinstance(t, comm.CudaExecutorTransport) and t.name == "tide-cuda-executor"
+        ex = t._exec
+        assert ex.args == ("the fabric", 1, 1, 2) and ex.knobs == {"sum_ctas": 8}
+        assert ex.regions == {r.name: (r.offset, r.nbytes) for r in arena.regions.values()}
+
+        layout = tg.plan.layout
+        shards = [torch.zeros(pl.e) for pl in layout.params]
+        t.all_gather(tg, shards, tg.landing_views)
+        t.all_gather(tg, shards, tg.landing_views)
+        grads = [torch.zeros(s) for s in tg.shapes]
+        out = torch.zeros(layout.E)
+        t.reduce_scatter(tg, tg.plan, grads, out, 0.5)
+        t.reduce_scatter(tg, tg.plan, grads, out, 0.5)
+        t.synchronize()
+        (ag1, ag2, rs1, rs2, sync) = ex.runs
+        assert sync == "sync"
+        shard = dict(tide._core.buf_kinds)["shard"]
+        assert ag1[1:] == (1, [(shard, p, s.data_ptr(), 4 * s.numel())
+                               for p, s in enumerate(shards)], 77, None)
+        assert ag2[0] is ag1[0] and ag2[1] == 2  # programs built once, seq per group and kind
+        kinds = dict(tide._core.buf_kinds)
+        assert rs1[1] == 1 and rs2[1] == 2 and rs1[0] is not rs2[0]  # banks 1, 0
+        assert rs1[2][-1] == (kinds["out"], -1, out.data_ptr(), 4 * layout.E)
+        assert [b[:2] for b in rs1[2][:-1]] == [(kinds["grad"], p) for p in range(3)]
+        assert rs1[3] == 77 and rs1[4] is None
+    finally:
+        arena.shm_name, arena.fabric = shm_name, None
+        arena.close()
