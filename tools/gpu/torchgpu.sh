@@ -35,8 +35,8 @@ print('CudaRankExecutor=%s CudaIpcFabric=%s cuda_available=%s' % (
 echo "torchgpu: $ngpu GPU(s); $caps" | tee "$OUT/torchgpu_tests.log"
 
 # ---- 1. GPU tests, one pytest per test so that one failure or hang does not hide the others ---
-for t in test_world1_cuda test_world2_one_gpu_ipc test_world2_two_gpus_nccl test_world1_cpu \
-         test_world2_cpu test_cuda_transport_calls; do
+for t in ${TORCHGPU_TESTS:-test_world1_cuda test_world2_one_gpu_ipc test_world2_two_gpus_nccl test_world1_cpu \
+         test_world2_cpu test_cuda_transport_calls}; do
   echo "==== $t" >>"$OUT/torchgpu_tests.log"
   timeout 900 $PY -m pytest -q -p no:cacheprovider -rs "tests/test_torch_gpu.py::$t" \
     >>"$OUT/torchgpu_tests.log" 2>&1
