@@ -43,7 +43,7 @@ def _cuda_tide() -> bool:
 
 
 needs_cuda_tide = pytest.mark.skipif(
-    not _cuda_tide(), reason="this build of tide._core has no CudaRankExecutor / CudaIpcFabric")
+    not _cuda_tide(), reason="no CUDA path here: tide._core lacks CudaRankExecutor / CudaIpcFabric, or no GPU is usable")
 
 
 def _deterministic() -> None:
