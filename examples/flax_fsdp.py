@@ -198,7 +198,9 @@ def main(argv=None):
         print(f"{count} parameters, {n} devices ({devices[0].device_kind}), "
               f"batch {args.batch} x {SEQ}")
         tx = optax.adamw(3e-3)
-        records = [RUNS[r](mesh, graphdef, params, tx, args.steps, args.batch) for r in names]
+        # each run starts from its own copy: a run donates its parameters to its train step
+        records = [RUNS[r](mesh, graphdef, jax.tree.map(jnp.copy, params), tx, args.steps, args.batch)
+                   for r in names]
     by_name = {r["name"]: r for r in records}
     if len(by_name) == 2:
         diff = max(abs(a - b) for a, b in zip(by_name["tide_xla"]["losses"],

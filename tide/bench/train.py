@@ -8,9 +8,9 @@ JSON schema of an example: {"framework": "torch"|"jax", "device": str, "world": 
             "losses": [float]}]}
 Ratios: step time and peak memory of each run against the framework's baseline (stock, gspmd:
 baseline / run, so > 1 means faster or smaller) and the final-loss difference.
-Launch: CPU: the examples' CPU defaults; one GPU: torch on 1 GPU (torchrun), jax on XLA:CPU
-with 8 host devices (tide_xla needs several devices); >= 2 GPUs: torchrun over every GPU, jax on
-every GPU. `--torch-args` / `--jax-args` append arguments (e.g. tiny model sizes).
+Launch: CPU: the examples' CPU defaults (jax on 8 XLA:CPU host devices); GPUs: torchrun over every
+GPU (one GPU: world 1), jax on every GPU of one process (one GPU: a 1 x 1 topology).
+`--torch-args` / `--jax-args` append arguments (e.g. tiny model sizes).
 """
 from __future__ import annotations
 
@@ -55,11 +55,13 @@ def _launch(framework, ctx, py, script, json_path, extra):
             where = f"{n} GPU(s), NCCL"
     else:
         cmd = [py, script]
-        if ctx.gpus < 2:
+        if ctx.gpus < 1:
             env.update(JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=8")
             where = "XLA:CPU, 8 host devices"
         else:
-            where = f"{ctx.gpus} GPUs"
+            env.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+            cmd.append("--separate")  # one process per run: each run's peak_bytes is its own
+            where = f"{ctx.gpus} GPU(s)"
     return cmd + ["--json", json_path] + shlex.split(extra or ""), env, where
 
 
