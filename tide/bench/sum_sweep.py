@@ -163,7 +163,7 @@ def main(argv=None):
     print(f"# kernels: {len(attrs)}; with local memory (spills/stack): "
           f"{', '.join(a['name'] for a in spilled) if spilled else 'none'}")
     for a in attrs:
-        if a["name"].startswith(("sum_kernel<7>", "reduce_kernel<8>", "sum_bulk_kernel<7>", "reduce_bulk_kernel<8>")):
+        if a["name"].startswith(("sum_kernel<7>", "reduce_kernel<8>", "reduce_kernel<8,fp32>", "sum_bulk_kernel<7>", "reduce_bulk_kernel<8>")):
             print(f"#   {a['name']:24} {a['regs']:4d} regs, {a['local_bytes']} B local, "
                   f"{a['static_smem']} B static smem")
     rows, checks = sweep(torch, core, variants, entries, ctas, args.terms, args.n_big, args.n_small, ceiling, n_sm,
