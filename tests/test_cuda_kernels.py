@@ -305,7 +305,8 @@ def test_sum_kernel_knob_rejects_unknown(monkeypatch):
 def test_sum_kernels_do_not_spill():
     attrs = _core.cuda_sum_kernel_attrs()
     names = {a["name"] for a in attrs}
-    assert {"sum_kernel<7>", "reduce_kernel<12>", "sum_bulk_kernel<7>", "reduce_bulk_kernel<12>"} <= names
+    assert {"sum_kernel<7>", "reduce_kernel<12>", "reduce_kernel<12,fp32>", "reduce_kernel<12,mixed>",
+            "sum_bulk_kernel<7>", "reduce_bulk_kernel<12>"} <= names
     spilled = [a for a in attrs if a["local_bytes"] != 0]
     assert not spilled, f"kernels with local memory (spills or stack): {spilled}"
 
