@@ -58,7 +58,8 @@ def _run_table(torch, n, n_terms):
     return torch.frombuffer(bytearray(rec), dtype=torch.uint8).clone().cuda()
 
 
-def sweep(torch, core, variants, entries, ctas_list, L, n_big, n_small, ceiling_gbps, n_sm, reps=9):
+def sweep(torch, core, variants, entries, ctas_list, L, n_big, n_small, ceiling_gbps, n_sm, reps=9,
+          bulk_kib=()):
     g = torch.Generator(device="cuda").manual_seed(4)
     staged = [torch.randn(n_big, device="cuda", generator=g).to(torch.bfloat16) for _ in range(L - 1)]
     own = torch.randn(n_big, device="cuda", generator=g).to(torch.bfloat16)
@@ -83,7 +84,7 @@ def sweep(torch, core, variants, entries, ctas_list, L, n_big, n_small, ceiling_
             core.cuda_reduce(dst.data_ptr(), n, runs.data_ptr(), 1, L, 0, False, False, 1.0,
                              ptrs + [own.data_ptr()], c, st)
 
-    rows, checks, refs = [], [], {}
+    rows, checks, refs, geo = [], [], {}, []
     saved = os.environ.get("TIDE_SUM_KERNEL")
     try:
         for entry in entries:
@@ -114,7 +115,21 @@ def sweep(torch, core, variants, entries, ctas_list, L, n_big, n_small, ceiling_
                         rows.append(dict(entry=entry, variant=v, ran=ran, n=n, ctas=c, ms=ms, graph_calls=inner,
                                          gbps=gbps, gbps_per_cta=gbps / min(c, n_sm),
                                          pct_ceiling=100 * gbps / ceiling_gbps))
+        # Ring geometry (bulk.cu make_ring): `sum` on the bulk variant with other stage sizes.
+        os.environ["TIDE_SUM_KERNEL"] = "bulk"
+        if "bulk" in variants and "sum" in entries and core.cuda_sum_kernel() == "bulk":
+            for kib in bulk_kib:
+                os.environ["TIDE_BULK_STAGE_KIB"] = str(kib)
+                bpe = 2 * L
+                chunk = max(8, (kib * 1024 // bpe) // 8 * 8)
+                stages = min(16, (192 << 10) // (chunk * bpe))
+                for c in (1, 8):
+                    ms = _time_ms(torch, lambda: launch("sum", n_big, c), reps, 1)
+                    gbps = n_big * (2 * L + 4) / ms / 1e6
+                    geo.append(dict(stage_kib=kib, stages=stages, in_flight_kib=stages * chunk * bpe // 1024,
+                                    ctas=c, ms=ms, gbps=gbps, gbps_per_cta=gbps / c))
     finally:
+        os.environ.pop("TIDE_BULK_STAGE_KIB", None)
         if saved is None:
             os.environ.pop("TIDE_SUM_KERNEL", None)
         else:
@@ -122,7 +137,7 @@ def sweep(torch, core, variants, entries, ctas_list, L, n_big, n_small, ceiling_
     del staged, own, dst, inbox, old
     refs.clear()
     torch.cuda.empty_cache()
-    return rows, checks
+    return rows, checks, geo
 
 
 def verdicts(rows, n_big, n_sm):
@@ -154,6 +169,8 @@ def main(argv=None):
     ap.add_argument("--n-big", type=int, default=64 << 20, help="elements (fp32 output: 4 bytes each)")
     ap.add_argument("--n-small", type=int, default=2 << 20)
     ap.add_argument("--reps", type=int, default=9)
+    ap.add_argument("--bulk-stage-kib", default="16,32,64",
+                    help="bulk ring stage sizes (KiB) timed for `sum` at 1 and 8 CTAs (empty: none)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     import torch
@@ -183,8 +200,9 @@ def main(argv=None):
         if a["name"].startswith(("sum_kernel<7>", "reduce_kernel<8>", "reduce_kernel<8,fp32>", "sum_bulk_kernel<7>", "reduce_bulk_kernel<8>")):
             print(f"#   {a['name']:24} {a['regs']:4d} regs, {a['local_bytes']} B local, "
                   f"{a['static_smem']} B static smem")
-    rows, checks = sweep(torch, core, variants, entries, ctas, args.terms, args.n_big, args.n_small, ceiling, n_sm,
-                         reps=args.reps)
+    bulk_kib = [int(k) for k in args.bulk_stage_kib.split(",") if k]
+    rows, checks, geo = sweep(torch, core, variants, entries, ctas, args.terms, args.n_big, args.n_small, ceiling,
+                              n_sm, reps=args.reps, bulk_kib=bulk_kib)
     print(f"{'entry':7} {'variant':7} {'ran':7} {'n':>10} {'ctas':>5} {'ms':>9} {'GB/s':>8} {'GB/s/CTA':>9} "
           f"{'%ceil':>6}")
     for r in rows:
@@ -193,6 +211,9 @@ def main(argv=None):
     for c in checks:
         print(f"# bitwise {c['entry']}/{c['variant']} (ran {c['ran']}) == {c['against']}: "
               f"{c['bitwise_equal_to_first']}")
+    for r in geo:  # at a fixed ring: rate ~ stage size -> per-chunk cost; ~ bytes in flight -> latency
+        print(f"# bulk ring: sum, {r['stage_kib']:3d} KiB x {r['stages']:2d} stages ({r['in_flight_kib']} KiB), "
+              f"{r['ctas']} CTAs: {r['ms']:.4f} ms, {r['gbps_per_cta']:.1f} GB/s per CTA")
     vs = verdicts(rows, args.n_big, n_sm)
     for v in vs:
         per = "/".join(f"{v['per_cta'].get(c, float('nan')):.0f}" for c in TARGET_CTAS)
@@ -207,7 +228,8 @@ def main(argv=None):
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(device=props.name, sms=n_sm, ceiling_gbps=ceiling, terms=args.terms, rows=rows,
-                           checks=checks, verdicts=vs, kernel_attrs=attrs, spilled=spilled), f, indent=1)
+                           checks=checks, verdicts=vs, kernel_attrs=attrs, spilled=spilled, bulk_ring=geo), f,
+                      indent=1)
     return 0 if ok_bits and not spilled else 1
 
 
