@@ -40,8 +40,8 @@ constexpr int kV = 8;  // elements per vector step of the generic body (and the 
 // terms are added in order, then LAND's alpha/accumulate.
 enum Pattern : int { kAllBf16 = 0, kAllF32 = 1, kMixed = 2 };
 
-// 16-byte words per term per thread per dense iteration: ~128 registers of loaded words at most
-// (for all-fp32 the accumulate operand counts as one more term), 1..4. At L = 8 all bf16 that
+// 16-byte words per term per thread per dense iteration: ~128 registers of loaded words at most,
+// 1..4. At L = 8 all bf16 that
 // is 256 threads x 4 x 8 x 16 B = 128 KiB in flight per CTA, sum_kernel's depth (512 x 2).
 __host__ __device__ constexpr int dense_unroll(int words) {
   return 128 / (4 * words) < 1 ? 1 : (128 / (4 * words) > 4 ? 4 : 128 / (4 * words));
@@ -100,9 +100,10 @@ __device__ __forceinline__ void dense_body(const ReduceArgs& a, const char* cons
                                            int64_t nw, int l2) {
   constexpr int E = P == kAllF32 ? 4 : 8;
   // LAND over fp32 inbox terms loads the accumulate operand with the terms; an all-bf16 LAND
-  // with accumulate (no program emits one) loads it after them.
+  // with accumulate (no program emits one) loads it after them. All fp32: the budget counts two
+  // extra words (old value, addresses), and 11-12 terms take one word (ptxas -v: no spills).
   constexpr bool kHoistOld = P == kAllF32;
-  constexpr int U = dense_unroll(kHoistOld ? T + 1 : T);
+  constexpr int U = kHoistOld ? (T > 10 ? 1 : dense_unroll(T + 2)) : dense_unroll(T);
   const bool acc = a.land && a.accumulate;
   // The launch always has kReduceThreads threads: word u of an iteration sits at a constant
   // offset from the thread's running pointer, so only T pointers stay live.
@@ -173,7 +174,12 @@ __device__ __forceinline__ void generic_body(const ReduceArgs& a, const char* co
     }
     const int64_t k = bv + v * kV;
     const uint4* dv = reinterpret_cast<const uint4*>(a.dst + k);  // stand-in for absent terms
+    // Selects, not branches, below: a branch per term would let nvcc schedule the next term's
+    // loads after this term's adds (what made the old body slow). An element no term covers
+    // keeps 0.0f.
     float t[kV];
+#pragma unroll
+    for (int e = 0; e < kV; ++e) t[e] = 0.0f;
     bool have = false;  // the first present term initialises (no 0.0f + x: keeps -0.0)
 #pragma unroll
     for (int g = 0; g < T; g += G) {
@@ -191,17 +197,26 @@ __device__ __forceinline__ void generic_body(const ReduceArgs& a, const char* co
       for (int j = 0; j < G; ++j) {
         const int i = g + j;
         if (i >= T) break;
-        if (!p[i]) continue;
+        const bool present = p[i] != nullptr;
         float y[kV];
-        unpack(y, lo[j], P != kAllBf16 ? hi[j] : lo[j], term_fp32<T, P>(a, i));
+        if (P == kMixed) {  // both decodings, then a select
+          float yb[kV];
+          unpack(y, lo[j], hi[j], true);
+          unpack(yb, lo[j], lo[j], false);
+          const bool f32 = term_fp32<T, P>(a, i);
 #pragma unroll
-        for (int e = 0; e < kV; ++e) t[e] = have ? __fadd_rn(t[e], y[e]) : y[e];
-        have = true;
+          for (int e = 0; e < kV; ++e) y[e] = f32 ? y[e] : yb[e];
+        } else {
+          unpack(y, lo[j], P != kAllBf16 ? hi[j] : lo[j], P == kAllF32);
+        }
+#pragma unroll
+        for (int e = 0; e < kV; ++e) {
+          const float sum = __fadd_rn(t[e], y[e]);
+          t[e] = present ? (have ? sum : y[e]) : t[e];
+        }
+        have = have || present;
       }
     }
-    if (!have)
-#pragma unroll
-      for (int e = 0; e < kV; ++e) t[e] = 0.0f;
     float4* d = reinterpret_cast<float4*>(a.dst + k);
     float4 o0 = make_float4(0.f, 0.f, 0.f, 0.f), o1 = o0;
     if (acc) {
