@@ -59,7 +59,7 @@ def _run_table(torch, n, n_terms):
 
 
 def sweep(torch, core, variants, entries, ctas_list, L, n_big, n_small, ceiling_gbps, n_sm, reps=9,
-          bulk_kib=()):
+          bulk_ring=()):
     g = torch.Generator(device="cuda").manual_seed(4)
     staged = [torch.randn(n_big, device="cuda", generator=g).to(torch.bfloat16) for _ in range(L - 1)]
     own = torch.randn(n_big, device="cuda", generator=g).to(torch.bfloat16)
@@ -118,11 +118,12 @@ def sweep(torch, core, variants, entries, ctas_list, L, n_big, n_small, ceiling_
         # Ring geometry (bulk.cu make_ring): `sum` on the bulk variant with other stage sizes.
         os.environ["TIDE_SUM_KERNEL"] = "bulk"
         if "bulk" in variants and "sum" in entries and core.cuda_sum_kernel() == "bulk":
-            for kib in bulk_kib:
+            for kib, cap in bulk_ring:
                 os.environ["TIDE_BULK_STAGE_KIB"] = str(kib)
+                os.environ["TIDE_BULK_STAGES"] = str(cap)
                 bpe = 2 * L
                 chunk = max(8, (kib * 1024 // bpe) // 8 * 8)
-                stages = min(16, (192 << 10) // (chunk * bpe))
+                stages = min(cap, (192 << 10) // (chunk * bpe))
                 for c in (1, 8):
                     ms = _time_ms(torch, lambda: launch("sum", n_big, c), reps, 1)
                     gbps = n_big * (2 * L + 4) / ms / 1e6
@@ -130,6 +131,7 @@ def sweep(torch, core, variants, entries, ctas_list, L, n_big, n_small, ceiling_
                                     ctas=c, ms=ms, gbps=gbps, gbps_per_cta=gbps / c))
     finally:
         os.environ.pop("TIDE_BULK_STAGE_KIB", None)
+        os.environ.pop("TIDE_BULK_STAGES", None)
         if saved is None:
             os.environ.pop("TIDE_SUM_KERNEL", None)
         else:
@@ -169,8 +171,9 @@ def main(argv=None):
     ap.add_argument("--n-big", type=int, default=64 << 20, help="elements (fp32 output: 4 bytes each)")
     ap.add_argument("--n-small", type=int, default=2 << 20)
     ap.add_argument("--reps", type=int, default=9)
-    ap.add_argument("--bulk-stage-kib", default="16,32,64",
-                    help="bulk ring stage sizes (KiB) timed for `sum` at 1 and 8 CTAs (empty: none)")
+    ap.add_argument("--bulk-ring", default="16,32,64,32x2",
+                    help="bulk ring geometries timed for `sum` at 1 and 8 CTAs: KiB per stage, optionally "
+                         "xSTAGES (at most that many stages); empty: none")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     import torch
@@ -200,9 +203,10 @@ def main(argv=None):
         if a["name"].startswith(("sum_kernel<7>", "reduce_kernel<8>", "reduce_kernel<8,fp32>", "sum_bulk_kernel<7>", "reduce_bulk_kernel<8>")):
             print(f"#   {a['name']:24} {a['regs']:4d} regs, {a['local_bytes']} B local, "
                   f"{a['static_smem']} B static smem")
-    bulk_kib = [int(k) for k in args.bulk_stage_kib.split(",") if k]
+    bulk_ring = [(int(g.split("x")[0]), int(g.split("x")[1]) if "x" in g else 16)
+                 for g in args.bulk_ring.split(",") if g]
     rows, checks, geo = sweep(torch, core, variants, entries, ctas, args.terms, args.n_big, args.n_small, ceiling,
-                              n_sm, reps=args.reps, bulk_kib=bulk_kib)
+                              n_sm, reps=args.reps, bulk_ring=bulk_ring)
     print(f"{'entry':7} {'variant':7} {'ran':7} {'n':>10} {'ctas':>5} {'ms':>9} {'GB/s':>8} {'GB/s/CTA':>9} "
           f"{'%ceil':>6}")
     for r in rows:

@@ -293,7 +293,7 @@ __global__ void __launch_bounds__(kBulkThreads, 1) reduce_bulk_kernel(const __gr
 }
 
 // Target bytes per stage. TIDE_BULK_STAGE_KIB (8..96; read at every launch) exists for the sweep's
-// ring-geometry rows only (tide/bench/sum_sweep.py --bulk-stage-kib): at a fixed ring, a rate
+// ring-geometry rows only (tide/bench/sum_sweep.py --bulk-ring): at a fixed ring, a rate
 // that follows the stage size points at a per-chunk cost, one that follows the bytes in flight
 // (stages x stage size) at copy latency.
 int stage_bytes() {
@@ -304,6 +304,18 @@ int stage_bytes() {
   TIDE_PLAN_CHECK(end != v && *end == '\0' && kib >= 8 && kib <= 96, "TIDE_BULK_STAGE_KIB=", v,
                   ": expected 8..96 (KiB per ring stage)");
   return static_cast<int>(kib) << 10;
+}
+
+// TIDE_BULK_STAGES (2..16, the sweep's ring rows only): at most this many stages. Equal rates
+// at 2 and 6 stages of the same size would mean the stages do not overlap.
+int stages_cap() {
+  const char* v = std::getenv("TIDE_BULK_STAGES");
+  if (v == nullptr || *v == '\0') return kMaxStages;
+  char* end = nullptr;
+  const long n = std::strtol(v, &end, 10);
+  TIDE_PLAN_CHECK(end != v && *end == '\0' && n >= 2 && n <= kMaxStages, "TIDE_BULK_STAGES=", v,
+                  ": expected 2..", kMaxStages);
+  return static_cast<int>(n);
 }
 
 // Ring geometry for terms of `sizes` bytes per element: ~stage_bytes() per stage, as many stages
@@ -318,7 +330,7 @@ Ring make_ring(const int* sizes, int n_terms) {
   g.chunk = std::max(kV, (stage_bytes() / bpe) / kV * kV);
   for (int i = 0; i < n_terms; ++i) g.off[i] *= g.chunk;  // multiples of 16 bytes: chunk % 8 == 0
   g.stage_bytes = g.chunk * bpe;
-  g.stages = std::min(kMaxStages, kRingBytes / g.stage_bytes);
+  g.stages = std::min(stages_cap(), kRingBytes / g.stage_bytes);
   return g;
 }
 
