@@ -290,6 +290,47 @@ def test_reduce_unaligned_dst(variant):
     assert base[0].view(torch.int32).item() == POISON and base[n + 1].view(torch.int32).item() == POISON
 
 
+@pytest.mark.parametrize("kib,stages", [("8", ""), ("96", ""), ("32", "2")])
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_reduce_bulk_ring_geometry(kib, stages, dtype, monkeypatch):
+    """TIDE_BULK_STAGE_KIB / TIDE_BULK_STAGES (the sweep's ring rows): 16 small stages, 2 large
+    ones, 2 of the default size; the ring wraps many times; same bits as the CPU reference."""
+    if _core.cuda_capabilities(0)["cc"][0] < 9:
+        pytest.skip("the bulk variant needs compute capability >= 9.0")
+    monkeypatch.setenv("TIDE_SUM_KERNEL", "bulk")
+    monkeypatch.setenv("TIDE_BULK_STAGE_KIB", kib)
+    monkeypatch.setenv("TIDE_BULK_STAGES", stages)
+    gen = torch.Generator().manual_seed(int(kib) + len(dtype))
+    dt = torch.bfloat16 if dtype == "bf16" else torch.float32
+    bufs, runs, n = _reduce_case(8, [dt] * 8, gen)
+    mask = 0 if dtype == "bf16" else 0xFF
+    old = _specials(torch.randn(n, generator=gen), gen)
+    ref = _reduce_reference(bufs, runs, n, True, True, 0.125, old)
+    dev_bufs = [b.to(DEV) for b in bufs]
+    table = _pack_runs(runs)
+    for ctas in (1, 7):
+        dst = old.to(DEV)
+        _core.cuda_reduce(dst.data_ptr(), n, table.data_ptr(), len(runs), 8, mask, True, True, 0.125,
+                          [b.data_ptr() for b in dev_bufs], ctas, _stream())
+        torch.cuda.synchronize()
+        _assert_same(dst, ref, f"REDUCE LAND (bulk, {kib} KiB x {stages or 'max'} stages, {dtype}) at ctas={ctas}")
+
+
+@pytest.mark.parametrize("name,value,msg", [("TIDE_BULK_STAGE_KIB", "4", "expected 8..96"),
+                                            ("TIDE_BULK_STAGES", "1", "expected 2..16")])
+def test_bulk_ring_knobs_reject_out_of_range(name, value, msg, monkeypatch):
+    if _core.cuda_capabilities(0)["cc"][0] < 9:
+        pytest.skip("the bulk variant needs compute capability >= 9.0")
+    monkeypatch.setenv("TIDE_SUM_KERNEL", "bulk")
+    monkeypatch.setenv(name, value)
+    gen = torch.Generator().manual_seed(2)
+    rows, grads, n = _segments([64], 0, gen)
+    dst = _poisoned(n)
+    with pytest.raises(ValueError, match=f"{name}={value}: {msg}"):
+        _core.cuda_sum(dst.data_ptr(), n, [], _seg_table(rows).data_ptr(), len(rows),
+                       [g.data_ptr() for g in grads], 1, _stream())
+
+
 def test_sum_kernel_knob_rejects_unknown(monkeypatch):
     monkeypatch.setenv("TIDE_SUM_KERNEL", "fast")
     with pytest.raises(ValueError, match="TIDE_SUM_KERNEL=fast: expected vec, vec_l2 or bulk"):
@@ -305,7 +346,8 @@ def test_sum_kernel_knob_rejects_unknown(monkeypatch):
 def test_sum_kernels_do_not_spill():
     attrs = _core.cuda_sum_kernel_attrs()
     names = {a["name"] for a in attrs}
-    assert {"sum_kernel<7>", "reduce_kernel<12>", "sum_bulk_kernel<7>", "reduce_bulk_kernel<12>"} <= names
+    assert {"sum_kernel<7>", "reduce_kernel<12>", "reduce_kernel<12,fp32>", "reduce_kernel<12,mixed>",
+            "sum_bulk_kernel<7>", "reduce_bulk_kernel<12>"} <= names
     spilled = [a for a in attrs if a["local_bytes"] != 0]
     assert not spilled, f"kernels with local memory (spills or stack): {spilled}"
 

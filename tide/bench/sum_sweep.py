@@ -1,15 +1,18 @@
 """SUM kernel sweep (issue #4): every TIDE_SUM_KERNEL variant x CTA count, on one GPU.
 
-`python -m tide.bench.sum_sweep [--variants vec,vec_l2,bulk] [--entries sum,reduce]
+`python -m tide.bench.sum_sweep [--variants vec,vec_l2,bulk] [--entries sum,reduce,land]
 [--ctas 1,2,4,8,16,32,66,132] [--terms 8] [--n-big 67108864] [--n-small 2097152] [--json PATH]`
 
 The Level-1 SUM of an L = `terms` node: L - 1 staged bf16 slices + the own bf16 gradient ->
 one fp32 node partial, through both entry points: `sum` (launch_sum, the SUM kernel with a
 segment table; the layout bench's path) and `reduce` (launch_reduce, the executor's run-table
-kernel). Logical bytes per element: 2L read + 4 written. Figures: ms (median), GB/s, GB/s per
+kernel); `land` is the executor's Level-2 LAND through launch_reduce: L fp32 inbox terms,
+dst = dst + alpha * sum (accumulate). Logical bytes per element: 2L read + 4 written (land:
+4L + 4 read + 4 written). Figures: ms (median), GB/s, GB/s per
 CTA, % of the measured device-to-device ceiling (a 4 GiB copy, read + write). Targets (issue
 #4): >= 99 GB/s per CTA at 4, 8 and 16 CTAs and >= 80 % of the ceiling at a full grid, on the
-big size. Every variant's output is checked bitwise against `vec` (same association).
+big size. Every variant's output is checked bitwise (same association): sum and reduce against
+sum's first variant (same inputs), land against land's first variant.
 """
 from __future__ import annotations
 
@@ -55,12 +58,17 @@ def _run_table(torch, n, n_terms):
     return torch.frombuffer(bytearray(rec), dtype=torch.uint8).clone().cuda()
 
 
-def sweep(torch, core, variants, entries, ctas_list, L, n_big, n_small, ceiling_gbps, n_sm, reps=9):
+def sweep(torch, core, variants, entries, ctas_list, L, n_big, n_small, ceiling_gbps, n_sm, reps=9,
+          bulk_ring=()):
     g = torch.Generator(device="cuda").manual_seed(4)
     staged = [torch.randn(n_big, device="cuda", generator=g).to(torch.bfloat16) for _ in range(L - 1)]
     own = torch.randn(n_big, device="cuda", generator=g).to(torch.bfloat16)
     dst = torch.empty(n_big, device="cuda")
     ptrs = [s.data_ptr() for s in staged]
+    inbox, old = [], None
+    if "land" in entries:  # L fp32 inbox blocks (the LAND terms) and the accumulated output's start
+        inbox = [torch.randn(n_big, device="cuda", generator=g) for _ in range(L)]
+        old = torch.randn(n_big, device="cuda", generator=g)
     tables = {n: (torch.tensor([[0, n, 0, 0]], dtype=torch.int64, device="cuda"), _run_table(torch, n, L))
               for n in (n_small, n_big)}
 
@@ -69,28 +77,36 @@ def sweep(torch, core, variants, entries, ctas_list, L, n_big, n_small, ceiling_
         st = torch.cuda.current_stream().cuda_stream  # the capture stream inside torch.cuda.graph
         if entry == "sum":
             core.cuda_sum(dst.data_ptr(), n, ptrs, seg.data_ptr(), 1, [own.data_ptr()], c, st)
+        elif entry == "land":
+            core.cuda_reduce(dst.data_ptr(), n, runs.data_ptr(), 1, L, (1 << L) - 1, True, True, 0.125,
+                             [b.data_ptr() for b in inbox], c, st)
         else:
             core.cuda_reduce(dst.data_ptr(), n, runs.data_ptr(), 1, L, 0, False, False, 1.0,
                              ptrs + [own.data_ptr()], c, st)
 
-    rows, checks, ref = [], [], None
+    rows, checks, refs, geo = [], [], {}, []
     saved = os.environ.get("TIDE_SUM_KERNEL")
     try:
         for entry in entries:
             for v in variants:
                 os.environ["TIDE_SUM_KERNEL"] = v
                 ran = core.cuda_sum_kernel()  # the variant actually run (bulk needs sm_90)
-                dst.fill_(float("nan"))
+                if entry == "land":
+                    dst.copy_(old)
+                else:
+                    dst.fill_(float("nan"))
                 launch(entry, n_big, n_sm)
                 torch.cuda.synchronize()
                 bits = dst.view(torch.int32).clone()
-                if ref is None:
-                    ref = bits
-                same = bool(torch.equal(bits, ref))
-                checks.append(dict(entry=entry, variant=v, ran=ran, bitwise_equal_to_first=same))
+                group = "land" if entry == "land" else "level1"  # sum and reduce: same inputs
+                if group not in refs:
+                    refs[group] = (f"{entry}/{v}", bits)
+                same = bool(torch.equal(bits, refs[group][1]))
+                checks.append(dict(entry=entry, variant=v, ran=ran, against=refs[group][0],
+                                   bitwise_equal_to_first=same))
                 del bits
                 for n in (n_small, n_big):
-                    logical = n * (2 * L + 4)
+                    logical = n * (4 * L + 8 if entry == "land" else 2 * L + 4)
                     for c in ctas_list:
                         est_ms = logical / min(c * 60e9, 3e12) * 1e3  # ~60 GB/s per CTA, for `inner`
                         inner = max(1, min(50, int(1.0 / max(est_ms, 1e-4))))
@@ -99,14 +115,31 @@ def sweep(torch, core, variants, entries, ctas_list, L, n_big, n_small, ceiling_
                         rows.append(dict(entry=entry, variant=v, ran=ran, n=n, ctas=c, ms=ms, graph_calls=inner,
                                          gbps=gbps, gbps_per_cta=gbps / min(c, n_sm),
                                          pct_ceiling=100 * gbps / ceiling_gbps))
+        # Ring geometry (bulk.cu make_ring): `sum` on the bulk variant with other stage sizes.
+        os.environ["TIDE_SUM_KERNEL"] = "bulk"
+        if "bulk" in variants and "sum" in entries and core.cuda_sum_kernel() == "bulk":
+            for kib, cap in bulk_ring:
+                os.environ["TIDE_BULK_STAGE_KIB"] = str(kib)
+                os.environ["TIDE_BULK_STAGES"] = str(cap)
+                bpe = 2 * L
+                chunk = max(8, (kib * 1024 // bpe) // 8 * 8)
+                stages = min(cap, (192 << 10) // (chunk * bpe))
+                for c in (1, 8):
+                    ms = _time_ms(torch, lambda: launch("sum", n_big, c), reps, 1)
+                    gbps = n_big * (2 * L + 4) / ms / 1e6
+                    geo.append(dict(stage_kib=kib, stages=stages, in_flight_kib=stages * chunk * bpe // 1024,
+                                    ctas=c, ms=ms, gbps=gbps, gbps_per_cta=gbps / c))
     finally:
+        os.environ.pop("TIDE_BULK_STAGE_KIB", None)
+        os.environ.pop("TIDE_BULK_STAGES", None)
         if saved is None:
             os.environ.pop("TIDE_SUM_KERNEL", None)
         else:
             os.environ["TIDE_SUM_KERNEL"] = saved
-    del staged, own, dst
+    del staged, own, dst, inbox, old
+    refs.clear()
     torch.cuda.empty_cache()
-    return rows, checks
+    return rows, checks, geo
 
 
 def verdicts(rows, n_big, n_sm):
@@ -132,12 +165,15 @@ def main(argv=None):
     ap = argparse.ArgumentParser(prog="python -m tide.bench.sum_sweep", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--variants", default="vec,vec_l2,bulk")
-    ap.add_argument("--entries", default="sum,reduce")
+    ap.add_argument("--entries", default="sum,reduce,land")
     ap.add_argument("--ctas", default="1,2,4,8,16,32,66,132")
     ap.add_argument("--terms", type=int, default=8, help="L: L-1 staged slices + the own gradient")
     ap.add_argument("--n-big", type=int, default=64 << 20, help="elements (fp32 output: 4 bytes each)")
     ap.add_argument("--n-small", type=int, default=2 << 20)
     ap.add_argument("--reps", type=int, default=9)
+    ap.add_argument("--bulk-ring", default="16,32,64,32x2",
+                    help="bulk ring geometries timed for `sum` at 1 and 8 CTAs: KiB per stage, optionally "
+                         "xSTAGES (at most that many stages); empty: none")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     import torch
@@ -159,23 +195,29 @@ def main(argv=None):
     entries = args.entries.split(",")
     ctas = [int(c) for c in args.ctas.split(",")]
     print(f"# {props.name}, {n_sm} SMs; device-to-device ceiling {ceiling:.0f} GB/s (read+write); "
-          f"L = {args.terms}: {args.terms - 1} staged bf16 + own bf16 -> fp32, {2 * args.terms + 4} B/element")
+          f"L = {args.terms}: {args.terms - 1} staged bf16 + own bf16 -> fp32, {2 * args.terms + 4} B/element"
+          f"{'; land: L fp32 + accumulate -> fp32, %d B/element' % (4 * args.terms + 8) if 'land' in entries else ''}")
     print(f"# kernels: {len(attrs)}; with local memory (spills/stack): "
           f"{', '.join(a['name'] for a in spilled) if spilled else 'none'}")
     for a in attrs:
-        if a["name"].startswith(("sum_kernel<7>", "reduce_kernel<8>", "sum_bulk_kernel<7>", "reduce_bulk_kernel<8>")):
+        if a["name"].startswith(("sum_kernel<7>", "reduce_kernel<8>", "reduce_kernel<8,fp32>", "sum_bulk_kernel<7>", "reduce_bulk_kernel<8>")):
             print(f"#   {a['name']:24} {a['regs']:4d} regs, {a['local_bytes']} B local, "
                   f"{a['static_smem']} B static smem")
-    rows, checks = sweep(torch, core, variants, entries, ctas, args.terms, args.n_big, args.n_small, ceiling, n_sm,
-                         reps=args.reps)
+    bulk_ring = [(int(g.split("x")[0]), int(g.split("x")[1]) if "x" in g else 16)
+                 for g in args.bulk_ring.split(",") if g]
+    rows, checks, geo = sweep(torch, core, variants, entries, ctas, args.terms, args.n_big, args.n_small, ceiling,
+                              n_sm, reps=args.reps, bulk_ring=bulk_ring)
     print(f"{'entry':7} {'variant':7} {'ran':7} {'n':>10} {'ctas':>5} {'ms':>9} {'GB/s':>8} {'GB/s/CTA':>9} "
           f"{'%ceil':>6}")
     for r in rows:
         print(f"{r['entry']:7} {r['variant']:7} {r['ran']:7} {r['n']:10d} {r['ctas']:5d} {r['ms']:9.4f} "
               f"{r['gbps']:8.0f} {r['gbps_per_cta']:9.1f} {r['pct_ceiling']:6.1f}")
     for c in checks:
-        print(f"# bitwise {c['entry']}/{c['variant']} (ran {c['ran']}) == {checks[0]['entry']}/{checks[0]['variant']}: "
+        print(f"# bitwise {c['entry']}/{c['variant']} (ran {c['ran']}) == {c['against']}: "
               f"{c['bitwise_equal_to_first']}")
+    for r in geo:  # at a fixed ring: rate ~ stage size -> per-chunk cost; ~ bytes in flight -> latency
+        print(f"# bulk ring: sum, {r['stage_kib']:3d} KiB x {r['stages']:2d} stages ({r['in_flight_kib']} KiB), "
+              f"{r['ctas']} CTAs: {r['ms']:.4f} ms, {r['gbps_per_cta']:.1f} GB/s per CTA")
     vs = verdicts(rows, args.n_big, n_sm)
     for v in vs:
         per = "/".join(f"{v['per_cta'].get(c, float('nan')):.0f}" for c in TARGET_CTAS)
@@ -190,7 +232,8 @@ def main(argv=None):
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(device=props.name, sms=n_sm, ceiling_gbps=ceiling, terms=args.terms, rows=rows,
-                           checks=checks, verdicts=vs, kernel_attrs=attrs, spilled=spilled), f, indent=1)
+                           checks=checks, verdicts=vs, kernel_attrs=attrs, spilled=spilled, bulk_ring=geo), f,
+                      indent=1)
     return 0 if ok_bits and not spilled else 1
 
 

@@ -130,8 +130,8 @@ fi
 put wall_s "$(($(date +%s) - t0))"
 echo "================ sweep, 256 MiB output (all sizes: $SWEEP_LOG) ================"
 grep -E "^# .*ceiling|^# kernels|^#   |^entry" "$SWEEP_LOG"
-grep -E "^(sum|reduce) .* 67108864 " "$SWEEP_LOG" | head -60
-grep -E "^# (bitwise|target|variants)" "$SWEEP_LOG"
+grep -E "^(sum|reduce|land) .* 67108864 " "$SWEEP_LOG" | head -80
+grep -E "^# (bulk ring|bitwise|target|variants)" "$SWEEP_LOG"
 grep -E "^(FAILED|ERROR)" "$TESTS_LOG" 2>/dev/null | head -20
 echo
 echo "================ sumk summary ($(date -u +%FT%TZ)) ================"

@@ -41,6 +41,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstdlib>
 #include <string>
 #include <utility>
 #include <vector>
@@ -55,8 +56,8 @@ namespace {
 constexpr int kConsumerWarps = 8;
 constexpr int kConsumerThreads = 32 * kConsumerWarps;
 constexpr int kBulkThreads = kConsumerThreads + 32;  // + the producer warp
-constexpr int kMaxStages = 8;
-constexpr int kStageBytes = 32 << 10;  // target bytes per stage (all terms)
+constexpr int kMaxStages = 16;
+constexpr int kStageBytes = 32 << 10;  // target bytes per stage (all terms); TIDE_BULK_STAGE_KIB
 constexpr int kRingBytes = 192 << 10;  // shared memory for the ring
 constexpr int kV = 8;                  // elements per consumer vector
 
@@ -267,7 +268,14 @@ __device__ void bulk_body(const Tab& tb, int64_t n, float* dst, const Ring& g, c
         d[0] = make_float4(out[0], out[1], out[2], out[3]);
         d[1] = make_float4(out[4], out[5], out[6], out[7]);
       }
-      __syncwarp();  // every lane of this warp is done reading the stage
+      // [Note: releasing a stage] The producer's next bulk copy into this stage is an async-proxy
+      // write after these generic-proxy reads (a cross-proxy WAR). Each lane fences its reads
+      // against the async proxy, the warp converges, and lane 0's release arrival (cumulative
+      // over the warp's reads via __syncwarp) hands the stage back. The first H200 racecheck run
+      // (no fence) reported hazards between these reads and bulk_load's writes; see
+      // tools/gpu/kperf.sh for the run that tells a real WAR from a racecheck limitation.
+      device::fence_proxy_async_shared();
+      __syncwarp();
       if (lane == 0) device::mbar_arrive(&empty[s]);
     }
   }
@@ -284,7 +292,33 @@ __global__ void __launch_bounds__(kBulkThreads, 1) reduce_bulk_kernel(const __gr
   bulk_body(RunTable<T>{a}, a.n, a.dst, g, Finish{a.land, a.accumulate, a.alpha});
 }
 
-// Ring geometry for terms of `sizes` bytes per element: ~kStageBytes per stage, as many stages
+// Target bytes per stage. TIDE_BULK_STAGE_KIB (8..96; read at every launch) exists for the sweep's
+// ring-geometry rows only (tide/bench/sum_sweep.py --bulk-ring): at a fixed ring, a rate
+// that follows the stage size points at a per-chunk cost, one that follows the bytes in flight
+// (stages x stage size) at copy latency.
+int stage_bytes() {
+  const char* v = std::getenv("TIDE_BULK_STAGE_KIB");
+  if (v == nullptr || *v == '\0') return kStageBytes;
+  char* end = nullptr;
+  const long kib = std::strtol(v, &end, 10);
+  TIDE_PLAN_CHECK(end != v && *end == '\0' && kib >= 8 && kib <= 96, "TIDE_BULK_STAGE_KIB=", v,
+                  ": expected 8..96 (KiB per ring stage)");
+  return static_cast<int>(kib) << 10;
+}
+
+// TIDE_BULK_STAGES (2..16, the sweep's ring rows only): at most this many stages. Equal rates
+// at 2 and 6 stages of the same size would mean the stages do not overlap.
+int stages_cap() {
+  const char* v = std::getenv("TIDE_BULK_STAGES");
+  if (v == nullptr || *v == '\0') return kMaxStages;
+  char* end = nullptr;
+  const long n = std::strtol(v, &end, 10);
+  TIDE_PLAN_CHECK(end != v && *end == '\0' && n >= 2 && n <= kMaxStages, "TIDE_BULK_STAGES=", v,
+                  ": expected 2..", kMaxStages);
+  return static_cast<int>(n);
+}
+
+// Ring geometry for terms of `sizes` bytes per element: ~stage_bytes() per stage, as many stages
 // as kRingBytes holds (2..kMaxStages).
 Ring make_ring(const int* sizes, int n_terms) {
   Ring g;
@@ -293,10 +327,10 @@ Ring make_ring(const int* sizes, int n_terms) {
     g.off[i] = bpe;  // scaled by chunk below
     bpe += sizes[i];
   }
-  g.chunk = std::max(kV, (kStageBytes / bpe) / kV * kV);
+  g.chunk = std::max(kV, (stage_bytes() / bpe) / kV * kV);
   for (int i = 0; i < n_terms; ++i) g.off[i] *= g.chunk;  // multiples of 16 bytes: chunk % 8 == 0
   g.stage_bytes = g.chunk * bpe;
-  g.stages = std::min(kMaxStages, kRingBytes / g.stage_bytes);
+  g.stages = std::min(stages_cap(), kRingBytes / g.stage_bytes);
   return g;
 }
 

@@ -8,8 +8,10 @@
 //
 // [Note: bytes in flight]
 // A memory-bound CTA's rate is bytes-in-flight / latency. SUM issues every load of an
-// iteration (n_staged + 1 vectors of 16 B, for kSumUnroll vectors per thread) before the first
-// add, so one 512-thread CTA keeps up to 512 * 2 * 8 * 16 B = 128 KiB in flight at L = 8.
+// iteration (n_staged + 1 vectors of 16 B, for sum_unroll() vectors per thread) before the first
+// add. Run 2-5 (512 threads x 2 vectors: 128 KiB at L = 8) measured 99 GB/s per CTA; now one
+// 256-thread CTA keeps up to 256 * 5 * 8 * 16 B = 160 KiB in flight at L = 8, with running
+// pointers so the deeper unroll fits the register file without spills.
 // TIDE_SUM_KERNEL picks this kernel (`vec`), it with the L2 prefetch (`vec_l2`) or the bulk
 // pipeline of bulk.cu (`bulk`); kernels.h.
 #include <cuda_runtime.h>
@@ -33,8 +35,13 @@ using device::bf16_lo;
 using device::l2_prefetch;
 using device::prefetch_dist;
 
-constexpr int kSumUnroll = 2;
 constexpr int kVec = 8;  // bf16 elements per 16-byte vector
+
+// Vectors per thread per SUM iteration for `terms` operands (staged + own): ~160 registers of
+// loaded words (the launch bounds allow 255 at kSumThreads = 256), 1..6. L = 8: 5.
+__host__ __device__ constexpr int sum_unroll(int terms) {
+  return 160 / (4 * terms) < 1 ? 1 : (160 / (4 * terms) > 6 ? 6 : 160 / (4 * terms));
+}
 
 __device__ __forceinline__ float bf16_to_f(uint16_t h) {
   return __uint_as_float(static_cast<uint32_t>(h) << 16);
@@ -102,9 +109,11 @@ __global__ void __launch_bounds__(kSumThreads, 1) sum_kernel(const __grid_consta
     if (own) vec = vec && (shift % kVec) == 0 && (reinterpret_cast<uintptr_t>(own) & 15) == 0;
     int64_t b_tail = b;
     if (vec) {
+      constexpr int U = sum_unroll(NS + 1);
+      constexpr int64_t kStep = static_cast<int64_t>(U) * kSumThreads;  // vectors per iteration
       const int64_t nv = (e - b) / kVec;
       b_tail = b + nv * kVec;
-      const int64_t chunk = static_cast<int64_t>(kSumUnroll) * blockDim.x * kVec;  // elements/iter
+      const int64_t chunk = kStep * kVec;  // elements per iteration
       const int dist = prefetch_dist();
       auto prefetch = [&](int64_t it) {  // operands of iteration `it`, one thread per operand
         const int64_t first = it * chunk;
@@ -115,24 +124,28 @@ __global__ void __launch_bounds__(kSumThreads, 1) sum_kernel(const __grid_consta
       };
       if (l2)
         for (int d = 0; d < dist; ++d) prefetch(d);
-      for (int64_t v0 = threadIdx.x; v0 < nv; v0 += kSumUnroll * blockDim.x) {
-        if (l2) prefetch((v0 - threadIdx.x) / (kSumUnroll * blockDim.x) + dist);
-        uint4 s[NS > 0 ? NS : 1][kSumUnroll];
-        uint4 o[kSumUnroll];
+      // Running per-thread pointers; vector u of an iteration sits at a constant offset (the
+      // launch always has kSumThreads threads), so only NS + 2 pointers stay live.
+      const uint4* q[NS > 0 ? NS : 1];
 #pragma unroll
-        for (int u = 0; u < kSumUnroll; ++u) {
-          const int64_t v = v0 + static_cast<int64_t>(u) * blockDim.x;
-          if (v < nv) {
-            const int64_t k = b + v * kVec;
+      for (int j = 0; j < NS; ++j) q[j] = reinterpret_cast<const uint4*>(a.staged[j] + b) + threadIdx.x;
+      const uint4* qo = reinterpret_cast<const uint4*>(own ? own + b + shift : a.staged[0] + b) + threadIdx.x;
+      float4* dp = reinterpret_cast<float4*>(a.dst + b) + 2 * threadIdx.x;
+      for (int64_t v0 = threadIdx.x, it = 0; v0 < nv; v0 += kStep, ++it) {
+        if (l2) prefetch(it + dist);
+        uint4 s[NS > 0 ? NS : 1][U];
+        uint4 o[U];
 #pragma unroll
-            for (int j = 0; j < NS; ++j) s[j][u] = __ldcs(reinterpret_cast<const uint4*>(a.staged[j] + k));
-            o[u] = own ? __ldcs(reinterpret_cast<const uint4*>(own + k + shift)) : make_uint4(0, 0, 0, 0);
+        for (int u = 0; u < U; ++u) {
+          if (v0 + u * kSumThreads < nv) {  // every load of the iteration before the first add
+#pragma unroll
+            for (int j = 0; j < NS; ++j) s[j][u] = __ldcs(q[j] + u * kSumThreads);
+            o[u] = own ? __ldcs(qo + u * kSumThreads) : make_uint4(0, 0, 0, 0);
           }
         }
 #pragma unroll
-        for (int u = 0; u < kSumUnroll; ++u) {
-          const int64_t v = v0 + static_cast<int64_t>(u) * blockDim.x;
-          if (v < nv) {
+        for (int u = 0; u < U; ++u) {
+          if (v0 + u * kSumThreads < nv) {
             float acc[kVec];
             if (NS > 0) {
               set8(acc, s[0][u]);
@@ -142,11 +155,15 @@ __global__ void __launch_bounds__(kSumThreads, 1) sum_kernel(const __grid_consta
             } else {
               set8(acc, o[u]);
             }
-            float4* d = reinterpret_cast<float4*>(a.dst + b + v * kVec);
+            float4* d = dp + 2 * u * kSumThreads;
             d[0] = make_float4(acc[0], acc[1], acc[2], acc[3]);
             d[1] = make_float4(acc[4], acc[5], acc[6], acc[7]);
           }
         }
+#pragma unroll
+        for (int j = 0; j < NS; ++j) q[j] += kStep;
+        qo += kStep;
+        dp += 2 * kStep;
       }
     }
     for (int64_t k = b_tail + threadIdx.x; k < e; k += blockDim.x) {  // scalar remainder

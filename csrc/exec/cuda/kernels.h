@@ -26,7 +26,7 @@ constexpr int kMaxGradPtrs = 256;   // P <= 256 parameters per group
 constexpr int kMaxLandSrcs = 8;     // L inbox blocks per wave
 constexpr int kMaxLandJobs = 16;    // landing jobs (sub-slices) per launch
 constexpr int kMaxZeroRegions = 32; // stale blocks per launch
-constexpr int kSumThreads = 512;
+constexpr int kSumThreads = 256;   // with sum_unroll() vectors per thread (kernels.cu)
 constexpr int kLandThreads = 512;
 constexpr int kCastThreads = 256;
 constexpr int kZeroThreads = 256;

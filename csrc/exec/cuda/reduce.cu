@@ -20,18 +20,41 @@
 namespace tide::cuda {
 namespace {
 
-constexpr int kReduceThreads = 256;
-constexpr int kV = 8;  // elements per vector step
+constexpr int kReduceThreads = 256;  // with up to 255 registers (launch bounds: 1 CTA/SM)
+constexpr int kV = 8;  // elements per vector step of the generic body (and the CTA split unit)
 
-__device__ __forceinline__ void load8(float (&x)[kV], const char* p, bool fp32) {
+// [Note: REDUCE bodies and bytes in flight]
+// The first H200 run measured this kernel at 8 GB/s per CTA against SUM's 99 on the same data:
+// its one body tested, per term, `src[i] != nullptr` and the runtime dtype bit, and nvcc put each
+// term's 16-byte load in its own branch region together with the unpack that uses it, so the T
+// loads of an iteration waited for each other (T x HBM latency per iteration). Now:
+//   - the dtype pattern is a template parameter (all bf16: Level-1 SUM; all fp32: LAND over
+//     inbox blocks; mixed), picked on the host from fp32_terms;
+//   - a run whose terms are all present (uniform per run) and whose pattern is not mixed takes
+//     the dense body: every term's 16-byte words for kDenseUnroll words per thread are loaded,
+//     unconditionally, before the first add (as sum_kernel does);
+//   - any other run takes the generic body: loads are branch-free (an absent term reads the
+//     dst words instead and is then skipped), issued a group of terms at a time before the
+//     group's adds, so at most ceil(T / group) latencies per iteration.
+// The association is unchanged (kernels.h): the first present term initialises, later present
+// terms are added in order, then LAND's alpha/accumulate.
+enum Pattern : int { kAllBf16 = 0, kAllF32 = 1, kMixed = 2 };
+
+// 16-byte words per term per thread per dense iteration: ~128 registers of loaded words at most,
+// 1..4. At L = 8 all bf16 that
+// is 256 threads x 4 x 8 x 16 B = 128 KiB in flight per CTA, sum_kernel's depth (512 x 2).
+__host__ __device__ constexpr int dense_unroll(int words) {
+  return 128 / (4 * words) < 1 ? 1 : (128 / (4 * words) > 4 ? 4 : 128 / (4 * words));
+}
+
+__device__ __forceinline__ void unpack(float (&x)[kV], const uint4& lo, const uint4& hi, bool fp32) {
   if (fp32) {
-    const float4 a = __ldcs(reinterpret_cast<const float4*>(p));
-    const float4 b = __ldcs(reinterpret_cast<const float4*>(p) + 1);
-    x[0] = a.x; x[1] = a.y; x[2] = a.z; x[3] = a.w;
-    x[4] = b.x; x[5] = b.y; x[6] = b.z; x[7] = b.w;
+    x[0] = __uint_as_float(lo.x); x[1] = __uint_as_float(lo.y);
+    x[2] = __uint_as_float(lo.z); x[3] = __uint_as_float(lo.w);
+    x[4] = __uint_as_float(hi.x); x[5] = __uint_as_float(hi.y);
+    x[6] = __uint_as_float(hi.z); x[7] = __uint_as_float(hi.w);
   } else {
-    const uint4 v = __ldcs(reinterpret_cast<const uint4*>(p));
-    const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+    const uint32_t w[4] = {lo.x, lo.y, lo.z, lo.w};
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
       x[2 * i] = device::bf16_lo(w[i]);
@@ -39,7 +62,6 @@ __device__ __forceinline__ void load8(float (&x)[kV], const char* p, bool fp32) 
     }
   }
 }
-
 
 __device__ __forceinline__ float load1(const char* p, int64_t k, bool fp32) {
   if (fp32) return reinterpret_cast<const float*>(p)[k];
@@ -52,7 +74,161 @@ __device__ __forceinline__ float finish(const ReduceArgs& a, float t, float old)
   return a.accumulate ? __fadd_rn(old, v) : v;
 }
 
-template <int T>
+template <int T, int P>
+__device__ __forceinline__ bool term_fp32(const ReduceArgs& a, int i) {
+  return P == kAllF32 ? true : (P == kAllBf16 ? false : ((a.fp32_terms >> i) & 1) != 0);
+}
+
+// vec_l2 only: thread i < T prefetches term i's `span` elements from element `first` of the body.
+template <int T, int P>
+__device__ __forceinline__ void prefetch_terms(const ReduceArgs& a, const char* const (&p)[T], int64_t first,
+                                               int64_t span) {
+  const int i = static_cast<int>(threadIdx.x);
+  if (i >= T || span <= 0) return;
+#pragma unroll
+  for (int t = 0; t < T; ++t)
+    if (t == i && p[t]) {
+      const int64_t size = term_fp32<T, P>(a, t) ? 4 : 2;
+      device::l2_prefetch(p[t] + first * size, span * size);
+    }
+}
+
+// Dense body: every term present, one dtype (P != kMixed). p[i] = term i at element bv (16-byte
+// aligned); nw 16-byte words per term, E elements per word.
+template <int T, int P>
+__device__ __forceinline__ void dense_body(const ReduceArgs& a, const char* const (&p)[T], int64_t bv,
+                                           int64_t nw, int l2) {
+  constexpr int E = P == kAllF32 ? 4 : 8;
+  // LAND over fp32 inbox terms loads the accumulate operand with the terms; an all-bf16 LAND
+  // with accumulate (no program emits one) loads it after them. All fp32: the budget counts two
+  // extra words (old value, addresses), and 11-12 terms take one word (ptxas -v: no spills).
+  constexpr bool kHoistOld = P == kAllF32;
+  constexpr int U = kHoistOld ? (T > 10 ? 1 : dense_unroll(T + 2)) : dense_unroll(T);
+  const bool acc = a.land && a.accumulate;
+  // The launch always has kReduceThreads threads: word u of an iteration sits at a constant
+  // offset from the thread's running pointer, so only T pointers stay live.
+  constexpr int64_t kStep = static_cast<int64_t>(U) * kReduceThreads;  // words per iteration
+  const uint4* q[T];
+#pragma unroll
+  for (int i = 0; i < T; ++i) q[i] = reinterpret_cast<const uint4*>(p[i]) + threadIdx.x;
+  float4* d = reinterpret_cast<float4*>(a.dst + bv) + threadIdx.x * (E / 4);
+  const int dist = device::prefetch_dist();
+  if (l2)
+    for (int dd = 0; dd < dist; ++dd) prefetch_terms<T, P>(a, p, dd * kStep * E, min(kStep, nw - dd * kStep) * E);
+  for (int64_t w0 = threadIdx.x, it = 0; w0 < nw; w0 += kStep, ++it) {
+    if (l2) prefetch_terms<T, P>(a, p, (it + dist) * kStep * E, min(kStep, nw - (it + dist) * kStep) * E);
+    uint4 x[T][U];
+    float4 old[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      if (w0 + u * kReduceThreads < nw) {
+#pragma unroll
+        for (int i = 0; i < T; ++i) x[i][u] = __ldcs(q[i] + u * kReduceThreads);
+        if (kHoistOld && acc) old[u] = d[u * kReduceThreads];
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      if (w0 + u * kReduceThreads >= nw) continue;
+      float t[E];
+      float y[kV];
+      unpack(y, x[0][u], x[0][u], P == kAllF32);
+#pragma unroll
+      for (int j = 0; j < E; ++j) t[j] = y[j];
+#pragma unroll
+      for (int i = 1; i < T; ++i) {
+        unpack(y, x[i][u], x[i][u], P == kAllF32);
+#pragma unroll
+        for (int j = 0; j < E; ++j) t[j] = __fadd_rn(t[j], y[j]);
+      }
+#pragma unroll
+      for (int h = 0; h < E / 4; ++h) {
+        float4* dh = d + u * kReduceThreads * (E / 4) + h;
+        float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
+        if (acc) o = kHoistOld ? old[u] : *dh;
+        *dh = make_float4(finish(a, t[4 * h + 0], o.x), finish(a, t[4 * h + 1], o.y),
+                          finish(a, t[4 * h + 2], o.z), finish(a, t[4 * h + 3], o.w));
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < T; ++i) q[i] += kStep;
+    d += kStep * (E / 4);
+  }
+}
+
+// Generic body: any presence, any pattern; one 8-element vector per thread per iteration.
+// p[i] = term i at element bv or nullptr (absent).
+template <int T, int P>
+__device__ __forceinline__ void generic_body(const ReduceArgs& a, const char* const (&p)[T], int64_t bv,
+                                             int64_t nv, int l2) {
+  constexpr int G = P == kAllBf16 ? 8 : 4;  // terms whose loads are issued together
+  const bool acc = a.land && a.accumulate;
+  const int64_t chunk = static_cast<int64_t>(blockDim.x) * kV;  // elements per iteration
+  const int dist = device::prefetch_dist();
+  if (l2)
+    for (int d = 0; d < dist; ++d) prefetch_terms<T, P>(a, p, d * chunk, min(chunk, nv * kV - d * chunk));
+  for (int64_t v = threadIdx.x; v < nv; v += blockDim.x) {
+    if (l2) {
+      const int64_t first = ((v - threadIdx.x) / blockDim.x + dist) * chunk;
+      prefetch_terms<T, P>(a, p, first, min(chunk, nv * kV - first));
+    }
+    const int64_t k = bv + v * kV;
+    const uint4* dv = reinterpret_cast<const uint4*>(a.dst + k);  // stand-in for absent terms
+    // Selects, not branches, below: a branch per term would let nvcc schedule the next term's
+    // loads after this term's adds (what made the old body slow). An element no term covers
+    // keeps 0.0f.
+    float t[kV];
+#pragma unroll
+    for (int e = 0; e < kV; ++e) t[e] = 0.0f;
+    bool have = false;  // the first present term initialises (no 0.0f + x: keeps -0.0)
+#pragma unroll
+    for (int g = 0; g < T; g += G) {
+      uint4 lo[G], hi[G];
+#pragma unroll
+      for (int j = 0; j < G; ++j) {
+        const int i = g + j;
+        if (i >= T) break;
+        const bool f32 = term_fp32<T, P>(a, i);
+        const uint4* q = p[i] ? reinterpret_cast<const uint4*>(p[i] + v * kV * (f32 ? 4 : 2)) : dv;
+        lo[j] = __ldcs(q);
+        if (P != kAllBf16) hi[j] = __ldcs(f32 || !p[i] ? q + 1 : q);
+      }
+#pragma unroll
+      for (int j = 0; j < G; ++j) {
+        const int i = g + j;
+        if (i >= T) break;
+        const bool present = p[i] != nullptr;
+        float y[kV];
+        if (P == kMixed) {  // both decodings, then a select
+          float yb[kV];
+          unpack(y, lo[j], hi[j], true);
+          unpack(yb, lo[j], lo[j], false);
+          const bool f32 = term_fp32<T, P>(a, i);
+#pragma unroll
+          for (int e = 0; e < kV; ++e) y[e] = f32 ? y[e] : yb[e];
+        } else {
+          unpack(y, lo[j], P != kAllBf16 ? hi[j] : lo[j], P == kAllF32);
+        }
+#pragma unroll
+        for (int e = 0; e < kV; ++e) {
+          const float sum = __fadd_rn(t[e], y[e]);
+          t[e] = present ? (have ? sum : y[e]) : t[e];
+        }
+        have = have || present;
+      }
+    }
+    float4* d = reinterpret_cast<float4*>(a.dst + k);
+    float4 o0 = make_float4(0.f, 0.f, 0.f, 0.f), o1 = o0;
+    if (acc) {
+      o0 = d[0];
+      o1 = d[1];
+    }
+    d[0] = make_float4(finish(a, t[0], o0.x), finish(a, t[1], o0.y), finish(a, t[2], o0.z), finish(a, t[3], o0.w));
+    d[1] = make_float4(finish(a, t[4], o1.x), finish(a, t[5], o1.y), finish(a, t[6], o1.z), finish(a, t[7], o1.w));
+  }
+}
+
+template <int T, int P>
 __global__ void __launch_bounds__(kReduceThreads, 1) reduce_kernel(const __grid_constant__ ReduceArgs a, int l2) {
   int64_t per = (a.n + gridDim.x - 1) / gridDim.x;
   per = (per + kV - 1) / kV * kV;
@@ -71,73 +247,25 @@ __global__ void __launch_bounds__(kReduceThreads, 1) reduce_kernel(const __grid_
     const int64_t b = max(begin, r0), e = min(end, r0 + run.len);
     // Vector body from the first 8-aligned element bv; [b, bv) and the tail run scalar.
     const int64_t bv = min(e, (b + kV - 1) / kV * kV);
-    const char* src[T];
+    const char* pv[T];  // term i at element bv (nullptr: absent)
     bool vec = (reinterpret_cast<uintptr_t>(a.dst) & 15) == 0;
+    bool dense = P != kMixed;
 #pragma unroll
     for (int i = 0; i < T; ++i) {
       const int s = run.slot[i];
-      src[i] = s >= 0 ? static_cast<const char*>(a.base[s]) + run.off[i] : nullptr;
-      // Byte address of element bv of term i: src[i] + (bv - r0) * size.
-      const int64_t size = (a.fp32_terms >> i) & 1 ? 4 : 2;
-      if (src[i]) vec = vec && ((reinterpret_cast<uintptr_t>(src[i]) + (bv - r0) * size) & 15) == 0;
+      const int64_t size = term_fp32<T, P>(a, i) ? 4 : 2;
+      pv[i] = s >= 0 ? static_cast<const char*>(a.base[s]) + run.off[i] + (bv - r0) * size : nullptr;
+      if (pv[i]) vec = vec && (reinterpret_cast<uintptr_t>(pv[i]) & 15) == 0;
+      dense = dense && pv[i] != nullptr;
     }
     int64_t b_tail = b;
     if (vec) {
-      const int64_t b = bv;  // the vector body starts aligned; [run b, bv) is done below
-      const int64_t nv = (e - b) / kV;
-      b_tail = b + nv * kV;
-      const int64_t chunk = static_cast<int64_t>(blockDim.x) * kV;  // elements per iteration
-      const int dist = device::prefetch_dist();
-      auto prefetch = [&](int64_t it) {  // thread i < T prefetches term i of iteration `it`
-        const int i = static_cast<int>(threadIdx.x);
-        const int64_t first = it * chunk, span = min(chunk, nv * kV - first);
-        if (i >= T || span <= 0) return;
-#pragma unroll
-        for (int t = 0; t < T; ++t)
-          if (t == i && src[t]) {
-            const int64_t size = (a.fp32_terms >> t) & 1 ? 4 : 2;
-            device::l2_prefetch(src[t] + (b - r0 + first) * size, span * size);
-          }
-      };
-      if (l2)
-        for (int d = 0; d < dist; ++d) prefetch(d);
-      for (int64_t v = threadIdx.x; v < nv; v += blockDim.x) {
-        if (l2) prefetch((v - threadIdx.x) / blockDim.x + dist);
-        const int64_t k = b + v * kV;
-        float x[T][kV];
-#pragma unroll
-        for (int i = 0; i < T; ++i) {
-          const bool f32 = (a.fp32_terms >> i) & 1;
-          if (src[i]) {
-            load8(x[i], src[i] + (k - r0) * (f32 ? 4 : 2), f32);
-          } else {
-#pragma unroll
-            for (int j = 0; j < kV; ++j) x[i][j] = 0.0f;
-          }
-        }
-        float old[kV];
-        float4* d = reinterpret_cast<float4*>(a.dst + k);
-        if (a.land && a.accumulate) {
-          const float4 o0 = d[0], o1 = d[1];
-          old[0] = o0.x; old[1] = o0.y; old[2] = o0.z; old[3] = o0.w;
-          old[4] = o1.x; old[5] = o1.y; old[6] = o1.z; old[7] = o1.w;
-        }
-        float out[kV];
-#pragma unroll
-        for (int j = 0; j < kV; ++j) {
-          float t = 0.0f;
-          bool have = false;  // the first present term initialises (no 0.0f + x: keeps -0.0)
-#pragma unroll
-          for (int i = 0; i < T; ++i)
-            if (src[i]) {
-              t = have ? __fadd_rn(t, x[i][j]) : x[i][j];
-              have = true;
-            }
-          out[j] = finish(a, t, a.land && a.accumulate ? old[j] : 0.0f);
-        }
-        d[0] = make_float4(out[0], out[1], out[2], out[3]);
-        d[1] = make_float4(out[4], out[5], out[6], out[7]);
-      }
+      const int64_t nv = (e - bv) / kV;
+      b_tail = bv + nv * kV;
+      if (dense)
+        dense_body<T, P>(a, pv, bv, nv * kV / (P == kAllF32 ? 4 : 8), l2);
+      else
+        generic_body<T, P>(a, pv, bv, nv, l2);
     }
     const int64_t head_end = vec ? bv : b;  // scalar head [b, bv) when the body was vectorised
     for (int64_t k0 = threadIdx.x; k0 < (head_end - b) + (e - b_tail); k0 += blockDim.x) {
@@ -146,8 +274,8 @@ __global__ void __launch_bounds__(kReduceThreads, 1) reduce_kernel(const __grid_
       bool have = false;
 #pragma unroll
       for (int i = 0; i < T; ++i)
-        if (src[i]) {
-          const float x = load1(src[i], k - r0, (a.fp32_terms >> i) & 1);
+        if (pv[i]) {
+          const float x = load1(pv[i], k - bv, term_fp32<T, P>(a, i));
           t = have ? __fadd_rn(t, x) : x;
           have = true;
         }
@@ -158,18 +286,27 @@ __global__ void __launch_bounds__(kReduceThreads, 1) reduce_kernel(const __grid_
 
 template <int T>
 void launch_t(const ReduceArgs& a, int ctas, int l2, cudaStream_t s) {
-  reduce_kernel<T><<<ctas, kReduceThreads, 0, s>>>(a, l2);
+  const uint32_t all = (1u << T) - 1u, f32 = a.fp32_terms & all;
+  if (f32 == 0)
+    reduce_kernel<T, kAllBf16><<<ctas, kReduceThreads, 0, s>>>(a, l2);
+  else if (f32 == all)
+    reduce_kernel<T, kAllF32><<<ctas, kReduceThreads, 0, s>>>(a, l2);
+  else
+    reduce_kernel<T, kMixed><<<ctas, kReduceThreads, 0, s>>>(a, l2);
 }
 
 template <int... I>
 void reduce_attrs(std::integer_sequence<int, I...>, std::vector<KernelAttrs>* out) {
-  auto one = [&](auto kernel, int t) {
+  auto one = [&](auto kernel, int t, const char* pattern) {
     cudaFuncAttributes fa{};
     TIDE_CHECK_CUDA(cudaFuncGetAttributes(&fa, kernel), "cudaFuncGetAttributes(reduce_kernel)");
-    out->push_back({"reduce_kernel<" + std::to_string(t) + ">", fa.numRegs, static_cast<int>(fa.localSizeBytes),
-                    static_cast<int>(fa.sharedSizeBytes), fa.maxThreadsPerBlock});
+    out->push_back({"reduce_kernel<" + std::to_string(t) + pattern + ">", fa.numRegs,
+                    static_cast<int>(fa.localSizeBytes), static_cast<int>(fa.sharedSizeBytes), fa.maxThreadsPerBlock});
   };
-  (one(reduce_kernel<I + 1>, I + 1), ...);
+  // "<T>": all bf16 (Level-1 SUM), "<T,fp32>": all fp32 (LAND), "<T,mixed>".
+  (one(reduce_kernel<I + 1, kAllBf16>, I + 1, ""), ...);
+  (one(reduce_kernel<I + 1, kAllF32>, I + 1, ",fp32"), ...);
+  (one(reduce_kernel<I + 1, kMixed>, I + 1, ",mixed"), ...);
 }
 
 }  // namespace
