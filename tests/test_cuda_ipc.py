@@ -361,5 +361,7 @@ def test_peer_that_never_runs_is_a_timeout_naming_rank_op_seq(fence):
         else:
             assert re.search(r"rank \d op \d+ \((WAIT|EVENT_WAIT), tag \d+.*, counter .*@rank \d >= \d+, "
                              r"produced by rank \d\) seq 1", msg), msg
-    # ranks 1 and 2 push into rank 3 (local and rail peer): their entry fences name it
-    assert named_dead == (2 if fence else 0)
+    # Ranks 1 and 2 push into rank 3 (local and rail peer), so their entry fences block on it. Which
+    # overdue wait the watchdog reports first on a rank is timing: on the H200 (2026-11-29) once
+    # both fences named rank 3, once rank 2 reported a wait whose producer was the blocked rank 1.
+    assert (named_dead >= 1) if fence else (named_dead == 0), named_dead
