@@ -323,3 +323,21 @@ def test_ce_proof_runs_bounded(capsys, tmp_path):
     assert t["resident_blocks"] == t["spinner_blocks"]  # the spinner held every SM
     assert t["spinner_end_s"] is not None and t["call_done_s"] is not None
     assert rc == (1 if res["verdict"] == "FAIL" else 0)
+
+
+def test_layout_plot_from_a_result(tmp_path):
+    """`tide bench layout --plot`: the figure is drawn from the measured rows (no GPU needed)."""
+    from tide.bench.layout import plot_layout
+    steps = {"AG stock: rank-major + split_with_sizes_copy": 1.7, "AG TIDE: direct landing, P strided copies": 1.1,
+             "AG TIDE: direct landing, N*P batched copies": 1.0,
+             "RS stock: _chunk_cat fp32 pack + packed reduce": 6.3, "RS TIDE: staging + SUM + LAND": 8.8,
+             "RS TIDE: staging + SUM + LAND, full grid": 1.9}
+    result = dict(device="test GPU", ranks=8, groups=[{"group": "g"}],
+                  rows=[dict(group="g", step=k, ms=v) for k, v in steps.items()])
+    png = tmp_path / "layout.png"
+    plot_layout(str(png), result)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    plot_layout(None, result)  # no path: nothing drawn, no error
+    result["rows"] = [r for r in result["rows"] if not r["step"].startswith("RS stock")]
+    with pytest.raises(KeyError):  # a missing stock row is an error, not a silently empty bar
+        plot_layout(str(tmp_path / "x.png"), result)

@@ -276,6 +276,7 @@ def main(argv=None):
     ap.add_argument("--land-ctas", type=int, default=4)
     ap.add_argument("--json", default=None, help="write every figure here")
     ap.add_argument("--no-sweep", action="store_true")
+    ap.add_argument("--plot", default=None, metavar="PATH.png", help="draw a PNG (matplotlib)")
     args = ap.parse_args(argv)
     import torch
     import tide
@@ -333,7 +334,26 @@ def main(argv=None):
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
+    plot_layout(args.plot, result)
     return 0
+
+
+def plot_layout(path, result) -> None:
+    """Per group: ms per call of the stock layout path and TIDE's (AG: the faster TIDE variant;
+    RS: staging + SUM + LAND on the training CTA budget and on a full grid)."""
+    from tide.bench.common import bar_plot
+    groups = {}
+    for info in result["groups"]:
+        rs = {r["step"]: r["ms"] for r in result["rows"] if r["group"] == info["group"]}
+        groups[info["group"]] = {
+            "AG stock": next(v for k, v in rs.items() if k.startswith("AG stock")),
+            "AG TIDE": min(v for k, v in rs.items() if k.startswith("AG TIDE")),
+            "RS stock": rs["RS stock: _chunk_cat fp32 pack + packed reduce"],
+            "RS TIDE (training CTAs)": rs["RS TIDE: staging + SUM + LAND"],
+            "RS TIDE (full grid)": rs["RS TIDE: staging + SUM + LAND, full grid"],
+        }
+    bar_plot(path, f"tide bench layout: {result['device']}, N = {result['ranks']} virtual ranks on one GPU "
+             "(lower is better)", groups, "ms per call")
 
 
 if __name__ == "__main__":
