@@ -36,17 +36,8 @@ def _layout(plan):
 
 
 def _median_ms(torch, fn, reps=10, warmup=3):
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
+    from tide.bench.common import time_cuda
+    times = time_cuda(torch, fn, reps, warmup)
     return statistics.median(times), (min(times), max(times))
 
 
