@@ -17,6 +17,7 @@ import pytest
 
 import tide
 from tide import _core
+from tide.plan import rs_bank
 from ag_helpers import BF16, make_fulls, make_plan, shard
 
 pytestmark = pytest.mark.gpu
@@ -120,7 +121,7 @@ def _calls_raw(rank, cfg, fab, ex, plan, conn):
             binds.append((KIND["grad"], p, grad_ptrs[p], g.nbytes))
         _core.cuda_memset(out_ptr, 0xFF, lay.E * 4, 0)  # poison: NaN
         binds.append((KIND["out"], -1, out_ptr, lay.E * 4))
-        ex.run(rs[seq % 2], seq, buffers=binds, stream=0)
+        ex.run(rs[rs_bank(seq)], seq, buffers=binds, stream=0)
         conn.send(("call", (seq, land, _core.cuda_d2h(out_ptr, lay.E * 4))))
     ex.synchronize()
     for p in [out_ptr] + grad_ptrs + shard_ptrs:
@@ -156,7 +157,7 @@ def _calls_torch(rank, cfg, fab, ex, plan, conn):
             out = torch.full((lay.E,), float("nan"), dtype=torch.float32, device=dev)
             binds = [(KIND["grad"], p, g.data_ptr(), g.numel() * 2) for p, g in enumerate(grads)]
             binds.append((KIND["out"], -1, out.data_ptr(), lay.E * 4))
-            ex.run(rs[seq % 2], seq, buffers=binds, stream=h)
+            ex.run(rs[rs_bank(seq)], seq, buffers=binds, stream=h)
             conn.send(("call", (seq, land.cpu().numpy().tobytes(), out.cpu().numpy().tobytes())))
     ex.synchronize()
 

@@ -16,6 +16,7 @@ import pytest
 
 import tide
 from tide import _core
+from tide.plan import rs_bank
 from ag_helpers import BF16, SHAPES, make_fulls, make_plan, shard
 
 KIND = dict(_core.buf_kinds)
@@ -132,7 +133,7 @@ def rank_main(rank, M, L, nbytes, regions, names_q, peers_q, barrier, results, d
             out = np.full(lay.E, np.nan, dtype=np.float32)
             binds = [(KIND["grad"], p, g.ctypes.data, g.nbytes) for p, g in enumerate(grads)]
             binds.append((KIND["out"], -1, out.ctypes.data, out.nbytes))
-            ex.run(rs[seq % 2], seq, binds)
+            ex.run(rs[rs_bank(seq)], seq, binds)
             results.put((rank, "call", (seq, land, out.tobytes())))
         results.put((rank, "done", None))
     except BaseException:  # noqa: BLE001 - report to the parent

@@ -7,6 +7,7 @@ import pytest
 
 import tide
 from tide import _core
+from tide.plan import rs_bank
 
 TAGS = _core.rs_op_tags
 GEN = _core.op_tags
@@ -29,7 +30,7 @@ def calls_for(plan, n_calls=3, mutate=None):
     if mutate:
         for ps in sets.values():
             mutate(ps)
-    return [[(sets[seq % 2], seq) for seq in range(1, n_calls + 1)] for _ in range(plan.nodes * plan.gpus_per_node)]
+    return [[(sets[rs_bank(seq)], seq) for seq in range(1, n_calls + 1)] for _ in range(plan.nodes * plan.gpus_per_node)]
 
 
 GRID = [
@@ -147,7 +148,7 @@ def test_skipped_zeroing_corrupts_the_executor_result_too():
     for r in range(N):
         st.arena.fill(r, _core.buf_kinds["inbox"], 0x3F)
     st.seq += 1
-    st.arena.run([[(bad_sets[st.seq % 2], st.seq)] for _ in range(N)], binds)
+    st.arena.run([[(bad_sets[rs_bank(st.seq)], st.seq)] for _ in range(N)], binds)
     assert any(not np.array_equal(a, b) for a, b in zip(good, outs))
 
 
@@ -237,3 +238,10 @@ def test_checker_accepts_rs_programs_at_scale(M, L):
     plan = tide.plan(tide.GroupSignature(shapes=[(2 * M * L + 1, 4), (3,)]), tide.Topology(M, L))
     ok, errors = _core.check_calls(calls_for(plan, n_calls=2))
     assert ok, errors
+
+
+def test_rs_bank_follows_algorithm_1():
+    """Every caller picks the bank with tide.plan.rs_bank: b = e mod 2, e = seq - 1 (rs_program.h)."""
+    assert [rs_bank(s) for s in (1, 2, 3, 4)] == [0, 1, 0, 1]
+    with pytest.raises(tide.PlanError, match="seq=0"):
+        rs_bank(0)

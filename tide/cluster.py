@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from tide import _core
+from tide.plan import rs_bank
 
 try:
     import ml_dtypes
@@ -101,12 +102,12 @@ class VirtualCluster:
         return progs
 
     def _rs_banks(self, plan, build, scale, accumulate: bool, expert_lane: bool):
-        """The RS program sets of the two outbox banks (bank b serves calls with seq % 2 == b),
+        """The RS program sets of the two outbox banks (bank b serves calls with rs_bank(seq) == b),
         checked over three calls with the banks alternating, as they run."""
         banks = tuple(build(plan, bank=b, alpha=float(scale), accumulate=accumulate,
                             expert_lane=expert_lane) for b in (0, 1))
         if self._checking():
-            ok, errors = _core.check_calls([[(banks[s % 2], s) for s in (1, 2, 3)]] * self.world)
+            ok, errors = _core.check_calls([[(banks[rs_bank(s)], s) for s in (1, 2, 3)]] * self.world)
             if not ok:
                 raise _core.Error("TIDE static checker rejected the RS program: " + "; ".join(errors))
         return banks
@@ -205,7 +206,7 @@ class VirtualCluster:
 
     def _reduce_scatter_impl(self, plan, grads, scale, accumulate, build, expert_lane=False):
         # [Note: RS arena] RS programs number their counters from 0 like AG programs, so an RS
-        # group gets its own arena and call sequence (key (hash, expert_lane)); the bank b = seq mod 2
+        # group gets its own arena and call sequence (key (hash, expert_lane)); the bank b = rs_bank(seq)
         # alternates two program sets, as Algorithm 1's two-phase pipeline does.
         N = self.world
         lay = plan.layout
@@ -219,10 +220,10 @@ class VirtualCluster:
             st = None
         seq = (st.seq if st else 0) + 1
         if self.lean and not expert_lane:  # generated, and only the bank this call uses
-            key = ("rs-gen", float(scale), accumulate is not None, seq % 2)
+            key = ("rs-gen", float(scale), accumulate is not None, rs_bank(seq))
             progs = st.programs.get(key) if st else None
             if progs is None:
-                progs = _core.generate_rs_programs(plan, bank=seq % 2, alpha=float(scale),
+                progs = _core.generate_rs_programs(plan, bank=rs_bank(seq), alpha=float(scale),
                                                    accumulate=accumulate is not None)
                 if st is None:
                     st = self._rs_groups[gkey] = _GroupState(_core.CpuArena(N, progs, False))
@@ -236,7 +237,7 @@ class VirtualCluster:
                     arena = _core.CpuArena(N, banks[0], self.ranks_as == "processes")
                     st = self._rs_groups[gkey] = _GroupState(arena)
                 st.programs[key] = banks
-            progs = banks[seq % 2]
+            progs = banks[rs_bank(seq)]
         gdt = _DTYPES[grad_name]
         bindings, outs = [], []
         for r in range(N):

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from tide import _core
 from tide.cluster import KIND, VirtualCluster
+from tide.plan import rs_bank
 
 _TORCH_DTYPES = {"bfloat16": "bfloat16", "float32": "float32", "float16": "float16"}
 
@@ -195,7 +196,7 @@ class CudaVirtualCluster(VirtualCluster):
 
     def _rs_prepare(self, plan, grads, scale, accumulate, build, expert_lane=False, poison=False):
         # Same programs and keys as the CPU backend: an RS group (plan, expert_lane) has its own
-        # arena and call sequence; bank b = seq mod 2 alternates the two program sets of a key
+        # arena and call sequence; bank b = rs_bank(seq) alternates the two program sets of a key
         # (two executors over one fabric, which shares the counters' issued values).
         torch = _torch()
         N = self.world
@@ -215,10 +216,10 @@ class CudaVirtualCluster(VirtualCluster):
             g.programs[key] = banks
 
         def executor(seq):
-            ekey = key + (seq % 2,)
+            ekey = key + (rs_bank(seq),)
             ex = g.executors.get(ekey)
             if ex is None:
-                ex = g.executors[ekey] = _core.CudaExecutor(g.fabric, banks[seq % 2], self.timeout_s,
+                ex = g.executors[ekey] = _core.CudaExecutor(g.fabric, banks[rs_bank(seq)], self.timeout_s,
                                                             self.sum_ctas, self.land_ctas)
             ex.set_faults(self.faults.get("dead_rank", -1), self.faults.get("stall_rank", -1),
                           float(self.faults.get("stall_s", 0.0)))

@@ -28,6 +28,14 @@ _INT_OPTIONS = {
 }
 
 
+def rs_bank(seq: int) -> int:
+    """The outbox/spare bank of TIDE-RS call `seq` (1, 2, ...): b = e mod 2 with e = seq - 1, as
+    Algorithm 1 numbers calls (rs_program.h). Every caller of the RS builders uses this."""
+    if seq < 1:
+        raise _core.PlanError(f"TIDE-RS call sequence numbers start at 1 (got seq={seq})")
+    return (seq - 1) % 2
+
+
 def _as_int(value: Any, where: str, bits: int = 64) -> int:
     if isinstance(value, bool):
         raise PlanError(f"{where}: {value!r} is a bool, not an integer")

@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 
 import tide
+from tide.plan import rs_bank
 
 logger = logging.getLogger("tide_torch")
 
@@ -134,10 +135,11 @@ class ExecutorTransport:
     def reduce_scatter(self, tg, plan, grads, output, alpha):
         what = "rs" if plan is tg.plan else "rs32"
         seq = self._next_seq(tg, what)
-        key = ("rs", tg.index, plan.hash, seq % 2, float(alpha))
+        bank = rs_bank(seq)
+        key = ("rs", tg.index, plan.hash, bank, float(alpha))
         if key not in self._programs:
             self._programs[key] = tide._core.build_rs_programs(
-                plan, bank=seq % 2, alpha=float(alpha), accumulate=False, arena=self._regions,
+                plan, bank=bank, alpha=float(alpha), accumulate=False, arena=self._regions,
                 counter_base=self._counter_base(tg, what))
         bindings = [(self._kind["grad"], p, g.data_ptr(), g.numel() * g.element_size())
                     for p, g in enumerate(grads)]
