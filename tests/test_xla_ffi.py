@@ -3,6 +3,7 @@
 Run with 8 host devices: XLA_FLAGS=--xla_force_host_platform_device_count=8.
 """
 import os
+import re
 import subprocess
 import sys
 
@@ -103,5 +104,11 @@ def test_mesh_with_the_same_shape_but_other_devices_is_caught_at_run_time():
     shards = {"a": jax.device_put(jnp.ones((16, 4)), NamedSharding(mesh_b, P("fsdp")))}
     fn = jax.jit(jax.shard_map(lambda s: tide_xla.gather(s, layout)["a"][None], mesh=mesh_b,
                                in_specs=(layout.specs,), out_specs=P("fsdp")))
-    with pytest.raises(Exception, match=r"INVALID_ARGUMENT.*mesh mismatch: device 1 is rank 1"):
+    # Devices 0 and 1 swapped places; either may be the first to report (thread timing), and
+    # each names itself, its rank in init()'s mesh and the other index it has in this shard_map.
+    with pytest.raises(Exception, match=r"INVALID_ARGUMENT.*mesh mismatch: device (0 is rank 0|1 is rank 1) "
+                                        r"of group 0 in the mesh given to tide_xla.init\(\), but has index "
+                                        r"(1|0) along the FSDP axis") as err:
         jax.block_until_ready(fn(shards))
+    m = re.search(r"device (\d) is rank \d .* has index (\d)", str(err.value))
+    assert m and m.group(1) != m.group(2), str(err.value)
