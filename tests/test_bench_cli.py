@@ -129,6 +129,19 @@ def test_bench_rs_cpu(capsys, tmp_path):
     assert _png_ok(png)
 
 
+def test_bench_rs_on_node_splits(capsys, tmp_path):
+    """--topologies: one TIDE row per node split of the N ranks (rails, waves on the emulation)."""
+    j = tmp_path / "rs.json"
+    rc, out, err = _run(capsys, ["rs", "--sizes", "0.03125", "--params", "3", "--topologies", "1x4,2x2,4x1",
+                                 "--json", str(j)] + TINY)
+    assert rc == 0, err
+    rows = {r["path"]: r for r in json.loads(j.read_text())["rows"]}
+    for name in ("TIDE-RS (1 node x 4)", "TIDE-RS (2 nodes x 2)", "TIDE-RS (4 nodes x 1)"):
+        assert rows[name]["rel_err"] < 1e-5, (name, rows[name])
+    with pytest.raises(SystemExit, match="3x2 has 6 ranks, this run has N = 4"):
+        _run(capsys, ["rs", "--sizes", "0.03125", "--topologies", "1x4,3x2"] + TINY)
+
+
 def test_bench_interference_cpu(capsys, tmp_path):
     j, png = tmp_path / "i.json", tmp_path / "i.png"
     rc, out, err = _run(capsys, ["interference", "--shard", "0.03125", "--json", str(j), "--plot", str(png)]

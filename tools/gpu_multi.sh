@@ -22,6 +22,8 @@ if (( n < 2 )) && [[ -z ${MULTI_DRY_RUN:-} ]]; then
   exit 2
 fi
 export BENCH_SKIP=${BENCH_SKIP:-layout}
+# the emulated node splits of issue #9 (rails, Bruck rounds, Latin-square waves on real peers)
+if (( n == 8 )); then export BENCH_TOPOLOGIES=${BENCH_TOPOLOGIES:-1x8,2x4,4x2,8x1}; fi
 export TORCHGPU_TESTS=${TORCHGPU_TESTS:-"test_world2_two_gpus_nccl test_world2_one_gpu_ipc"}
 export TORCHGPU_SIZE=${TORCHGPU_SIZE:-1b} TORCHGPU_STEPS=${TORCHGPU_STEPS:-8}
 export GPU_CHECK_SKIP=${GPU_CHECK_SKIP:-"kernels bench demo sanitize executor"}

@@ -53,8 +53,22 @@ def _group(op, shard_bytes, P, N):
     return GroupSignature(shapes=shapes), shapes
 
 
-def _topologies(ctx, N):
+def _topologies(ctx, N, spec=None):
+    """The TIDE rows' topologies: `spec` "MxL,..." (e.g. "1x8,2x4,4x2,8x1": emulated node splits
+    of N ranks, so rails, Bruck rounds and Latin-square waves run on real peers), else 1 x N, and
+    N x 1 too with >= 2 GPUs."""
     import tide
+    if spec:
+        out = []
+        for item in spec.split(","):
+            try:
+                m, l = (int(x) for x in item.lower().split("x"))
+            except ValueError:
+                raise SystemExit(f"--topologies: {item!r} is not MxL (nodes x GPUs per node)") from None
+            if m < 1 or l < 1 or m * l != N:
+                raise SystemExit(f"--topologies: {item} has {m * l} ranks, this run has N = {N}")
+            out.append((f"{m} node{'s' if m > 1 else ''} x {l}", tide.Topology(m, l)))
+        return out
     if ctx.kind == "multi":
         return [("1 node x %d" % N, tide.Topology(1, N)), ("%d nodes x 1" % N, tide.Topology(N, 1))]
     return [("1 node x %d" % N, tide.Topology(1, N))]
@@ -355,6 +369,7 @@ def run(op, args) -> dict:
     _defaults(args, ctx, op)
     N = args.ranks
     ctx = common.detect_context(args.context, N)
+    _topologies(ctx, N, args.topologies)  # a bad --topologies fails before any measurement
     print(f"# tide bench {op}: {ctx.label}")
     result = dict(bench=op, context=ctx.kind, label=ctx.label, device=ctx.device, world=N,
                   P=args.params, reps=args.reps, rows=[], targets=[])
@@ -386,7 +401,7 @@ def run(op, args) -> dict:
             del paths, shards, grads
             if not ctx.emulation:
                 torch.cuda.empty_cache()
-        for k, (topo_name, topo) in enumerate(_topologies(ctx, N)):
+        for k, (topo_name, topo) in enumerate(_topologies(ctx, N, args.topologies)):
             progress(f"{op} {mib:g} MiB: TIDE on {topo_name}")
             try:
                 rows.insert(k, _tide_rows(op, ctx, torch, topo_name, topo, sig, shapes, N, args.reps, args.warmup))
@@ -468,6 +483,8 @@ def main(argv=None, op="ag") -> int:
     ap.add_argument("--sizes", default=None, help="shard sizes in MiB (default 32,128; CPU 0.0625,0.25)")
     ap.add_argument("--params", type=int, default=0, help="tensors per group (default 30 AG, 16 RS)")
     ap.add_argument("--ranks", type=int, default=0, help="virtual ranks without >= 2 GPUs (default 8; CPU 4)")
+    ap.add_argument("--topologies", default=None, metavar="MxL,...",
+                    help="TIDE rows on these node splits of the N ranks (e.g. 1x8,2x4,4x2,8x1)")
     if op == "ag":
         ap.add_argument("--ce-proof", action="store_true", help="copy-engine proof (see ceproof.py)")
         ap.add_argument("--spin-s", type=float, default=2.0, help="--ce-proof: spinner duration")

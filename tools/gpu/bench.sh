@@ -3,7 +3,8 @@
 # `train` at real sizes (and `ag --ce-proof`), JSON + PNG to $OUT/bench, summary table LAST.
 #
 #   export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONUNBUFFERED=1
-#   bash tools/gpu/bench.sh          # BENCH_SKIP="train layout" skips stages; BENCH_PNG=0: no PNGs
+#   bash tools/gpu/bench.sh          # BENCH_SKIP="train layout" skips stages; BENCH_PNG=0: no PNGs;
+#                                    # BENCH_TOPOLOGIES=1x8,2x4,4x2,8x1: TIDE rows on those node splits
 #
 # Assumes tide/_core*.so was built with CUDA (tools/gpu_check.sh's build step); builds nothing.
 # Files back: $OUT/bench/{bench.json, bench.log, ag.png, rs.png, interference.png, train.png,
@@ -51,8 +52,9 @@ stage() {  # stage NAME TIMEOUT_S ARGS...
 
 # Hard limits: one GPU / >= 2 GPUs (spawned NCCL ranks start in ~15 s each time).
 lim() { if (( NGPU >= 2 )); then echo "$2"; else echo "$1"; fi; }
-stage ag "$(lim 100 160)" ag --reps 10 --warmup 2 --json "$T/ag.json" $(plot ag)
-stage rs "$(lim 100 160)" rs --reps 10 --warmup 2 --json "$T/rs.json" $(plot rs)
+TOPO=${BENCH_TOPOLOGIES:+--topologies $BENCH_TOPOLOGIES}  # e.g. 1x8,2x4,4x2,8x1 (issue #9)
+stage ag "$(lim 100 160)" ag --reps 10 --warmup 2 $TOPO --json "$T/ag.json" $(plot ag)
+stage rs "$(lim 100 160)" rs --reps 10 --warmup 2 $TOPO --json "$T/rs.json" $(plot rs)
 stage interference "$(lim 130 200)" interference --reps 20 --json "$T/interference.json" $(plot interference)
 stage layout 120 layout --json "$T/layout.json" $(plot layout)
 stage train 220 train --timeout 100 --torch-args "--steps 5" --jax-args "--steps 8" --json "$T/train.json" $(plot train)
