@@ -142,6 +142,15 @@ def test_bench_rs_on_node_splits(capsys, tmp_path):
         _run(capsys, ["rs", "--sizes", "0.03125", "--topologies", "1x4,3x2"] + TINY)
 
 
+def test_bench_interference_nccl_cta_limits_are_parsed():
+    """--nccl-ctas (Table 4's NCCL <= 8 / <= 4 CTA rows): parsed, a bad value is refused early."""
+    from tide.bench.interference import _nccl_ctas
+    assert _nccl_ctas("default,8,4") == [None, 8, 4]
+    assert _nccl_ctas(None) == [None]
+    with pytest.raises(SystemExit, match="'0' is neither"):
+        _nccl_ctas("default,0")
+
+
 def test_bench_interference_cpu(capsys, tmp_path):
     j, png = tmp_path / "i.json", tmp_path / "i.png"
     rc, out, err = _run(capsys, ["interference", "--shard", "0.03125", "--json", str(j), "--plot", str(png)]

@@ -23,7 +23,10 @@ if (( n < 2 )) && [[ -z ${MULTI_DRY_RUN:-} ]]; then
 fi
 export BENCH_SKIP=${BENCH_SKIP:-layout}
 # the emulated node splits of issue #9 (rails, Bruck rounds, Latin-square waves on real peers)
-if (( n == 8 )); then export BENCH_TOPOLOGIES=${BENCH_TOPOLOGIES:-1x8,2x4,4x2,8x1}; fi
+if (( n == 8 )); then
+  export BENCH_TOPOLOGIES=${BENCH_TOPOLOGIES:-1x8,2x4,4x2,8x1}
+  export BENCH_NCCL_CTAS=${BENCH_NCCL_CTAS:-default,8,4}  # Table 4 / Fig. 4: NCCL default, <= 8, <= 4 CTAs
+fi
 export TORCHGPU_TESTS=${TORCHGPU_TESTS:-"test_world2_two_gpus_nccl test_world2_one_gpu_ipc"}
 export TORCHGPU_SIZE=${TORCHGPU_SIZE:-1b} TORCHGPU_STEPS=${TORCHGPU_STEPS:-8}
 export GPU_CHECK_SKIP=${GPU_CHECK_SKIP:-"kernels bench demo sanitize executor"}

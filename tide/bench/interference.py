@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import statistics
 import sys
 import threading
@@ -148,7 +149,9 @@ def _measure(torch, name, call, ctas, victims, alone, args, cuda, n_sm, N, vstre
     return row
 
 
-def _nccl_worker(rank, world, shapes_rs, shapes_ag, vspec, reps, port, q):
+def _nccl_worker(rank, world, shapes_rs, shapes_ag, vspec, reps, port, q, max_ctas=None):
+    if max_ctas:  # read by NCCL when the communicator is created (Table 4's CTA-limited rows)
+        os.environ["NCCL_MAX_CTAS"] = str(max_ctas)
     import torch
     import torch.distributed as dist
     from tide.bench.layout import _profile
@@ -156,7 +159,8 @@ def _nccl_worker(rank, world, shapes_rs, shapes_ag, vspec, reps, port, q):
     paths = {}
     for op, shapes in (("rs", shapes_rs), ("ag", shapes_ag)):
         p, _, _ = coll.nccl_paths(op, shapes, world, dev, rank)
-        paths.update({f"{op.upper()} {k} (NCCL)": v for k, v in p.items() if "SymmMem" not in k})
+        limit = f", <= {max_ctas} CTAs" if max_ctas else ""
+        paths.update({f"{op.upper()} {k} (NCCL{limit})": v for k, v in p.items() if "SymmMem" not in k})
     victims = make_victims(torch, vspec, dev) if rank == 0 else {}
     vstream, cstream = torch.cuda.Stream(), torch.cuda.Stream()
     n_sm = torch.cuda.get_device_properties(rank).multi_processor_count
@@ -165,7 +169,8 @@ def _nccl_worker(rank, world, shapes_rs, shapes_ag, vspec, reps, port, q):
     for name, fn in paths.items():
         with torch.cuda.stream(cstream):
             ts = common.time_cuda(torch, fn, 5, 2)
-        row = dict(config=name, ctas="NCCL default", alone_ms=statistics.median(ts))
+        row = dict(config=name, ctas=f"NCCL <= {max_ctas}" if max_ctas else "NCCL default",
+                   alone_ms=statistics.median(ts))
         with torch.cuda.stream(cstream):  # every rank: the profiled calls are collectives
             row["sm_ms"] = _profile(torch, fn, n_sm)[2]
         for vname in vspec:
@@ -202,22 +207,38 @@ def _nccl_worker(rank, world, shapes_rs, shapes_ag, vspec, reps, port, q):
     dist.destroy_process_group()
 
 
-def _nccl_rows(shapes_rs, shapes_ag, vspec, world, reps):
+def _nccl_rows(shapes_rs, shapes_ag, vspec, world, reps, max_ctas=None):
     import random
 
     import torch.multiprocessing as mp
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     port = random.randint(20000, 40000)
-    procs = [ctx.Process(target=_nccl_worker, args=(r, world, shapes_rs, shapes_ag, vspec, reps, port, q))
+    procs = [ctx.Process(target=_nccl_worker, args=(r, world, shapes_rs, shapes_ag, vspec, reps, port, q,
+                                                    max_ctas))
              for r in range(world)]
     for p in procs:
         p.start()
     return common.collect(procs, q, 1, 300)[0]
 
 
+def _nccl_ctas(spec):
+    """--nccl-ctas "default,8,4" -> [None, 8, 4]: NCCL's CTA limits (NCCL_MAX_CTAS) to sweep."""
+    out = []
+    for item in (spec or "default").split(","):
+        item = item.strip()
+        if item == "default":
+            out.append(None)
+        elif item.isdigit() and int(item) > 0:
+            out.append(int(item))
+        else:
+            raise SystemExit(f"--nccl-ctas: {item!r} is neither 'default' nor a positive CTA count")
+    return out
+
+
 def run(args) -> dict:
     import torch
+    _nccl_ctas(args.nccl_ctas)  # a bad --nccl-ctas fails before any measurement
     ctx = common.detect_context(args.context, args.ranks or 8)
     cuda = not ctx.emulation
     N = ctx.gpus if ctx.kind == "multi" else (args.ranks or (8 if cuda else 4))
@@ -242,11 +263,13 @@ def run(args) -> dict:
         progress("interference: NCCL stock paths (spawned, victim on rank 0's GPU)")
         del victims
         torch.cuda.empty_cache()
-        try:
-            _, nrows = _nccl_rows(shapes_rs, shapes_ag, vspec, N, args.reps)
-            rows += nrows
-        except Exception as ex:  # noqa: BLE001 - reported as a row
-            rows.append(dict(config="NCCL stock paths", note=f"failed: {type(ex).__name__}: {ex}"))
+        for limit in _nccl_ctas(args.nccl_ctas):
+            try:
+                _, nrows = _nccl_rows(shapes_rs, shapes_ag, vspec, N, args.reps, limit)
+                rows += nrows
+            except Exception as ex:  # noqa: BLE001 - reported as a row
+                rows.append(dict(config=f"NCCL stock paths ({limit or 'default'} CTAs)",
+                                 note=f"failed: {type(ex).__name__}: {ex}"))
     result = dict(bench="interference", context=ctx.kind, label=ctx.label, device=ctx.device, world=N,
                   shard_mib=shard / MIB, victims_alone_ms=alone, rows=rows)
     tide_rs = next((r for r in rows if r["config"].startswith("TIDE-RS, training")), None)
@@ -282,6 +305,8 @@ def main(argv=None) -> int:
     common.add_common_args(ap)
     ap.add_argument("--shard", default=None, help="shard MiB (default 32; CPU 0.0625)")
     ap.add_argument("--ranks", type=int, default=0, help="virtual ranks without >= 2 GPUs (default 8; CPU 4)")
+    ap.add_argument("--nccl-ctas", default="default", metavar="default,8,4",
+                    help=">= 2 GPUs: the NCCL rows under these CTA limits (NCCL_MAX_CTAS; Table 4)")
     args = ap.parse_args(argv)
     try:
         with common.cpu_threads(args.context):

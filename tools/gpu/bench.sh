@@ -4,7 +4,8 @@
 #
 #   export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONUNBUFFERED=1
 #   bash tools/gpu/bench.sh          # BENCH_SKIP="train layout" skips stages; BENCH_PNG=0: no PNGs;
-#                                    # BENCH_TOPOLOGIES=1x8,2x4,4x2,8x1: TIDE rows on those node splits
+#                                    # BENCH_TOPOLOGIES=1x8,2x4,4x2,8x1: TIDE rows on those node splits;
+#                                    # BENCH_NCCL_CTAS=default,8,4: NCCL interference rows per CTA limit
 #
 # Assumes tide/_core*.so was built with CUDA (tools/gpu_check.sh's build step); builds nothing.
 # Files back: $OUT/bench/{bench.json, bench.log, ag.png, rs.png, interference.png, train.png,
@@ -55,7 +56,7 @@ lim() { if (( NGPU >= 2 )); then echo "$2"; else echo "$1"; fi; }
 TOPO=${BENCH_TOPOLOGIES:+--topologies $BENCH_TOPOLOGIES}  # e.g. 1x8,2x4,4x2,8x1 (issue #9)
 stage ag "$(lim 100 160)" ag --reps 10 --warmup 2 $TOPO --json "$T/ag.json" $(plot ag)
 stage rs "$(lim 100 160)" rs --reps 10 --warmup 2 $TOPO --json "$T/rs.json" $(plot rs)
-stage interference "$(lim 130 200)" interference --reps 20 --json "$T/interference.json" $(plot interference)
+stage interference "$(lim 130 200)" interference --reps 20 --nccl-ctas "${BENCH_NCCL_CTAS:-default}" --json "$T/interference.json" $(plot interference)
 stage layout 120 layout --json "$T/layout.json" $(plot layout)
 stage train 220 train --timeout 100 --torch-args "--steps 5" --jax-args "--steps 8" --json "$T/train.json" $(plot train)
 # 2 GPUs: the proof (PASS = TIDE-AG's rows reached GPU 1 under the spinner); 1 GPU: labelled INFO run.
