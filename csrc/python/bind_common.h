@@ -18,6 +18,9 @@ struct ProgramSet : std::enable_shared_from_this<ProgramSet> {
   std::vector<Program> progs;
   bool arena_bound = false;  // built with arena=: progs' arena specs are the caller's layout
   std::shared_ptr<const ProgramGen> gen;
+  // Bumped by every in-place mutation after construction (inject_fault): executors that cache
+  // per-set tables key them on (identity, version) instead of rehashing the ops per call.
+  uint64_t version = 0;
   // Rank r's program with its ops (a generated set emits them: a copy).
   Program program(int r) const;
   // Throws PlanError naming `what` when the set is generated (it needs built ops).

@@ -217,7 +217,7 @@ void bind_cuda_exec(nb::module_& m) {
         std::shared_ptr<const std::vector<Program>> progs(ps, &ps->progs);  // shares the set's identity
         const bool bound = ps->arena_bound;
         nb::gil_scoped_release release;
-        ex.run(progs, bound, seq, b, reinterpret_cast<cudaStream_t>(static_cast<uintptr_t>(stream)),
+        ex.run(progs, ps->version, bound, seq, b, reinterpret_cast<cudaStream_t>(static_cast<uintptr_t>(stream)),
                ranks.is_none() ? nullptr : &members);
       }, nb::arg("programs"), nb::arg("seq"), nb::arg("buffers") = nb::list(), nb::arg("stream") = 0,
          nb::arg("ranks") = nb::none(),

@@ -151,6 +151,7 @@ void bind_program(nb::module_& m) {
       }, nb::arg("calls") = 2)
       .def("inject_fault", [](ProgramSet& s, int kind, int rank, int tag) {
         s.require_built("ProgramSet.inject_fault");
+        ++s.version;  // cached tables of this set are stale (CudaRankExecutor)
         return inject_fault(s.progs, static_cast<FaultKind>(kind), rank, static_cast<OpTag>(tag));
       }, nb::arg("kind"), nb::arg("rank"), nb::arg("tag") = 0);
 

@@ -11,7 +11,7 @@ namespace tide::cuda {
 struct CudaRankExecutor::Entry {
   const void* key = nullptr;
   std::weak_ptr<const void> owner;
-  uint64_t fingerprint = 0;
+  uint64_t version = 0;            // ProgramSet::version when prepared
   std::vector<int> members;
   bool program_layout = false;
   int me = -1;                       // this rank's group rank
@@ -23,33 +23,6 @@ struct CudaRankExecutor::Entry {
 
 namespace {
 
-// FNV-1a over what identifies a set's schedule: a set mutated in place (inject_fault) or a new
-// set at a freed set's address never reuses stale tables.
-uint64_t fingerprint(const std::vector<Program>& progs) {
-  uint64_t h = 1469598103934665603ull;
-  auto mix = [&](int64_t v) {
-    h ^= static_cast<uint64_t>(v);
-    h *= 1099511628211ull;
-  };
-  for (const Program& p : progs) {
-    mix(static_cast<int64_t>(p.plan_hash));
-    mix(p.group);
-    mix(static_cast<int>(p.collective));
-    mix(p.num_counters);
-    mix(p.arena.counters_offset);
-    for (int k = 0; k < kNumBufKinds; ++k) mix(p.arena.offset[k]);
-    mix(static_cast<int64_t>(p.ops.size()));
-    for (const Op& op : p.ops) {
-      mix(static_cast<int>(op.kind) | (op.stream << 8) | (static_cast<int>(op.tag) << 16));
-      mix(op.counter.rank * 1000003ll + op.counter.index);
-      mix(op.value);
-      mix(op.per_call);
-      mix(static_cast<int64_t>(op.copies.size() + (op.terms.size() << 20)));
-      if (!op.copies.empty()) mix(op.copies[0].dst.offset);
-    }
-  }
-  return h;
-}
 
 const char* region_name(BufKind k) { return buf_kind_name(k); }
 
@@ -121,19 +94,19 @@ void CudaRankExecutor::ensure_streams(size_t n) {
 }
 
 CudaRankExecutor::Entry& CudaRankExecutor::prepare(const std::shared_ptr<const std::vector<Program>>& sp,
-                                                   bool program_layout, const std::vector<int>& members) {
+                                                   uint64_t version, bool program_layout,
+                                                   const std::vector<int>& members) {
   const std::vector<Program>& progs = *sp;
-  const uint64_t fp = fingerprint(progs);
   // Stale: the set died, or was mutated in place (inject_fault) since it was prepared.
   auto stale = [&](const std::unique_ptr<Entry>& e) {
-    return e->owner.expired() || (e->key == sp.get() && e->fingerprint != fp);
+    return e->owner.expired() || (e->key == sp.get() && e->version != version);
   };
   if (std::any_of(cache_.begin(), cache_.end(), stale)) {
     for (auto s : streams_) cudaStreamSynchronize(s);  // their run tables may still be read
     cache_.erase(std::remove_if(cache_.begin(), cache_.end(), stale), cache_.end());
   }
   for (auto& e : cache_)
-    if (e->key == sp.get() && e->fingerprint == fp && e->members == members && e->program_layout == program_layout)
+    if (e->key == sp.get() && e->version == version && e->members == members && e->program_layout == program_layout)
       return *e;
 
   const int N = static_cast<int>(members.size());
@@ -143,7 +116,7 @@ CudaRankExecutor::Entry& CudaRankExecutor::prepare(const std::shared_ptr<const s
   auto e = std::make_unique<Entry>();
   e->key = sp.get();
   e->owner = sp;
-  e->fingerprint = fp;
+  e->version = version;
   e->members = members;
   e->program_layout = program_layout;
   for (int i = 0; i < N; ++i) {
@@ -295,8 +268,9 @@ void CudaRankExecutor::fence(const Entry& e, int64_t seq, const std::vector<Prog
   }
 }
 
-void CudaRankExecutor::run(const std::shared_ptr<const std::vector<Program>>& progs, bool program_layout, int64_t seq,
-                           const RankBuffers& buffers, cudaStream_t caller, const std::vector<int>* ranks) {
+void CudaRankExecutor::run(const std::shared_ptr<const std::vector<Program>>& progs, uint64_t version,
+                           bool program_layout, int64_t seq, const RankBuffers& buffers, cudaStream_t caller,
+                           const std::vector<int>* ranks) {
   std::lock_guard<std::mutex> lock(mu_);
   if (!failed_.empty()) throw Error("CudaRankExecutor failed earlier (fail-stop): " + failed_);
   try {
@@ -315,7 +289,7 @@ void CudaRankExecutor::run(const std::shared_ptr<const std::vector<Program>>& pr
   }
   DeviceGuard device(device_);
   // Bad input stops here, before anything is enqueued (the executor stays usable).
-  Entry& e = prepare(progs, program_layout, members);
+  Entry& e = prepare(progs, version, program_layout, members);
   check_buffers(e, buffers);
   for (int g : e.members)
     TIDE_PLAN_CHECK(fabric_->arena(g) != nullptr, "CudaRankExecutor.run: rank ", g,

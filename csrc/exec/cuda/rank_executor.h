@@ -13,8 +13,9 @@
 //     and the caller stream then waits for the whole call (an event after every internal stream
 //     has joined stream 0). 0 is the legacy default stream; torch's current stream may be passed.
 //   - Program sets may differ per call (AG/RS of several groups, RS banks): each set is prepared
-//     once (producer map, run tables uploaded) and cached by its identity and a fingerprint of its
-//     ops; a set that dies is dropped from the cache at the next run.
+//     once (producer map, run tables uploaded) and cached by its identity and version (the
+//     caller bumps the version when it mutates a set in place, e.g. fault injection); a set that
+//     dies, or whose version changed, is dropped from the cache at the next run.
 //   - Arena layout: `regions` (name -> (offset, bytes), as RankExecutor) for sets not built with
 //     arena=; sets built with arena= use their own layout, whose "counters" must be the
 //     executor's. Without regions, every set uses its own layout.
@@ -52,10 +53,11 @@ class CudaRankExecutor {
   CudaRankExecutor(const CudaRankExecutor&) = delete;
   CudaRankExecutor& operator=(const CudaRankExecutor&) = delete;
 
-  // progs: a program set (one Program per group rank); the shared_ptr's identity keys the cache.
-  // program_layout: the set was built with arena= (its layout is the caller's).
+  // progs: a program set (one Program per group rank); the shared_ptr's identity and `version`
+  // key the cache. program_layout: the set was built with arena= (its layout is the caller's).
   // buffers: this rank's user buffers. ranks: a sub-group's fabric ranks (nullptr: every rank).
-  void run(const std::shared_ptr<const std::vector<Program>>& progs, bool program_layout, int64_t seq,
+  void run(const std::shared_ptr<const std::vector<Program>>& progs, uint64_t version, bool program_layout,
+           int64_t seq,
            const RankBuffers& buffers, cudaStream_t caller_stream, const std::vector<int>* ranks = nullptr);
   void synchronize();
   int rank() const { return rank_; }
@@ -65,7 +67,7 @@ class CudaRankExecutor {
 
  private:
   struct Entry;
-  Entry& prepare(const std::shared_ptr<const std::vector<Program>>& progs, bool program_layout,
+  Entry& prepare(const std::shared_ptr<const std::vector<Program>>& progs, uint64_t version, bool program_layout,
                  const std::vector<int>& members);
   void check_buffers(const Entry& e, const RankBuffers& b) const;
   void fence(const Entry& e, int64_t seq, const std::vector<Program>& progs);
