@@ -21,6 +21,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import tide  # noqa: E402
 from tide import _core  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from ag_helpers import shard  # noqa: E402
+
 BF16 = np.dtype(ml_dtypes.bfloat16)
 RSS_LIMIT_GB = 8.0
 WORKERS = 2
@@ -37,17 +40,7 @@ def run_ag(M: int, L: int) -> dict:
     plan = tide.plan(tide.GroupSignature(shapes=shapes), topo)
     rng = np.random.default_rng(13)
     fulls = [rng.integers(-128, 128, size=s).astype(np.float32).astype(BF16) for s in shapes]
-    lay = plan.layout
-    shards = []
-    for r in range(N):
-        row = []
-        for p, f in enumerate(fulls):
-            R = lay.params[p].R
-            x = np.zeros((R,) + f.shape[1:], dtype=BF16)
-            part = f[r * R:(r + 1) * R]
-            x[: len(part)] = part
-            row.append(x)
-        shards.append(row)
+    shards = shard(fulls, plan, N)
     vc = tide.VirtualCluster(topo, timeout_s=600, workers=WORKERS)
     t0 = time.perf_counter()
     out = vc.all_gather(plan, shards, poison=True)
