@@ -20,6 +20,7 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import tide  # noqa: E402
 from tide import _core  # noqa: E402
+from tide.plan import rs_bank  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from ag_helpers import shard  # noqa: E402
@@ -93,7 +94,7 @@ def run_rs(M: int, L: int) -> dict:
     assert vc.rs_arena(plan).bytes_per_rank == mem["arena_bytes"], (vc.rs_arena(plan).bytes_per_rank, mem["arena_bytes"])
     print(f"RS {M}x{L}: arena bytes per rank {mem['arena_bytes']} == plan.memory()")
     rs = plan.rs_schedule
-    gen = vc._rs_groups[(plan.hash, False)].programs[("rs-gen", 1.0, False, 1)]
+    gen = vc._rs_groups[(plan.hash, False)].programs[("rs-gen", 1.0, False, rs_bank(1))]  # call 1's set
     worst, ops = 0, 0
     for r in list(range(L)) + [N // 2 + 3, N - 1]:  # node 0's ranks give the planner's worst case
         st = _core.rs_program_stats(gen, r)
