@@ -77,6 +77,24 @@ def reference(topo, plan, cast=False):
     return lands, outs
 
 
+def in_threads(n, fn):
+    """Runs fn(r) for r in range(n), one thread per rank (in-process ranks); the exceptions raised."""
+    errors = []
+
+    def guarded(r):
+        try:
+            fn(r)
+        except Exception as e:  # noqa: BLE001 - reported to the caller
+            errors.append(e)
+
+    threads = [threading.Thread(target=guarded, args=(r,)) for r in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return errors
+
+
 def make_segment(nbytes):
     name = f"/tide_{os.getpid()}_{uuid.uuid4().hex[:12]}"
     fd = _posixshmem.shm_open(name, os.O_CREAT | os.O_EXCL | os.O_RDWR, mode=0o600)
@@ -242,20 +260,12 @@ def test_two_groups_share_one_counters_region_in_process():
                     b = np.ascontiguousarray(x).view(np.uint8).reshape(-1)
                     o = regions["resident"][0] + extra + plan.layout.params[p].o
                     arenas[r][o: o + b.size] = b
-        errors = []
 
         def rank_calls(r):
-            try:
-                exs[r].run(ag_a, seq, [])
-                exs[r].run(ag_b, seq, [])
-            except Exception as e:  # noqa: BLE001
-                errors.append(e)
+            exs[r].run(ag_a, seq, [])
+            exs[r].run(ag_b, seq, [])
 
-        threads = [threading.Thread(target=rank_calls, args=(r,)) for r in range(N)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        errors = in_threads(N, rank_calls)
         assert not errors, errors
         for key, plan, kind, off in (("a", plan_a, "ring0", regions["ring0"][0]),
                                      ("b", plan_b, "ring1", regions["fixed"][0] + fixed_off)):
@@ -316,22 +326,14 @@ def test_sub_groups_run_with_ranks():
     ag = _core.build_ag_programs(plan, resident=False, arena=regions)
     groups = [[0, 2], [1, 3]]
     ins = {g: shard(make_fulls(SHAPES, "int", 7 + g), plan, 2) for g in range(2)}
-    errors = []
 
     def rank_calls(r):
-        try:
-            g = r % 2
-            mine = [np.ascontiguousarray(x) for x in ins[g][groups[g].index(r)]]
-            exs[r].run(ag, 1, [(KIND["shard"], p, x.ctypes.data, x.nbytes) for p, x in enumerate(mine)],
-                       ranks=groups[g])
-        except Exception as e:  # noqa: BLE001
-            errors.append(e)
+        g = r % 2
+        mine = [np.ascontiguousarray(x) for x in ins[g][groups[g].index(r)]]
+        exs[r].run(ag, 1, [(KIND["shard"], p, x.ctypes.data, x.nbytes) for p, x in enumerate(mine)],
+                   ranks=groups[g])
 
-    threads = [threading.Thread(target=rank_calls, args=(r,)) for r in range(N)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    errors = in_threads(N, rank_calls)
     assert not errors, errors
     NS, ring0 = plan.layout.S * 2, regions["ring0"][0]
     for g in range(2):
