@@ -74,3 +74,12 @@ def test_ipc_fabric_refuses_cleanly_without_gpu():
         _core.CudaRankExecutor(None, 0, 1, 2)
     with pytest.raises(_core.Error):  # the probe reports the missing device instead of crashing
         _core.cuda_capabilities(0)
+
+
+def test_cuda_cluster_inherits_the_base_defaults():
+    """CudaVirtualCluster has its own __init__: state the CPU base reads (e.g. `lean` in
+    _checking) comes from class defaults, so a new base option cannot break the CUDA backend."""
+    from tide.cluster import VirtualCluster
+    from tide.cluster_cuda import CudaVirtualCluster
+    vc = object.__new__(CudaVirtualCluster)
+    assert isinstance(vc, VirtualCluster) and vc.lean is False

@@ -43,6 +43,8 @@ class VirtualCluster:
     holding every rank's ops, only for the bank a call uses; the checker does not run on them
     (it needs built programs; it proves the same ops over the CI grid). Threads mode only."""
 
+    lean = False  # class default: subclasses with their own __init__ (CudaVirtualCluster) inherit it
+
     def __new__(cls, topo=None, backend: str = "cpu", *args, **kwargs):
         # Backend hook: backend="cuda" builds the CUDA virtual cluster (tide/cluster_cuda.py).
         if cls is VirtualCluster and backend == "cuda":

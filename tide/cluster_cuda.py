@@ -50,7 +50,6 @@ class CudaVirtualCluster(VirtualCluster):
         self.ranks_as = "threads"
         self.timeout_s = float(timeout_s)
         self.check = check
-        self.lean = False  # generated (lean) programs run on the CPU executor only
         self.workers = 0
         self.device = int(device)
         self.devices = [int(d) for d in devices] if devices else [self.device]
