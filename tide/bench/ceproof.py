@@ -78,7 +78,8 @@ class Spinner:
 
 def _segments(plan, N, u):
     """(offset, bytes) of rank u's rows of every parameter in a parameter-major landing."""
-    return [(pl.o * N + u * pl.s, pl.s) for pl in plan.layout.params]
+    lay = plan.layout  # Landing(p, u) = o_p N + u s_p (Eq. 2), from the planner
+    return [(lay.landing(p, u), pl.s) for p, pl in enumerate(lay.params)]
 
 
 def tide_proof(ctx, shard_bytes, spin_s) -> dict:
