@@ -350,11 +350,13 @@ def test_ce_proof_runs_bounded(capsys, tmp_path):
 def test_layout_plot_from_a_result(tmp_path):
     """`tide bench layout --plot`: the figure is drawn from the measured rows (no GPU needed)."""
     from tide.bench.layout import plot_layout
-    steps = {"AG stock: rank-major + split_with_sizes_copy": 1.7, "AG TIDE: direct landing, P strided copies": 1.1,
-             "AG TIDE: direct landing, N*P batched copies": 1.0,
+    steps = {"AG stock: rank-major + split_with_sizes_copy": 1.7,
+             "AG TIDE: direct landing, P strided copies, 4 lane(s)": 1.1,
+             "AG TIDE: direct landing, N*P batched copies, 4 lane(s)": 1.0,
+             "AG TIDE: direct landing, N*P batched copies, 1 lane(s)": 0.5,  # not the executors' count: ignored
              "RS stock: _chunk_cat fp32 pack + packed reduce": 6.3, "RS TIDE: staging + SUM + LAND": 8.8,
              "RS TIDE: staging + SUM + LAND, full grid": 1.9}
-    result = dict(device="test GPU", ranks=8, groups=[{"group": "g"}],
+    result = dict(device="test GPU", ranks=8, groups=[{"group": "g", "exec_lanes": 4}],
                   rows=[dict(group="g", step=k, ms=v) for k, v in steps.items()])
     png = tmp_path / "layout.png"
     plot_layout(str(png), result)

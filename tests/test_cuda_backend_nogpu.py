@@ -83,3 +83,18 @@ def test_cuda_cluster_inherits_the_base_defaults():
     from tide.cluster_cuda import CudaVirtualCluster
     vc = object.__new__(CudaVirtualCluster)
     assert isinstance(vc, VirtualCluster) and vc.lean is False
+
+
+# ---- copy lanes ([Note: copy lanes] in runtime.h): the knobs are checked before any CUDA call ----
+@pytest.mark.parametrize("value, ok", [("1", 1), ("3", 3), ("8", 8), ("0", None), ("9", None), ("two", None)])
+def test_copy_lanes_knob(value, ok, monkeypatch):
+    if not _core.built_with_cuda:
+        pytest.skip("no CUDA build")
+    monkeypatch.setenv("TIDE_COPY_LANES", value)
+    if ok is None:
+        with pytest.raises(tide.PlanError, match="TIDE_COPY_LANES must be an integer in \\[1, 8\\]"):
+            _core.cuda_copy_lanes()
+    else:
+        assert _core.cuda_copy_lanes() == ok
+    monkeypatch.delenv("TIDE_COPY_LANES")
+    assert _core.cuda_copy_lanes() == 4

@@ -199,6 +199,18 @@ def test_reduce_scatter_bitwise_equals_cpu(M, L):
     assert all(torch.isfinite(x).all() for x in got)
 
 
+@pytest.mark.parametrize("M,L", [(1, 8), (2, 4), (3, 2)])
+def test_copy_lanes_bitwise_equals_cpu(M, L, monkeypatch):
+    """[Note: copy lanes] with EVERY COPY/PUT spread over 3 lanes (threshold 0): the same bytes as
+    the CPU executor, call after call; a PUT's bump issued before its lanes joined would show as
+    stale landing or inbox bytes."""
+    monkeypatch.setenv("TIDE_COPY_SPREAD_BYTES", "0")
+    monkeypatch.setenv("TIDE_COPY_LANES", "3")
+    assert _core.cuda_copy_lanes() == 3
+    test_all_gather_bitwise_equals_cpu(M, L, resident=True)
+    test_reduce_scatter_bitwise_equals_cpu(M, L)
+
+
 @pytest.mark.parametrize("M", [2, 3, 5])
 def test_expert_lane_and_hsdp_bitwise_equal_cpu(M):
     topo = tide.Topology(M, 1)

@@ -435,6 +435,49 @@ def test_copies_1d_2d(capture):
     assert torch.equal(dst.cpu(), ref)
 
 
+@pytest.mark.parametrize("lanes", [2, 4])
+@pytest.mark.parametrize("capture", [False, True])
+def test_copies_spread_over_lanes(lanes, capture):
+    """[Note: copy lanes]: 40 copies (1-D and strided, 24 MiB) over `lanes` streams forked from the
+    caller's; the caller's NEXT op reads the destination, so a missing join shows as stale bytes."""
+    gen = torch.Generator().manual_seed(lanes)
+    n = 24 << 20
+    src = torch.randint(0, 255, (n,), dtype=torch.uint8, generator=gen).to(DEV)
+    dst = torch.full((n,), 7, dtype=torch.uint8, device=DEV)
+    after = torch.empty_like(dst)
+    s, d = src.data_ptr(), dst.data_ptr()
+    ref = torch.full((n,), 7, dtype=torch.uint8)
+    sc = src.cpu()
+    descs, off = [], 0
+    for i in range(40):
+        w = int(torch.randint(1, 1 << 19, (1,), generator=gen))
+        if i % 3 == 0:  # strided: 2 rows, destination pitch 2w
+            descs.append((d + off, s + off, w, 2, 2 * w, 2 * w))
+            ref[off:off + w] = sc[off:off + w]
+            ref[off + 2 * w:off + 3 * w] = sc[off + 2 * w:off + 3 * w]
+            off += 4 * w
+        else:
+            descs.append((d + off, s + off, w, 1, 0, 0))
+            ref[off:off + w] = sc[off:off + w]
+            off += w + 64
+    assert off <= n and sum(w * h for _, _, w, h, _, _ in descs) >= 8 << 20  # above the spread threshold
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    if capture:
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, stream=side):
+            _core.cuda_copies(descs, side.cuda_stream, lanes)
+            after.copy_(dst)
+        g.replay()
+    else:
+        with torch.cuda.stream(side):
+            _core.cuda_copies(descs, side.cuda_stream, lanes)
+            after.copy_(dst)  # same stream, right after: must see every lane's bytes
+    torch.cuda.synchronize()
+    assert torch.equal(dst.cpu(), ref)
+    assert torch.equal(after.cpu(), ref)
+
+
 def test_signal_wait_orders_streams():
     counter = torch.zeros(1, dtype=torch.int64, device=DEV)
     data = torch.zeros(1 << 20, device=DEV)

@@ -11,6 +11,8 @@
 #include <nanobind/stl/vector.h>
 
 #include <cstdint>
+#include <map>
+#include <mutex>
 #include <string>
 #include <tuple>
 #include <utility>
@@ -34,6 +36,20 @@ std::vector<WaitSpec> specs_of(const std::vector<std::pair<uint64_t, uint64_t>>&
   std::vector<WaitSpec> v;
   for (auto& [p, val] : w) v.push_back({ptr<const uint64_t>(p), val});
   return v;
+}
+
+// cuda_copies' lanes, per (device, count), for the life of the process (never destroyed: CUDA
+// may be torn down before static destructors run).
+CopyLanes* lanes_for(int lanes) {
+  if (lanes <= 1) return nullptr;
+  static std::mutex mu;
+  static std::map<std::pair<int, int>, CopyLanes*> table;
+  int dev = 0;
+  TIDE_CHECK_CUDA(cudaGetDevice(&dev));
+  std::lock_guard<std::mutex> lock(mu);
+  CopyLanes*& l = table[{dev, lanes}];
+  if (!l) l = new CopyLanes(dev, lanes);
+  return l;
 }
 
 void bind_cuda_ops(nb::module_& m) {
@@ -79,6 +95,9 @@ void bind_cuda_ops(nb::module_& m) {
         "REDUCE (the executor's SUM/LAND kernel): `runs` is a device table of ReduceRun records "
         "(144 bytes: int64 dst_off, len, off[12]; int16 slot[12], pad[4]); `bases[slot]` are the "
         "slot base addresses. Follows TIDE_SUM_KERNEL like cuda_sum.");
+  m.def("cuda_resident_ctas_per_sm", &resident_ctas_per_sm, nb::arg("kernel"), nb::arg("n_staged") = 0,
+        "CTAs of SUM ('sum', L-1 = n_staged) or LAND ('land') resident on one SM (occupancy API).");
+  m.def("cuda_copy_lanes", &copy_lanes_default, "Copy lanes per issuing stream (TIDE_COPY_LANES, default 4).");
   m.def("cuda_sum_kernel", []() { return std::string(sum_kernel_name(sum_kernel_effective())); },
         "The SUM/REDUCE variant a launch on the current device runs now (TIDE_SUM_KERNEL, kernels.h).");
   m.def("cuda_sum_kernel_attrs", []() {
@@ -130,14 +149,17 @@ void bind_cuda_ops(nb::module_& m) {
         nb::arg("regions"), nb::arg("ctas") = 8, nb::arg("stream") = 0, "ZERO: clear (ptr, bytes) regions.");
   m.def("cuda_copies",
         [](const std::vector<std::tuple<uint64_t, uint64_t, size_t, size_t, size_t, size_t>>& d,
-           uint64_t stream) {
+           uint64_t stream, int lanes) {
           std::vector<CopyDesc> v;
           v.reserve(d.size());
           for (auto& [dst, src, w, h, dp, sp] : d) v.push_back({ptr<void>(dst), ptr<const void>(src), w, h, dp, sp});
-          submit_copies(strm(stream), v.data(), v.size());
+          TIDE_PLAN_CHECK(lanes >= 1 && lanes <= 8, "cuda_copies: lanes must be in [1, 8], got ", lanes);
+          submit_copies(strm(stream), v.data(), v.size(), lanes_for(lanes));
         },
-        nb::arg("descs"), nb::arg("stream") = 0,
-        "COPY: (dst, src, width, height, dpitch, spitch) descriptors; batched when eager.");
+        nb::arg("descs"), nb::arg("stream") = 0, nb::arg("lanes") = 1,
+        "COPY: (dst, src, width, height, dpitch, spitch) descriptors; batched when eager; spread over "
+        "`lanes` streams forked from `stream` when the call moves >= TIDE_COPY_SPREAD_BYTES (8 MiB; "
+        "the executors' rule, read when a process first uses `lanes`).");
   m.def("cuda_signal",
         [](uint64_t counter, uint64_t value, uint64_t stream) { signal(strm(stream), ptr<uint64_t>(counter), value); },
         nb::arg("counter"), nb::arg("value"), nb::arg("stream") = 0);

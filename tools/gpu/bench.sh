@@ -57,7 +57,7 @@ TOPO=${BENCH_TOPOLOGIES:+--topologies $BENCH_TOPOLOGIES}  # e.g. 1x8,2x4,4x2,8x1
 stage ag "$(lim 100 160)" ag --reps 10 --warmup 2 $TOPO --json "$T/ag.json" $(plot ag)
 stage rs "$(lim 100 160)" rs --reps 10 --warmup 2 $TOPO --json "$T/rs.json" $(plot rs)
 stage interference "$(lim 130 200)" interference --reps 20 --nccl-ctas "${BENCH_NCCL_CTAS:-default}" --json "$T/interference.json" $(plot interference)
-stage layout 120 layout --json "$T/layout.json" $(plot layout)
+stage layout 200 layout --json "$T/layout.json" $(plot layout)
 stage train 220 train --timeout 100 --torch-args "--steps 5" --jax-args "--steps 8" --json "$T/train.json" $(plot train)
 # 2 GPUs: the proof (PASS = TIDE-AG's rows reached GPU 1 under the spinner); 1 GPU: labelled INFO run.
 stage ce_proof 90 ag --ce-proof --spin-s 2 --sizes 8 --json "$T/ceproof.json" $(plot ceproof)

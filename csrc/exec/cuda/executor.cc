@@ -246,7 +246,9 @@ void issue(const IssueContext& c, int rank, int i, int64_t seq) {
                      static_cast<size_t>(cp.dst.height), static_cast<size_t>(cp.dst.pitch),
                      static_cast<size_t>(cp.src.pitch)});
       }
-      submit_copies(s, d.data(), d.size());
+      submit_copies(s, d.data(), d.size(),
+                    c.lanes ? c.lanes->get(fabric_rank(c, rank), op.stream, c.fabric->device_of(fabric_rank(c, rank)))
+                            : nullptr);
       if (op.kind == OpKind::kPut) bump();  // data first, then the bump
       break;
     }
@@ -479,6 +481,7 @@ void CudaExecutor::run(int64_t seq, const std::vector<RankBuffers>& buffers) {
   c.watchdog = watchdog_.get();
   c.streams = &streams_;
   c.buffers = &buffers;
+  c.lanes = &lanes_;
   c.dead_rank = opt_.dead_rank;
   try {
     issue_call(c, seq);

@@ -118,6 +118,7 @@ struct IssueContext {
   Watchdog* watchdog = nullptr;
   const std::vector<std::vector<cudaStream_t>>* streams = nullptr;
   const std::vector<RankBuffers>* buffers = nullptr;
+  CopyLaneTable* lanes = nullptr;  // [Note: copy lanes]; null: every copy on its op's stream
   int dead_rank = -1;
 };
 void issue_call(const IssueContext& c, int64_t seq);
@@ -147,6 +148,7 @@ class CudaExecutor {
   std::vector<Program> programs_;
   ExecOptions opt_;
   std::vector<std::vector<cudaStream_t>> streams_;  // [rank][stream]
+  CopyLaneTable lanes_;
   std::unique_ptr<ProgramTables> tables_;
   std::unique_ptr<Watchdog> watchdog_;
   std::string failed_;

@@ -402,6 +402,31 @@ void launch_sum(const SumArgs& a, int ctas, cudaStream_t stream) {
   TIDE_CHECK_CUDA(cudaGetLastError(), "launching SUM");
 }
 
+template <int... I>
+int sum_occupancy(std::integer_sequence<int, I...>, int n_staged) {
+  int k = 0;
+  auto one = [&](auto kernel, int ns) {
+    if (ns == n_staged)
+      TIDE_CHECK_CUDA(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&k, kernel, kSumThreads, 0),
+                      "occupancy of sum_kernel<", ns, ">");
+  };
+  (one(sum_kernel<I>, I), ...);
+  return k;
+}
+
+int resident_ctas_per_sm(const std::string& kernel, int n_staged) {
+  if (kernel == "sum") {
+    TIDE_PLAN_CHECK(n_staged >= 0 && n_staged <= kMaxStaged, "resident_ctas_per_sm: n_staged ", n_staged,
+                    " outside [0, ", kMaxStaged, "]");
+    return sum_occupancy(std::make_integer_sequence<int, kMaxStaged + 1>{}, n_staged);
+  }
+  TIDE_PLAN_CHECK(kernel == "land", "resident_ctas_per_sm: kernel must be 'sum' or 'land', got '", kernel, "'");
+  int k = 0;
+  TIDE_CHECK_CUDA(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&k, land_kernel, kLandThreads, 0),
+                  "occupancy of land_kernel");
+  return k;
+}
+
 void launch_land(const LandArgs& a, int ctas, cudaStream_t stream) {
   TIDE_CHECK(a.n_jobs >= 0 && a.n_jobs <= kMaxLandJobs, "n_jobs=", a.n_jobs);
   int64_t total = 0;

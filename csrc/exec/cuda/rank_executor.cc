@@ -310,6 +310,7 @@ void CudaRankExecutor::run(const std::shared_ptr<const std::vector<Program>>& pr
   c.watchdog = watchdog_.get();
   c.streams = &streams;
   c.buffers = &bufs;
+  c.lanes = &lanes_;
   auto join = [&](bool check) {
     // Every internal stream joins stream 0; the caller's stream waits for stream 0.
     auto ok = [&](cudaError_t r, const char* what) {

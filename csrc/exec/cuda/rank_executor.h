@@ -84,6 +84,7 @@ class CudaRankExecutor {
   int device_;
   uint64_t runs_ = 0;  // runs enqueued (the entry fence's "started run #k")
   std::vector<cudaStream_t> streams_;
+  CopyLaneTable lanes_;
   cudaEvent_t ev_caller_ = nullptr, ev_entry_ = nullptr, ev_done_ = nullptr;
   std::vector<cudaEvent_t> ev_join_;
   std::unique_ptr<Watchdog> watchdog_;

@@ -1,6 +1,7 @@
 // Driver entry points, stream memory operations, copy paths, stream pool, watchdog.
 #include "exec/cuda/runtime.h"
 
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
 
@@ -133,6 +134,90 @@ void submit_copies(cudaStream_t stream, const CopyDesc* d, size_t n) {
   TIDE_CHECK_CUDA(cudaMemcpyBatchAsync(dsts.data(), srcs.data(), sizes.data(), dsts.size(), &attr,
                                        &attr_idx, 1, stream),
                   "COPY batch of ", dsts.size());
+}
+
+// ---- copy lanes ---------------------------------------------------------------------------------
+int copy_lanes_default() {
+  const char* e = std::getenv("TIDE_COPY_LANES");
+  if (!e || !*e) return 4;
+  char* end = nullptr;
+  const long v = std::strtol(e, &end, 10);
+  TIDE_PLAN_CHECK(end && *end == '\0' && v >= 1 && v <= 8, "TIDE_COPY_LANES must be an integer in [1, 8], got '",
+                  e, "'");
+  return static_cast<int>(v);
+}
+
+size_t copy_spread_bytes_default() {
+  const char* e = std::getenv("TIDE_COPY_SPREAD_BYTES");
+  if (!e || !*e) return size_t{8} << 20;
+  char* end = nullptr;
+  const long long v = std::strtoll(e, &end, 10);
+  TIDE_PLAN_CHECK(end && *end == '\0' && v >= 0, "TIDE_COPY_SPREAD_BYTES must be a byte count >= 0, got '", e, "'");
+  return static_cast<size_t>(v);
+}
+
+CopyLanes::CopyLanes(int device, int n, size_t spread_bytes) : device_(device), spread_bytes_(spread_bytes) {
+  TIDE_CHECK(n >= 2, "copy lanes: ", n, " (need at least 2)");
+  int prev = 0;
+  TIDE_CHECK_CUDA(cudaGetDevice(&prev));
+  TIDE_CHECK_CUDA(cudaSetDevice(device));
+  TIDE_CHECK_CUDA(cudaEventCreateWithFlags(&fork_, cudaEventDisableTiming), "copy lanes: fork event");
+  for (int i = 0; i < n; ++i) {
+    cudaStream_t s = nullptr;
+    cudaEvent_t e = nullptr;
+    TIDE_CHECK_CUDA(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "copy lane ", i);
+    lanes_.push_back(s);
+    TIDE_CHECK_CUDA(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "copy lane ", i, " join event");
+    join_.push_back(e);
+  }
+  TIDE_CHECK_CUDA(cudaSetDevice(prev));
+}
+
+CopyLanes::~CopyLanes() {
+  cudaSetDevice(device_);
+  for (auto s : lanes_) {
+    cudaStreamSynchronize(s);
+    cudaStreamDestroy(s);
+  }
+  for (auto e : join_) cudaEventDestroy(e);
+  if (fork_) cudaEventDestroy(fork_);
+}
+
+void CopyLanes::submit(cudaStream_t origin, const CopyDesc* d, size_t n) {
+  std::vector<size_t> order(n);
+  for (size_t i = 0; i < n; ++i) order[i] = i;
+  auto bytes = [&](size_t i) { return d[i].width * d[i].height; };
+  std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) { return bytes(a) > bytes(b); });
+  const size_t k = lanes_.size();
+  std::vector<std::vector<CopyDesc>> part(k);
+  std::vector<size_t> load(k, 0);
+  for (size_t i : order) {
+    const size_t l = static_cast<size_t>(std::min_element(load.begin(), load.end()) - load.begin());
+    part[l].push_back(d[i]);
+    load[l] += bytes(i);
+  }
+  TIDE_CHECK_CUDA(cudaEventRecord(fork_, origin), "copy lanes: fork");
+  for (size_t l = 0; l < k; ++l) {
+    if (part[l].empty()) continue;
+    TIDE_CHECK_CUDA(cudaStreamWaitEvent(lanes_[l], fork_, 0), "copy lane ", l, ": fork");
+    submit_copies(lanes_[l], part[l].data(), part[l].size());
+    TIDE_CHECK_CUDA(cudaEventRecord(join_[l], lanes_[l]), "copy lane ", l, ": join");
+    TIDE_CHECK_CUDA(cudaStreamWaitEvent(origin, join_[l], 0), "copy lane ", l, ": join");
+  }
+}
+
+void submit_copies(cudaStream_t stream, const CopyDesc* d, size_t n, CopyLanes* lanes) {
+  size_t total = 0;
+  for (size_t i = 0; i < n; ++i) total += d[i].width * d[i].height;
+  if (lanes && n >= 2 && total >= lanes->spread_bytes()) lanes->submit(stream, d, n);
+  else submit_copies(stream, d, n);
+}
+
+CopyLanes* CopyLaneTable::get(int rank, int stream, int device) {
+  if (lanes_ <= 1) return nullptr;
+  auto& slot = table_[{rank, stream}];
+  if (!slot) slot = std::make_unique<CopyLanes>(device, lanes_);
+  return slot.get();
 }
 
 // ---- stream pool -------------------------------------------------------------------------------

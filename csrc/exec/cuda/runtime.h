@@ -18,6 +18,8 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
+#include <map>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <thread>
@@ -69,6 +71,51 @@ struct CopyDesc {
 // dependent copies in one call).
 void submit_copies(cudaStream_t stream, const CopyDesc* d, size_t n);
 bool stream_is_capturing(cudaStream_t stream);
+
+// ---- copy lanes --------------------------------------------------------------------------------
+// [Note: copy lanes] A COPY/PUT op's descriptors are unordered with each other, so a large op is
+// spread over a few lanes: non-blocking streams forked from the issuing stream by an event and
+// joined back before anything after the op (a PUT's bump included) is issued. Several lanes let
+// several copy engines work (paper §6) and, on one GPU, let one driver copy kernel's tail overlap
+// the next one's start. Lanes belong to ONE issuing (rank, program stream): lanes shared across
+// streams would queue one stream's copies behind another's and could deadlock on cross waits.
+// Copies go to the least-loaded lane, largest first; ops under the spread threshold stay on the
+// issuing stream (each lane costs two event calls on the host).
+int copy_lanes_default();            // TIDE_COPY_LANES (1..8), else 4
+size_t copy_spread_bytes_default();  // TIDE_COPY_SPREAD_BYTES (tests use 0), else 8 MiB
+
+class CopyLanes {
+ public:
+  CopyLanes(int device, int n, size_t spread_bytes = copy_spread_bytes_default());
+  ~CopyLanes();
+  CopyLanes(const CopyLanes&) = delete;
+  CopyLanes& operator=(const CopyLanes&) = delete;
+  int size() const { return static_cast<int>(lanes_.size()); }
+  size_t spread_bytes() const { return spread_bytes_; }
+  // Issues d[0..n) ordered after `origin`'s prior work; `origin` waits for all of them.
+  void submit(cudaStream_t origin, const CopyDesc* d, size_t n);
+
+ private:
+  int device_;
+  size_t spread_bytes_;
+  std::vector<cudaStream_t> lanes_;
+  cudaEvent_t fork_ = nullptr;
+  std::vector<cudaEvent_t> join_;
+};
+// submit_copies through `lanes` when there are any and the op moves >= lanes->spread_bytes().
+void submit_copies(cudaStream_t stream, const CopyDesc* d, size_t n, CopyLanes* lanes);
+
+// Lanes per (rank, program stream), created on first use; lanes <= 1 gives none.
+class CopyLaneTable {
+ public:
+  explicit CopyLaneTable(int lanes = copy_lanes_default()) : lanes_(lanes) {}
+  CopyLanes* get(int rank, int stream, int device);
+  int lanes() const { return lanes_; }
+
+ private:
+  int lanes_;
+  std::map<std::pair<int, int>, std::unique_ptr<CopyLanes>> table_;
+};
 
 // ---- internal stream pool --------------------------------------------------------------------
 // [Note: internal streams]
