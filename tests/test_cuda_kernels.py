@@ -352,15 +352,16 @@ def test_sum_kernels_do_not_spill():
     assert not spilled, f"kernels with local memory (spills or stack): {spilled}"
 
 
-@pytest.mark.parametrize("n_src", [1, 2, 8])
+@pytest.mark.parametrize("n_src", [1, 2, 3, 4, 8, "mixed"])  # each LAND instantiation, and jobs of 1/3/8
 @pytest.mark.parametrize("accumulate", [False, True])
 def test_land_bitwise(n_src, accumulate):
-    gen = torch.Generator().manual_seed(7 * n_src + accumulate)
+    gen = torch.Generator().manual_seed(7 * (9 if n_src == "mixed" else n_src) + accumulate)
     lens = [4096, 13, 1 << 16]
     alpha = 0.125 if accumulate else 1.0 / 3.0
     jobs, refs, dsts = [], [], []
-    for n in lens:
-        srcs = [torch.randn(n, generator=gen).to(DEV) for _ in range(n_src)]
+    for i, n in enumerate(lens):
+        k = (1, 3, 8)[i] if n_src == "mixed" else n_src
+        srcs = [torch.randn(n, generator=gen).to(DEV) for _ in range(k)]
         prev = torch.randn(n, generator=gen)
         dst = prev.to(DEV) if accumulate else torch.full((n,), float("nan"), device=DEV)
         t = srcs[0].cpu()
@@ -410,13 +411,17 @@ def test_copies_1d_2d(capture):
     dst = torch.full((1 << 21,), 7, dtype=torch.uint8, device=DEV)
     s, d = src.data_ptr(), dst.data_ptr()
     descs = [(d + 0, s + 0, 4096, 1, 0, 0), (d + 8192, s + 100, 999, 1, 0, 0),
-             (d + 100000, s + 5000, 64, 16, 256, 100)]  # strided landing: 16 rows of 64 bytes
+             (d + 100000, s + 5000, 64, 16, 256, 100),  # strided landing: 16 rows of 64 bytes
+             (d + 1100000, s + 10000, 300 << 10, 3, 320 << 10, 310 << 10)]  # wide rows: batched row by row
     ref = torch.full((1 << 21,), 7, dtype=torch.uint8)
     sc = src.cpu()
     ref[0:4096] = sc[0:4096]
     ref[8192:8192 + 999] = sc[100:1099]
     for r in range(16):
         ref[100000 + 256 * r:100000 + 256 * r + 64] = sc[5000 + 100 * r:5000 + 100 * r + 64]
+    for r in range(3):
+        ref[1100000 + (320 << 10) * r:1100000 + (320 << 10) * r + (300 << 10)] = \
+            sc[10000 + (310 << 10) * r:10000 + (310 << 10) * r + (300 << 10)]
     if capture == "graph":
         stream = torch.cuda.Stream()
         g = torch.cuda.CUDAGraph()

@@ -16,6 +16,7 @@
 // pipeline of bulk.cu (`bulk`); kernels.h.
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -189,6 +190,67 @@ __device__ __forceinline__ float land_one(const LandJob& j, int64_t k, float alp
   return acc_mode ? __fadd_rn(j.dst[k], v) : v;
 }
 
+// The aligned body of one LAND job over [b, b + 4 nv): KU vectors per thread per iteration, each
+// reading up to KS sources, every load issued before the first add. KU * KS = 16 float4 in flight
+// per thread at most (one source: 8 vectors; two: 6; four: 4; eight: 2), so a one-source landing
+// (the single-node case) is not latency-bound on 2 loads per thread. Same association for every
+// instantiation: ((s0 + s1) + ...) * alpha [+ old].
+template <int KU, int KS>
+__device__ __forceinline__ void land_vec(const LandJob& j, const LandArgs& a, int64_t b, int64_t nv) {
+  const int64_t chunk = static_cast<int64_t>(KU) * blockDim.x * 4;  // elements per iteration
+  const int dist = prefetch_dist();
+  auto prefetch = [&](int64_t it) {
+    const int64_t first = it * chunk;
+    const int64_t span = min(chunk, nv * 4 - first);
+    if (span <= 0) return;
+    const int t = static_cast<int>(threadIdx.x);
+    if (t < j.n_src) l2_prefetch(j.src[t] + b + first, span * 4);
+    else if (t == j.n_src && a.accumulate) l2_prefetch(j.dst + b + first, span * 4);
+  };
+  for (int d = 0; d < dist; ++d) prefetch(d);
+  for (int64_t v0 = threadIdx.x; v0 < nv; v0 += KU * blockDim.x) {
+    prefetch((v0 - threadIdx.x) / (KU * blockDim.x) + dist);
+    float4 in[KU][KS];
+    float4 old[KU];
+#pragma unroll
+    for (int u = 0; u < KU; ++u) {
+      const int64_t v = v0 + static_cast<int64_t>(u) * blockDim.x;
+      if (v < nv) {
+        const int64_t k = b + v * 4;
+#pragma unroll
+        for (int i = 0; i < KS; ++i)
+          if (i < j.n_src) in[u][i] = __ldcs(reinterpret_cast<const float4*>(j.src[i] + k));
+        if (a.accumulate) old[u] = *reinterpret_cast<const float4*>(j.dst + k);
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < KU; ++u) {
+      const int64_t v = v0 + static_cast<int64_t>(u) * blockDim.x;
+      if (v >= nv) continue;
+      const int64_t k = b + v * 4;
+      float4 t = in[u][0];
+#pragma unroll
+      for (int i = 1; i < KS; ++i) {
+        if (i < j.n_src) {
+          t.x = __fadd_rn(t.x, in[u][i].x);
+          t.y = __fadd_rn(t.y, in[u][i].y);
+          t.z = __fadd_rn(t.z, in[u][i].z);
+          t.w = __fadd_rn(t.w, in[u][i].w);
+        }
+      }
+      float4 v4 = make_float4(__fmul_rn(a.alpha, t.x), __fmul_rn(a.alpha, t.y), __fmul_rn(a.alpha, t.z),
+                              __fmul_rn(a.alpha, t.w));
+      if (a.accumulate)
+        v4 = make_float4(__fadd_rn(old[u].x, v4.x), __fadd_rn(old[u].y, v4.y), __fadd_rn(old[u].z, v4.z),
+                         __fadd_rn(old[u].w, v4.w));
+      *reinterpret_cast<float4*>(j.dst + k) = v4;
+    }
+  }
+}
+
+// One instantiation per source bound KS (launch_land picks it from the jobs' largest n_src), so
+// each gets its own register allocation.
+template <int KU, int KS>
 __global__ void __launch_bounds__(kLandThreads) land_kernel(const __grid_constant__ LandArgs a,
                                                             int64_t total) {
   // The jobs are laid end to end, each padded to a multiple of 4 elements.
@@ -208,56 +270,7 @@ __global__ void __launch_bounds__(kLandThreads) land_kernel(const __grid_constan
     if (vec) {
       const int64_t nv = (e - b) / 4;
       b_tail = b + nv * 4;
-      constexpr int kU = 2;
-      const int64_t chunk = static_cast<int64_t>(kU) * blockDim.x * 4;  // elements per iteration
-      const int dist = prefetch_dist();
-      auto prefetch = [&](int64_t it) {
-        const int64_t first = it * chunk;
-        const int64_t span = min(chunk, nv * 4 - first);
-        if (span <= 0) return;
-        const int t = static_cast<int>(threadIdx.x);
-        if (t < j.n_src) l2_prefetch(j.src[t] + b + first, span * 4);
-        else if (t == j.n_src && a.accumulate) l2_prefetch(j.dst + b + first, span * 4);
-      };
-      for (int d = 0; d < dist; ++d) prefetch(d);
-      for (int64_t v0 = threadIdx.x; v0 < nv; v0 += kU * blockDim.x) {
-        prefetch((v0 - threadIdx.x) / (kU * blockDim.x) + dist);
-        float4 in[kU][kMaxLandSrcs];
-        float4 old[kU];
-#pragma unroll
-        for (int u = 0; u < kU; ++u) {
-          const int64_t v = v0 + static_cast<int64_t>(u) * blockDim.x;
-          if (v < nv) {
-            const int64_t k = b + v * 4;
-#pragma unroll
-            for (int i = 0; i < kMaxLandSrcs; ++i)
-              if (i < j.n_src) in[u][i] = __ldcs(reinterpret_cast<const float4*>(j.src[i] + k));
-            if (a.accumulate) old[u] = *reinterpret_cast<const float4*>(j.dst + k);
-          }
-        }
-#pragma unroll
-        for (int u = 0; u < kU; ++u) {
-          const int64_t v = v0 + static_cast<int64_t>(u) * blockDim.x;
-          if (v >= nv) continue;
-          const int64_t k = b + v * 4;
-          float4 t = in[u][0];
-#pragma unroll
-          for (int i = 1; i < kMaxLandSrcs; ++i) {
-            if (i < j.n_src) {
-              t.x = __fadd_rn(t.x, in[u][i].x);
-              t.y = __fadd_rn(t.y, in[u][i].y);
-              t.z = __fadd_rn(t.z, in[u][i].z);
-              t.w = __fadd_rn(t.w, in[u][i].w);
-            }
-          }
-          float4 v4 = make_float4(__fmul_rn(a.alpha, t.x), __fmul_rn(a.alpha, t.y),
-                                  __fmul_rn(a.alpha, t.z), __fmul_rn(a.alpha, t.w));
-          if (a.accumulate)
-            v4 = make_float4(__fadd_rn(old[u].x, v4.x), __fadd_rn(old[u].y, v4.y),
-                             __fadd_rn(old[u].z, v4.z), __fadd_rn(old[u].w, v4.w));
-          *reinterpret_cast<float4*>(j.dst + k) = v4;
-        }
-      }
+      land_vec<KU, KS>(j, a, b, nv);
     }
     for (int64_t k = b_tail + threadIdx.x; k < e; k += blockDim.x) j.dst[k] = land_one(j, k, a.alpha, a.accumulate);
   }
@@ -402,6 +415,16 @@ void launch_sum(const SumArgs& a, int ctas, cudaStream_t stream) {
   TIDE_CHECK_CUDA(cudaGetLastError(), "launching SUM");
 }
 
+using LandKernel = void (*)(LandArgs, int64_t);
+// static_assert below: the instantiations cover 1, 2, 4 and kMaxLandSrcs = 8 sources.
+LandKernel land_kernel_for(int max_src) {
+  static_assert(kMaxLandSrcs == 8, "land_kernel_for covers 1, 2, 4 and 8 sources");
+  if (max_src <= 1) return land_kernel<8, 1>;
+  if (max_src <= 2) return land_kernel<6, 2>;
+  if (max_src <= 4) return land_kernel<4, 4>;
+  return land_kernel<2, 8>;
+}
+
 template <int... I>
 int sum_occupancy(std::integer_sequence<int, I...>, int n_staged) {
   int k = 0;
@@ -422,7 +445,8 @@ int resident_ctas_per_sm(const std::string& kernel, int n_staged) {
   }
   TIDE_PLAN_CHECK(kernel == "land", "resident_ctas_per_sm: kernel must be 'sum' or 'land', got '", kernel, "'");
   int k = 0;
-  TIDE_CHECK_CUDA(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&k, land_kernel, kLandThreads, 0),
+  TIDE_CHECK_CUDA(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&k, land_kernel_for(std::max(1, n_staged)),
+                                                                kLandThreads, 0),
                   "occupancy of land_kernel");
   return k;
 }
@@ -430,14 +454,16 @@ int resident_ctas_per_sm(const std::string& kernel, int n_staged) {
 void launch_land(const LandArgs& a, int ctas, cudaStream_t stream) {
   TIDE_CHECK(a.n_jobs >= 0 && a.n_jobs <= kMaxLandJobs, "n_jobs=", a.n_jobs);
   int64_t total = 0;
+  int max_src = 1;
   for (int i = 0; i < a.n_jobs; ++i) {
     const LandJob& j = a.jobs[i];
     TIDE_CHECK(j.n_src >= 1 && j.n_src <= kMaxLandSrcs, "job ", i, " n_src=", j.n_src);
     TIDE_CHECK(j.n == 0 || j.dst, "job ", i, " has no dst");
     total += (j.n + 3) & ~int64_t(3);
+    max_src = std::max(max_src, j.n_src);
   }
   if (total == 0) return;
-  land_kernel<<<clamp_ctas(ctas, total / 4 + 1, kLandThreads), kLandThreads, 0, stream>>>(a, total);
+  land_kernel_for(max_src)<<<clamp_ctas(ctas, total / 4 + 1, kLandThreads), kLandThreads, 0, stream>>>(a, total);
   TIDE_CHECK_CUDA(cudaGetLastError(), "launching LAND");
 }
 

@@ -147,8 +147,8 @@ std::vector<KernelAttrs> sum_kernel_attrs();
 void append_reduce_kernel_attrs(std::vector<KernelAttrs>* out);  // reduce.cu
 void append_bulk_kernel_attrs(std::vector<KernelAttrs>* out);    // bulk.cu
 
-// CTAs of the vec SUM kernel (L-1 = n_staged) or of LAND ("land") resident on one SM at once:
-// SMs x this is a grid that fills the device in one wave.
+// CTAs of the vec SUM kernel (L-1 = n_staged) or of LAND ("land", n_staged = its sources per job)
+// resident on one SM at once: SMs x this is a grid that fills the device in one wave.
 int resident_ctas_per_sm(const std::string& kernel, int n_staged = 0);
 void launch_sum(const SumArgs& a, int ctas, cudaStream_t stream);
 void launch_land(const LandArgs& a, int ctas, cudaStream_t stream);

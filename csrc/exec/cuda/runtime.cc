@@ -108,6 +108,12 @@ void submit_copies(cudaStream_t stream, const CopyDesc* d, size_t n) {
       dsts.push_back(c.dst);
       srcs.push_back(c.src);
       sizes.push_back(c.width);
+    } else if (!capturing && c.width >= kRowSplitBytes) {
+      for (size_t r = 0; r < c.height; ++r) {  // [Note: wide rows go in the batch]
+        dsts.push_back(static_cast<char*>(c.dst) + r * c.dpitch);
+        srcs.push_back(static_cast<const char*>(c.src) + r * c.spitch);
+        sizes.push_back(c.width);
+      }
     } else if (c.height == 1) {
       TIDE_CHECK_CUDA(cudaMemcpyAsync(c.dst, c.src, c.width, cudaMemcpyDeviceToDevice, stream),
                       "COPY ", i, " (captured)");
