@@ -412,7 +412,7 @@ def test_copies_1d_2d(capture):
     s, d = src.data_ptr(), dst.data_ptr()
     descs = [(d + 0, s + 0, 4096, 1, 0, 0), (d + 8192, s + 100, 999, 1, 0, 0),
              (d + 100000, s + 5000, 64, 16, 256, 100),  # strided landing: 16 rows of 64 bytes
-             (d + 1100000, s + 10000, 300 << 10, 3, 320 << 10, 310 << 10)]  # wide rows: batched row by row
+             (d + 1100000, s + 10000, 300 << 10, 3, 320 << 10, 310 << 10)]  # wide strided rows
     ref = torch.full((1 << 21,), 7, dtype=torch.uint8)
     sc = src.cpu()
     ref[0:4096] = sc[0:4096]

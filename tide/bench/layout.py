@@ -81,9 +81,8 @@ def run_group(torch, core, name, plan, n, ceiling, n_sm, sum_ctas, land_ctas, la
     st = torch.cuda.current_stream().cuda_stream
     exec_lanes = core.cuda_copy_lanes()  # what the executors spread a large COPY/PUT over
     lanes_list = sorted(set(lanes_list) | {exec_lanes})
-    # "Full grid": every SM's resident CTAs (occupancy API); SUM runs two such waves (its sweep:
-    # 264 CTAs move ~12 % more than 132 on the H200, BENCHMARKS Run 14).
-    sum_full = 2 * n_sm * max(1, core.cuda_resident_ctas_per_sm("sum", L - 1))
+    # "Full grid": every SM's resident CTAs (occupancy API), one wave.
+    sum_full = n_sm * max(1, core.cuda_resident_ctas_per_sm("sum", L - 1))
     land_full = n_sm * max(1, core.cuda_resident_ctas_per_sm("land", 1))  # one source per job here
     g = torch.Generator(device=dev).manual_seed(1)
     rows = []
@@ -214,6 +213,35 @@ def run_group(torch, core, name, plan, n, ceiling, n_sm, sum_ctas, land_ctas, la
         tide_sum(sum_full)
         tide_land(land_full)
 
+    # Two pieces (block rows [0, L/2) and [L/2, L)), staging of the second overlapping SUM and LAND
+    # of the first on a second stream: the overlap the RS program has when the plan stages in
+    # chunks (chunk_bytes: Level-1 unit k+1 is pushed while the owner sums unit k).
+    h0 = L // 2
+    piece_copies = [[(d, s_, w, h0, dp, sp) for d, s_, w, h, dp, sp in copies],
+                    [(d + h0 * dp, s_ + h0 * sp, w, h - h0, dp, sp) for d, s_, w, h, dp, sp in copies]]
+    cut = h0 * e_sub
+    piece_seg = [torch.tensor([[d, ln, s_, p & 0xFFFFFFFF] for d, ln, s_, p in seg_rows if d < cut],
+                              dtype=torch.int64, device=dev),
+                 torch.tensor([[d - cut, ln, s_, p & 0xFFFFFFFF] for d, ln, s_, p in seg_rows if d >= cut],
+                              dtype=torch.int64, device=dev)]
+    piece_land = [[j for s_, j in enumerate(land_jobs) if s_ < h0], [j for s_, j in enumerate(land_jobs) if s_ >= h0]]
+    side = torch.cuda.Stream()
+    staged_ev = [torch.cuda.Event(), torch.cuda.Event()]
+
+    def tide_rs_pieces():
+        cur = torch.cuda.current_stream()
+        side.wait_stream(cur)
+        for k in range(2):
+            core.cuda_copies(piece_copies[k], st, exec_lanes)
+            staged_ev[k].record(cur)
+        for k, (n_k, off) in enumerate(((cut, 0), (L * e_sub - cut, cut))):
+            side.wait_event(staged_ev[k])
+            core.cuda_sum(block.data_ptr() + 4 * off, n_k, [q + 2 * off for q in staged_ptrs], piece_seg[k].data_ptr(),
+                          int(piece_seg[k].shape[0]), grad_ptrs, sum_full, side.cuda_stream)
+            if piece_land[k]:
+                core.cuda_land(piece_land[k], alpha, False, land_full, side.cuda_stream)
+        cur.wait_stream(side)
+
     stage_b = sum(2 * w * h for _, _, w, h, _, _ in copies)  # read + write
     sum_b = (L - 1) * 2 * L * e_sub + 2 * L * e_sub + 4 * L * e_sub
     land_b = 4 * E * 2
@@ -224,19 +252,28 @@ def run_group(torch, core, name, plan, n, ceiling, n_sm, sum_ctas, land_ctas, la
                  for ln in lanes_list]
     rs_steps += [(f"RS TIDE: SUM ({sum_ctas} CTAs)", tide_sum, sum_b),
                  (f"RS TIDE: LAND ({land_ctas} CTAs)", tide_land, land_b),
-                 (f"RS TIDE: SUM (full grid, {n_sm} CTAs)", lambda: tide_sum(n_sm), sum_b),
-                 (f"RS TIDE: SUM (full grid, {sum_full} CTAs = 2 waves)", lambda: tide_sum(sum_full), sum_b),
+                 (f"RS TIDE: SUM (full grid, {sum_full} CTAs resident)", lambda: tide_sum(sum_full), sum_b),
                  (f"RS TIDE: LAND (full grid, {land_full} CTAs resident)", lambda: tide_land(land_full), land_b),
                  ("RS TIDE: staging + SUM + LAND", tide_rs, stage_b + sum_b + land_b),
-                 ("RS TIDE: staging + SUM + LAND, full grid", tide_rs_full, stage_b + sum_b + land_b)]
+                 ("RS TIDE: staging + SUM + LAND, full grid", tide_rs_full, stage_b + sum_b + land_b),
+                 ("RS TIDE: full grid, staging in 2 pieces overlapping SUM + LAND", tide_rs_pieces,
+                  stage_b + sum_b + land_b)]
     for label, fn, nbytes in rs_steps:
         ms, spread = _median_ms(torch, fn)
         k, c, smms = _profile(torch, fn, n_sm)
         rows.append(dict(group=name, step=label, ms=ms, spread=spread, bytes=nbytes,
                          gbps=nbytes / ms / 1e6, floor_ms=nbytes / ceiling * 1e3, kernels=k, copies=c, sm_ms=smms))
-    del grads, packed_all, staging, block, out0
+    # The two-piece schedule computes the same bits as the one-piece one.
+    out0.fill_(float("nan"))
+    tide_rs_full()
+    ref_out = out0.clone()
+    out0.fill_(float("nan"))
+    tide_rs_pieces()
+    torch.cuda.synchronize()
+    pieces_ok = torch.equal(ref_out.view(torch.int32), out0.view(torch.int32))
+    del grads, packed_all, staging, block, out0, ref_out
     torch.cuda.empty_cache()
-    return rows, dict(group=name, P=P, E=E, S=S, NS=ns, ag_landing_bitwise=ag_ok, exec_lanes=exec_lanes,
+    return rows, dict(group=name, P=P, E=E, S=S, NS=ns, ag_landing_bitwise=ag_ok, rs_pieces_bitwise=pieces_ok, exec_lanes=exec_lanes,
                       sum_full_ctas=sum_full, land_full_ctas=land_full)
 
 
@@ -327,13 +364,16 @@ def main(argv=None):
                    key=lambda r: r["ms"])
         rs_s = rs["RS stock: _chunk_cat fp32 pack + packed reduce"]
         rs_t = rs["RS TIDE: staging + SUM + LAND, full grid"]
+        rs_p = rs["RS TIDE: full grid, staging in 2 pieces overlapping SUM + LAND"]
         info.update(ag_bytes_ratio=ag_t["bytes"] / ag_s["bytes"], ag_time_ratio=ag_t["ms"] / ag_s["ms"],
                     ag_tide_x_floor=ag_t["ms"] / ag_t["floor_ms"], rs_bytes_ratio=rs_t["bytes"] / rs_s["bytes"],
-                    rs_time_ratio=rs_t["ms"] / rs_s["ms"], rs_tide_x_floor=rs_t["ms"] / rs_t["floor_ms"])
+                    rs_time_ratio=rs_t["ms"] / rs_s["ms"], rs_tide_x_floor=rs_t["ms"] / rs_t["floor_ms"],
+                    rs_pieces_x_floor=rs_p["ms"] / rs_p["floor_ms"])
         print(f"# {info['group']}: P={info['P']} NS={info['NS'] / 1e9:.2f} GB | AG TIDE/stock bytes "
               f"{info['ag_bytes_ratio']:.2f} time {info['ag_time_ratio']:.2f}, TIDE x floor {info['ag_tide_x_floor']:.2f}"
               f" | RS TIDE/stock bytes {info['rs_bytes_ratio']:.2f} time {info['rs_time_ratio']:.2f}, TIDE x floor "
-              f"{info['rs_tide_x_floor']:.2f} | landing bitwise = copy-out: {info['ag_landing_bitwise']}")
+              f"{info['rs_tide_x_floor']:.2f} (2 pieces {info['rs_pieces_x_floor']:.2f}, bitwise "
+              f"{info['rs_pieces_bitwise']}) | landing bitwise = copy-out: {info['ag_landing_bitwise']}")
     if "sum_sweep" in result:
         print(f"{'SUM ctas':>8} {'n':>10} {'ms':>8} {'GB/s':>8} {'GB/s/CTA':>9}")
         for r in result["sum_sweep"]:

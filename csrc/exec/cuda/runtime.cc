@@ -95,9 +95,9 @@ bool stream_is_capturing(cudaStream_t stream) {
   return st != cudaStreamCaptureStatusNone;
 }
 
-void submit_copies(cudaStream_t stream, const CopyDesc* d, size_t n) {
+void submit_copies(cudaStream_t stream, const CopyDesc* d, size_t n, bool per_copy) {
   if (n == 0) return;
-  const bool capturing = stream_is_capturing(stream);
+  const bool capturing = per_copy || stream_is_capturing(stream);
   std::vector<void*> dsts;
   std::vector<const void*> srcs;
   std::vector<size_t> sizes;
@@ -108,15 +108,9 @@ void submit_copies(cudaStream_t stream, const CopyDesc* d, size_t n) {
       dsts.push_back(c.dst);
       srcs.push_back(c.src);
       sizes.push_back(c.width);
-    } else if (!capturing && c.width >= kRowSplitBytes) {
-      for (size_t r = 0; r < c.height; ++r) {  // [Note: wide rows go in the batch]
-        dsts.push_back(static_cast<char*>(c.dst) + r * c.dpitch);
-        srcs.push_back(static_cast<const char*>(c.src) + r * c.spitch);
-        sizes.push_back(c.width);
-      }
     } else if (c.height == 1) {
       TIDE_CHECK_CUDA(cudaMemcpyAsync(c.dst, c.src, c.width, cudaMemcpyDeviceToDevice, stream),
-                      "COPY ", i, " (captured)");
+                      "COPY ", i, " (per copy)");
     } else {
       TIDE_CHECK_CUDA(cudaMemcpy2DAsync(c.dst, c.dpitch, c.src, c.spitch, c.width, c.height,
                                         cudaMemcpyDeviceToDevice, stream),

@@ -66,14 +66,11 @@ struct CopyDesc {
 };
 // Eager: the 1-D copies go in one cudaMemcpyBatchAsync (CUDA 13 signature) with attributes
 // {srcAccessOrder = Stream, PreferOverlapWithCompute}; 2-D copies go per copy through
-// cudaMemcpy2DAsync, except that [Note: wide rows go in the batch]: a strided copy whose rows are
-// >= kRowSplitBytes wide joins the batch row by row (a few large descriptors each; the driver's
-// 2-D device-to-device copy moved 2.85-3.05 TB/s where batched 1-D copies of the same bytes moved
-// 3.8, BENCHMARKS Run 14). Under graph capture every copy is a per-copy call (batches cannot be
-// captured). Copies inside one call are unordered with each other (callers never put
-// dependent copies in one call).
-constexpr size_t kRowSplitBytes = size_t{256} << 10;
-void submit_copies(cudaStream_t stream, const CopyDesc* d, size_t n);
+// cudaMemcpy2DAsync (one 2-D copy beat its rows as batched 1-D copies 2x on one H200: the batch
+// pays a fixed cost per descriptor, BENCHMARKS Run 15). Under graph capture, or with `per_copy`,
+// every copy is its own call (batches cannot be captured). Copies inside one call are unordered
+// with each other (callers never put dependent copies in one call).
+void submit_copies(cudaStream_t stream, const CopyDesc* d, size_t n, bool per_copy = false);
 bool stream_is_capturing(cudaStream_t stream);
 
 // ---- copy lanes --------------------------------------------------------------------------------
