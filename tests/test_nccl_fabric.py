@@ -26,7 +26,7 @@ from tide import _core
 from test_cuda_ipc import _calls_raw, _check_bitwise, _layout, _plan
 
 HEADERS = _core.nccl_header_version()
-needs_headers = pytest.mark.skipif(HEADERS == 0, reason="tide._core was built without NCCL headers")
+needs_headers = pytest.mark.skipif(HEADERS == 0, reason="tide._core has no NCCL fabric (built without CUDA or NCCL headers)")
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -165,6 +165,22 @@ def test_no_library_is_a_clear_error(tmp_path):
     errs = [l for l in out.splitlines() if l.startswith("ERR")]
     assert len(errs) == 3, out
     assert all("NCCL is not available: no libnccl.so.2 could be loaded" in e for e in errs), out
+
+
+@needs_headers
+@pytest.mark.skipif(_core.cuda_available(), reason="sets NCCL_NVLS_ENABLE=1: CPU machines only (GPU safety rule)")
+def test_nvls_on_with_the_multicast_gate_closed_is_refused(tmp_path):
+    # A fake libnccl (no real NCCL is loaded) and no GPU: the refusal comes before either is used.
+    out = _in_fresh_python("""
+        import os
+        os.environ.pop("TIDE_ENABLE_MULTICAST", None)
+        os.environ["NCCL_NVLS_ENABLE"] = "1"
+        try:
+            _core.NcclFabric(0, 1, 0, 4096, b"\\0" * 128)
+        except _core.PlanError as e:
+            print("ERR", e)
+    """, _fake_nccl(tmp_path, HEADERS))
+    assert "ERR NcclFabric: NCCL_NVLS_ENABLE=1 but the multicast gate is closed" in out, out
 
 
 # ---- GPU, world 1 ----------------------------------------------------------------------------------

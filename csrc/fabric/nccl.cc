@@ -204,6 +204,17 @@ NcclFabric::NcclFabric(int rank, int world, int device, int64_t arena_bytes, con
   TIDE_PLAN_CHECK(gpus_per_node >= 1 && world % gpus_per_node == 0, "NcclFabric: gpus_per_node ", gpus_per_node,
                   " does not divide world ", world);
   const Api& a = checked_api();
+  // Safety: NCCL binds multicast to symmetric windows when NVLS is on. Refuse a non-zero
+  // NCCL_NVLS_ENABLE unless the multicast gate is open (TIDE_ENABLE_MULTICAST=1 AND a
+  // multicast-capable GPU AND TORCH_SYMM_MEM_DISABLE_MULTICAST unset); unset, it is set to 0.
+  const char* nvls = std::getenv("NCCL_NVLS_ENABLE");
+  const bool nvls_on = nvls && std::strcmp(nvls, "0") != 0;
+  const char* gate = std::getenv("TIDE_ENABLE_MULTICAST");
+  const std::string closed_msg = TIDE_STR_CAT(
+      "NcclFabric: NCCL_NVLS_ENABLE=", nvls ? nvls : "", " but the multicast gate is closed (it opens only with "
+      "TIDE_ENABLE_MULTICAST=1 on a multicast-capable GPU and TORCH_SYMM_MEM_DISABLE_MULTICAST unset): set "
+      "NCCL_NVLS_ENABLE=0");
+  TIDE_PLAN_CHECK(!nvls_on || (gate && std::strcmp(gate, "1") == 0), closed_msg);
   int n = 0;
   if (cudaGetDeviceCount(&n) != cudaSuccess) {
     cudaGetLastError();
@@ -211,13 +222,8 @@ NcclFabric::NcclFabric(int rank, int world, int device, int64_t arena_bytes, con
   }
   TIDE_PLAN_CHECK(device < n, "NcclFabric: device ", device, " is not a usable CUDA device (", n, " visible)");
   const bool multicast = cuda::multicast_allowed(device);
-  if (!multicast) {
-    const char* nvls = std::getenv("NCCL_NVLS_ENABLE");
-    TIDE_PLAN_CHECK(!nvls || std::strcmp(nvls, "0") == 0, "NcclFabric: NCCL_NVLS_ENABLE=", nvls,
-                    " but the multicast gate is closed (TIDE_ENABLE_MULTICAST=1 on a multicast-capable GPU, "
-                    "TORCH_SYMM_MEM_DISABLE_MULTICAST unset): set NCCL_NVLS_ENABLE=0");
-    if (!nvls) setenv("NCCL_NVLS_ENABLE", "0", 0);  // window registration must bind no multicast
-  }
+  TIDE_PLAN_CHECK(!nvls_on || multicast, closed_msg);
+  if (!nvls) setenv("NCCL_NVLS_ENABLE", "0", 0);  // window registration must bind no multicast
   arena_.assign(static_cast<size_t>(world), nullptr);
   const std::string who = TIDE_STR_CAT("NcclFabric rank ", rank_, " (device ", device_, "): ");
   DeviceGuard guard(device_);
@@ -247,6 +253,9 @@ NcclFabric::NcclFabric(int rank, int world, int device, int64_t arena_bytes, con
     ncclWindow_t win = nullptr;
     check_nccl(a, a.CommWindowRegister(comm, local_, bytes, &win, NCCL_WIN_COLL_SYMMETRIC), comm_,
                who + "ncclCommWindowRegister(NCCL_WIN_COLL_SYMMETRIC)");
+    if (!win)  // e.g. NCCL_WIN_ENABLE=0: registration "succeeds" without a window
+      throw Error(TIDE_STR_CAT(who, "ncclCommWindowRegister(NCCL_WIN_COLL_SYMMETRIC) returned no window (is "
+                               "NCCL_WIN_ENABLE=0 or NCCL_CUMEM_ENABLE=0 set?)"));
     win_ = win;
 
     // The LSA team exists once the window is registered (registration initialises the device
