@@ -11,7 +11,8 @@
 # (#8 items 1-3, #9 items 1-2; world = every GPU, both 1 x N and N x 1 topologies); torchgpu =
 # 2-GPU NCCL bitwise test + `torchrun --nproc-per-node N examples/fsdp2_llama.py --size 1b` (#8
 # item 4, #9 item 3); xlacuda = 2-GPU mesh tests + examples/flax_fsdp.py on every GPU (#8 item 5);
-# cudarank = ranks spread over GPUs through the CUDA-IPC fabric.
+# cudarank = ranks spread over GPUs through the CUDA-IPC fabric; nccl = the NCCL fabric at world 2
+# (two processes, one GPU each: AG + RS bitwise, a disagreeing probe raises on both ranks).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -30,5 +31,5 @@ fi
 export TORCHGPU_TESTS=${TORCHGPU_TESTS:-"test_world2_two_gpus_nccl test_world2_one_gpu_ipc"}
 export TORCHGPU_SIZE=${TORCHGPU_SIZE:-1b} TORCHGPU_STEPS=${TORCHGPU_STEPS:-8}
 export GPU_CHECK_SKIP=${GPU_CHECK_SKIP:-"kernels bench demo sanitize executor"}
-STAGES=${STAGES:-"bench:300 torchgpu:150 xlacuda:70 cudarank:60"} STAGE_TAIL=${STAGE_TAIL:-40} \
+STAGES=${STAGES:-"bench:300 torchgpu:150 xlacuda:70 cudarank:60 nccl:90"} STAGE_TAIL=${STAGE_TAIL:-40} \
   exec bash tools/gpu_all.sh

@@ -218,6 +218,7 @@ void bind_cuda_ops(nb::module_& m) {
 }
 }  // namespace
 void bind_cuda_exec(nb::module_& m);  // bind_cuda_exec.cc
+void bind_nccl(nb::module_& m);       // bind_nccl.cc
 #endif
 
 void bind_cuda(nb::module_& m) {
@@ -237,11 +238,14 @@ void bind_cuda(nb::module_& m) {
   }, "True when this build has the CUDA executor and a CUDA device is usable.");
 #ifdef TIDE_WITH_CUDA
   bind_cuda_ops(m);
+  bind_nccl(m);
   bind_cuda_exec(m);
 #else
   // The CUDA names exist without CUDA too, so callers (tide_torch) get a clear error, not an
   // AttributeError.
-  for (const char* name : {"CudaIpcFabric", "CudaRankExecutor", "cuda_capabilities"}) {
+  m.def("nccl_header_version", []() { return 0; }, "0: this build has no NCCL fabric.");
+  for (const char* name : {"CudaIpcFabric", "CudaRankExecutor", "cuda_capabilities", "NcclFabric", "nccl_unique_id",
+                           "nccl_version", "nccl_library_path"}) {
     const std::string msg = std::string(name) +
                             ": this build of tide._core has no CUDA executor (built with TIDE_CUDA=off or "
                             "without nvcc); rebuild with TIDE_CUDA=on on a machine with the CUDA toolkit";

@@ -1,4 +1,4 @@
-// Bindings for the CUDA executor and the in-process fabric (owner: CUDA executor).
+// Bindings for the CUDA executor and the in-process and CUDA-IPC fabrics (owner: CUDA executor).
 // Buffers cross as integer device addresses; tide/cluster_cuda.py wraps them for torch/DLPack.
 #ifdef TIDE_WITH_CUDA
 #include <nanobind/nanobind.h>
@@ -16,6 +16,9 @@
 #include "exec/cuda/rank_executor.h"
 #include "fabric/inprocess.h"
 #include "fabric/ipc.h"
+#ifdef TIDE_WITH_NCCL
+#include "fabric/nccl.h"
+#endif
 #include "python/bind_common.h"
 
 namespace nb = nanobind;
@@ -67,6 +70,22 @@ cuda::RankBuffers rank_buffers(const nb::list& l) {
     b.bytes[{kind, index}] = sizes[i];
   }
   return b;
+}
+
+// CudaRankExecutor over any fabric of one rank per process (CudaIpcFabric, NcclFabric).
+template <typename F>
+void init_rank_executor(cuda::CudaRankExecutor* self, std::shared_ptr<F> fab, int rank, int nodes, int gpus_per_node,
+                        nb::object regions, double timeout_s, bool fence, int sum_ctas, int land_ctas) {
+  TIDE_PLAN_CHECK(fab != nullptr, "CudaRankExecutor: fabric is None");
+  Topology topo;
+  topo.nodes = nodes;
+  topo.gpus_per_node = gpus_per_node;
+  const RegionTable table = regions.is_none() ? RegionTable{} : regions_from_python(regions);
+  cuda::ExecOptions o;
+  o.timeout_s = timeout_s;
+  o.sum_ctas = sum_ctas;
+  o.land_ctas = land_ctas;
+  new (self) cuda::CudaRankExecutor(std::move(fab), rank, topo, table, o, fence);
 }
 }  // namespace
 
@@ -185,23 +204,15 @@ void bind_cuda_exec(nb::module_& m) {
 
   nb::class_<cuda::CudaRankExecutor>(m, "CudaRankExecutor",
                                      "Runs only `rank`'s TIDE programs on CUDA streams; peers run theirs in their own "
-                                     "processes over a CudaIpcFabric.")
-      .def("__init__", [](cuda::CudaRankExecutor* self, std::shared_ptr<fabric::IpcFabric> fab, int rank, int nodes,
-                          int gpus_per_node, nb::object regions, double timeout_s, bool fence, int sum_ctas,
-                          int land_ctas) {
-        TIDE_PLAN_CHECK(fab != nullptr, "CudaRankExecutor: fabric is None");
-        Topology topo;
-        topo.nodes = nodes;
-        topo.gpus_per_node = gpus_per_node;
-        const RegionTable table = regions.is_none() ? RegionTable{} : regions_from_python(regions);
-        cuda::ExecOptions o;
-        o.timeout_s = timeout_s;
-        o.sum_ctas = sum_ctas;
-        o.land_ctas = land_ctas;
-        new (self) cuda::CudaRankExecutor(std::move(fab), rank, topo, table, o, fence);
-      }, nb::arg("fabric"), nb::arg("rank"), nb::arg("nodes"), nb::arg("gpus_per_node"),
-         nb::arg("regions") = nb::none(), nb::arg("timeout_s") = 30.0, nb::arg("fence") = true,
-         nb::arg("sum_ctas") = 16, nb::arg("land_ctas") = 4)
+                                     "processes over a CudaIpcFabric or an NcclFabric.")
+      .def("__init__", &init_rank_executor<fabric::IpcFabric>, nb::arg("fabric"), nb::arg("rank"), nb::arg("nodes"),
+           nb::arg("gpus_per_node"), nb::arg("regions") = nb::none(), nb::arg("timeout_s") = 30.0,
+           nb::arg("fence") = true, nb::arg("sum_ctas") = 16, nb::arg("land_ctas") = 4)
+#ifdef TIDE_WITH_NCCL
+      .def("__init__", &init_rank_executor<fabric::NcclFabric>, nb::arg("fabric"), nb::arg("rank"), nb::arg("nodes"),
+           nb::arg("gpus_per_node"), nb::arg("regions") = nb::none(), nb::arg("timeout_s") = 30.0,
+           nb::arg("fence") = true, nb::arg("sum_ctas") = 16, nb::arg("land_ctas") = 4)
+#endif
       .def_prop_ro("rank", &cuda::CudaRankExecutor::rank)
       .def_prop_ro("world", &cuda::CudaRankExecutor::world)
       .def_prop_ro("cached_program_sets", &cuda::CudaRankExecutor::cached_program_sets)

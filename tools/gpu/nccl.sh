@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# GPU checks of the NCCL fabric (issue #4, deliverable 2): tests/test_nccl_fabric.py -m gpu --
+# world 1 on GPU 0 (arena zeroed; the LSA pointer aliases the ncclMemAlloc pointer, both ways,
+# bitwise; rail communicator of size 1; probe agreed; CudaRankExecutor over the fabric at 1 x 1
+# runs TIDE-AG and TIDE-RS bit-equal to the CPU VirtualCluster) and, with >= 2 GPUs, world 2 (two
+# processes, 1 x 2, AG + RS bitwise; a disagreeing probe field raises the same error on both
+# ranks); then the file's CPU tests (loader errors, argument validation) as a regression check.
+# Assumes tide/_core*.so is built with CUDA and the NCCL headers (tools/gpu_check.sh's build
+# step). Logs go to $OUT (or ./gpu_out); a table is printed LAST.
+# PASS: pytest passed and at least one test ran (all-skipped is a FAIL: no GPU, no CUDA build, or
+# a build without NCCL headers). With one GPU the two world-2 tests skip ("needs two GPUs").
+#
+#   bash tools/gpu/nccl.sh
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+OUT=${OUT:-$PWD/gpu_out}
+mkdir -p "$OUT"
+PY=${PYTHON:-python3}
+# Safety (ARCHITECTURE.md): multicast stays off; NcclFabric never creates a multicast object and
+# with NCCL_NVLS_ENABLE=0 window registration binds none.
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONUNBUFFERED=1
+unset TIDE_ENABLE_MULTICAST
+export CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-32}
+declare -A R
+order=()
+
+{
+  nvidia-smi --query-gpu=index,name,driver_version,memory.total --format=csv,noheader
+  $PY -c "from tide import _core; print('built_with_cuda', _core.built_with_cuda, 'devices', _core.cuda_device_count(), 'nccl headers', _core.nccl_header_version()); print('nccl', _core.nccl_version(), _core.nccl_library_path())"
+} >"$OUT/nccl_diag.log" 2>&1
+ngpu=$($PY -c "from tide import _core; print(_core.cuda_device_count())" 2>/dev/null || echo 0)
+nccl=$($PY -c "from tide import _core; print(_core.nccl_header_version(), _core.nccl_version())" 2>/dev/null || echo "?")
+
+run() {  # name, timeout_s, log, pytest args...
+  local name=$1 limit=$2 log=$3
+  shift 3
+  order+=("$name")
+  local t0=$(date +%s)
+  if timeout $limit $PY -m pytest -q -rs "$@" >"$OUT/$log" 2>&1; then
+    local summary="$(tail -1 "$OUT/$log" | sed 's/=//g' | xargs)"
+    if [[ "$summary" == *passed* ]]; then
+      R[$name]="PASS ($summary, $(($(date +%s) - t0)) s)"
+    else
+      R[$name]="FAIL (nothing ran: $summary; see $log)"
+    fi
+  else
+    R[$name]="FAIL (rc $?, see $log)"
+    tail -40 "$OUT/$log"
+  fi
+}
+
+run nccl_fabric_gpu 300 nccl_gpu.log -m gpu tests/test_nccl_fabric.py
+run nccl_fabric_cpu 120 nccl_cpu.log -m "not gpu" tests/test_nccl_fabric.py
+
+echo
+echo "== nccl summary (GPUs visible: $ngpu; NCCL headers/library: $nccl; world-2 tests skip with 1 GPU)"
+printf "%-28s %s\n" item result
+for k in "${order[@]}"; do printf "%-28s %s\n" "$k" "${R[$k]}"; done
+rc=0
+for k in "${order[@]}"; do [[ ${R[$k]} == PASS* ]] || rc=1; done
+exit $rc
