@@ -11,8 +11,13 @@ fi
 unset TIDE_ENABLE_MULTICAST
 export CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-32} XLA_PYTHON_CLIENT_PREALLOCATE=false
 PY=${PYTHON:-python3}
-$PY -m pytest -m gpu -q -p no:cacheprovider -rs --timeout=240 --timeout-method=thread tests/ ${SUITE_ARGS:-} 2>&1 \
-  | tail -${SUITE_TAIL:-40}
-rc=${PIPESTATUS[0]}
+# Every test's name and outcome go to $OUT/suite_full.log as they finish, so a run cut by the
+# stage's time limit still shows where it was.
+OUT=${OUT:-$PWD/gpu_out}
+mkdir -p "$OUT"
+$PY -m pytest -m gpu -v -p no:cacheprovider -rs --durations=12 --timeout=240 --timeout-method=thread tests/ \
+  ${SUITE_ARGS:-} >"$OUT/suite_full.log" 2>&1
+rc=$?
+grep -vE " PASSED( |$)" "$OUT/suite_full.log" | tail -${SUITE_TAIL:-40}
 echo "suite: pytest -m gpu tests/ rc=$rc"
 exit "$rc"
