@@ -98,3 +98,34 @@ def test_copy_lanes_knob(value, ok, monkeypatch):
         assert _core.cuda_copy_lanes() == ok
     monkeypatch.delenv("TIDE_COPY_LANES")
     assert _core.cuda_copy_lanes() == 4
+
+
+@pytest.mark.parametrize("group", ["llama70b", "qwen3", "wan22"])
+def test_layout_bench_row_pieces_cover_the_staging_copies(group):
+    """The layout bench's two-piece RS splits every Level-1 staging copy at block row L/2: the
+    pieces move the same bytes, byte for byte at the same addresses, with no empty or negative
+    copy (a copy may start at any row)."""
+    from tide import models
+    from tide.bench import layout
+    L = 8
+    plan = tide.plan(models.signature(layout.GROUPS[group], "block"), tide.Topology(1, L))
+    e_sub = plan.rs_schedule.E_sub
+    slot_bytes = 2 * L * e_sub
+    bases = [(1 << 40) + j * slot_bytes for j in range(L - 1)]
+    copies = []
+    for slot, u in enumerate(range(1, L)):
+        for c in _core.rs_level1_copies(plan, u):
+            if c["owner"] == 0 and c["s"] == 0:
+                copies.append((bases[slot] + c["dst_offset"], (1 << 30) * u + c["src_offset"], c["width"],
+                               c["height"], c["dst_pitch"], c["src_pitch"]))
+    pieces = layout.row_pieces(copies, bases, 2 * e_sub, L // 2)
+
+    def rows(cs):
+        return sorted((d + r * dp, s + r * sp, w) for d, s, w, h, dp, sp in cs for r in range(h))
+    assert all(h >= 1 for p in pieces for _, _, _, h, _, _ in p)
+    assert rows(pieces[0] + pieces[1]) == rows(copies)
+    for k, p in enumerate(pieces):  # piece 0 holds block rows < L/2 only, piece 1 the rest
+        for d, s, w, h, dp, sp in p:
+            base = max(b for b in bases if b <= d)
+            first, last = (d - base) // (2 * e_sub), (d - base + (h - 1) * dp) // (2 * e_sub)
+            assert (last < L // 2) if k == 0 else (first >= L // 2)

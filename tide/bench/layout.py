@@ -217,8 +217,7 @@ def run_group(torch, core, name, plan, n, ceiling, n_sm, sum_ctas, land_ctas, la
     # of the first on a second stream: the overlap the RS program has when the plan stages in
     # chunks (chunk_bytes: Level-1 unit k+1 is pushed while the owner sums unit k).
     h0 = L // 2
-    piece_copies = [[(d, s_, w, h0, dp, sp) for d, s_, w, h, dp, sp in copies],
-                    [(d + h0 * dp, s_ + h0 * sp, w, h - h0, dp, sp) for d, s_, w, h, dp, sp in copies]]
+    piece_copies = row_pieces(copies, [staging[j].data_ptr() for j in range(L - 1)], 2 * e_sub, h0)
     cut = h0 * e_sub
     piece_seg = [torch.tensor([[d, ln, s_, p & 0xFFFFFFFF] for d, ln, s_, p in seg_rows if d < cut],
                               dtype=torch.int64, device=dev),
@@ -275,6 +274,24 @@ def run_group(torch, core, name, plan, n, ceiling, n_sm, sum_ctas, land_ctas, la
     torch.cuda.empty_cache()
     return rows, dict(group=name, P=P, E=E, S=S, NS=ns, ag_landing_bitwise=ag_ok, rs_pieces_bitwise=pieces_ok, exec_lanes=exec_lanes,
                       sum_full_ctas=sum_full, land_full_ctas=land_full)
+
+
+def row_pieces(copies, slot_bases, row_bytes, cut_row):
+    """Split staging copies (dst, src, width, height, dpitch, spitch) at block row `cut_row`: rows
+    before it in piece 0, the rest in piece 1. A copy's first block row is its offset in its
+    staging slot over `row_bytes` (copies may start at any row: tails); its rows are consecutive."""
+    pieces = [[], []]
+    for d, s, w, h, dp, sp in copies:
+        base = max(b for b in slot_bases if b <= d)
+        r0, within = divmod(d - base, row_bytes)
+        if h > 1 and dp != row_bytes:
+            raise ValueError(f"staging copy at row {r0}: pitch {dp} is not the block row ({row_bytes} bytes)")
+        h_a = min(h, max(0, cut_row - r0))
+        if h_a:
+            pieces[0].append((d, s, w, h_a, dp, sp))
+        if h - h_a:
+            pieces[1].append((d + h_a * dp, s + h_a * sp, w, h - h_a, dp, sp))
+    return pieces
 
 
 def sum_sweep(torch, core, L, ctas_list, n_small, n_big, n_sm):
