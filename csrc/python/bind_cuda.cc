@@ -149,16 +149,14 @@ void bind_cuda_ops(nb::module_& m) {
         nb::arg("regions"), nb::arg("ctas") = 8, nb::arg("stream") = 0, "ZERO: clear (ptr, bytes) regions.");
   m.def("cuda_copies",
         [](const std::vector<std::tuple<uint64_t, uint64_t, size_t, size_t, size_t, size_t>>& d,
-           uint64_t stream, int lanes, bool per_copy) {
+           uint64_t stream, int lanes) {
           std::vector<CopyDesc> v;
           v.reserve(d.size());
           for (auto& [dst, src, w, h, dp, sp] : d) v.push_back({ptr<void>(dst), ptr<const void>(src), w, h, dp, sp});
           TIDE_PLAN_CHECK(lanes >= 1 && lanes <= 8, "cuda_copies: lanes must be in [1, 8], got ", lanes);
-          TIDE_PLAN_CHECK(!per_copy || lanes == 1, "cuda_copies: per_copy needs lanes=1");
-          if (per_copy) submit_copies(strm(stream), v.data(), v.size(), true);
-          else submit_copies(strm(stream), v.data(), v.size(), lanes_for(lanes));
+          submit_copies(strm(stream), v.data(), v.size(), lanes_for(lanes));
         },
-        nb::arg("descs"), nb::arg("stream") = 0, nb::arg("lanes") = 1, nb::arg("per_copy") = false,
+        nb::arg("descs"), nb::arg("stream") = 0, nb::arg("lanes") = 1,
         "COPY: (dst, src, width, height, dpitch, spitch) descriptors; batched when eager; spread over "
         "`lanes` streams forked from `stream` when the call moves >= TIDE_COPY_SPREAD_BYTES (8 MiB; "
         "the executors' rule, read when a process first uses `lanes`).");

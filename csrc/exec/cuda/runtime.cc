@@ -95,9 +95,9 @@ bool stream_is_capturing(cudaStream_t stream) {
   return st != cudaStreamCaptureStatusNone;
 }
 
-void submit_copies(cudaStream_t stream, const CopyDesc* d, size_t n, bool per_copy) {
+void submit_copies(cudaStream_t stream, const CopyDesc* d, size_t n) {
   if (n == 0) return;
-  const bool capturing = per_copy || stream_is_capturing(stream);
+  const bool capturing = stream_is_capturing(stream);
   std::vector<void*> dsts;
   std::vector<const void*> srcs;
   std::vector<size_t> sizes;
@@ -110,7 +110,7 @@ void submit_copies(cudaStream_t stream, const CopyDesc* d, size_t n, bool per_co
       sizes.push_back(c.width);
     } else if (c.height == 1) {
       TIDE_CHECK_CUDA(cudaMemcpyAsync(c.dst, c.src, c.width, cudaMemcpyDeviceToDevice, stream),
-                      "COPY ", i, " (per copy)");
+                      "COPY ", i, " (captured)");
     } else {
       TIDE_CHECK_CUDA(cudaMemcpy2DAsync(c.dst, c.dpitch, c.src, c.spitch, c.width, c.height,
                                         cudaMemcpyDeviceToDevice, stream),

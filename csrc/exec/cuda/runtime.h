@@ -67,10 +67,10 @@ struct CopyDesc {
 // Eager: the 1-D copies go in one cudaMemcpyBatchAsync (CUDA 13 signature) with attributes
 // {srcAccessOrder = Stream, PreferOverlapWithCompute}; 2-D copies go per copy through
 // cudaMemcpy2DAsync (one 2-D copy beat its rows as batched 1-D copies 2x on one H200: the batch
-// pays a fixed cost per descriptor, BENCHMARKS Run 15). Under graph capture, or with `per_copy`,
-// every copy is its own call (batches cannot be captured). Copies inside one call are unordered
+// pays a fixed cost per descriptor, BENCHMARKS Run 15). Under graph capture every copy is its own
+// call (batches cannot be captured). Copies inside one call are unordered
 // with each other (callers never put dependent copies in one call).
-void submit_copies(cudaStream_t stream, const CopyDesc* d, size_t n, bool per_copy = false);
+void submit_copies(cudaStream_t stream, const CopyDesc* d, size_t n);
 bool stream_is_capturing(cudaStream_t stream);
 
 // ---- copy lanes --------------------------------------------------------------------------------
