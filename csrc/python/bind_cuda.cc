@@ -39,7 +39,8 @@ std::vector<WaitSpec> specs_of(const std::vector<std::pair<uint64_t, uint64_t>>&
 }
 
 // cuda_copies' lanes, per (device, count), for the life of the process (never destroyed: CUDA
-// may be torn down before static destructors run).
+// may be torn down before static destructors run). Their fork/join events are shared: one host
+// thread at a time (benches and tests; the executors own their lanes).
 CopyLanes* lanes_for(int lanes) {
   if (lanes <= 1) return nullptr;
   static std::mutex mu;
