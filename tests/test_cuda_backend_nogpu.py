@@ -129,3 +129,19 @@ def test_layout_bench_row_pieces_cover_the_staging_copies(group):
             base = max(b for b in bases if b <= d)
             first, last = (d - base) // (2 * e_sub), (d - base + (h - 1) * dp) // (2 * e_sub)
             assert (last < L // 2) if k == 0 else (first >= L // 2)
+
+
+@pytest.mark.parametrize("value, ok", [(None, True), ("batch", True), ("per_copy", False), ("2d", None)])
+def test_copy_2d_knob(value, ok, monkeypatch):
+    """TIDE_COPY_2D picks the eager 2-D copy path (runtime.h); a bad value names the variable."""
+    if not _core.built_with_cuda:
+        pytest.skip("no CUDA build")
+    if value is None:
+        monkeypatch.delenv("TIDE_COPY_2D", raising=False)
+    else:
+        monkeypatch.setenv("TIDE_COPY_2D", value)
+    if ok is None:
+        with pytest.raises(tide.PlanError, match="TIDE_COPY_2D must be 'batch' or 'per_copy'"):
+            _core.cuda_copy_2d_batched()
+    else:
+        assert _core.cuda_copy_2d_batched() is ok

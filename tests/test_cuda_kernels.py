@@ -405,8 +405,10 @@ def test_zero_regions():
     assert torch.equal(buf.cpu(), ref)
 
 
+@pytest.mark.parametrize("mode_2d", ["batch", "per_copy"])
 @pytest.mark.parametrize("capture", ["default_stream", "side_stream", "graph"])
-def test_copies_1d_2d(capture):
+def test_copies_1d_2d(capture, mode_2d, monkeypatch):
+    monkeypatch.setenv("TIDE_COPY_2D", mode_2d)
     src = torch.randint(0, 255, (1 << 20,), dtype=torch.uint8, device=DEV)
     dst = torch.full((1 << 21,), 7, dtype=torch.uint8, device=DEV)
     s, d = src.data_ptr(), dst.data_ptr()
@@ -429,7 +431,7 @@ def test_copies_1d_2d(capture):
             assert _core.cuda_is_capturing(torch.cuda.current_stream().cuda_stream)
             _core.cuda_copies(descs, torch.cuda.current_stream().cuda_stream)
         g.replay()
-    elif capture == "side_stream":  # eager batch path (cudaMemcpyBatchAsync)
+    elif capture == "side_stream":  # eager batch paths (cudaMemcpyBatchAsync, cudaMemcpy3DBatchAsync)
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         _core.cuda_copies(descs, side.cuda_stream)

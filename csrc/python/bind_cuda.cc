@@ -98,6 +98,8 @@ void bind_cuda_ops(nb::module_& m) {
         "slot base addresses. Follows TIDE_SUM_KERNEL like cuda_sum.");
   m.def("cuda_resident_ctas_per_sm", &resident_ctas_per_sm, nb::arg("kernel"), nb::arg("n_staged") = 0,
         "CTAs of SUM ('sum', L-1 = n_staged) or LAND ('land') resident on one SM (occupancy API).");
+  m.def("cuda_copy_2d_batched", &copy_2d_batched,
+        "Whether eager 2-D copies go in one cudaMemcpy3DBatchAsync (TIDE_COPY_2D=batch, default) or per copy.");
   m.def("cuda_copy_lanes", &copy_lanes_default, "Copy lanes per issuing stream (TIDE_COPY_LANES, default 4).");
   m.def("cuda_sum_kernel", []() { return std::string(sum_kernel_name(sum_kernel_effective())); },
         "The SUM/REDUCE variant a launch on the current device runs now (TIDE_SUM_KERNEL, kernels.h).");

@@ -105,6 +105,20 @@ def run_group(torch, core, name, plan, n, ceiling, n_sm, sum_ctas, land_ctas, la
     def tide_ag_2d(lanes=exec_lanes):
         core.cuda_copies(d2, st, lanes)
 
+    def copy_2d(mode, fn):
+        """fn with TIDE_COPY_2D=mode (read by every copy call): the 2-D batch or per-copy calls."""
+        def run():
+            old = os.environ.get("TIDE_COPY_2D")
+            os.environ["TIDE_COPY_2D"] = mode
+            try:
+                fn()
+            finally:
+                if old is None:
+                    del os.environ["TIDE_COPY_2D"]
+                else:
+                    os.environ["TIDE_COPY_2D"] = old
+        return run
+
     def tide_ag_batch(lanes=exec_lanes):
         core.cuda_copies(d1, st, lanes)
 
@@ -113,6 +127,8 @@ def run_group(torch, core, name, plan, n, ceiling, n_sm, sum_ctas, land_ctas, la
     for ln in lanes_list:
         ag_steps += [(f"AG TIDE: direct landing, P strided copies, {ln} lane(s)",
                       lambda ln=ln: tide_ag_2d(ln), 2 * ns),
+                     (f"AG TIDE: direct landing, P strided copies (2-D per copy), {ln} lane(s)",
+                      copy_2d("per_copy", lambda ln=ln: tide_ag_2d(ln)), 2 * ns),
                      (f"AG TIDE: direct landing, N*P batched copies, {ln} lane(s)",
                       lambda ln=ln: tide_ag_batch(ln), 2 * ns)]
     for label, fn, nbytes in ag_steps:
@@ -249,6 +265,8 @@ def run_group(torch, core, name, plan, n, ceiling, n_sm, sum_ctas, land_ctas, la
                 ("RS stock: _chunk_cat fp32 pack + packed reduce", stock_rs, 3 * ns + 2 * ns + 2 * S + 2 * 4 * E)]
     rs_steps += [(f"RS TIDE: staging copies (strided, height L), {ln} lane(s)", lambda ln=ln: tide_stage(ln), stage_b)
                  for ln in lanes_list]
+    rs_steps += [(f"RS TIDE: staging copies (2-D per copy), {ln} lane(s)",
+                  copy_2d("per_copy", lambda ln=ln: tide_stage(ln)), stage_b) for ln in lanes_list]
     rs_steps += [(f"RS TIDE: SUM ({sum_ctas} CTAs)", tide_sum, sum_b),
                  (f"RS TIDE: LAND ({land_ctas} CTAs)", tide_land, land_b),
                  (f"RS TIDE: SUM (full grid, {sum_full} CTAs resident)", lambda: tide_sum(sum_full), sum_b),

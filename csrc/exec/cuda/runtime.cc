@@ -95,36 +95,59 @@ bool stream_is_capturing(cudaStream_t stream) {
   return st != cudaStreamCaptureStatusNone;
 }
 
+bool copy_2d_batched() {
+  const char* e = std::getenv("TIDE_COPY_2D");
+  if (!e || !*e || std::strcmp(e, "batch") == 0) return true;
+  TIDE_PLAN_CHECK(std::strcmp(e, "per_copy") == 0, "TIDE_COPY_2D must be 'batch' or 'per_copy', got '", e, "'");
+  return false;
+}
+
 void submit_copies(cudaStream_t stream, const CopyDesc* d, size_t n) {
   if (n == 0) return;
   const bool capturing = stream_is_capturing(stream);
+  // The batch APIs refuse (and on some drivers crash on) the legacy NULL stream and the
+  // per-thread default stream, and cannot be captured: those get per-copy calls.
+  const bool default_stream = stream == nullptr || stream == cudaStreamLegacy || stream == cudaStreamPerThread;
+  const bool batch = !capturing && !default_stream;
+  const bool batch_2d = batch && copy_2d_batched();
   std::vector<void*> dsts;
   std::vector<const void*> srcs;
   std::vector<size_t> sizes;
+  std::vector<cudaMemcpy3DBatchOp> ops2d;
   for (size_t i = 0; i < n; ++i) {
     const CopyDesc& c = d[i];
     if (c.width == 0 || c.height == 0) continue;
-    if (c.height == 1 && !capturing) {
+    if (c.height == 1 && batch) {
       dsts.push_back(c.dst);
       srcs.push_back(c.src);
       sizes.push_back(c.width);
     } else if (c.height == 1) {
       TIDE_CHECK_CUDA(cudaMemcpyAsync(c.dst, c.src, c.width, cudaMemcpyDeviceToDevice, stream),
-                      "COPY ", i, " (captured)");
+                      "COPY ", i, capturing ? " (captured)" : " (default stream)");
+    } else if (batch_2d) {
+      cudaMemcpy3DBatchOp op{};
+      op.src.type = cudaMemcpyOperandTypePointer;
+      op.src.op.ptr.ptr = const_cast<void*>(c.src);
+      op.src.op.ptr.rowLength = c.spitch;  // elements of one byte: the pitch
+      op.dst.type = cudaMemcpyOperandTypePointer;
+      op.dst.op.ptr.ptr = c.dst;
+      op.dst.op.ptr.rowLength = c.dpitch;
+      op.extent = make_cudaExtent(c.width, c.height, 1);
+      op.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
+      op.flags = cudaMemcpyFlagPreferOverlapWithCompute;
+      ops2d.push_back(op);
     } else {
       TIDE_CHECK_CUDA(cudaMemcpy2DAsync(c.dst, c.dpitch, c.src, c.spitch, c.width, c.height,
                                         cudaMemcpyDeviceToDevice, stream),
                       "COPY ", i, " (2-D, ", c.width, "x", c.height, ")");
     }
   }
+  if (!ops2d.empty())
+    TIDE_CHECK_CUDA(cudaMemcpy3DBatchAsync(ops2d.size(), ops2d.data(), 0, stream), "COPY 2-D batch of ",
+                    ops2d.size());
   if (dsts.empty()) return;
-  // cudaMemcpyBatchAsync refuses (and on some drivers crashes on) the legacy NULL stream and the
-  // per-thread default stream: those get per-copy calls.
-  const bool default_stream = stream == nullptr || stream == cudaStreamLegacy || stream == cudaStreamPerThread;
-  if (dsts.size() == 1 || default_stream) {
-    for (size_t i = 0; i < dsts.size(); ++i)
-      TIDE_CHECK_CUDA(cudaMemcpyAsync(dsts[i], srcs[i], sizes[i], cudaMemcpyDeviceToDevice, stream),
-                      "COPY ", i, " (per-copy)");
+  if (dsts.size() == 1) {
+    TIDE_CHECK_CUDA(cudaMemcpyAsync(dsts[0], srcs[0], sizes[0], cudaMemcpyDeviceToDevice, stream), "COPY (one)");
     return;
   }
   cudaMemcpyAttributes attr{};

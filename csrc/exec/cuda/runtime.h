@@ -65,11 +65,13 @@ struct CopyDesc {
   size_t spitch;
 };
 // Eager: the 1-D copies go in one cudaMemcpyBatchAsync (CUDA 13 signature) with attributes
-// {srcAccessOrder = Stream, PreferOverlapWithCompute}; 2-D copies go per copy through
-// cudaMemcpy2DAsync (one 2-D copy beat its rows as batched 1-D copies 2x on one H200: the batch
-// pays a fixed cost per descriptor, BENCHMARKS Run 15). Under graph capture every copy is its own
-// call (batches cannot be captured). Copies inside one call are unordered
-// with each other (callers never put dependent copies in one call).
+// {srcAccessOrder = Stream, PreferOverlapWithCompute}; the 2-D copies in one cudaMemcpy3DBatchAsync
+// (depth 1, same attributes), or per copy through cudaMemcpy2DAsync with TIDE_COPY_2D=per_copy.
+// (A strided copy stays one descriptor: its rows as batched 1-D copies ran 2x slower on one H200,
+// the batch paying a fixed cost per descriptor, BENCHMARKS Run 15.) Under graph capture and on the
+// default streams every copy is its own call (batches cannot be captured). Copies inside one call
+// are unordered with each other (callers never put dependent copies in one call).
+bool copy_2d_batched();  // TIDE_COPY_2D=batch (default) | per_copy, read at every call
 void submit_copies(cudaStream_t stream, const CopyDesc* d, size_t n);
 bool stream_is_capturing(cudaStream_t stream);
 
