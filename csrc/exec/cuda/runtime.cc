@@ -132,7 +132,9 @@ void submit_copies(cudaStream_t stream, const CopyDesc* d, size_t n) {
       op.dst.type = cudaMemcpyOperandTypePointer;
       op.dst.op.ptr.ptr = c.dst;
       op.dst.op.ptr.rowLength = c.dpitch;
-      op.extent = make_cudaExtent(c.width, c.height, 1);
+      op.extent.width = c.width;
+      op.extent.height = c.height;
+      op.extent.depth = 1;
       op.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
       op.flags = cudaMemcpyFlagPreferOverlapWithCompute;
       ops2d.push_back(op);
