@@ -5,6 +5,7 @@ integer-valued inputs, with poisoned outputs, seq 1..3 over both RS banks; a pee
 is a TimeoutError naming rank, op and seq within the timeout. Run on the GPU machine
 (tools/gpu/cudarank.sh).
 """
+import contextlib
 import multiprocessing as mp
 import multiprocessing.connection as mpc
 import os
@@ -233,6 +234,23 @@ def _devices(N, spread):
     return [r % n if spread else 0 for r in range(N)]
 
 
+
+@contextlib.contextmanager
+def reaped(procs):
+    """Rank processes driven over pipes: if the body fails, kill them all (a failed rank leaves its
+    peers blocked on the pipe); either way join each for 30 s, then kill what is left."""
+    try:
+        yield
+    except BaseException:
+        for p in procs:
+            p.kill()
+        raise
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+
 def _run_world(M, L, *, spread=False, cast=False, dead=-1, timeout_s=10.0, fence=True, mode="raw"):
     N = M * L
     _, plan = _plan(2, 1, False) if mode == "hsdp" else _plan(M, L, cast)
@@ -265,7 +283,7 @@ def _run_world(M, L, *, spread=False, cast=False, dead=-1, timeout_s=10.0, fence
                     got[r].append((tag, val))
         return out
 
-    try:
+    with reaped(procs):
         handles = expect("handle")
         assert all(len(h) == 64 for h in handles.values())
         for c in conns:
@@ -276,15 +294,6 @@ def _run_world(M, L, *, spread=False, cast=False, dead=-1, timeout_s=10.0, fence
         expect("done")
         for c in conns:
             c.send("exit")
-    except BaseException:
-        for p in procs:  # a failed rank leaves its peers blocked on the pipe: end them now
-            p.kill()
-        raise
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
     codes = [p.exitcode for p in procs]
     assert codes == [0] * N, f"rank exit codes {codes} (teardown hung or crashed)"
     return cfg, got

@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 
 from tide import _core
-from test_cuda_ipc import _calls_raw, _check_bitwise, _layout, _plan
+from test_cuda_ipc import _calls_raw, _check_bitwise, _layout, _plan, reaped
 
 HEADERS = _core.nccl_header_version()
 needs_headers = pytest.mark.skipif(HEADERS == 0, reason="tide._core has no NCCL fabric (built without CUDA or NCCL headers)")
@@ -298,7 +298,7 @@ def _run_two(gpus_per_node):
     conns = [p[0] for p in pipes]
     got, done, closing = {0: [], 1: []}, set(), set()
     deadline = time.monotonic() + 180
-    try:
+    with reaped(procs):
         while len(done) < 2:
             left = deadline - time.monotonic()
             assert left > 0, f"ranks hung: done {sorted(done)}, got {got}"
@@ -318,15 +318,6 @@ def _run_two(gpus_per_node):
                     done.add(r)
                 else:
                     got[r].append((tag, val))
-    except BaseException:
-        for p in procs:
-            p.kill()
-        raise
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
     assert [p.exitcode for p in procs] == [0, 0], "teardown hung or crashed"
     return cfg, got
 

@@ -149,19 +149,6 @@ void check_nccl(const Api& a, ncclResult_t r, void* comm, const std::string& wha
                            last && *last ? ": " : "", last ? last : ""));
 }
 
-struct DeviceGuard {
-  int prev = -1;
-  explicit DeviceGuard(int device) {
-    if (cudaGetDevice(&prev) != cudaSuccess) {
-      cudaGetLastError();
-      prev = -1;
-    }
-    TIDE_CHECK_CUDA(cudaSetDevice(device), "NcclFabric: device ", device);
-  }
-  ~DeviceGuard() {
-    if (prev >= 0) cudaSetDevice(prev);
-  }
-};
 
 struct CudaFree {
   void operator()(void* p) const { cudaFree(p); }
@@ -226,7 +213,7 @@ NcclFabric::NcclFabric(int rank, int world, int device, int64_t arena_bytes, con
   if (!nvls) setenv("NCCL_NVLS_ENABLE", "0", 0);  // window registration must bind no multicast
   arena_.assign(static_cast<size_t>(world), nullptr);
   const std::string who = TIDE_STR_CAT("NcclFabric rank ", rank_, " (device ", device_, "): ");
-  DeviceGuard guard(device_);
+  cuda::DeviceGuard guard(device_, "NcclFabric: ");
   try {
     cudaStream_t s = nullptr;
     TIDE_CHECK_CUDA(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), who, "probe stream");

@@ -23,23 +23,7 @@ struct CudaRankExecutor::Entry {
 
 namespace {
 
-
 const char* region_name(BufKind k) { return buf_kind_name(k); }
-
-// The caller's current device is restored on return (torch keeps its own notion of it).
-struct DeviceGuard {
-  int prev = -1;
-  explicit DeviceGuard(int device) {
-    if (cudaGetDevice(&prev) != cudaSuccess) {
-      cudaGetLastError();
-      prev = -1;
-    }
-    TIDE_CHECK_CUDA(cudaSetDevice(device), "device ", device);
-  }
-  ~DeviceGuard() {
-    if (prev >= 0) cudaSetDevice(prev);
-  }
-};
 
 }  // namespace
 

@@ -245,6 +245,19 @@ CopyLanes* CopyLaneTable::get(int rank, int stream, int device) {
   return slot.get();
 }
 
+// ---- current device ------------------------------------------------------------------------------
+DeviceGuard::DeviceGuard(int device, const char* who) {
+  if (cudaGetDevice(&prev_) != cudaSuccess) {
+    cudaGetLastError();
+    prev_ = -1;
+  }
+  TIDE_CHECK_CUDA(cudaSetDevice(device), who, "device ", device);
+}
+
+DeviceGuard::~DeviceGuard() {
+  if (prev_ >= 0) cudaSetDevice(prev_);
+}
+
 // ---- stream pool -------------------------------------------------------------------------------
 StreamPool::StreamPool(int device, int n) : device_(device) {
   TIDE_CHECK(n >= 1, "stream pool size ", n);

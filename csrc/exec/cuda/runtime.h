@@ -120,6 +120,20 @@ class CopyLaneTable {
   std::map<std::pair<int, int>, std::unique_ptr<CopyLanes>> table_;
 };
 
+// ---- current device ------------------------------------------------------------------------------
+// Sets `device` for a scope and restores the caller's current device on exit (torch and JAX keep
+// their own notion of it). `who` prefixes the error when the device cannot be set.
+class DeviceGuard {
+ public:
+  explicit DeviceGuard(int device, const char* who = "");
+  ~DeviceGuard();
+  DeviceGuard(const DeviceGuard&) = delete;
+  DeviceGuard& operator=(const DeviceGuard&) = delete;
+
+ private:
+  int prev_ = -1;
+};
+
 // ---- internal stream pool --------------------------------------------------------------------
 // [Note: internal streams]
 // Every stream here is created cudaStreamNonBlocking so that the legacy default stream never
