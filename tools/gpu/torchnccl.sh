@@ -1,0 +1,70 @@
+#!/usr/bin/env bash
+# tide_torch over the NCCL fabric (enable(fabric="nccl")) on the GPU machine: the GPU tests of
+# tests/test_torch_gpu.py for it, the CUDA-IPC world-1 test as a regression check of the shared
+# arena code, and the CPU checks of the same flow; a summary table LAST (PASS / FAIL / SKIP).
+# Assumes tide/_core*.so is already built with CUDA and NCCL headers (tools/gpu_check.sh's build
+# step). Log: $OUT/torchnccl_tests.log (OUT defaults to ./gpu_out).
+#
+#   bash tools/gpu/torchnccl.sh
+#
+# PASS per item: pytest exited 0 with the test passed. test_world1_cuda_nccl_fabric: 5 AdamW steps
+# of the tiny Llama at world 1 on cuda:0 with the arena in an NcclFabric, both modes, bitwise
+# equal to stock FSDP2, every unsharded parameter at its planned landing address, no copy-in /
+# copy-out op in the profiler, groups served by tide-cuda-executor, the fabric closed by disable().
+# test_world2_two_gpus_nccl_fabric: the same bitwise claims at world 2 on two GPUs (SKIP "needs 2
+# GPUs" on one). On a machine with a GPU, any other test that skips is a FAIL.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+OUT=${OUT:-$PWD/gpu_out}
+mkdir -p "$OUT"
+PY=${PYTHON:-python3}
+LOG=$OUT/torchnccl_tests.log
+# Safety (ARCHITECTURE.md): no multicast anywhere.
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONUNBUFFERED=1
+unset TIDE_ENABLE_MULTICAST TIDE_TORCH_FABRIC
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+
+declare -A R
+ORDER=()
+put() { ORDER+=("$1"); R[$1]=$2; }
+
+ngpu=$($PY -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
+caps=$($PY -c "
+import torch, tide
+from tide_torch.arena import nccl_fabric_api_error
+why = nccl_fabric_api_error()
+nccl = 'NCCL %d (headers %d)' % (tide._core.nccl_version(), tide._core.nccl_header_version()) if why is None else why
+print('%d GPU(s); %s' % (torch.cuda.device_count(), nccl))" 2>&1 | tail -1)
+echo "torchnccl: $caps" | tee "$LOG"
+
+# One pytest per test so that one failure or hang does not hide the others.
+TESTS=${TORCHNCCL_TESTS:-"test_torch_gpu.py::test_world1_cuda_nccl_fabric
+  test_torch_gpu.py::test_world2_two_gpus_nccl_fabric test_torch_gpu.py::test_world1_cuda
+  test_torch_gpu.py::test_nccl_arena_calls test_torch_errors.py::test_nccl_fabric_flow_recorded"}
+for t in $TESTS; do
+  echo "==== $t" >>"$LOG"
+  start=$(wc -l <"$LOG")
+  timeout 600 $PY -m pytest -q -p no:cacheprovider -rs "tests/$t" >>"$LOG" 2>&1
+  rc=$?
+  mine=$(tail -n +"$((start + 1))" "$LOG")
+  last=$(grep -E "^[=]* ?[0-9]+ (passed|failed|skipped|error)" <<<"$mine" | tail -1 | tr -d '=' | xargs)
+  if [[ $rc == 0 && "$last" == *passed* ]]; then
+    put "${t#*::}" "PASS  $last"
+  elif [[ $rc == 0 && "$last" == *skipped* ]]; then
+    why=$(grep -E "^SKIPPED" <<<"$mine" | tail -1 | sed 's/.*: //')
+    if [[ $ngpu -ge 1 && "$t" != *two_gpus* ]]; then  # only the two-GPU test may skip here
+      put "${t#*::}" "FAIL  skipped with $ngpu GPU(s): $why"
+    else
+      put "${t#*::}" "SKIP  $why"
+    fi
+  else
+    put "${t#*::}" "FAIL  rc=$rc $last"
+  fi
+done
+
+echo
+echo "================ torchnccl summary ($(date -u +%FT%TZ)) ================"
+echo "$caps"
+for k in "${ORDER[@]}"; do printf '%-34s %s\n' "$k" "${R[$k]}"; done
+for k in "${ORDER[@]}"; do [[ "${R[$k]}" == FAIL* ]] && exit 1; done
+exit 0
