@@ -140,6 +140,8 @@ def _world1(rank, world, device_type, fabric="auto"):
         handle = tide_torch.enable(model, mode=mode, fabric=fabric)
         expected = "tide-cuda-executor" if device_type == "cuda" else "tide-executor"
         assert handle.transport == expected, handle.transport
+        assert handle.fabric == (None if device_type == "cpu" else
+                                 "ipc" if fabric == "auto" else fabric), handle.fabric
         nccl = _check_nccl_arena(handle) if fabric == "nccl" else None
         assert handle.memory()["regions"]["stage"] == 0  # never all-gathered at world 1
         losses, names = _train_profiled(model, data, device)
@@ -297,6 +299,7 @@ def _two_gpus(rank, world, fabric="auto"):
         model = build(mesh=mesh, device=device)
         handle = tide_torch.enable(model, mode=mode, topology=topo, fabric=fabric)
         assert handle.transport == "tide-cuda-executor", handle.transport
+        assert handle.fabric == ("ipc" if fabric == "auto" else fabric), handle.fabric
         nccl = None
         if fabric == "nccl":
             nccl = _check_nccl_arena(handle)

@@ -55,6 +55,11 @@ class TideHandle:
         return self._rt.transport.name if self._rt.transport is not None else "stock"
 
     @property
+    def fabric(self) -> str | None:
+        """The CUDA executor's fabric: ``"ipc"`` or ``"nccl"`` (None without one)."""
+        return self._rt.arena.fabric_kind if self._rt.arena is not None else None
+
+    @property
     def stats(self) -> dict[str, int]:
         """Calls served by TIDE vs. handed to stock FSDP2, per collective."""
         return dict(self._rt.stats)
