@@ -441,7 +441,16 @@ def test_nccl_arena_calls():
     finally:
         arena.fabric = arena.fabric_kind = None
         arena.close()
+    # The CUDA-IPC fabric still exchanges and opens handles, and is freed with its last view.
     ipc = Arena(sizes, cpu)
-    ipc.fabric, ipc.fabric_kind = fabric, "ipc"  # the CUDA-IPC fabric is freed with its views
+    opened = []
+    fabric.handle = lambda: b"h" * 64
+    fabric.open_peers = opened.append
+    ipc.fabric, ipc.fabric_kind = fabric, "ipc"
+    assert ipc.ipc_handle() == b"h" * 64
+    with pytest.raises(RuntimeError, match=r"ranks \[1\] have no CUDA-IPC arena handle"):
+        ipc.open_peers([b"a", None])
+    ipc.open_peers([b"a", b"b"])
+    assert opened == [[b"a", b"b"]]
     ipc.close_fabric()
     assert fabric.closes == 1 and ipc.closed

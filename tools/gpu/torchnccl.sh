@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # tide_torch over the NCCL fabric (enable(fabric="nccl")) on the GPU machine: the GPU tests of
-# tests/test_torch_gpu.py for it, the CUDA-IPC world-1 test as a regression check of the shared
-# arena code, and the CPU checks of the same flow; a summary table LAST (PASS / FAIL / SKIP).
+# tests/test_torch_gpu.py for it, the CUDA-IPC tests as a regression check of the shared
+# arena code (world 1, and world 2 on one GPU: handles still exchanged and opened), and the CPU
+# checks of the same flow; a summary table LAST (PASS / FAIL / SKIP).
 # Assumes tide/_core*.so is already built with CUDA and NCCL headers (tools/gpu_check.sh's build
 # step). Log: $OUT/torchnccl_tests.log (OUT defaults to ./gpu_out).
 #
-#   bash tools/gpu/torchnccl.sh          # ~3 min on one H200; give it 600 s
+#   bash tools/gpu/torchnccl.sh          # ~4 min on one H200; give it 600 s
 #
 # PASS per item: pytest exited 0 with the test passed. test_world1_cuda_nccl_fabric: 5 AdamW steps
 # of the tiny Llama at world 1 on cuda:0 with the arena in an NcclFabric, both modes, bitwise
@@ -25,6 +26,8 @@ PER_TEST_S=${TORCHNCCL_TIMEOUT:-240}
 # Safety (ARCHITECTURE.md): no multicast anywhere.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONUNBUFFERED=1
 unset TIDE_ENABLE_MULTICAST TIDE_TORCH_FABRIC
+# Two ranks' streams share one GPU in test_world2_one_gpu_ipc: every hardware queue (as torchgpu.sh).
+export CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-32}
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 
 declare -A R
@@ -43,6 +46,7 @@ echo "torchnccl: $caps" | tee "$LOG"
 # One pytest per test so that one failure or hang does not hide the others.
 TESTS=${TORCHNCCL_TESTS:-"test_torch_gpu.py::test_world1_cuda_nccl_fabric
   test_torch_gpu.py::test_world2_two_gpus_nccl_fabric test_torch_gpu.py::test_world1_cuda
+  test_torch_gpu.py::test_world2_one_gpu_ipc
   test_torch_gpu.py::test_nccl_arena_calls test_torch_errors.py::test_nccl_fabric_flow_recorded"}
 for t in $TESTS; do
   echo "==== $t" >>"$LOG"
