@@ -7,6 +7,7 @@
 # step). Log: $OUT/torchnccl_tests.log (OUT defaults to ./gpu_out).
 #
 #   bash tools/gpu/torchnccl.sh          # ~4 min on one H200; give it 600 s
+#   TORCHNCCL_EXAMPLE=1 bash tools/gpu/torchnccl.sh   # + examples/fsdp2_llama.py --fabric nccl
 #
 # PASS per item: pytest exited 0 with the test passed. test_world1_cuda_nccl_fabric: 5 AdamW steps
 # of the tiny Llama at world 1 on cuda:0 with the arena in an NcclFabric, both modes, bitwise
@@ -68,6 +69,25 @@ for t in $TESTS; do
     put "${t#*::}" "FAIL  rc=$rc $last"
   fi
 done
+
+# Opt-in (TORCHNCCL_EXAMPLE=1): the example on one GPU over the NCCL fabric (stock / In-Place /
+# Slot-Reuse step times, to set beside torchgpu.sh's CUDA-IPC numbers).
+if [[ ${TORCHNCCL_EXAMPLE:-0} == 1 ]]; then
+  json=$OUT/torchnccl_example.json
+  rm -f "$json"
+  echo "==== example --fabric nccl" >>"$LOG"
+  timeout -k 10 "$PER_TEST_S" $PY examples/fsdp2_llama.py --device cuda --size small --steps 10 \
+    --fabric nccl --json "$json" >>"$LOG" 2>&1
+  rc=$?
+  if [[ $rc == 0 && -f "$json" ]]; then
+    put example_1gpu_nccl "PASS  $($PY -c "
+import json, sys
+d = json.load(open(sys.argv[1]))
+print('; '.join(f\"{r['name']} {r['step_ms']:.2f} ms loss {r['final_loss']:.4f}\" for r in d['runs']))" "$json")"
+  else
+    put example_1gpu_nccl "FAIL  rc=$rc (see torchnccl_tests.log)"
+  fi
+fi
 
 echo
 echo "================ torchnccl summary ($(date -u +%FT%TZ)) ================"
