@@ -124,7 +124,7 @@ def run(args, device: torch.device, variant: str) -> tuple[dict, dict]:
             world = dist.get_world_size()
             topo = tide.Topology(nodes=args.nodes, gpus_per_node=world // args.nodes)
         handle = tide_torch.enable(model, mode=VARIANTS[variant], topology=topo,
-                                   transport=args.transport)
+                                   transport=args.transport, fabric=args.fabric)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     g = torch.Generator().manual_seed(1 + dist.get_rank())
     data = [torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=g).to(device)
@@ -149,7 +149,7 @@ def run(args, device: torch.device, variant: str) -> tuple[dict, dict]:
     if cuda:
         peak = torch.cuda.max_memory_allocated(device)
         if handle is not None and handle.transport == "tide-cuda-executor":
-            peak += arena  # the fabric's cudaMalloc, outside torch's allocator
+            peak += arena  # the fabric's cudaMalloc / ncclMemAlloc, outside torch's allocator
     else:
         import resource
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
@@ -230,6 +230,8 @@ def main() -> None:
                     help=f"comma-separated subset of {','.join(VARIANTS)}")
     ap.add_argument("--transport", default="auto",
                     choices=("auto", "executor", "virtual-cluster", "interim"))
+    ap.add_argument("--fabric", default="auto", choices=("auto", "ipc", "nccl"),
+                    help="the CUDA executor's fabric (tide_torch.enable(fabric=...))")
     ap.add_argument("--size", default="tiny", choices=tuple(SIZES))
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3, help="steps left out of the median")

@@ -4,10 +4,14 @@
 - an unsupported torch (a patched FSDP2 function with another signature);
 - ranks with different models, a different mode on one rank, a local failure on one rank
   (planning, or mapping the peers' arenas): every rank raises, naming the differing
-  ranks/groups, and nothing stays patched.
+  ranks/groups, and nothing stays patched;
+- ``fabric``: a bad value (argument or TIDE_TORCH_FABRIC), the NCCL fabric on CPU; and, with the
+  fabric's constructor recorded, how enable() builds it (rank 0's unique id on every rank, the
+  largest arena size, after the verdict; a failure there raises on every rank).
 """
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -93,6 +97,27 @@ def _errors(rank, world):
     # Bad arguments are caught before any collective.
     _expect(ValueError, ["mode"], lambda: tide_torch.enable(model, mode="fast"))
     _expect(TypeError, ["bogus"], lambda: tide_torch.enable(model, bogus=1))
+    _expect(ValueError, ["fabric must be one of", "'pcie'"],
+            lambda: tide_torch.enable(model, fabric="pcie"))
+    os.environ["TIDE_TORCH_FABRIC"] = "pcie"
+    try:
+        _expect(ValueError, ["TIDE_TORCH_FABRIC", "'pcie'"], lambda: tide_torch.enable(model))
+        # An explicit fabric does not read the variable.
+        assert tide_torch.enable(model, fabric="ipc", topology=TOPO).disable() is None
+    finally:
+        del os.environ["TIDE_TORCH_FABRIC"]
+    assert not _patches.installed()
+
+    # The NCCL fabric on a CPU model: every rank raises, naming the device (argument or env).
+    for kw, env in (({"fabric": "nccl"}, None), ({}, "nccl")):
+        if env:
+            os.environ["TIDE_TORCH_FABRIC"] = env
+        try:
+            _expect(tide_torch.TideEnableError, ["fabric='nccl'", "on cpu", "needs CUDA"],
+                    lambda: tide_torch.enable(model, topology=TOPO, **kw))
+        finally:
+            os.environ.pop("TIDE_TORCH_FABRIC", None)
+        assert not _patches.installed()
 
     # Everyone is still in lock-step, and the model still trains: stock first (its unsharded
     # parameters get stock storage), then TIDE enabled between steps (rebuilt over landings).
@@ -119,3 +144,68 @@ def test_supported_torch_and_imports():
             "assert 'jax' not in [m for m in sys.modules if sys.modules[m] is not None]")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
+
+
+class _RecordedNcclFabric:
+    """Stands in for tide._core.NcclFabric in _nccl_flow: records its arguments and close()."""
+
+    def __init__(self, calls, rank, world, device, nbytes, unique_id, gpus_per_node):
+        calls.append((rank, world, nbytes, unique_id, gpus_per_node))
+        self.arena_bytes, self.calls = nbytes, calls
+
+    def close(self):
+        self.calls.append("close")
+
+
+def _nccl_flow(rank, world):
+    """enable(fabric="nccl") on CPU ranks standing in for CUDA ones, with the fabric recorded:
+    every rank constructs it after the verdict with rank 0's unique id and the largest arena size
+    (rank 1 claims 4096 bytes more here), gpus_per_node from the topology; when a rank fails
+    there, every rank raises and closes the fabric (collectively) only if every rank built one."""
+    import importlib
+
+    import tide_torch
+    from tide_torch import _patches
+    en = importlib.import_module("tide_torch.enable")
+    topo = tide.Topology(nodes=1, gpus_per_node=2)
+    model = build(mesh=mesh_1d())
+    en._check_nccl_fabric = lambda device, transport: None
+    tide._core.nccl_unique_id = lambda: bytes([rank + 1]) * 128  # only rank 0's may be used
+    tide._core.nccl_version = lambda: 22809
+    real_nbytes = en.arena_nbytes
+    sizes = []
+    en.arena_nbytes = lambda s: sizes.append(real_nbytes(s)) or sizes[-1] + 4096 * rank
+    calls = []
+
+    def fails(*args):
+        _RecordedNcclFabric(calls, *args)
+        raise RuntimeError(f"NcclFabric refused on rank {rank}")
+    en.make_nccl_fabric = fails
+    _expect(RuntimeError, [f"NcclFabric refused on rank {rank}"],
+            lambda: tide_torch.enable(model, fabric="nccl", topology=topo))
+    assert not _patches.installed()
+    assert calls == [(rank, world, sizes[0] + 4096, bytes([1]) * 128, 2)], calls  # no close
+
+    # Every rank builds it, then rank 1 fails (its arena view; rank 0 gets a plain arena and a
+    # stand-in transport): rank 1 raises its error, rank 0 names rank 1, both close the fabric.
+    calls.clear()
+    en.make_nccl_fabric = lambda *args: _RecordedNcclFabric(calls, *args)
+    real_arena = en.Arena
+
+    def arena(sizes, device, *, nccl, nbytes):
+        assert nbytes == nccl.arena_bytes == sizes_bytes + 4096, (nbytes, nccl.arena_bytes)
+        if rank == 1:
+            raise RuntimeError("arena view refused")
+        return real_arena(sizes, device, nbytes=nbytes)
+    sizes_bytes = sizes[0]
+    en.Arena = arena
+    en.comm.make_transport = lambda *args, **kw: "stand-in"
+    exc = RuntimeError if rank == 1 else tide_torch.TideAgreementError
+    _expect(exc, ["arena view refused"] + (["rank 1"] if rank == 0 else []),
+            lambda: tide_torch.enable(model, fabric="nccl", topology=topo))
+    assert not _patches.installed()
+    assert calls[1:] == ["close"], calls
+
+
+def test_nccl_fabric_flow_recorded():
+    spawn(_nccl_flow, world=2)

@@ -15,6 +15,9 @@ both modes.
     SGD within fp32 tolerance of the same training on CPU (gloo, CPU) — GPU and CPU matmuls
     differ in summation order, so CPU vs GPU is never bitwise.
 (c) with two GPUs: world 2 over NCCL, TIDE vs stock FSDP2 bitwise on exact data, both modes.
+(d) enable(fabric="nccl"): the arena is a tide._core.NcclFabric's (views at its arena_ptr, the
+    pointer the executor resolves); (a)'s claims at world 1 on cuda:0, and (c)'s on two GPUs;
+    disable() closes the fabric on every rank.
 
 Each GPU case runs with deterministic algorithms, so stock and TIDE compute identical gradients.
 """
@@ -44,6 +47,18 @@ def _cuda_tide() -> bool:
 
 needs_cuda_tide = pytest.mark.skipif(
     not _cuda_tide(), reason="no CUDA path here: tide._core lacks CudaRankExecutor / CudaIpcFabric, or no GPU is usable")
+
+
+def _nccl_fabric_missing() -> str | None:
+    try:
+        from tide_torch.arena import nccl_fabric_api_error
+        return nccl_fabric_api_error()
+    except Exception as e:  # noqa: BLE001 - no CUDA build: no NCCL fabric
+        return f"{type(e).__name__}: {e}"
+
+
+needs_nccl_fabric = pytest.mark.skipif(
+    _nccl_fabric_missing() is not None, reason=f"no NCCL fabric here: {_nccl_fabric_missing()}")
 
 
 def _deterministic() -> None:
@@ -98,7 +113,18 @@ def _pg_collectives(names: set[str]) -> list[str]:
 
 # ---- (a) world 1 -------------------------------------------------------------------------------
 
-def _world1(rank, world, device_type):
+def _check_nccl_arena(handle):
+    """The arena sits on the NCCL fabric, and views use the pointer the executor resolves."""
+    arena = handle._rt.arena
+    assert isinstance(arena.fabric, tide._core.NcclFabric), type(arena.fabric)
+    assert arena.fabric_kind == "nccl" and not arena.fabric.closed
+    assert arena.base_ptr == arena.fabric.arena_ptr != 0, (arena.base_ptr, arena.fabric.arena_ptr)
+    assert arena.fabric.local_arena_ptr != 0 and arena.fabric.arena_bytes >= arena.nbytes
+    assert arena.fabric.world == handle.topology.world
+    return arena.fabric
+
+
+def _world1(rank, world, device_type, fabric="auto"):
     import tide_torch
     device = torch.device(device_type, 0) if device_type == "cuda" else torch.device("cpu")
     if device_type == "cuda":
@@ -111,14 +137,19 @@ def _world1(rank, world, device_type):
     ref = local_shards(stock)
     for mode in MODES:
         model = build(mesh=mesh, device=device)
-        handle = tide_torch.enable(model, mode=mode)
+        handle = tide_torch.enable(model, mode=mode, fabric=fabric)
         expected = "tide-cuda-executor" if device_type == "cuda" else "tide-executor"
         assert handle.transport == expected, handle.transport
+        assert handle.fabric == (None if device_type == "cpu" else
+                                 "ipc" if fabric == "auto" else fabric), handle.fabric
+        nccl = _check_nccl_arena(handle) if fabric == "nccl" else None
         assert handle.memory()["regions"]["stage"] == 0  # never all-gathered at world 1
         losses, names = _train_profiled(model, data, device)
         assert not [n for n in names if any(b in n for b in BANNED)], (mode, sorted(names))
-        _check_tide_run(handle, model, ref, losses, stock_losses, f"world 1 {device_type} {mode}")
+        _check_tide_run(handle, model, ref, losses, stock_losses,
+                        f"world 1 {device_type} {mode} fabric={fabric}")
         handle.disable()
+        assert nccl is None or nccl.closed
 
 
 def test_world1_cpu():
@@ -129,6 +160,12 @@ def test_world1_cpu():
 @needs_cuda_tide
 def test_world1_cuda():
     spawn(_world1, "cuda", world=1, cuda_devices=(0,), start_method="spawn")
+
+
+@pytest.mark.gpu
+@needs_nccl_fabric
+def test_world1_cuda_nccl_fabric():
+    spawn(_world1, "cuda", "nccl", world=1, cuda_devices=(0,), start_method="spawn")
 
 
 def _world2_cpu(rank, world):
@@ -248,7 +285,7 @@ def test_world2_one_gpu_ipc():
 
 # ---- (c) world 2 on two GPUs, NCCL -------------------------------------------------------------
 
-def _two_gpus(rank, world):
+def _two_gpus(rank, world, fabric="auto"):
     import tide_torch
     _deterministic()
     device = torch.device("cuda", rank)
@@ -260,11 +297,18 @@ def _two_gpus(rank, world):
     ref = local_shards(stock)
     for mode in MODES:
         model = build(mesh=mesh, device=device)
-        handle = tide_torch.enable(model, mode=mode, topology=topo)
+        handle = tide_torch.enable(model, mode=mode, topology=topo, fabric=fabric)
         assert handle.transport == "tide-cuda-executor", handle.transport
+        assert handle.fabric == ("ipc" if fabric == "auto" else fabric), handle.fabric
+        nccl = None
+        if fabric == "nccl":
+            nccl = _check_nccl_arena(handle)
+            assert nccl.lsa_size == 2 and nccl.peer_arena_ptr(1 - rank) != 0  # peers by LSA
         losses = train(model, data, device=device)
-        _check_tide_run(handle, model, ref, losses, stock_losses, f"2 GPUs NCCL {mode}")
+        _check_tide_run(handle, model, ref, losses, stock_losses,
+                        f"2 GPUs NCCL {mode} fabric={fabric}")
         handle.disable()
+        assert nccl is None or nccl.closed
 
 
 @pytest.mark.gpu
@@ -273,6 +317,14 @@ def test_world2_two_gpus_nccl():
     if torch.cuda.device_count() < 2:
         pytest.skip(f"needs 2 GPUs, this machine has {torch.cuda.device_count()}")
     spawn(_two_gpus, world=2, backend="nccl", cuda_devices=(0, 1), start_method="spawn")
+
+
+@pytest.mark.gpu
+@needs_nccl_fabric
+def test_world2_two_gpus_nccl_fabric():
+    if torch.cuda.device_count() < 2:
+        pytest.skip(f"needs 2 GPUs, this machine has {torch.cuda.device_count()}")
+    spawn(_two_gpus, "nccl", world=2, backend="nccl", cuda_devices=(0, 1), start_method="spawn")
 
 
 # ---- the CUDA transport's calls into tide._core, checked on CPU -------------------------------
@@ -348,3 +400,57 @@ def test_cuda_transport_calls(monkeypatch):
     finally:
         arena.shm_name, arena.fabric = shm_name, None
         arena.close()
+
+
+class _StandInNccl:
+    """What Arena asks of a tide._core.NcclFabric once built (test_nccl_arena_calls)."""
+
+    def __init__(self):
+        self.closed, self.closes = False, 0
+
+    def close(self):
+        self.closes += 1
+        self.closed = True
+
+
+def test_nccl_arena_calls():
+    """An arena on the NCCL fabric, checked on CPU: sizes padded to the agreed total, no IPC
+    handle and no open_peers step, close_fabric() closes the fabric once; no NCCL arena on CPU."""
+    from tide_torch.arena import Arena, arena_nbytes
+
+    sizes = {"ring0": 1000, "ring1": 0, "fixed": 300, "resident": 0, "stage": 0}
+    assert arena_nbytes(sizes) == 1024 + 512
+    cpu = torch.device("cpu")
+    with pytest.raises(ValueError, match="the NCCL fabric needs CUDA, the arena's device is cpu"):
+        Arena(sizes, cpu, nccl=_StandInNccl())
+    with pytest.raises(ValueError, match="nbytes 1000 is below the regions' 1536 bytes"):
+        Arena(sizes, cpu, nbytes=1000)
+    arena = Arena(sizes, cpu, nbytes=4096)
+    fabric = _StandInNccl()
+    try:
+        assert arena.nbytes == 4096 and arena.regions["fixed"].offset == 1024
+        assert arena.view(4096 - 8, 2, torch.float32).numel() == 2  # the padding is arena too
+        arena.fabric, arena.fabric_kind = fabric, "nccl"  # as on CUDA
+        assert arena.ipc_handle() is None
+        arena.open_peers([None, None])  # nothing to open: the fabric maps its LSA peers itself
+        arena.close_fabric()
+        arena.close_fabric()
+        assert fabric.closes == 1 and arena.closed
+        with pytest.raises(RuntimeError, match="arena is closed"):
+            arena.view(0, 1, torch.float32)
+    finally:
+        arena.fabric = arena.fabric_kind = None
+        arena.close()
+    # The CUDA-IPC fabric still exchanges and opens handles, and is freed with its last view.
+    ipc = Arena(sizes, cpu)
+    opened = []
+    fabric.handle = lambda: b"h" * 64
+    fabric.open_peers = opened.append
+    ipc.fabric, ipc.fabric_kind = fabric, "ipc"
+    assert ipc.ipc_handle() == b"h" * 64
+    with pytest.raises(RuntimeError, match=r"ranks \[1\] have no CUDA-IPC arena handle"):
+        ipc.open_peers([b"a", None])
+    ipc.open_peers([b"a", b"b"])
+    assert opened == [[b"a", b"b"]]
+    ipc.close_fabric()
+    assert fabric.closes == 1 and ipc.closed

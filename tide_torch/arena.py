@@ -18,7 +18,9 @@ also runs at exit and from multiprocessing's exit hooks (forked ranks skip atexi
 On CUDA, when this build of tide._core has the CUDA-IPC fabric, the arena is the fabric's
 zeroed ``cudaMalloc`` (``tide._core.CudaIpcFabric``): ``enable()`` exchanges every rank's IPC
 handle and opens the peers' arenas, so TIDE's CUDA executor pushes into them (peers on other
-GPUs of the node, or other processes on the same GPU). Without the fabric it is a plain device
+GPUs of the node, or other processes on the same GPU). With ``enable(fabric="nccl")`` it is the
+``tide._core.NcclFabric``'s arena instead (``ncclMemAlloc`` in an NCCL symmetric window, peers
+mapped by the fabric itself: no handle exchange). Without a fabric it is a plain device
 allocation (the interim transport's). See [Note: fabric lifetime].
 
 [Note: zero-offset views]
@@ -35,6 +37,14 @@ would leave FSDP2 parameters pointing at freed memory. Every CUDA view is theref
 ``__cuda_array_interface__`` from an object that references the fabric: torch's storage keeps
 that object, hence the fabric, alive until the last view (and every alias FSDP2 or autograd made
 of it) is gone. The arena holds the fabric too, so peers' mappings stay open while it exists.
+Views use the fabric's ``arena_ptr``: the address the executor resolves as this rank's arena
+(``fabric->arena(rank)``). On the NCCL fabric that is the own rank's LSA pointer, which aliases
+``local_arena_ptr`` (the ``ncclMemAlloc`` pointer); views and executor use the same one.
+The NCCL fabric is the exception to "freed with the last view": its teardown (window
+deregistration) is collective, so it is not left to each rank's garbage collector.
+``close_fabric()`` frees it on every rank together (``TideHandle.disable()``, after the barrier
+that follows the ranks' last TIDE work); views made before are dangling afterwards (disable() has
+moved every parameter back to private storage by then).
 """
 from __future__ import annotations
 
@@ -45,6 +55,7 @@ import os
 import uuid
 import weakref
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -68,30 +79,41 @@ class Arena:
     """A contiguous per-rank buffer carved into named regions."""
 
     def __init__(self, sizes: dict[str, int], device: torch.device, *, rank: int = 0,
-                 world: int = 1, fabric: bool = False) -> None:
+                 world: int = 1, fabric: bool = False, nccl: Any = None,
+                 nbytes: int | None = None) -> None:
         """``rank``/``world``: this rank in the default process group (the CUDA-IPC fabric's
         world). ``fabric``: on CUDA, allocate through ``tide._core.CudaIpcFabric`` (else a
-        plain device allocation)."""
+        plain device allocation). ``nccl``: instead, a ``tide._core.NcclFabric`` the caller has
+        built (collectively: ``make_nccl_fabric``) whose arena this one is. ``nbytes``: total
+        size, at least the regions' (``arena_nbytes(sizes)``; the NCCL fabric's size)."""
         self.device = device
-        self.regions: dict[str, Region] = {}
-        off = 0
-        for name, nbytes in sizes.items():
-            nbytes = align_up(int(nbytes))
-            self.regions[name] = Region(name, off, nbytes)
-            off += nbytes
-        self.nbytes = max(off, ALIGN)
+        self.regions = _regions(sizes)
+        need = arena_nbytes(sizes)
+        if nbytes is not None and nbytes < need:
+            raise ValueError(f"Arena: nbytes {nbytes} is below the regions' {need} bytes")
+        self.nbytes = need if nbytes is None else int(nbytes)
         self.shm_name: str | None = None
         self.closed = False
         self._shm = None
         self.fabric = None
-        if device.type == "cpu":
+        self.fabric_kind: str | None = None
+        if nccl is not None:
+            if device.type != "cuda":
+                raise ValueError(
+                    f"Arena: the NCCL fabric needs CUDA, the arena's device is {device}")
+            if nccl.arena_bytes < self.nbytes:
+                raise ValueError(f"Arena: the NCCL fabric has {nccl.arena_bytes} bytes, the arena "
+                                 f"needs {self.nbytes}")
+            self.fabric, self.fabric_kind = nccl, "nccl"
+            self._base = _device_view(nccl, int(nccl.arena_ptr), self.nbytes, device)
+        elif device.type == "cpu":
             self.shm_name = f"/tide_{os.getpid()}_{uuid.uuid4().hex[:12]}"
             self._shm = _map_shm(self.shm_name, self.nbytes)
             _LIVE.add(self)
             self._base = torch.frombuffer(self._shm, dtype=torch.uint8, count=self.nbytes)
         elif fabric and fabric_api() is not None:
             index = device.index if device.index is not None else torch.cuda.current_device()
-            self.fabric = fabric_api()(rank, world, index, self.nbytes)
+            self.fabric, self.fabric_kind = fabric_api()(rank, world, index, self.nbytes), "ipc"
             self._base = _device_view(self.fabric, int(self.fabric.arena_ptr), self.nbytes, device)
         else:
             self._base = torch.empty(self.nbytes, dtype=torch.uint8, device=device)
@@ -121,12 +143,13 @@ class Arena:
         return out
 
     def ipc_handle(self) -> bytes | None:
-        """This rank's CUDA IPC handle (None off the fabric)."""
-        return bytes(self.fabric.handle()) if self.fabric is not None else None
+        """This rank's CUDA IPC handle (None off the CUDA-IPC fabric)."""
+        return bytes(self.fabric.handle()) if self.fabric_kind == "ipc" else None
 
     def open_peers(self, handles: list[bytes | None]) -> None:
-        """Maps every peer's arena (``handles[r]`` from rank r; this rank's entry is ignored)."""
-        if self.fabric is None:
+        """Maps every peer's arena (``handles[r]`` from rank r; this rank's entry is ignored).
+        Only the CUDA-IPC fabric needs it (the NCCL fabric maps its LSA peers itself)."""
+        if self.fabric_kind != "ipc":
             return
         missing = [r for r, h in enumerate(handles) if h is None]
         if missing:
@@ -151,8 +174,53 @@ class Arena:
             _LIVE.discard(self)
             # The mapping itself stays: views handed out keep the mmap alive and may outlive us.
 
+    def close_fabric(self) -> None:
+        """Frees the NCCL fabric (synchronise, deregister the window, free, destroy the
+        communicators). Collective: every rank calls it, after every peer's last push into this
+        arena (``TideHandle.disable()``: after its barrier). Views are dangling afterwards.
+        No-op for the other arenas (the CUDA-IPC fabric is freed with its last view)."""
+        self.close()
+        if self.fabric_kind == "nccl" and not self.fabric.closed:
+            self.fabric.close()
+
     def describe(self) -> dict[str, int]:
         return {name: r.nbytes for name, r in self.regions.items()}
+
+
+def _regions(sizes: dict[str, int]) -> dict[str, Region]:
+    regions, off = {}, 0
+    for name, nbytes in sizes.items():
+        nbytes = align_up(int(nbytes))
+        regions[name] = Region(name, off, nbytes)
+        off += nbytes
+    return regions
+
+
+def arena_nbytes(sizes: dict[str, int]) -> int:
+    """Bytes of an arena with these region sizes (each region aligned; at least ``ALIGN``)."""
+    return max(sum(align_up(int(n)) for n in sizes.values()), ALIGN)
+
+
+def make_nccl_fabric(rank: int, world: int, device: torch.device, nbytes: int,
+                     unique_id: bytes, gpus_per_node: int) -> Any:
+    """``tide._core.NcclFabric`` of ``nbytes`` on ``device``. Collective over the ``world``
+    ranks of ``unique_id``: every rank calls it with the same ``nbytes`` and ``gpus_per_node``
+    (the fabric's probe makes every rank raise otherwise)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return tide._core.NcclFabric(rank, world, index, int(nbytes), unique_id,
+                                 gpus_per_node=gpus_per_node)
+
+
+def nccl_fabric_api_error() -> str | None:
+    """Why this build cannot give tide_torch the NCCL fabric (None: it can)."""
+    core = tide._core
+    if not getattr(core, "built_with_cuda", False) or not hasattr(core, "CudaRankExecutor"):
+        return "tide._core was built without CUDA (no CudaRankExecutor)"
+    if not core.nccl_header_version():
+        return "tide._core was built without NCCL headers (no NcclFabric)"
+    if not core.cuda_available():
+        return "no usable CUDA device"
+    return None
 
 
 def fabric_api():

@@ -19,8 +19,9 @@ Executors
   and pushes into peers' arenas. ``ExecutorTransport`` ("auto"/"executor", the default on CPU)
   runs this rank's compiled TIDE-AG / TIDE-RS program through ``tide._core.RankExecutor``.
   On CUDA, ``CudaExecutorTransport`` ("auto"/"executor" when tide._core has ``CudaRankExecutor``
-  and the arena sits on the CUDA-IPC fabric) runs the same programs on the GPU, enqueued on the
-  caller's current stream.
+  and the arena sits on a fabric: ``CudaIpcFabric``, or ``NcclFabric`` with
+  ``enable(fabric="nccl")``) runs the same programs on the GPU, enqueued on the caller's current
+  stream.
 
   Two stand-ins remain for comparison and debugging; neither is TIDE's transport (bytes cross
   torch.distributed) and both log so once:
@@ -160,8 +161,9 @@ def cuda_executor_available() -> bool:
 
 
 class CudaExecutorTransport(ExecutorTransport):
-    """TIDE-AG / TIDE-RS programs through ``tide._core.CudaRankExecutor`` over the CUDA-IPC
-    fabric of the ranks' arenas (``Arena.fabric``; handles exchanged and opened at enable time).
+    """TIDE-AG / TIDE-RS programs through ``tide._core.CudaRankExecutor`` over the fabric of the
+    ranks' arenas (``Arena.fabric``: a ``CudaIpcFabric`` whose handles were exchanged and opened
+    at enable time, or an ``NcclFabric``, which maps its LSA peers itself).
 
     Same program building, counter bases and per-group sequence numbers as the CPU executor.
     Each call is enqueue-only on the caller's current stream (FSDP2's all-gather stream or
@@ -307,7 +309,7 @@ def make_transport(kind: str, arena: Any, peers: list[str], rank: int, topo: tid
         raise RuntimeError(
             f"tide_torch: transport='executor' needs TIDE's per-rank executor for a "
             f"{arena.device.type} arena (tide._core.RankExecutor on CPU, CudaRankExecutor with "
-            "the CUDA-IPC fabric on CUDA), which this build does not have")
+            "a fabric on CUDA), which this build does not have")
     if kind == "virtual-cluster":
         logger.info("tide_torch: running TIDE programs on tide.VirtualCluster from each shard "
                     "group's first rank (bytes cross torch.distributed)")

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 import torch
@@ -10,7 +11,7 @@ import torch.nn as nn
 
 import tide
 from tide_torch import _patches, agreement, all_gather, comm, placement, reduce_scatter
-from tide_torch.arena import Arena
+from tide_torch.arena import Arena, arena_nbytes, make_nccl_fabric, nccl_fabric_api_error
 from tide_torch.groups import (PLAN_OPTIONS, TideEnableError, TideGroup, find_groups,
                                log_fallback, plan_group, resolve_topology)
 from tide_torch.runtime import Runtime, free_in_arena
@@ -18,6 +19,8 @@ from tide_torch.runtime import Runtime, free_in_arena
 logger = logging.getLogger("tide_torch")
 
 MODES = ("in_place", "slot_reuse")
+FABRICS = ("auto", "ipc", "nccl")
+FABRIC_ENV = "TIDE_TORCH_FABRIC"
 
 
 class TideHandle:
@@ -50,6 +53,11 @@ class TideHandle:
     @property
     def transport(self) -> str:
         return self._rt.transport.name if self._rt.transport is not None else "stock"
+
+    @property
+    def fabric(self) -> str | None:
+        """The CUDA executor's fabric: ``"ipc"`` or ``"nccl"`` (None without one)."""
+        return self._rt.arena.fabric_kind if self._rt.arena is not None else None
 
     @property
     def stats(self) -> dict[str, int]:
@@ -101,6 +109,8 @@ class TideHandle:
         if served:
             _patches.uninstall()
             self._rt.arena.close()
+            # NCCL fabric: every rank is here, after the barrier above (its teardown is collective).
+            self._rt.arena.close_fabric()
 
     def __repr__(self) -> str:
         served = sum(g.eligible for g in self._groups)
@@ -109,7 +119,8 @@ class TideHandle:
 
 
 def enable(model: nn.Module, *, mode: str = "in_place", topology: tide.Topology | None = None,
-           transport: str = "auto", ring: bool = True, **options: int) -> TideHandle:
+           transport: str = "auto", fabric: str = "auto", ring: bool = True,
+           **options: int) -> TideHandle:
     """Switches ``model``'s FSDP2 collectives to TIDE. Call after ``fully_shard`` and before (or
     between) training steps, on every rank.
 
@@ -117,12 +128,17 @@ def enable(model: nn.Module, *, mode: str = "in_place", topology: tide.Topology 
     them into the group's vacated all-gather slot. ``topology``: ``tide.Topology(nodes, L)``;
     default from ``LOCAL_WORLD_SIZE``. ``transport``: ``"auto"`` (TIDE's per-rank executor when
     this build has it for the model's device: ``RankExecutor`` on CPU, ``CudaRankExecutor`` over
-    the CUDA-IPC fabric on CUDA; else ``"interim"``), ``"executor"``, ``"virtual-cluster"`` or
-    ``"interim"`` (see ``tide_torch/comm.py``). ``ring``: share the two position-aware ring
-    slots between resharding groups (default); ``False`` gives every group its own unsharded
-    storage (needed when toggling ``set_reshard_after_backward`` during training).
-    ``options``: planner knobs (``w_wave``, ``k``,
-    ``n_part``, ``n_stg``, ``chunk_bytes``, ``sum_ctas``, ``land_ctas``).
+    ``fabric`` on CUDA; else ``"interim"``), ``"executor"``, ``"virtual-cluster"`` or
+    ``"interim"`` (see ``tide_torch/comm.py``). ``fabric``: how the CUDA executor's ranks reach
+    each other's arenas: ``"ipc"`` (``CudaIpcFabric``, CUDA-IPC handles exchanged here),
+    ``"nccl"`` (``NcclFabric``: the arena in an NCCL symmetric window, peers by LSA pointer,
+    built collectively once the ranks agree; needs a CUDA model and the CUDA executor) or
+    ``"auto"``: env ``TIDE_TORCH_FABRIC`` when set, else ``"ipc"`` (the NCCL fabric has run at
+    world 1 only so far). All ranks must resolve the same fabric (agreed like the plans).
+    ``ring``: share the two position-aware ring slots between resharding groups (default);
+    ``False`` gives every group its own unsharded storage (needed when toggling
+    ``set_reshard_after_backward`` during training). ``options``: planner knobs (``w_wave``,
+    ``k``, ``n_part``, ``n_stg``, ``chunk_bytes``, ``sum_ctas``, ``land_ctas``).
 
     Groups outside TIDE's contract keep stock collectives (one ``tide_torch`` log line each).
     Ranks agree on plans before anything changes; on any disagreement or local failure every rank
@@ -133,6 +149,7 @@ def enable(model: nn.Module, *, mode: str = "in_place", topology: tide.Topology 
     if transport not in comm.TRANSPORTS:
         raise ValueError(f"tide_torch.enable: transport must be one of {comm.TRANSPORTS}, "
                          f"got {transport!r}")
+    fabric = _resolve_fabric(fabric)
     unknown = sorted(set(options) - set(PLAN_OPTIONS))
     if unknown:
         raise TypeError(f"tide_torch.enable: unknown options {unknown}; known: {PLAN_OPTIONS}")
@@ -141,7 +158,8 @@ def enable(model: nn.Module, *, mode: str = "in_place", topology: tide.Topology 
     world = dist.get_world_size() if initialized else 1
 
     record: dict[str, Any] = {"rank": rank, "error": None, "topology": None, "groups": [],
-                              "capabilities": None, "shm": None, "ipc": None}
+                              "capabilities": None, "shm": None, "ipc": None,
+                              "arena_bytes": 0, "nccl_id": None}
     groups: list[TideGroup] = []
     arena: Arena | None = None
     topo: tide.Topology | None = None
@@ -163,11 +181,22 @@ def enable(model: nn.Module, *, mode: str = "in_place", topology: tide.Topology 
         served = [g for g in groups if g.eligible]
         if served:
             device = served[0].pg.device
+        if fabric == "nccl" and groups:
+            _check_nccl_fabric(served[0].pg.device if served else groups[0].pg.device, transport)
         cuda_tide = (device.type == "cuda" and transport in ("auto", "executor")
-                     and comm.cuda_executor_available())
+                     and (fabric == "nccl" or comm.cuda_executor_available()))
         if served:
             sizes = placement.assign(groups, use_ring=ring)
-            arena = Arena(sizes, device, rank=rank, world=world, fabric=cuda_tide)
+            if fabric == "nccl":
+                # Built collectively after the verdict (a rank that failed here must not leave
+                # its peers inside NCCL's init): rank 0's unique id rides in the records.
+                record["arena_bytes"] = arena_nbytes(sizes)
+                if rank == 0:
+                    record["nccl_id"] = tide._core.nccl_unique_id()
+                else:
+                    tide._core.nccl_version()  # loads libnccl here: a missing one fails now
+            else:
+                arena = Arena(sizes, device, rank=rank, world=world, fabric=cuda_tide)
         record.update(
             topology=(topo.nodes, topo.gpus_per_node),
             groups=[(g.fqn, g.status) for g in groups],
@@ -176,7 +205,8 @@ def enable(model: nn.Module, *, mode: str = "in_place", topology: tide.Topology 
                           "executor": comm._executor_api() is not None,
                           "cuda_executor": cuda_tide,
                           "cuda": _cuda_capabilities(device) if cuda_tide else None,
-                          "transport": transport, "ring": ring},
+                          "transport": transport, "fabric": fabric if cuda_tide else None,
+                          "ring": ring},
             shm=arena.shm_name if arena is not None else None,
             ipc=arena.ipc_handle() if arena is not None else None)
     except Exception as e:  # noqa: BLE001 - reported to every rank before raising
@@ -197,38 +227,78 @@ def enable(model: nn.Module, *, mode: str = "in_place", topology: tide.Topology 
     for g in groups:
         if not g.eligible:
             log_fallback(g)
-    rt = Runtime(mode, groups, arena, device)
     if served:
-        # Mapping the peers' arenas (shm segments, CUDA IPC handles) can fail on one rank only:
-        # a second exchange makes every rank raise together (and is the barrier after which
-        # every rank has mapped every peer's arena).
+        # Mapping the peers' arenas (shm segments, CUDA IPC handles, the NCCL fabric) can fail
+        # on one rank only: a second exchange makes every rank raise together (and is the
+        # barrier after which every rank has mapped every peer's arena).
         err = None
+        nccl = None
         try:
+            if fabric == "nccl":  # every rank constructs it here, together
+                nccl = make_nccl_fabric(
+                    rank, world, device, max(r["arena_bytes"] for r in records),
+                    next(r["nccl_id"] for r in records if r["rank"] == 0), topo.gpus_per_node)
+                arena = Arena(sizes, device, nccl=nccl, nbytes=nccl.arena_bytes)
             placement.bind(groups, arena)
             arena.open_peers([r["ipc"] for r in records])
-            rt.transport = comm.make_transport(
+            transport_ = comm.make_transport(
                 transport, arena, [r["shm"] for r in records], rank, topo,
                 group_of=lambda g: g.pg.mesh_info.shard_process_group, options=options)
         except Exception as e:  # noqa: BLE001 - reported to every rank before raising
             local_exc, err = e, f"{type(e).__name__}: {e}"
-        failed = [(r["rank"], r["error"]) for r in agreement.exchange({"rank": rank, "error": err})
-                  if r["error"]]
+        after = agreement.exchange({"rank": rank, "error": err, "nccl": nccl is not None})
+        failed = [(r["rank"], r["error"]) for r in after if r["error"]]
         if failed:
-            arena.close()
+            if arena is not None:
+                arena.close()
+            if nccl is not None and all(r["nccl"] for r in after):
+                nccl.close()  # collective: every rank built it, every rank closes it
+            # (A rank whose NcclFabric failed locally aborted its communicator; the others'
+            # fabrics are left to their destructors.)
             if local_exc is not None:
                 raise local_exc
             raise agreement.TideAgreementError(
                 "tide_torch.enable(): TIDE stays off on every rank: " +
                 "; ".join(f"rank {r} failed to map the peers' arenas: {e}" for r, e in failed))
+        rt = Runtime(mode, groups, arena, device)
+        rt.transport = transport_
         arena.close()  # unlink the names now: nothing can outlive the processes, even on a crash
         _patches.install(all_gather.foreach_all_gather, all_gather.foreach_all_gather_copy_out,
                          reduce_scatter.foreach_reduce_scatter_copy_in)
         for g in served:
             g.runtime = rt
             _activate(g)
+    else:
+        rt = Runtime(mode, groups, arena, device)
     logger.info("tide_torch: enabled %s on %d/%d groups (%s, %s)", mode, len(served), len(groups),
                 topo, rt.transport.name if rt.transport else "stock")
     return TideHandle(rt, groups, topo)
+
+
+def _resolve_fabric(fabric: str) -> str:
+    """``enable(fabric=...)`` checked, ``"auto"`` resolved (env TIDE_TORCH_FABRIC, else "ipc")."""
+    if fabric not in FABRICS:
+        raise ValueError(f"tide_torch.enable: fabric must be one of {FABRICS}, got {fabric!r}")
+    if fabric == "auto":
+        fabric = os.environ.get(FABRIC_ENV, "").strip() or "auto"
+        if fabric not in FABRICS:
+            raise ValueError(f"tide_torch.enable: fabric='auto' reads {FABRIC_ENV}, which must be "
+                             f"one of {FABRICS}, got {fabric!r}")
+    # "auto" is the CUDA-IPC fabric: the NCCL fabric has run at world 1 only so far.
+    return "ipc" if fabric == "auto" else fabric
+
+
+def _check_nccl_fabric(device: torch.device, transport: str) -> None:
+    """fabric="nccl" needs a CUDA model, the CUDA executor, and a build that has both."""
+    if device.type != "cuda":
+        raise TideEnableError(f"tide_torch.enable: fabric='nccl' but the model is on {device}: "
+                              "the NCCL fabric needs CUDA")
+    if transport not in ("auto", "executor"):
+        raise TideEnableError(f"tide_torch.enable: fabric='nccl' carries TIDE's CUDA executor, "
+                              f"but transport={transport!r} does not use it")
+    why = nccl_fabric_api_error()
+    if why is not None:
+        raise TideEnableError(f"tide_torch.enable: fabric='nccl' is unavailable: {why}")
 
 
 def _cuda_capabilities(device: torch.device) -> dict[str, Any]:
