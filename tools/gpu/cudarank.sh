@@ -9,14 +9,7 @@
 #
 #   bash tools/gpu/cudarank.sh
 set -uo pipefail
-cd "$(dirname "$0")/../.."
-OUT=${OUT:-$PWD/gpu_out}
-mkdir -p "$OUT"
-PY=${PYTHON:-python3}
-# Safety (ARCHITECTURE.md): multicast stays off; nothing here creates a multicast object.
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONUNBUFFERED=1
-unset TIDE_ENABLE_MULTICAST
-export CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-32}
+source "$(dirname "$0")/common.sh"
 declare -A R
 order=()
 

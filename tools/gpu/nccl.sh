@@ -12,15 +12,7 @@
 #
 #   bash tools/gpu/nccl.sh
 set -uo pipefail
-cd "$(dirname "$0")/../.."
-OUT=${OUT:-$PWD/gpu_out}
-mkdir -p "$OUT"
-PY=${PYTHON:-python3}
-# Safety (ARCHITECTURE.md): multicast stays off; NcclFabric never creates a multicast object and
-# with NCCL_NVLS_ENABLE=0 window registration binds none.
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONUNBUFFERED=1
-unset TIDE_ENABLE_MULTICAST
-export CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-32}
+source "$(dirname "$0")/common.sh"  # NCCL_NVLS_ENABLE=0: window registration binds no multicast
 declare -A R
 order=()
 

@@ -7,18 +7,12 @@
 #
 #   bash tools/gpu/torchgpu.sh                      # example size: small
 #   TORCHGPU_SIZE=1b TORCHGPU_STEPS=10 bash tools/gpu/torchgpu.sh
+#   TORCHGPU_EXAMPLE=0 (tests only), TORCHGPU_FABRIC=nccl (the example over the NCCL fabric),
+#   TORCHGPU_TESTS="test_a test_b" (a subset of tests/test_torch_gpu.py)
 set -uo pipefail
-cd "$(dirname "$0")/../.."
-OUT=${OUT:-$PWD/gpu_out}
-mkdir -p "$OUT"
-PY=${PYTHON:-python3}
+source "$(dirname "$0")/common.sh"
 SIZE=${TORCHGPU_SIZE:-small}
 STEPS=${TORCHGPU_STEPS:-10}
-# Safety (ARCHITECTURE.md): no multicast anywhere.
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONUNBUFFERED=1
-unset TIDE_ENABLE_MULTICAST
-# Two ranks' streams share one GPU in the world-2 test: every hardware queue (as gpu_check.sh).
-export CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-32}
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 
 declare -A R
@@ -35,8 +29,9 @@ print('CudaRankExecutor=%s CudaIpcFabric=%s cuda_available=%s' % (
 echo "torchgpu: $ngpu GPU(s); $caps" | tee "$OUT/torchgpu_tests.log"
 
 # ---- 1. GPU tests, one pytest per test so that one failure or hang does not hide the others ---
-for t in ${TORCHGPU_TESTS:-test_world1_cuda test_world2_one_gpu_ipc test_world2_two_gpus_nccl test_world1_cpu \
-         test_world2_cpu test_cuda_transport_calls}; do
+for t in ${TORCHGPU_TESTS:-test_world1_cuda test_world1_cuda_nccl_fabric test_world2_one_gpu_ipc \
+         test_world2_two_gpus_nccl test_world2_two_gpus_nccl_fabric test_world1_cpu test_world2_cpu \
+         test_cuda_transport_calls test_nccl_arena_calls}; do
   echo "==== $t" >>"$OUT/torchgpu_tests.log"
   timeout 900 $PY -m pytest -q -p no:cacheprovider -rs "tests/test_torch_gpu.py::$t" \
     >>"$OUT/torchgpu_tests.log" 2>&1
@@ -46,7 +41,11 @@ for t in ${TORCHGPU_TESTS:-test_world1_cuda test_world2_one_gpu_ipc test_world2_
     put "$t" "PASS  $last"
   elif [[ $rc == 0 && "$last" == *skipped* ]]; then
     why=$(grep -E "^SKIPPED" "$OUT/torchgpu_tests.log" | tail -1 | sed 's/.*: //')
-    put "$t" "SKIP  $why"
+    if [[ $ngpu -ge 1 && "$t" != *two_gpus* ]]; then  # on a GPU machine only two-GPU tests may skip
+      put "$t" "FAIL  skipped with $ngpu GPU(s): $why"
+    else
+      put "$t" "SKIP  $why"
+    fi
   else
     put "$t" "FAIL  rc=$rc $last"
   fi
@@ -57,7 +56,7 @@ example() {  # name json launcher...
   local name=$1 json=$2; shift 2
   echo "==== $name: $*" >>"$OUT/torchgpu_example.log"
   timeout 900 "$@" examples/fsdp2_llama.py --device cuda --size "$SIZE" --steps "$STEPS" \
-    --json "$json" >>"$OUT/torchgpu_example.log" 2>&1
+    --fabric "${TORCHGPU_FABRIC:-auto}" --json "$json" >>"$OUT/torchgpu_example.log" 2>&1
   local rc=$?
   if [[ $rc == 0 && -f "$json" ]]; then
     put "$name" "PASS  $($PY - "$json" <<'EOF'
@@ -74,11 +73,15 @@ EOF
 }
 : >"$OUT/torchgpu_example.log"
 rm -f "$OUT/torchgpu_1gpu.json" "$OUT/torchgpu_2gpu.json"
-example "example_1gpu_$SIZE" "$OUT/torchgpu_1gpu.json" $PY
-if [[ $ngpu -ge 2 ]]; then
-  example "example_2gpu_$SIZE" "$OUT/torchgpu_2gpu.json" $PY -m torch.distributed.run --nproc-per-node 2
+if [[ ${TORCHGPU_EXAMPLE:-1} == 0 ]]; then
+  put "example_$SIZE" "SKIP  TORCHGPU_EXAMPLE=0"
 else
-  put "example_2gpu_$SIZE" "SKIP  $ngpu GPU visible"
+  example "example_1gpu_$SIZE" "$OUT/torchgpu_1gpu.json" $PY
+  if [[ $ngpu -ge 2 ]]; then
+    example "example_2gpu_$SIZE" "$OUT/torchgpu_2gpu.json" $PY -m torch.distributed.run --nproc-per-node 2
+  else
+    put "example_2gpu_$SIZE" "SKIP  $ngpu GPU visible"
+  fi
 fi
 grep -E "^(cpu|NVIDIA|stock|tide_|max \||  .*fallbacks)" "$OUT/torchgpu_example.log" | tail -20
 

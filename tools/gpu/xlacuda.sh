@@ -11,12 +11,7 @@
 # the CPU bitwise, and the 2-GPU mesh tests when >= 2 GPUs), the CPU xla tests still pass with
 # the CUDA build, and examples/flax_fsdp.py trains with GSPMD and tide_xla and writes its JSON.
 set -uo pipefail
-cd "$(dirname "$0")/../.."
-OUT=${OUT:-$PWD/gpu_out}
-mkdir -p "$OUT"
-PY=${PYTHON:-python3}
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONUNBUFFERED=1
-unset TIDE_ENABLE_MULTICAST
+source "$(dirname "$0")/common.sh"
 export XLA_PYTHON_CLIENT_PREALLOCATE=false  # torch tests share the GPU; TIDE arenas are cudaMalloc
 declare -A R
 ORDER=()
