@@ -246,9 +246,11 @@ void issue(const IssueContext& c, int rank, int i, int64_t seq) {
                      static_cast<size_t>(cp.dst.height), static_cast<size_t>(cp.dst.pitch),
                      static_cast<size_t>(cp.src.pitch)});
       }
+      size_t bytes = 0;
+      for (const CopyDesc& x : d) bytes += x.width * x.height;
+      const int g = fabric_rank(c, rank);
       submit_copies(s, d.data(), d.size(),
-                    c.lanes ? c.lanes->get(fabric_rank(c, rank), op.stream, c.fabric->device_of(fabric_rank(c, rank)))
-                            : nullptr);
+                    c.lanes ? c.lanes->for_op(g, op.stream, c.fabric->device_of(g), d.size(), bytes) : nullptr);
       if (op.kind == OpKind::kPut) bump();  // data first, then the bump
       break;
     }

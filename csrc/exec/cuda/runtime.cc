@@ -238,10 +238,10 @@ void submit_copies(cudaStream_t stream, const CopyDesc* d, size_t n, CopyLanes* 
   else submit_copies(stream, d, n);
 }
 
-CopyLanes* CopyLaneTable::get(int rank, int stream, int device) {
-  if (lanes_ <= 1) return nullptr;
+CopyLanes* CopyLaneTable::for_op(int rank, int stream, int device, size_t n, size_t bytes) {
+  if (lanes_ <= 1 || n < 2 || bytes < spread_bytes_) return nullptr;
   auto& slot = table_[{rank, stream}];
-  if (!slot) slot = std::make_unique<CopyLanes>(device, lanes_);
+  if (!slot) slot = std::make_unique<CopyLanes>(device, lanes_, spread_bytes_);
   return slot.get();
 }
 

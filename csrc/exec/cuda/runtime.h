@@ -108,15 +108,21 @@ class CopyLanes {
 // submit_copies through `lanes` when there are any and the op moves >= lanes->spread_bytes().
 void submit_copies(cudaStream_t stream, const CopyDesc* d, size_t n, CopyLanes* lanes);
 
-// Lanes per (rank, program stream), created on first use; lanes <= 1 gives none.
+// Lanes per (rank, program stream), created by the first op that spreads (n >= 2 copies moving
+// >= the spread threshold), so an executor whose ops are all small creates no extra stream;
+// lanes <= 1 gives none.
 class CopyLaneTable {
  public:
-  explicit CopyLaneTable(int lanes = copy_lanes_default()) : lanes_(lanes) {}
-  CopyLanes* get(int rank, int stream, int device);
+  explicit CopyLaneTable(int lanes = copy_lanes_default(), size_t spread_bytes = copy_spread_bytes_default())
+      : lanes_(lanes), spread_bytes_(spread_bytes) {}
+  // The lanes for an op of `n` copies moving `bytes` from (rank, stream), or null: keep it on
+  // its stream.
+  CopyLanes* for_op(int rank, int stream, int device, size_t n, size_t bytes);
   int lanes() const { return lanes_; }
 
  private:
   int lanes_;
+  size_t spread_bytes_;
   std::map<std::pair<int, int>, std::unique_ptr<CopyLanes>> table_;
 };
 
