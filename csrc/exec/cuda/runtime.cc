@@ -183,29 +183,38 @@ size_t copy_spread_bytes_default() {
 
 CopyLanes::CopyLanes(int device, int n, size_t spread_bytes) : device_(device), spread_bytes_(spread_bytes) {
   TIDE_CHECK(n >= 2, "copy lanes: ", n, " (need at least 2)");
-  int prev = 0;
-  TIDE_CHECK_CUDA(cudaGetDevice(&prev));
-  TIDE_CHECK_CUDA(cudaSetDevice(device));
-  TIDE_CHECK_CUDA(cudaEventCreateWithFlags(&fork_, cudaEventDisableTiming), "copy lanes: fork event");
-  for (int i = 0; i < n; ++i) {
-    cudaStream_t s = nullptr;
-    cudaEvent_t e = nullptr;
-    TIDE_CHECK_CUDA(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "copy lane ", i);
-    lanes_.push_back(s);
-    TIDE_CHECK_CUDA(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "copy lane ", i, " join event");
-    join_.push_back(e);
+  DeviceGuard guard(device, "copy lanes: ");
+  try {
+    TIDE_CHECK_CUDA(cudaEventCreateWithFlags(&fork_, cudaEventDisableTiming), "copy lanes: fork event");
+    for (int i = 0; i < n; ++i) {
+      cudaStream_t s = nullptr;
+      cudaEvent_t e = nullptr;
+      TIDE_CHECK_CUDA(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "copy lane ", i);
+      lanes_.push_back(s);
+      TIDE_CHECK_CUDA(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "copy lane ", i, " join event");
+      join_.push_back(e);
+    }
+  } catch (...) {
+    release();
+    throw;
   }
-  TIDE_CHECK_CUDA(cudaSetDevice(prev));
 }
 
 CopyLanes::~CopyLanes() {
   cudaSetDevice(device_);
+  release();
+}
+
+void CopyLanes::release() noexcept {
   for (auto s : lanes_) {
     cudaStreamSynchronize(s);
     cudaStreamDestroy(s);
   }
   for (auto e : join_) cudaEventDestroy(e);
   if (fork_) cudaEventDestroy(fork_);
+  lanes_.clear();
+  join_.clear();
+  fork_ = nullptr;
 }
 
 void CopyLanes::submit(cudaStream_t origin, const CopyDesc* d, size_t n) {

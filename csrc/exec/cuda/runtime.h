@@ -99,6 +99,7 @@ class CopyLanes {
   void submit(cudaStream_t origin, const CopyDesc* d, size_t n);
 
  private:
+  void release() noexcept;
   int device_;
   size_t spread_bytes_;
   std::vector<cudaStream_t> lanes_;
