@@ -10,6 +10,9 @@ layout`). One GPU emulates the per-GPU HBM work of rank 0 in an N = 8 (M = 1, L 
       TIDE : copy-engine staging of the L-1 peers' bf16 sub-slice rows (strided, height L),
              SUM (L-1 staged + own per-parameter gradient -> fp32 block), LAND (alpha, into the
              fp32 shard).
+TIDE's copies run as the executors issue them: spread over copy lanes (TIDE_COPY_LANES; rows per
+lane count), strided copies in one 2-D batch (rows with TIDE_COPY_2D=per_copy beside them); an
+extra RS row stages in two pieces that overlap SUM + LAND (what chunked staging gives).
 On one GPU every copy is a same-device copy, which the driver runs on SMs; between GPUs the
 same descriptors run on copy engines. Bytes are HBM bytes (read + write) of the step.
 Peers' buffers live on the same GPU, so "peer" reads are local reads here.
@@ -290,8 +293,8 @@ def run_group(torch, core, name, plan, n, ceiling, n_sm, sum_ctas, land_ctas, la
     pieces_ok = torch.equal(ref_out.view(torch.int32), out0.view(torch.int32))
     del grads, packed_all, staging, block, out0, ref_out
     torch.cuda.empty_cache()
-    return rows, dict(group=name, P=P, E=E, S=S, NS=ns, ag_landing_bitwise=ag_ok, rs_pieces_bitwise=pieces_ok, exec_lanes=exec_lanes,
-                      sum_full_ctas=sum_full, land_full_ctas=land_full)
+    return rows, dict(group=name, P=P, E=E, S=S, NS=ns, ag_landing_bitwise=ag_ok, rs_pieces_bitwise=pieces_ok,
+                      exec_lanes=exec_lanes, sum_full_ctas=sum_full, land_full_ctas=land_full)
 
 
 def row_pieces(copies, slot_bases, row_bytes, cut_row):
@@ -301,7 +304,7 @@ def row_pieces(copies, slot_bases, row_bytes, cut_row):
     pieces = [[], []]
     for d, s, w, h, dp, sp in copies:
         base = max(b for b in slot_bases if b <= d)
-        r0, within = divmod(d - base, row_bytes)
+        r0 = (d - base) // row_bytes
         if h > 1 and dp != row_bytes:
             raise ValueError(f"staging copy at row {r0}: pitch {dp} is not the block row ({row_bytes} bytes)")
         h_a = min(h, max(0, cut_row - r0))
