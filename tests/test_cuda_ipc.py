@@ -6,10 +6,12 @@ is a TimeoutError naming rank, op and seq within the timeout. Run on the GPU mac
 (tools/gpu/cudarank.sh).
 """
 import contextlib
+import faulthandler
 import multiprocessing as mp
 import multiprocessing.connection as mpc
 import os
 import re
+import signal
 import time
 import traceback
 
@@ -200,6 +202,7 @@ def _calls_hsdp(rank, cfg, fab, ex, plan, conn):
 
 
 def _rank_main(rank, cfg, conn):
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # the parent's hang report
     try:
         M, L = cfg["M"], cfg["L"]
         _, plan = _plan(2, 1, False) if cfg["mode"] == "hsdp" else _plan(M, L, cfg["cast"])
@@ -272,7 +275,13 @@ def _run_world(M, L, *, spread=False, cast=False, dead=-1, timeout_s=10.0, fence
         out = {}
         while len(out) < N:
             left = deadline - time.monotonic()
-            assert left > 0, f"ranks hung waiting for {kind!r}: {sorted(set(range(N)) - set(out))}"
+            if left <= 0:  # a hang past every timeout: each stuck rank prints its Python stacks
+                stuck = sorted(set(range(N)) - set(out))
+                for r in stuck:
+                    os.kill(procs[r].pid, signal.SIGUSR1)
+                time.sleep(2)
+                raise AssertionError(f"ranks hung waiting for {kind!r}: {stuck}; what they reported "
+                                     f"before: {dict((r, got[r]) for r in stuck)} (stacks on stderr)")
             for c in mpc.wait([c for r, c in enumerate(conns) if r not in out], timeout=left):
                 r = conns.index(c)
                 tag, val = c.recv()
