@@ -10,8 +10,6 @@
 #   bash tools/gpu/cudarank.sh
 set -uo pipefail
 source "$(dirname "$0")/common.sh"
-declare -A R
-order=()
 
 {
   nvidia-smi --query-gpu=index,name,driver_version,memory.total --format=csv,noheader
@@ -19,29 +17,8 @@ order=()
 } >"$OUT/cudarank_diag.log" 2>&1
 ngpu=$($PY -c "from tide import _core; print(_core.cuda_device_count())" 2>/dev/null || echo 0)
 
-run() {  # name, timeout_s, log, pytest args...
-  local name=$1 limit=$2 log=$3
-  shift 3
-  order+=("$name")
-  local t0=$(date +%s)
-  if timeout $limit $PY -m pytest -x -q -rs "$@" >"$OUT/$log" 2>&1; then
-    local summary="$(tail -1 "$OUT/$log" | sed 's/=//g' | xargs)"
-    if [[ "$summary" == *passed* ]]; then
-      R[$name]="PASS ($summary, $(($(date +%s) - t0)) s)"
-    else  # everything skipped: no GPU or no CUDA build here
-      R[$name]="FAIL (nothing ran: $summary; see $log)"
-    fi
-  else
-    R[$name]="FAIL (rc $?, see $log)"
-    tail -40 "$OUT/$log"
-  fi
-}
+run_pytest cuda_ipc 240 cudarank_ipc.log -x -m gpu tests/test_cuda_ipc.py
+run_pytest cuda_executor_regression 300 cudarank_executor.log -x -m gpu tests/test_cuda_executor.py
+run_pytest nogpu_surface 60 cudarank_nogpu.log -x tests/test_cuda_backend_nogpu.py
 
-run cuda_ipc 240 cudarank_ipc.log -m gpu tests/test_cuda_ipc.py
-run cuda_executor_regression 300 cudarank_executor.log -m gpu tests/test_cuda_executor.py
-run nogpu_surface 60 cudarank_nogpu.log tests/test_cuda_backend_nogpu.py
-
-echo
-echo "== cudarank summary (GPUs visible: $ngpu; spread-over-GPU cases skip with 1)"
-printf "%-28s %s\n" item result
-for k in "${order[@]}"; do printf "%-28s %s\n" "$k" "${R[$k]}"; done
+summary "cudarank summary (GPUs visible: $ngpu; spread-over-GPU cases skip with 1)"

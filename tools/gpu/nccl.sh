@@ -13,8 +13,6 @@
 #   bash tools/gpu/nccl.sh
 set -uo pipefail
 source "$(dirname "$0")/common.sh"  # NCCL_NVLS_ENABLE=0: window registration binds no multicast
-declare -A R
-order=()
 
 {
   nvidia-smi --query-gpu=index,name,driver_version,memory.total --format=csv,noheader
@@ -23,31 +21,8 @@ order=()
 ngpu=$($PY -c "from tide import _core; print(_core.cuda_device_count())" 2>/dev/null || echo 0)
 nccl=$($PY -c "from tide import _core; print(_core.nccl_header_version(), _core.nccl_version())" 2>/dev/null || echo "?")
 
-run() {  # name, timeout_s, log, pytest args...
-  local name=$1 limit=$2 log=$3
-  shift 3
-  order+=("$name")
-  local t0=$(date +%s)
-  if timeout $limit $PY -m pytest -q -rs "$@" >"$OUT/$log" 2>&1; then
-    local summary="$(tail -1 "$OUT/$log" | sed 's/=//g' | xargs)"
-    if [[ "$summary" == *passed* ]]; then
-      R[$name]="PASS ($summary, $(($(date +%s) - t0)) s)"
-    else
-      R[$name]="FAIL (nothing ran: $summary; see $log)"
-    fi
-  else
-    R[$name]="FAIL (rc $?, see $log)"
-    tail -40 "$OUT/$log"
-  fi
-}
 
-run nccl_fabric_gpu 300 nccl_gpu.log -m gpu tests/test_nccl_fabric.py
-run nccl_fabric_cpu 120 nccl_cpu.log -m "not gpu" tests/test_nccl_fabric.py
+run_pytest nccl_fabric_gpu 300 nccl_gpu.log -m gpu tests/test_nccl_fabric.py
+run_pytest nccl_fabric_cpu 120 nccl_cpu.log -m "not gpu" tests/test_nccl_fabric.py
 
-echo
-echo "== nccl summary (GPUs visible: $ngpu; NCCL headers/library: $nccl; world-2 tests skip with 1 GPU)"
-printf "%-28s %s\n" item result
-for k in "${order[@]}"; do printf "%-28s %s\n" "$k" "${R[$k]}"; done
-rc=0
-for k in "${order[@]}"; do [[ ${R[$k]} == PASS* ]] || rc=1; done
-exit $rc
+summary "nccl summary (GPUs visible: $ngpu; NCCL headers/library: $nccl; world-2 tests skip with 1 GPU)"
