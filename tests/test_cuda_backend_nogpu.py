@@ -101,10 +101,11 @@ def test_copy_lanes_knob(value, ok, monkeypatch):
 
 
 @pytest.mark.parametrize("group", ["llama70b", "qwen3", "wan22"])
-def test_layout_bench_row_pieces_cover_the_staging_copies(group):
-    """The layout bench's two-piece RS splits every Level-1 staging copy at block row L/2: the
+@pytest.mark.parametrize("cuts", [[4], [2, 4, 6], list(range(1, 8))])
+def test_layout_bench_row_pieces_cover_the_staging_copies(group, cuts):
+    """The layout bench's chunked RS splits every Level-1 staging copy at the cut block rows: the
     pieces move the same bytes, byte for byte at the same addresses, with no empty or negative
-    copy (a copy may start at any row)."""
+    copy (a copy may start at any row), and piece k holds only block rows of chunk k."""
     from tide import models
     from tide.bench import layout
     L = 8
@@ -118,17 +119,21 @@ def test_layout_bench_row_pieces_cover_the_staging_copies(group):
             if c["owner"] == 0 and c["s"] == 0:
                 copies.append((bases[slot] + c["dst_offset"], (1 << 30) * u + c["src_offset"], c["width"],
                                c["height"], c["dst_pitch"], c["src_pitch"]))
-    pieces = layout.row_pieces(copies, bases, 2 * e_sub, L // 2)
+    pieces = layout.row_pieces(copies, bases, 2 * e_sub, cuts)
+    assert len(pieces) == len(cuts) + 1
 
     def rows(cs):
         return sorted((d + r * dp, s + r * sp, w) for d, s, w, h, dp, sp in cs for r in range(h))
     assert all(h >= 1 for p in pieces for _, _, _, h, _, _ in p)
-    assert rows(pieces[0] + pieces[1]) == rows(copies)
-    for k, p in enumerate(pieces):  # piece 0 holds block rows < L/2 only, piece 1 the rest
+    assert rows([c for p in pieces for c in p]) == rows(copies)
+    bounds = [0] + list(cuts) + [L]
+    for k, p in enumerate(pieces):
         for d, s, w, h, dp, sp in p:
             base = max(b for b in bases if b <= d)
             first, last = (d - base) // (2 * e_sub), (d - base + (h - 1) * dp) // (2 * e_sub)
-            assert (last < L // 2) if k == 0 else (first >= L // 2)
+            assert bounds[k] <= first and last < bounds[k + 1]
+    with pytest.raises(ValueError, match="increasing"):
+        layout.row_pieces(copies, bases, 2 * e_sub, [4, 4])
 
 
 @pytest.mark.parametrize("value, ok", [(None, True), ("batch", True), ("per_copy", False), ("2d", None)])

@@ -11,8 +11,10 @@ layout`). One GPU emulates the per-GPU HBM work of rank 0 in an N = 8 (M = 1, L 
              SUM (L-1 staged + own per-parameter gradient -> fp32 block), LAND (alpha, into the
              fp32 shard).
 TIDE's copies run as the executors issue them: spread over copy lanes (TIDE_COPY_LANES; rows per
-lane count), strided copies in one 2-D batch (rows with TIDE_COPY_2D=per_copy beside them); an
-extra RS row stages in two pieces that overlap SUM + LAND (what chunked staging gives).
+lane count), strided copies in one 2-D batch (rows with TIDE_COPY_2D=per_copy beside them). The
+chunked RS rows stage K chunks of L/K block rows, chunk k+1's copies overlapping SUM + LAND of
+chunk k on a second stream under a CTA budget, at most n_stg chunks ahead (paper §4.1, staging
+"processed and reused in chunks").
 On one GPU every copy is a same-device copy, which the driver runs on SMs; between GPUs the
 same descriptors run on copy engines. Bytes are HBM bytes (read + write) of the step.
 Peers' buffers live on the same GPU, so "peer" reads are local reads here.
@@ -210,7 +212,7 @@ def run_group(torch, core, name, plan, n, ceiling, n_sm, sum_ctas, land_ctas, la
     for s in range(L):
         live = max(0, min(E, (s + 1) * e_sub) - s * e_sub)
         if live:
-            land_jobs.append((out0.data_ptr() + 4 * s * e_sub, [block.data_ptr()], live))
+            land_jobs.append((out0.data_ptr() + 4 * s * e_sub, [block.data_ptr() + 4 * s * e_sub], live))
 
     def tide_stage(lanes=exec_lanes):
         core.cuda_copies(copies, st, lanes)
@@ -232,33 +234,47 @@ def run_group(torch, core, name, plan, n, ceiling, n_sm, sum_ctas, land_ctas, la
         tide_sum(sum_full)
         tide_land(land_full)
 
-    # Two pieces (block rows [0, L/2) and [L/2, L)), staging of the second overlapping SUM and LAND
-    # of the first on a second stream: the overlap the RS program has when the plan stages in
-    # chunks (chunk_bytes: Level-1 unit k+1 is pushed while the owner sums unit k).
-    h0 = L // 2
-    piece_copies = row_pieces(copies, [staging[j].data_ptr() for j in range(L - 1)], 2 * e_sub, h0)
-    cut = h0 * e_sub
-    piece_seg = [torch.tensor([[d, ln, s_, p & 0xFFFFFFFF] for d, ln, s_, p in seg_rows if d < cut],
-                              dtype=torch.int64, device=dev),
-                 torch.tensor([[d - cut, ln, s_, p & 0xFFFFFFFF] for d, ln, s_, p in seg_rows if d >= cut],
-                              dtype=torch.int64, device=dev)]
-    piece_land = [[j for s_, j in enumerate(land_jobs) if s_ < h0], [j for s_, j in enumerate(land_jobs) if s_ >= h0]]
+    # Chunked staging (K pieces of L/K block rows): piece k+1's staging copies run while SUM and
+    # LAND of piece k run on a second stream with a CTA budget, and piece k may be staged only once
+    # piece k - n_stg was summed (n_stg staging slots, the plan's credit). This is the overlap the
+    # paper's chunked staging has ("processed and reused in chunks", §4.1); a SUM with a budget
+    # leaves SMs to the copies, which on one GPU are the driver's SM copy kernels.
     side = torch.cuda.Stream()
-    staged_ev = [torch.cuda.Event(), torch.cuda.Event()]
+    n_stg = max(1, plan.options["n_stg"])
 
-    def tide_rs_pieces():
-        cur = torch.cuda.current_stream()
-        side.wait_stream(cur)
-        for k in range(2):
-            core.cuda_copies(piece_copies[k], st, exec_lanes)
-            staged_ev[k].record(cur)
-        for k, (n_k, off) in enumerate(((cut, 0), (L * e_sub - cut, cut))):
-            side.wait_event(staged_ev[k])
-            core.cuda_sum(block.data_ptr() + 4 * off, n_k, [q + 2 * off for q in staged_ptrs], piece_seg[k].data_ptr(),
-                          int(piece_seg[k].shape[0]), grad_ptrs, sum_full, side.cuda_stream)
-            if piece_land[k]:
-                core.cuda_land(piece_land[k], alpha, False, land_full, side.cuda_stream)
-        cur.wait_stream(side)
+    def make_pipeline(K, ctas_sum, ctas_land):
+        cuts = [L * k // K for k in range(1, K)]
+        parts = row_pieces(copies, [staging[j].data_ptr() for j in range(L - 1)], 2 * e_sub, cuts)
+        bounds = [0] + [c * e_sub for c in cuts] + [L * e_sub]
+        segs, lands = [], []
+        for k in range(K):
+            lo, hi = bounds[k], bounds[k + 1]
+            segs.append(torch.tensor([[d - lo, ln, s_, p & 0xFFFFFFFF] for d, ln, s_, p in seg_rows if lo <= d < hi],
+                                     dtype=torch.int64, device=dev).reshape(-1, 4))
+            lands.append([j for s_, j in enumerate(land_jobs) if lo <= s_ * e_sub < hi])
+        staged_ev = [torch.cuda.Event() for _ in range(K)]
+        summed_ev = [torch.cuda.Event() for _ in range(K)]
+
+        def run():
+            cur = torch.cuda.current_stream()
+            side.wait_stream(cur)
+            for k in range(K):
+                if k >= n_stg:  # staging slot k mod n_stg: free once piece k - n_stg was summed
+                    cur.wait_event(summed_ev[k - n_stg])
+                core.cuda_copies(parts[k], st, exec_lanes)
+                staged_ev[k].record(cur)
+                side.wait_event(staged_ev[k])
+                lo, n_k = bounds[k], bounds[k + 1] - bounds[k]
+                core.cuda_sum(block.data_ptr() + 4 * lo, n_k, [q + 2 * lo for q in staged_ptrs], segs[k].data_ptr(),
+                              int(segs[k].shape[0]), grad_ptrs, ctas_sum, side.cuda_stream)
+                summed_ev[k].record(side)
+                if lands[k]:
+                    core.cuda_land(lands[k], alpha, False, ctas_land, side.cuda_stream)
+            cur.wait_stream(side)
+        return run
+
+    pipe_rows = [(K, c) for K in (2, 4, 8) if L % K == 0 for c in sorted({sum_ctas, 48, sum_full})]
+    pipelines = {(K, c): make_pipeline(K, c, c if c != sum_full else land_full) for K, c in pipe_rows}
 
     stage_b = sum(2 * w * h for _, _, w, h, _, _ in copies)  # read + write
     sum_b = (L - 1) * 2 * L * e_sub + 2 * L * e_sub + 4 * L * e_sub
@@ -275,43 +291,54 @@ def run_group(torch, core, name, plan, n, ceiling, n_sm, sum_ctas, land_ctas, la
                  (f"RS TIDE: SUM (full grid, {sum_full} CTAs resident)", lambda: tide_sum(sum_full), sum_b),
                  (f"RS TIDE: LAND (full grid, {land_full} CTAs resident)", lambda: tide_land(land_full), land_b),
                  ("RS TIDE: staging + SUM + LAND", tide_rs, stage_b + sum_b + land_b),
-                 ("RS TIDE: staging + SUM + LAND, full grid", tide_rs_full, stage_b + sum_b + land_b),
-                 ("RS TIDE: full grid, staging in 2 pieces overlapping SUM + LAND", tide_rs_pieces,
-                  stage_b + sum_b + land_b)]
+                 ("RS TIDE: staging + SUM + LAND, full grid", tide_rs_full, stage_b + sum_b + land_b)]
+    rs_steps += [(pipe_label(K, c, sum_full), pipelines[(K, c)], stage_b + sum_b + land_b) for K, c in pipe_rows]
     for label, fn, nbytes in rs_steps:
         ms, spread = _median_ms(torch, fn)
         k, c, smms = _profile(torch, fn, n_sm)
         rows.append(dict(group=name, step=label, ms=ms, spread=spread, bytes=nbytes,
                          gbps=nbytes / ms / 1e6, floor_ms=nbytes / ceiling * 1e3, kernels=k, copies=c, sm_ms=smms))
-    # The two-piece schedule computes the same bits as the one-piece one.
+    # Every chunked schedule computes the same bits as the one-piece one.
     out0.fill_(float("nan"))
     tide_rs_full()
     ref_out = out0.clone()
-    out0.fill_(float("nan"))
-    tide_rs_pieces()
-    torch.cuda.synchronize()
-    pieces_ok = torch.equal(ref_out.view(torch.int32), out0.view(torch.int32))
+    pieces_ok = True
+    for run in pipelines.values():
+        out0.fill_(float("nan"))
+        run()
+        torch.cuda.synchronize()
+        pieces_ok = pieces_ok and torch.equal(ref_out.view(torch.int32), out0.view(torch.int32))
     del grads, packed_all, staging, block, out0, ref_out
     torch.cuda.empty_cache()
     return rows, dict(group=name, P=P, E=E, S=S, NS=ns, ag_landing_bitwise=ag_ok, rs_pieces_bitwise=pieces_ok,
                       exec_lanes=exec_lanes, sum_full_ctas=sum_full, land_full_ctas=land_full)
 
 
-def row_pieces(copies, slot_bases, row_bytes, cut_row):
-    """Split staging copies (dst, src, width, height, dpitch, spitch) at block row `cut_row`: rows
-    before it in piece 0, the rest in piece 1. A copy's first block row is its offset in its
-    staging slot over `row_bytes` (copies may start at any row: tails); its rows are consecutive."""
-    pieces = [[], []]
+def pipe_label(K, ctas, full):
+    budget = f"full grid, {ctas} CTAs" if ctas == full else f"{ctas} CTAs"
+    return f"RS TIDE: staging in {K} chunks overlapping SUM + LAND ({budget})"
+
+
+def row_pieces(copies, slot_bases, row_bytes, cut_rows):
+    """Split staging copies (dst, src, width, height, dpitch, spitch) at the block rows `cut_rows`
+    (increasing): piece k holds block rows [cut_rows[k-1], cut_rows[k]). A copy's first block row
+    is its offset in its staging slot over `row_bytes` (copies may start at any row: tails); its
+    rows are consecutive."""
+    cuts = list(cut_rows)
+    if any(b <= a for a, b in zip(cuts, cuts[1:])) or (cuts and cuts[0] <= 0):
+        raise ValueError(f"cut_rows must be positive and increasing, got {cuts}")
+    pieces = [[] for _ in range(len(cuts) + 1)]
     for d, s, w, h, dp, sp in copies:
         base = max(b for b in slot_bases if b <= d)
         r0 = (d - base) // row_bytes
         if h > 1 and dp != row_bytes:
             raise ValueError(f"staging copy at row {r0}: pitch {dp} is not the block row ({row_bytes} bytes)")
-        h_a = min(h, max(0, cut_row - r0))
-        if h_a:
-            pieces[0].append((d, s, w, h_a, dp, sp))
-        if h - h_a:
-            pieces[1].append((d + h_a * dp, s + h_a * sp, w, h - h_a, dp, sp))
+        r = 0  # rows of this copy already placed
+        for k, end in enumerate(cuts + [None]):
+            take = h - r if end is None else min(h - r, max(0, end - (r0 + r)))
+            if take:
+                pieces[k].append((d + r * dp, s + r * sp, w, take, dp, sp))
+                r += take
     return pieces
 
 
@@ -402,16 +429,16 @@ def main(argv=None):
                    key=lambda r: r["ms"])
         rs_s = rs["RS stock: _chunk_cat fp32 pack + packed reduce"]
         rs_t = rs["RS TIDE: staging + SUM + LAND, full grid"]
-        rs_p = rs["RS TIDE: full grid, staging in 2 pieces overlapping SUM + LAND"]
+        rs_p = min((r for k, r in rs.items() if k.startswith("RS TIDE: staging in ")), key=lambda r: r["ms"])
         info.update(ag_bytes_ratio=ag_t["bytes"] / ag_s["bytes"], ag_time_ratio=ag_t["ms"] / ag_s["ms"],
                     ag_tide_x_floor=ag_t["ms"] / ag_t["floor_ms"], rs_bytes_ratio=rs_t["bytes"] / rs_s["bytes"],
                     rs_time_ratio=rs_t["ms"] / rs_s["ms"], rs_tide_x_floor=rs_t["ms"] / rs_t["floor_ms"],
-                    rs_pieces_x_floor=rs_p["ms"] / rs_p["floor_ms"])
+                    rs_chunked_x_floor=rs_p["ms"] / rs_p["floor_ms"], rs_chunked_best=rs_p["step"])
         print(f"# {info['group']}: P={info['P']} NS={info['NS'] / 1e9:.2f} GB | AG TIDE/stock bytes "
               f"{info['ag_bytes_ratio']:.2f} time {info['ag_time_ratio']:.2f}, TIDE x floor {info['ag_tide_x_floor']:.2f}"
               f" | RS TIDE/stock bytes {info['rs_bytes_ratio']:.2f} time {info['rs_time_ratio']:.2f}, TIDE x floor "
-              f"{info['rs_tide_x_floor']:.2f} (2 pieces {info['rs_pieces_x_floor']:.2f}, bitwise "
-              f"{info['rs_pieces_bitwise']}) | landing bitwise = copy-out: {info['ag_landing_bitwise']}")
+              f"{info['rs_tide_x_floor']:.2f} (chunked, best {info['rs_chunked_x_floor']:.2f}: "
+              f"{info['rs_chunked_best'][len('RS TIDE: '):]}; bitwise {info['rs_pieces_bitwise']}) | landing bitwise = copy-out: {info['ag_landing_bitwise']}")
     if "sum_sweep" in result:
         print(f"{'SUM ctas':>8} {'n':>10} {'ms':>8} {'GB/s':>8} {'GB/s/CTA':>9}")
         for r in result["sum_sweep"]:
