@@ -136,6 +136,23 @@ def test_layout_bench_row_pieces_cover_the_staging_copies(group, cuts):
         layout.row_pieces(copies, bases, 2 * e_sub, [4, 4])
 
 
+@pytest.mark.parametrize("value, want", [(None, "tiles"), ("tiles", "tiles"), ("ranges", "ranges"), ("grid", None)])
+def test_cta_split_knob(value, want, monkeypatch):
+    """TIDE_CTA_SPLIT picks how SUM, LAND and REDUCE split their elements (device.cuh); a bad value
+    names the variable."""
+    if not _core.built_with_cuda:
+        pytest.skip("no CUDA build")
+    if value is None:
+        monkeypatch.delenv("TIDE_CTA_SPLIT", raising=False)
+    else:
+        monkeypatch.setenv("TIDE_CTA_SPLIT", value)
+    if want is None:
+        with pytest.raises(tide.PlanError, match="TIDE_CTA_SPLIT=grid: expected tiles or ranges"):
+            _core.cuda_cta_split()
+    else:
+        assert _core.cuda_cta_split() == want
+
+
 @pytest.mark.parametrize("value, ok", [(None, True), ("batch", True), ("per_copy", False), ("2d", None)])
 def test_copy_2d_knob(value, ok, monkeypatch):
     """TIDE_COPY_2D picks the eager 2-D copy path (runtime.h); a bad value names the variable."""

@@ -15,16 +15,23 @@ from tide import _core  # noqa: E402
 pytestmark = pytest.mark.gpu
 
 DEV = "cuda"
-VARIANTS = ["vec", "vec_l2", "bulk"]
+VARIANTS = ["vec", "vec_l2", "bulk", "vec_ranges"]  # vec_ranges: vec with TIDE_CTA_SPLIT=ranges
 
 
 @pytest.fixture(params=VARIANTS)
 def variant(request, monkeypatch):
-    """Select the SUM/REDUCE kernel variant (read by every launch) and check it is the one run."""
-    monkeypatch.setenv("TIDE_SUM_KERNEL", request.param)
+    """Select the SUM/REDUCE kernel variant and CTA work split (both read by every launch) and
+    check they are the ones run."""
+    kernel, _, split = request.param.partition("_ranges")
+    monkeypatch.setenv("TIDE_SUM_KERNEL", kernel)
+    if request.param.endswith("_ranges"):
+        monkeypatch.setenv("TIDE_CTA_SPLIT", "ranges")
+    else:
+        monkeypatch.delenv("TIDE_CTA_SPLIT", raising=False)
     cc = _core.cuda_capabilities(0)["cc"]
-    expect = request.param if request.param != "bulk" or cc[0] >= 9 else "vec"
+    expect = kernel if kernel != "bulk" or cc[0] >= 9 else "vec"
     assert _core.cuda_sum_kernel() == expect
+    assert _core.cuda_cta_split() == ("ranges" if request.param.endswith("_ranges") else "tiles")
     return request.param
 
 
@@ -354,27 +361,32 @@ def test_sum_kernels_do_not_spill():
 
 @pytest.mark.parametrize("n_src", [1, 2, 3, 4, 8, "mixed"])  # each LAND instantiation, and jobs of 1/3/8
 @pytest.mark.parametrize("accumulate", [False, True])
-def test_land_bitwise(n_src, accumulate):
+@pytest.mark.parametrize("split", ["tiles", "ranges"])
+def test_land_bitwise(n_src, accumulate, split, monkeypatch):
+    monkeypatch.setenv("TIDE_CTA_SPLIT", split)
     gen = torch.Generator().manual_seed(7 * (9 if n_src == "mixed" else n_src) + accumulate)
-    lens = [4096, 13, 1 << 16]
+    # The last job spans several tiles (16 Ki elements at one source), so 1 and 5 CTAs each walk
+    # more than one tile, and a tile may straddle two jobs.
+    lens = [4096, 13, (1 << 16) + 5]
     alpha = 0.125 if accumulate else 1.0 / 3.0
-    jobs, refs, dsts = [], [], []
-    for i, n in enumerate(lens):
-        k = (1, 3, 8)[i] if n_src == "mixed" else n_src
-        srcs = [torch.randn(n, generator=gen).to(DEV) for _ in range(k)]
-        prev = torch.randn(n, generator=gen)
-        dst = prev.to(DEV) if accumulate else torch.full((n,), float("nan"), device=DEV)
-        t = srcs[0].cpu()
-        for s in srcs[1:]:
-            t = t + s.cpu()
-        v = torch.tensor(alpha, dtype=torch.float32) * t
-        refs.append(prev + v if accumulate else v)
-        jobs.append((dst.data_ptr(), [s.data_ptr() for s in srcs], n))
-        dsts.append((dst, srcs))
-    _core.cuda_land(jobs, alpha, accumulate, 5, _stream())
-    torch.cuda.synchronize()
-    for (dst, _), ref in zip(dsts, refs):
-        assert _bits_equal(dst, ref)
+    for ctas in (1, 5, 132):
+        jobs, refs, dsts = [], [], []
+        for i, n in enumerate(lens):
+            k = (1, 3, 8)[i] if n_src == "mixed" else n_src
+            srcs = [torch.randn(n, generator=gen).to(DEV) for _ in range(k)]
+            prev = torch.randn(n, generator=gen)
+            dst = prev.to(DEV) if accumulate else _poisoned(n)
+            t = srcs[0].cpu()
+            for s in srcs[1:]:
+                t = t + s.cpu()
+            v = torch.tensor(alpha, dtype=torch.float32) * t
+            refs.append(prev + v if accumulate else v)
+            jobs.append((dst.data_ptr(), [s.data_ptr() for s in srcs], n))
+            dsts.append((dst, srcs))
+        _core.cuda_land(jobs, alpha, accumulate, ctas, _stream())
+        torch.cuda.synchronize()
+        for (dst, _), ref in zip(dsts, refs):
+            _assert_same(dst, ref, f"LAND ({split}, {ctas} CTAs)")
 
 
 def test_cast_rne():

@@ -14,7 +14,9 @@ TIDE's copies run as the executors issue them: spread over copy lanes (TIDE_COPY
 lane count), strided copies in one 2-D batch (rows with TIDE_COPY_2D=per_copy beside them). The
 chunked RS rows stage K chunks of L/K block rows, chunk k+1's copies overlapping SUM + LAND of
 chunk k on a second stream under a CTA budget, at most n_stg chunks ahead (paper §4.1, staging
-"processed and reused in chunks").
+"processed and reused in chunks"); the executors' RS program does not overlap them yet (a rank's
+pushes and SUMs share its read stream). SUM and LAND split their elements in tiles
+(TIDE_CTA_SPLIT; rows with contiguous per-CTA ranges beside them).
 On one GPU every copy is a same-device copy, which the driver runs on SMs; between GPUs the
 same descriptors run on copy engines. Bytes are HBM bytes (read + write) of the step.
 Peers' buffers live on the same GPU, so "peer" reads are local reads here.
@@ -112,17 +114,7 @@ def run_group(torch, core, name, plan, n, ceiling, n_sm, sum_ctas, land_ctas, la
 
     def copy_2d(mode, fn):
         """fn with TIDE_COPY_2D=mode (read by every copy call): the 2-D batch or per-copy calls."""
-        def run():
-            old = os.environ.get("TIDE_COPY_2D")
-            os.environ["TIDE_COPY_2D"] = mode
-            try:
-                fn()
-            finally:
-                if old is None:
-                    del os.environ["TIDE_COPY_2D"]
-                else:
-                    os.environ["TIDE_COPY_2D"] = old
-        return run
+        return with_env("TIDE_COPY_2D", mode, fn)
 
     def tide_ag_batch(lanes=exec_lanes):
         core.cuda_copies(d1, st, lanes)
@@ -290,6 +282,12 @@ def run_group(torch, core, name, plan, n, ceiling, n_sm, sum_ctas, land_ctas, la
                  (f"RS TIDE: LAND ({land_ctas} CTAs)", tide_land, land_b),
                  (f"RS TIDE: SUM (full grid, {sum_full} CTAs resident)", lambda: tide_sum(sum_full), sum_b),
                  (f"RS TIDE: LAND (full grid, {land_full} CTAs resident)", lambda: tide_land(land_full), land_b),
+                 ("RS TIDE: SUM (full grid), CTA ranges", with_env("TIDE_CTA_SPLIT", "ranges", lambda: tide_sum(sum_full)),
+                  sum_b),
+                 ("RS TIDE: LAND (full grid), CTA ranges",
+                  with_env("TIDE_CTA_SPLIT", "ranges", lambda: tide_land(land_full)), land_b),
+                 ("RS TIDE: staging + SUM + LAND, full grid, CTA ranges",
+                  with_env("TIDE_CTA_SPLIT", "ranges", lambda: tide_rs_full()), stage_b + sum_b + land_b),
                  ("RS TIDE: staging + SUM + LAND", tide_rs, stage_b + sum_b + land_b),
                  ("RS TIDE: staging + SUM + LAND, full grid", tide_rs_full, stage_b + sum_b + land_b)]
     rs_steps += [(pipe_label(K, c, sum_full), pipelines[(K, c)], stage_b + sum_b + land_b) for K, c in pipe_rows]
@@ -312,6 +310,21 @@ def run_group(torch, core, name, plan, n, ceiling, n_sm, sum_ctas, land_ctas, la
     torch.cuda.empty_cache()
     return rows, dict(group=name, P=P, E=E, S=S, NS=ns, ag_landing_bitwise=ag_ok, rs_pieces_bitwise=pieces_ok,
                       exec_lanes=exec_lanes, sum_full_ctas=sum_full, land_full_ctas=land_full)
+
+
+def with_env(name, value, fn):
+    """fn run with the environment variable `name` = value (the knobs are read at every call)."""
+    def run():
+        old = os.environ.get(name)
+        os.environ[name] = value
+        try:
+            fn()
+        finally:
+            if old is None:
+                del os.environ[name]
+            else:
+                os.environ[name] = old
+    return run
 
 
 def pipe_label(K, ctas, full):

@@ -1,25 +1,55 @@
 #!/usr/bin/env bash
 # Repeats one flaky GPU test to catch a rare hang: HANG_TEST (default the dead-peer IPC test with
-# the entry fence, which hung once in Run 19) HANG_REPS times (default 8), each under its own
-# timeout; on a failure the test's output (with the stuck ranks' Python stacks) stays in
-# $OUT/hang_fail_<i>.log. Summary table LAST.
+# the entry fence, which hung in Runs 19 and 20) HANG_REPS times (default 6). The test's hang
+# deadline is cut to TIDE_TEST_HANG_S (default here 25 s): past it the test sends SIGUSR1 to the
+# stuck rank processes (Python stacks on stderr; pytest -s keeps them in the log); just before
+# it this script records each rank process's thread states and, where gdb exists, native stacks.
+# A failed run's log stays as $OUT/hang_fail_<i>.log. Summary LAST.
 set -uo pipefail
 source "$(dirname "$0")/common.sh"
 TEST=${HANG_TEST:-"tests/test_cuda_ipc.py::test_peer_that_never_runs_is_a_timeout_naming_rank_op_seq[True]"}
-REPS=${HANG_REPS:-8}
+REPS=${HANG_REPS:-6}
+export TIDE_TEST_HANG_S=${TIDE_TEST_HANG_S:-25}
 pass=0; fail=0; times=()
+native() {  # native() PID...: thread states and stacks of the rank processes
+  for p in "$@"; do
+    echo "---- pid $p: $(tr '\0' ' ' </proc/$p/cmdline 2>/dev/null | cut -c1-120)"
+    for t in /proc/$p/task/*; do
+      echo "  tid ${t##*/} state $(awk '{print $3}' $t/stat 2>/dev/null) wchan $(cat $t/wchan 2>/dev/null)"
+    done
+    if command -v gdb >/dev/null; then
+      timeout 60 gdb -p "$p" -batch -ex "thread apply all bt 25" 2>/dev/null | grep -E "^#|^Thread" | head -120
+    else
+      echo "  (no gdb on this machine)"
+    fi
+  done
+}
 for i in $(seq 1 "$REPS"); do
   t0=$(date +%s)
-  if timeout 200 $PY -m pytest -q -p no:cacheprovider "$TEST" >"$OUT/hang_run.log" 2>&1; then
+  log="$OUT/hang_run.log"
+  timeout 240 $PY -m pytest -q -s -p no:cacheprovider "$TEST" >"$log" 2>&1 &
+  pid=$!
+  dumped=0
+  while kill -0 $pid 2>/dev/null; do
+    sleep 1
+    if (( dumped == 0 && $(date +%s) - t0 > TIDE_TEST_HANG_S + 12 )); then
+      dumped=1
+      kids=$(pgrep -f "multiprocessing.spawn" | xargs)
+      { echo "==== $(date -u +%T) still running after $(( $(date +%s) - t0 )) s; rank processes: $kids"; native $kids; } >>"$log" 2>&1
+    fi
+  done
+  wait $pid
+  rc=$?
+  if (( rc == 0 )); then
     pass=$((pass + 1))
   else
-    fail=$((fail + 1)); cp "$OUT/hang_run.log" "$OUT/hang_fail_$i.log"
-    tail -60 "$OUT/hang_run.log"
+    fail=$((fail + 1)); cp "$log" "$OUT/hang_fail_$i.log"
+    grep -vE "^\s*$" "$log" | tail -80
   fi
   times+=("$(( $(date +%s) - t0 ))")
 done
 rm -f "$OUT/hang_run.log"
 echo
-echo "== hang: $TEST x $REPS"
+echo "== hang: $TEST x $REPS (hang report after ${TIDE_TEST_HANG_S} s)"
 echo "passed $pass, failed $fail; seconds per run: ${times[*]}"
 (( fail == 0 ))

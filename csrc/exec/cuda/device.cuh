@@ -10,6 +10,33 @@ namespace tide::cuda::device {
 __device__ __forceinline__ float bf16_lo(uint32_t w) { return __uint_as_float(w << 16); }
 __device__ __forceinline__ float bf16_hi(uint32_t w) { return __uint_as_float(w & 0xffff0000u); }
 
+// [Note: CTA work split]
+// SUM, LAND and REDUCE split their element space [0, n) over the grid in one of two ways, picked
+// per launch by TIDE_CTA_SPLIT (kernels.h: cta_split()):
+//   - tiles (default): CTA c takes tiles c, c + G, c + 2G, ... of one loop iteration's size, so
+//     the grid sweeps each operand front to back together: a handful of DRAM streams, as a
+//     copy kernel has. A full grid of contiguous ranges opens (operands x CTAs) streams far apart
+//     (1188 for SUM at L = 8 on 132 SMs), which measured ~1.25-1.4x a copy's time per byte.
+//   - ranges: CTA c takes one contiguous range of ~n/G elements.
+// Either way there is no persistence and no inter-CTA communication: a CTA walks its own pieces
+// and exits, so the CTA budget stays an exact upper bound on the SMs a launch occupies (paper
+// §2.2: short-lived CTAs). Tile and range starts are multiples of `align`.
+template <class F>
+__device__ __forceinline__ void for_each_piece(int64_t n, int64_t align, int64_t tile, bool ranges, F&& f) {
+  if (ranges) {
+    int64_t per = (n + gridDim.x - 1) / gridDim.x;
+    per = (per + align - 1) / align * align;
+    const int64_t begin = static_cast<int64_t>(blockIdx.x) * per;
+    const int64_t end = begin + per < n ? begin + per : n;
+    if (begin < end) f(begin, end);
+    return;
+  }
+  for (int64_t t = blockIdx.x; t * tile < n; t += gridDim.x) {
+    const int64_t end = (t + 1) * tile < n ? (t + 1) * tile : n;
+    f(t * tile, end);
+  }
+}
+
 // [Note: L2 bulk prefetch]
 // Register-staged loads cap a CTA at ~128 KiB in flight (the register file), ~97 GB/s per CTA at
 // HBM latency. One thread per operand asks the bulk-copy engine to prefetch the chunk `dist`

@@ -87,12 +87,9 @@ __device__ __forceinline__ void set8(float (&acc)[kVec], const uint4& v) {
   }
 }
 
+// SUM over elements [begin, end) of the block (one CTA piece: a tile or a range).
 template <int NS>
-__global__ void __launch_bounds__(kSumThreads, 1) sum_kernel(const __grid_constant__ SumArgs a,
-                                                          int vec_ok, int l2) {
-  int64_t begin, end;
-  cta_range(a.n, kVec, &begin, &end);
-  if (begin >= end) return;
+__device__ __forceinline__ void sum_piece(const SumArgs& a, int64_t begin, int64_t end, int vec_ok, int l2) {
   // First segment that ends after `begin` (segments are sorted and cover [0, n)).
   int lo = 0, hi = a.n_segs - 1;
   while (lo < hi) {
@@ -183,6 +180,14 @@ __global__ void __launch_bounds__(kSumThreads, 1) sum_kernel(const __grid_consta
   }
 }
 
+template <int NS>
+__global__ void __launch_bounds__(kSumThreads, 1) sum_kernel(const __grid_constant__ SumArgs a,
+                                                          int vec_ok, int l2, int split) {
+  constexpr int64_t kTile = static_cast<int64_t>(sum_unroll(NS + 1)) * kSumThreads * kVec;  // one iteration
+  device::for_each_piece(a.n, kVec, kTile, split == kCtaRanges,
+                         [&](int64_t b, int64_t e) { sum_piece<NS>(a, b, e, vec_ok, l2); });
+}
+
 __device__ __forceinline__ float land_one(const LandJob& j, int64_t k, float alpha, int acc_mode) {
   float t = j.src[0][k];
   for (int i = 1; i < j.n_src; ++i) t = __fadd_rn(t, j.src[i][k]);
@@ -250,12 +255,9 @@ __device__ __forceinline__ void land_vec(const LandJob& j, const LandArgs& a, in
 
 // One instantiation per source bound KS (launch_land picks it from the jobs' largest n_src), so
 // each gets its own register allocation.
+// LAND over elements [begin, end) of the jobs laid end to end, each padded to a multiple of 4.
 template <int KU, int KS>
-__global__ void __launch_bounds__(kLandThreads) land_kernel(const __grid_constant__ LandArgs a,
-                                                            int64_t total) {
-  // The jobs are laid end to end, each padded to a multiple of 4 elements.
-  int64_t begin, end;
-  cta_range(total, 4, &begin, &end);
+__device__ __forceinline__ void land_piece(const LandArgs& a, int64_t begin, int64_t end) {
   int64_t base = 0;
   for (int ji = 0; ji < a.n_jobs && base < end; ++ji) {
     const LandJob& j = a.jobs[ji];
@@ -274,6 +276,13 @@ __global__ void __launch_bounds__(kLandThreads) land_kernel(const __grid_constan
     }
     for (int64_t k = b_tail + threadIdx.x; k < e; k += blockDim.x) j.dst[k] = land_one(j, k, a.alpha, a.accumulate);
   }
+}
+
+template <int KU, int KS>
+__global__ void __launch_bounds__(kLandThreads) land_kernel(const __grid_constant__ LandArgs a,
+                                                            int64_t total, int split) {
+  constexpr int64_t kTile = static_cast<int64_t>(KU) * kLandThreads * 4;  // one land_vec iteration
+  device::for_each_piece(total, 4, kTile, split == kCtaRanges, [&](int64_t b, int64_t e) { land_piece<KU, KS>(a, b, e); });
 }
 
 __global__ void __launch_bounds__(kCastThreads) cast_kernel(uint16_t* __restrict__ dst,
@@ -322,7 +331,7 @@ int clamp_ctas(int ctas, int64_t work_items, int threads) {
 
 template <int NS>
 void launch_sum_ns(const SumArgs& a, int ctas, int vec_ok, int l2, cudaStream_t s) {
-  sum_kernel<NS><<<ctas, kSumThreads, 0, s>>>(a, vec_ok, l2);
+  sum_kernel<NS><<<ctas, kSumThreads, 0, s>>>(a, vec_ok, l2, cta_split());
 }
 
 template <int... I>
@@ -373,6 +382,14 @@ SumKernel sum_kernel_requested() {
   return SumKernel::kVec;
 }
 
+CtaSplit cta_split() {
+  // Read at every launch, as TIDE_SUM_KERNEL: a process can compare the two splits.
+  const char* v = std::getenv("TIDE_CTA_SPLIT");
+  if (v == nullptr || *v == '\0' || std::strcmp(v, "tiles") == 0) return kCtaTiles;
+  TIDE_PLAN_CHECK(std::strcmp(v, "ranges") == 0, "TIDE_CTA_SPLIT=", v, ": expected tiles or ranges");
+  return kCtaRanges;
+}
+
 SumKernel sum_kernel_effective() {
   const SumKernel k = sum_kernel_requested();
   return k == SumKernel::kBulk && !bulk_supported() ? SumKernel::kVec : k;
@@ -415,7 +432,7 @@ void launch_sum(const SumArgs& a, int ctas, cudaStream_t stream) {
   TIDE_CHECK_CUDA(cudaGetLastError(), "launching SUM");
 }
 
-using LandKernel = void (*)(LandArgs, int64_t);
+using LandKernel = void (*)(LandArgs, int64_t, int);
 // static_assert below: the instantiations cover 1, 2, 4 and kMaxLandSrcs = 8 sources.
 LandKernel land_kernel_for(int max_src) {
   static_assert(kMaxLandSrcs == 8, "land_kernel_for covers 1, 2, 4 and 8 sources");
@@ -463,7 +480,8 @@ void launch_land(const LandArgs& a, int ctas, cudaStream_t stream) {
     max_src = std::max(max_src, j.n_src);
   }
   if (total == 0) return;
-  land_kernel_for(max_src)<<<clamp_ctas(ctas, total / 4 + 1, kLandThreads), kLandThreads, 0, stream>>>(a, total);
+  land_kernel_for(max_src)<<<clamp_ctas(ctas, total / 4 + 1, kLandThreads), kLandThreads, 0, stream>>>(a, total,
+                                                                                                  cta_split());
   TIDE_CHECK_CUDA(cudaGetLastError(), "launching LAND");
 }
 

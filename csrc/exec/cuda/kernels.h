@@ -129,6 +129,12 @@ SumKernel sum_kernel_requested();          // unset/empty -> kVec; an unknown va
 SumKernel sum_kernel_effective();          // the variant a launch on the current device runs
 const char* sum_kernel_name(SumKernel k);  // "vec", "vec_l2", "bulk"
 
+// ---- CTA work split of SUM, LAND and REDUCE (env TIDE_CTA_SPLIT, read at every launch) ---------
+// device.cuh [Note: CTA work split]: "tiles" (default) or "ranges"; same bits either way. An
+// unknown value is an error naming the variable.
+enum CtaSplit : int { kCtaTiles = 0, kCtaRanges = 1 };
+CtaSplit cta_split();
+
 // bulk.cu: the warp-specialized variant (called by launch_sum / launch_reduce).
 bool bulk_supported();  // current device: cc >= 9.0 and the shared memory (opts every bulk kernel in)
 void launch_sum_bulk(const SumArgs& a, int ctas, cudaStream_t stream);

@@ -228,13 +228,9 @@ __device__ __forceinline__ void generic_body(const ReduceArgs& a, const char* co
   }
 }
 
+// REDUCE over elements [begin, end) of dst (one CTA piece: a tile or a range).
 template <int T, int P>
-__global__ void __launch_bounds__(kReduceThreads, 1) reduce_kernel(const __grid_constant__ ReduceArgs a, int l2) {
-  int64_t per = (a.n + gridDim.x - 1) / gridDim.x;
-  per = (per + kV - 1) / kV * kV;
-  const int64_t begin = static_cast<int64_t>(blockIdx.x) * per;
-  const int64_t end = min(a.n, begin + per);
-  if (begin >= end) return;
+__device__ __forceinline__ void reduce_piece(const ReduceArgs& a, int64_t begin, int64_t end, int l2) {
   int lo = 0, hi = a.n_runs - 1;
   while (lo < hi) {
     const int mid = (lo + hi) >> 1;
@@ -284,15 +280,23 @@ __global__ void __launch_bounds__(kReduceThreads, 1) reduce_kernel(const __grid_
   }
 }
 
+constexpr int64_t kReduceTile = 4 * kReduceThreads * kV;  // elements per CTA tile ([Note: CTA work split])
+
+template <int T, int P>
+__global__ void __launch_bounds__(kReduceThreads, 1) reduce_kernel(const __grid_constant__ ReduceArgs a, int l2,
+                                                                   int split) {
+  device::for_each_piece(a.n, kV, kReduceTile, split == kCtaRanges, [&](int64_t b, int64_t e) { reduce_piece<T, P>(a, b, e, l2); });
+}
+
 template <int T>
 void launch_t(const ReduceArgs& a, int ctas, int l2, cudaStream_t s) {
   const uint32_t all = (1u << T) - 1u, f32 = a.fp32_terms & all;
   if (f32 == 0)
-    reduce_kernel<T, kAllBf16><<<ctas, kReduceThreads, 0, s>>>(a, l2);
+    reduce_kernel<T, kAllBf16><<<ctas, kReduceThreads, 0, s>>>(a, l2, cta_split());
   else if (f32 == all)
-    reduce_kernel<T, kAllF32><<<ctas, kReduceThreads, 0, s>>>(a, l2);
+    reduce_kernel<T, kAllF32><<<ctas, kReduceThreads, 0, s>>>(a, l2, cta_split());
   else
-    reduce_kernel<T, kMixed><<<ctas, kReduceThreads, 0, s>>>(a, l2);
+    reduce_kernel<T, kMixed><<<ctas, kReduceThreads, 0, s>>>(a, l2, cta_split());
 }
 
 template <int... I>
