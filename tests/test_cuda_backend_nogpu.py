@@ -136,10 +136,11 @@ def test_layout_bench_row_pieces_cover_the_staging_copies(group, cuts):
         layout.row_pieces(copies, bases, 2 * e_sub, [4, 4])
 
 
-@pytest.mark.parametrize("value, want", [(None, "tiles"), ("tiles", "tiles"), ("ranges", "ranges"), ("grid", None)])
+@pytest.mark.parametrize("value, want", [(None, "auto"), ("auto", "auto"), ("tiles", "tiles"), ("ranges", "ranges"),
+                                         ("grid", None)])
 def test_cta_split_knob(value, want, monkeypatch):
-    """TIDE_CTA_SPLIT picks how SUM, LAND and REDUCE split their elements (device.cuh); a bad value
-    names the variable."""
+    """TIDE_CTA_SPLIT picks how SUM, LAND and REDUCE split their elements (device.cuh); auto runs
+    ranges below 32 CTAs and tiles from there; a bad value names the variable."""
     if not _core.built_with_cuda:
         pytest.skip("no CUDA build")
     if value is None:
@@ -147,10 +148,12 @@ def test_cta_split_knob(value, want, monkeypatch):
     else:
         monkeypatch.setenv("TIDE_CTA_SPLIT", value)
     if want is None:
-        with pytest.raises(tide.PlanError, match="TIDE_CTA_SPLIT=grid: expected tiles or ranges"):
+        with pytest.raises(tide.PlanError, match="TIDE_CTA_SPLIT=grid: expected auto, tiles or ranges"):
             _core.cuda_cta_split()
-    else:
-        assert _core.cuda_cta_split() == want
+        return
+    assert _core.cuda_cta_split() == want
+    for ctas, auto in ((1, "ranges"), (31, "ranges"), (32, "tiles"), (264, "tiles")):
+        assert _core.cuda_cta_split(ctas) == (auto if want == "auto" else want)
 
 
 @pytest.mark.parametrize("value, ok", [(None, True), ("batch", True), ("per_copy", False), ("2d", None)])

@@ -15,23 +15,24 @@ from tide import _core  # noqa: E402
 pytestmark = pytest.mark.gpu
 
 DEV = "cuda"
-VARIANTS = ["vec", "vec_l2", "bulk", "vec_ranges"]  # vec_ranges: vec with TIDE_CTA_SPLIT=ranges
+# "vec/ranges", "vec/tiles": vec with TIDE_CTA_SPLIT forced (else auto: ranges below 32 CTAs).
+VARIANTS = ["vec", "vec_l2", "bulk", "vec/ranges", "vec/tiles"]
 
 
 @pytest.fixture(params=VARIANTS)
 def variant(request, monkeypatch):
     """Select the SUM/REDUCE kernel variant and CTA work split (both read by every launch) and
     check they are the ones run."""
-    kernel, _, split = request.param.partition("_ranges")
+    kernel, _, split = request.param.partition("/")
     monkeypatch.setenv("TIDE_SUM_KERNEL", kernel)
-    if request.param.endswith("_ranges"):
-        monkeypatch.setenv("TIDE_CTA_SPLIT", "ranges")
+    if split:
+        monkeypatch.setenv("TIDE_CTA_SPLIT", split)
     else:
         monkeypatch.delenv("TIDE_CTA_SPLIT", raising=False)
     cc = _core.cuda_capabilities(0)["cc"]
     expect = kernel if kernel != "bulk" or cc[0] >= 9 else "vec"
     assert _core.cuda_sum_kernel() == expect
-    assert _core.cuda_cta_split() == ("ranges" if request.param.endswith("_ranges") else "tiles")
+    assert _core.cuda_cta_split() == (split or "auto")
     return request.param
 
 

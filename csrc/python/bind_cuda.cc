@@ -101,8 +101,12 @@ void bind_cuda_ops(nb::module_& m) {
   m.def("cuda_copy_2d_batched", &copy_2d_batched,
         "Whether eager 2-D copies go in one cudaMemcpy3DBatchAsync (TIDE_COPY_2D=batch, default) or per copy.");
   m.def("cuda_copy_lanes", &copy_lanes_default, "Copy lanes per issuing stream (TIDE_COPY_LANES, default 4).");
-  m.def("cuda_cta_split", []() { return std::string(cta_split() == kCtaRanges ? "ranges" : "tiles"); },
-        "How SUM, LAND and REDUCE split their elements over the grid (TIDE_CTA_SPLIT: tiles | ranges).");
+  m.def("cuda_cta_split", [](int ctas) {
+          const CtaSplit s = ctas > 0 ? cta_split_for(ctas) : cta_split();
+          return std::string(s == kCtaRanges ? "ranges" : s == kCtaTiles ? "tiles" : "auto");
+        }, nb::arg("ctas") = 0,
+        "How SUM, LAND and REDUCE split their elements over a grid of `ctas` CTAs (TIDE_CTA_SPLIT: "
+        "auto | tiles | ranges; ctas = 0: the setting itself).");
   m.def("cuda_sum_kernel", []() { return std::string(sum_kernel_name(sum_kernel_effective())); },
         "The SUM/REDUCE variant a launch on the current device runs now (TIDE_SUM_KERNEL, kernels.h).");
   m.def("cuda_sum_kernel_attrs", []() {

@@ -1,26 +1,31 @@
 #!/usr/bin/env bash
 # Repeats one flaky GPU test to catch a rare hang: HANG_TEST (default the dead-peer IPC test with
 # the entry fence, which hung in Runs 19 and 20) HANG_REPS times (default 6). The test's hang
-# deadline is cut to TIDE_TEST_HANG_S (default here 25 s): past it the test sends SIGUSR1 to the
-# stuck rank processes (Python stacks on stderr; pytest -s keeps them in the log); just before
-# it this script records each rank process's thread states and, where gdb exists, native stacks.
+# deadline is cut to TIDE_TEST_HANG_S (default here 30 s): past it the test sends SIGUSR1 to the
+# stuck rank processes (Python stacks on stderr; pytest -s keeps them in the log); before it
+# (HANG_DUMP_AFTER_S, 20 s) this script records each rank process's thread states, syscalls and,
+# where gdb or eu-stack exists, native stacks.
 # A failed run's log stays as $OUT/hang_fail_<i>.log. Summary LAST.
 set -uo pipefail
 source "$(dirname "$0")/common.sh"
 TEST=${HANG_TEST:-"tests/test_cuda_ipc.py::test_peer_that_never_runs_is_a_timeout_naming_rank_op_seq[True]"}
 REPS=${HANG_REPS:-6}
-export TIDE_TEST_HANG_S=${TIDE_TEST_HANG_S:-25}
+export TIDE_TEST_HANG_S=${TIDE_TEST_HANG_S:-30}
+DUMP_AFTER_S=${HANG_DUMP_AFTER_S:-20}  # a passing run takes ~10 s
 pass=0; fail=0; times=()
 native() {  # native() PID...: thread states and stacks of the rank processes
   for p in "$@"; do
     echo "---- pid $p: $(tr '\0' ' ' </proc/$p/cmdline 2>/dev/null | cut -c1-120)"
     for t in /proc/$p/task/*; do
-      echo "  tid ${t##*/} state $(awk '{print $3}' $t/stat 2>/dev/null) wchan $(cat $t/wchan 2>/dev/null)"
+      echo "  tid ${t##*/} $(awk '{print $2, $3}' $t/stat 2>/dev/null) wchan $(cat $t/wchan 2>/dev/null) syscall $(cut -d' ' -f1-3 $t/syscall 2>/dev/null)"
     done
+    cat /proc/$p/task/$p/stack 2>/dev/null | head -12
     if command -v gdb >/dev/null; then
       timeout 60 gdb -p "$p" -batch -ex "thread apply all bt 25" 2>/dev/null | grep -E "^#|^Thread" | head -120
+    elif command -v eu-stack >/dev/null; then
+      timeout 60 eu-stack -p "$p" 2>/dev/null | head -120
     else
-      echo "  (no gdb on this machine)"
+      echo "  (no gdb or eu-stack on this machine)"
     fi
   done
 }
@@ -32,7 +37,7 @@ for i in $(seq 1 "$REPS"); do
   dumped=0
   while kill -0 $pid 2>/dev/null; do
     sleep 1
-    if (( dumped == 0 && $(date +%s) - t0 > TIDE_TEST_HANG_S + 12 )); then
+    if (( dumped == 0 && $(date +%s) - t0 > DUMP_AFTER_S )); then
       dumped=1
       kids=$(pgrep -f "multiprocessing.spawn" | xargs)
       { echo "==== $(date -u +%T) still running after $(( $(date +%s) - t0 )) s; rank processes: $kids"; native $kids; } >>"$log" 2>&1

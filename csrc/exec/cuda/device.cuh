@@ -12,12 +12,13 @@ __device__ __forceinline__ float bf16_hi(uint32_t w) { return __uint_as_float(w 
 
 // [Note: CTA work split]
 // SUM, LAND and REDUCE split their element space [0, n) over the grid in one of two ways, picked
-// per launch by TIDE_CTA_SPLIT (kernels.h: cta_split()):
-//   - tiles (default): CTA c takes tiles c, c + G, c + 2G, ... of one loop iteration's size, so
+// per launch by TIDE_CTA_SPLIT (kernels.h: cta_split_for(); default auto: tiles from 32 CTAs):
+//   - tiles: CTA c takes tiles c, c + G, c + 2G, ... of one loop iteration's size, so
 //     the grid sweeps each operand front to back together: a handful of DRAM streams, as a
 //     copy kernel has. A full grid of contiguous ranges opens (operands x CTAs) streams far apart
 //     (1188 for SUM at L = 8 on 132 SMs), which measured ~1.25-1.4x a copy's time per byte.
-//   - ranges: CTA c takes one contiguous range of ~n/G elements.
+//   - ranges: CTA c takes one contiguous range of ~n/G elements. A few CTAs are latency-bound
+//     and open few streams anyway; their long ranges keep ~10 % more per CTA than tiles.
 // Either way there is no persistence and no inter-CTA communication: a CTA walks its own pieces
 // and exits, so the CTA budget stays an exact upper bound on the SMs a launch occupies (paper
 // §2.2: short-lived CTAs). Tile and range starts are multiples of `align`.

@@ -331,7 +331,7 @@ int clamp_ctas(int ctas, int64_t work_items, int threads) {
 
 template <int NS>
 void launch_sum_ns(const SumArgs& a, int ctas, int vec_ok, int l2, cudaStream_t s) {
-  sum_kernel<NS><<<ctas, kSumThreads, 0, s>>>(a, vec_ok, l2, cta_split());
+  sum_kernel<NS><<<ctas, kSumThreads, 0, s>>>(a, vec_ok, l2, cta_split_for(ctas));
 }
 
 template <int... I>
@@ -385,9 +385,17 @@ SumKernel sum_kernel_requested() {
 CtaSplit cta_split() {
   // Read at every launch, as TIDE_SUM_KERNEL: a process can compare the two splits.
   const char* v = std::getenv("TIDE_CTA_SPLIT");
-  if (v == nullptr || *v == '\0' || std::strcmp(v, "tiles") == 0) return kCtaTiles;
-  TIDE_PLAN_CHECK(std::strcmp(v, "ranges") == 0, "TIDE_CTA_SPLIT=", v, ": expected tiles or ranges");
+  if (v == nullptr || *v == '\0' || std::strcmp(v, "auto") == 0) return kCtaAuto;
+  if (std::strcmp(v, "tiles") == 0) return kCtaTiles;
+  TIDE_PLAN_CHECK(std::strcmp(v, "ranges") == 0, "TIDE_CTA_SPLIT=", v, ": expected auto, tiles or ranges");
   return kCtaRanges;
+}
+
+CtaSplit cta_split_for(int ctas) {
+  // A few CTAs are latency-bound and open few DRAM streams anyway; one long range each keeps
+  // their per-CTA rate (BENCHMARKS.md Run 21: tiles cost ~10 % per CTA at 1-16 CTAs).
+  const CtaSplit s = cta_split();
+  return s != kCtaAuto ? s : (ctas >= kTilesMinCtas ? kCtaTiles : kCtaRanges);
 }
 
 SumKernel sum_kernel_effective() {
@@ -480,8 +488,8 @@ void launch_land(const LandArgs& a, int ctas, cudaStream_t stream) {
     max_src = std::max(max_src, j.n_src);
   }
   if (total == 0) return;
-  land_kernel_for(max_src)<<<clamp_ctas(ctas, total / 4 + 1, kLandThreads), kLandThreads, 0, stream>>>(a, total,
-                                                                                                  cta_split());
+  const int c = clamp_ctas(ctas, total / 4 + 1, kLandThreads);
+  land_kernel_for(max_src)<<<c, kLandThreads, 0, stream>>>(a, total, cta_split_for(c));
   TIDE_CHECK_CUDA(cudaGetLastError(), "launching LAND");
 }
 

@@ -130,10 +130,13 @@ SumKernel sum_kernel_effective();          // the variant a launch on the curren
 const char* sum_kernel_name(SumKernel k);  // "vec", "vec_l2", "bulk"
 
 // ---- CTA work split of SUM, LAND and REDUCE (env TIDE_CTA_SPLIT, read at every launch) ---------
-// device.cuh [Note: CTA work split]: "tiles" (default) or "ranges"; same bits either way. An
-// unknown value is an error naming the variable.
-enum CtaSplit : int { kCtaTiles = 0, kCtaRanges = 1 };
-CtaSplit cta_split();
+// device.cuh [Note: CTA work split]: "auto" (default: tiles from kTilesMinCtas CTAs, ranges
+// below), "tiles" or "ranges"; same bits either way. An unknown value is an error naming the
+// variable.
+enum CtaSplit : int { kCtaAuto = -1, kCtaTiles = 0, kCtaRanges = 1 };
+constexpr int kTilesMinCtas = 32;
+CtaSplit cta_split();                  // as requested (kCtaAuto when unset)
+CtaSplit cta_split_for(int ctas);      // what a launch of `ctas` CTAs runs (never kCtaAuto)
 
 // bulk.cu: the warp-specialized variant (called by launch_sum / launch_reduce).
 bool bulk_supported();  // current device: cc >= 9.0 and the shared memory (opts every bulk kernel in)

@@ -292,11 +292,11 @@ template <int T>
 void launch_t(const ReduceArgs& a, int ctas, int l2, cudaStream_t s) {
   const uint32_t all = (1u << T) - 1u, f32 = a.fp32_terms & all;
   if (f32 == 0)
-    reduce_kernel<T, kAllBf16><<<ctas, kReduceThreads, 0, s>>>(a, l2, cta_split());
+    reduce_kernel<T, kAllBf16><<<ctas, kReduceThreads, 0, s>>>(a, l2, cta_split_for(ctas));
   else if (f32 == all)
-    reduce_kernel<T, kAllF32><<<ctas, kReduceThreads, 0, s>>>(a, l2, cta_split());
+    reduce_kernel<T, kAllF32><<<ctas, kReduceThreads, 0, s>>>(a, l2, cta_split_for(ctas));
   else
-    reduce_kernel<T, kMixed><<<ctas, kReduceThreads, 0, s>>>(a, l2, cta_split());
+    reduce_kernel<T, kMixed><<<ctas, kReduceThreads, 0, s>>>(a, l2, cta_split_for(ctas));
 }
 
 template <int... I>
