@@ -200,10 +200,12 @@ __device__ __forceinline__ float land_one(const LandJob& j, int64_t k, float alp
 // per thread at most (one source: 8 vectors; two: 6; four: 4; eight: 2), so a one-source landing
 // (the single-node case) is not latency-bound on 2 loads per thread. Same association for every
 // instantiation: ((s0 + s1) + ...) * alpha [+ old].
+// `ahead`: prefetch `dist` iterations ahead inside this piece (a range); a tile is one iteration,
+// so the tile loop prefetches the CTA's next tile instead (land_prefetch).
 template <int KU, int KS>
-__device__ __forceinline__ void land_vec(const LandJob& j, const LandArgs& a, int64_t b, int64_t nv) {
+__device__ __forceinline__ void land_vec(const LandJob& j, const LandArgs& a, int64_t b, int64_t nv, bool ahead) {
   const int64_t chunk = static_cast<int64_t>(KU) * blockDim.x * 4;  // elements per iteration
-  const int dist = prefetch_dist();
+  const int dist = ahead ? prefetch_dist() : 0;
   auto prefetch = [&](int64_t it) {
     const int64_t first = it * chunk;
     const int64_t span = min(chunk, nv * 4 - first);
@@ -214,7 +216,7 @@ __device__ __forceinline__ void land_vec(const LandJob& j, const LandArgs& a, in
   };
   for (int d = 0; d < dist; ++d) prefetch(d);
   for (int64_t v0 = threadIdx.x; v0 < nv; v0 += KU * blockDim.x) {
-    prefetch((v0 - threadIdx.x) / (KU * blockDim.x) + dist);
+    if (ahead) prefetch((v0 - threadIdx.x) / (KU * blockDim.x) + dist);
     float4 in[KU][KS];
     float4 old[KU];
 #pragma unroll
@@ -257,7 +259,7 @@ __device__ __forceinline__ void land_vec(const LandJob& j, const LandArgs& a, in
 // each gets its own register allocation.
 // LAND over elements [begin, end) of the jobs laid end to end, each padded to a multiple of 4.
 template <int KU, int KS>
-__device__ __forceinline__ void land_piece(const LandArgs& a, int64_t begin, int64_t end) {
+__device__ __forceinline__ void land_piece(const LandArgs& a, int64_t begin, int64_t end, bool ahead) {
   int64_t base = 0;
   for (int ji = 0; ji < a.n_jobs && base < end; ++ji) {
     const LandJob& j = a.jobs[ji];
@@ -272,17 +274,41 @@ __device__ __forceinline__ void land_piece(const LandArgs& a, int64_t begin, int
     if (vec) {
       const int64_t nv = (e - b) / 4;
       b_tail = b + nv * 4;
-      land_vec<KU, KS>(j, a, b, nv);
+      land_vec<KU, KS>(j, a, b, nv, ahead);
     }
     for (int64_t k = b_tail + threadIdx.x; k < e; k += blockDim.x) j.dst[k] = land_one(j, k, a.alpha, a.accumulate);
+  }
+}
+
+// L2 prefetch of the operands of elements [begin, end) (one thread per source, one for the
+// accumulated dst): the CTA's next tile, requested before this tile's loads so that its loads
+// find L2 instead of waiting a full HBM latency once per tile (one CTA per SM leaves nobody to
+// fill that gap).
+__device__ __forceinline__ void land_prefetch(const LandArgs& a, int64_t begin, int64_t end) {
+  const int t = static_cast<int>(threadIdx.x);
+  if (begin >= end || t > kMaxLandSrcs) return;
+  int64_t base = 0;
+  for (int ji = 0; ji < a.n_jobs && base < end; ++ji) {
+    const LandJob& j = a.jobs[ji];
+    const int64_t padded = (j.n + 3) & ~int64_t(3);
+    const int64_t b = max(begin, base) - base;
+    const int64_t e = min(min(end, base + padded) - base, j.n);
+    base += padded;
+    if (b >= e) continue;
+    if (t < j.n_src) l2_prefetch(j.src[t] + b, (e - b) * 4);
+    else if (t == j.n_src && a.accumulate) l2_prefetch(j.dst + b, (e - b) * 4);
   }
 }
 
 template <int KU, int KS>
 __global__ void __launch_bounds__(kLandThreads) land_kernel(const __grid_constant__ LandArgs a,
                                                             int64_t total, int split) {
-  constexpr int64_t kTile = static_cast<int64_t>(KU) * kLandThreads * 4;  // one land_vec iteration
-  device::for_each_piece(total, 4, kTile, split == kCtaRanges, [&](int64_t b, int64_t e) { land_piece<KU, KS>(a, b, e); });
+  const int64_t tile = static_cast<int64_t>(KU) * blockDim.x * 4;  // one land_vec iteration
+  const bool ranges = split == kCtaRanges;
+  device::for_each_piece(total, 4, tile, ranges, [&](int64_t b, int64_t e) {
+    if (!ranges) land_prefetch(a, b + gridDim.x * tile, min(total, b + (gridDim.x + 1) * tile));
+    land_piece<KU, KS>(a, b, e, ranges);
+  });
 }
 
 __global__ void __launch_bounds__(kCastThreads) cast_kernel(uint16_t* __restrict__ dst,
