@@ -202,7 +202,8 @@ def _calls_hsdp(rank, cfg, fab, ex, plan, conn):
 
 
 def _rank_main(rank, cfg, conn):
-    faulthandler.register(signal.SIGUSR1, all_threads=True)  # the parent's hang report
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # the parent's hang report: Python
+    _core.cuda_install_stack_dump(signal.SIGUSR2)           # and native stacks
     try:
         M, L = cfg["M"], cfg["L"]
         _, plan = _plan(2, 1, False) if cfg["mode"] == "hsdp" else _plan(M, L, cfg["cast"])
@@ -280,8 +281,11 @@ def _run_world(M, L, *, spread=False, cast=False, dead=-1, timeout_s=10.0, fence
                 stuck = sorted(set(range(N)) - set(out))
                 for r in stuck:
                     os.kill(procs[r].pid, signal.SIGUSR1)
+                    time.sleep(0.5)
+                    os.kill(procs[r].pid, signal.SIGUSR2)
                 time.sleep(2)
-                raise AssertionError(f"ranks hung waiting for {kind!r}: {stuck}; what they reported "
+                raise AssertionError(f"ranks hung waiting for {kind!r}: {stuck} (pids "
+                                     f"{[procs[r].pid for r in stuck]}); what they reported "
                                      f"before: {dict((r, got[r]) for r in stuck)} (stacks on stderr)")
             for c in mpc.wait([c for r, c in enumerate(conns) if r not in out], timeout=left):
                 r = conns.index(c)

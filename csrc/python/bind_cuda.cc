@@ -101,6 +101,9 @@ void bind_cuda_ops(nb::module_& m) {
   m.def("cuda_copy_2d_batched", &copy_2d_batched,
         "Whether eager 2-D copies go in one cudaMemcpy3DBatchAsync (TIDE_COPY_2D=batch, default) or per copy.");
   m.def("cuda_copy_lanes", &copy_lanes_default, "Copy lanes per issuing stream (TIDE_COPY_LANES, default 4).");
+  m.def("cuda_install_stack_dump", &install_stack_dump, nb::arg("signum"),
+        "On signal `signum`, write the receiving thread's and every executor watchdog's native "
+        "backtrace to stderr (hang reports where gdb is missing; tests/test_cuda_ipc.py).");
   m.def("cuda_cta_split", [](int ctas) {
           const CtaSplit s = ctas > 0 ? cta_split_for(ctas) : cta_split();
           return std::string(s == kCtaRanges ? "ranges" : s == kCtaTiles ? "tiles" : "auto");

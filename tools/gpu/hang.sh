@@ -17,6 +17,7 @@ native() {  # native() PID...: thread states and stacks of the rank processes
   for p in "$@"; do
     echo "---- pid $p: $(tr '\0' ' ' </proc/$p/cmdline 2>/dev/null | cut -c1-120)"
     for t in /proc/$p/task/*; do
+      grep -q futex_do_wait $t/wchan 2>/dev/null && [[ ${t##*/} != "$p" ]] && continue  # idle pool threads
       echo "  tid ${t##*/} $(awk '{print $2, $3}' $t/stat 2>/dev/null) wchan $(cat $t/wchan 2>/dev/null) syscall $(cut -d' ' -f1-3 $t/syscall 2>/dev/null)"
     done
     cat /proc/$p/task/$p/stack 2>/dev/null | head -12
@@ -41,6 +42,7 @@ for i in $(seq 1 "$REPS"); do
       dumped=1
       kids=$(pgrep -f "multiprocessing.spawn" | xargs)
       { echo "==== $(date -u +%T) still running after $(( $(date +%s) - t0 )) s; rank processes: $kids"; native $kids; } >>"$log" 2>&1
+      for k in $kids; do kill -USR2 "$k" 2>/dev/null; sleep 0.3; done  # native stacks (tide._core handler)
     fi
   done
   wait $pid
@@ -48,8 +50,17 @@ for i in $(seq 1 "$REPS"); do
   if (( rc == 0 )); then
     pass=$((pass + 1))
   else
-    fail=$((fail + 1)); cp "$log" "$OUT/hang_fail_$i.log"
-    grep -vE "^\s*$" "$log" | tail -80
+    fail=$((fail + 1))
+    # native frames of tide._core (SIGUSR2 handler) -> function names
+    so=$(ls tide/_core*.so 2>/dev/null | head -1)
+    if [[ -n $so ]] && command -v addr2line >/dev/null; then
+      echo "==== tide._core frames" >>"$log"
+      grep -oE "_core[^ ]*\.so\(\+0x[0-9a-f]+\)" "$log" | grep -oE "0x[0-9a-f]+" | sort -u | while read -r a; do
+        echo "$a $(addr2line -Cfpe "$so" "$a" | head -1 | cut -c1-160)"
+      done >>"$log"
+    fi
+    cp "$log" "$OUT/hang_fail_$i.log"
+    grep -vE "^\s*$|futex_do_wait|poll_schedule|libpython|^\[<0>\]" "$log" | tail -150
   fi
   times+=("$(( $(date +%s) - t0 ))")
 done

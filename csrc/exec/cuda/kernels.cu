@@ -515,7 +515,12 @@ void launch_land(const LandArgs& a, int ctas, cudaStream_t stream) {
   }
   if (total == 0) return;
   const int c = clamp_ctas(ctas, total / 4 + 1, kLandThreads);
-  land_kernel_for(max_src)<<<c, kLandThreads, 0, stream>>>(a, total, cta_split_for(c));
+  const CtaSplit split = cta_split_for(c);
+  // Tiles: a budget of c CTAs runs as 2c half-size CTAs, two per SM (the same threads and
+  // registers): one 512-thread CTA per SM leaves its per-tile load latency uncovered.
+  const bool halves = split == kCtaTiles;
+  land_kernel_for(max_src)<<<halves ? 2 * c : c, halves ? kLandThreads / 2 : kLandThreads, 0, stream>>>(a, total,
+                                                                                                      split);
   TIDE_CHECK_CUDA(cudaGetLastError(), "launching LAND");
 }
 

@@ -344,6 +344,7 @@ void Watchdog::release(const Entry& e) {
 }
 
 void Watchdog::loop() {
+  register_dump_thread(true);
   cudaSetDevice(device_);
   std::unique_lock<std::mutex> lk(mu_);
   while (!stop_) {
@@ -375,6 +376,7 @@ void Watchdog::loop() {
     cv_.notify_all();
     cv_.wait_for(lk, std::chrono::microseconds(200));
   }
+  register_dump_thread(false);
 }
 
 void Watchdog::drain() {

@@ -160,6 +160,12 @@ class StreamPool {
   std::vector<cudaStream_t> streams_;
 };
 
+// ---- hang reports (stackdump.cc) -------------------------------------------------------------
+// install_stack_dump(sig): on `sig`, the receiving thread and every registered thread (each
+// watchdog) write their native backtraces to stderr. For machines without gdb.
+void install_stack_dump(int sig);
+void register_dump_thread(bool on);  // the calling thread joins (true) or leaves the dump
+
 // ---- watchdog --------------------------------------------------------------------------------
 // [Note: watchdog and fail-stop]
 // Each WAIT the executor enqueues is followed by an event record on the same stream and
