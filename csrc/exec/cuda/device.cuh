@@ -19,9 +19,8 @@ __device__ __forceinline__ float bf16_hi(uint32_t w) { return __uint_as_float(w 
 //     (1188 for SUM at L = 8 on 132 SMs), which measured ~1.25-1.4x a copy's time per byte.
 //   - ranges: CTA c takes one contiguous range of ~n/G elements. A few CTAs are latency-bound
 //     and open few streams anyway; their long ranges keep ~10 % more per CTA than tiles.
-// LAND in tiles also prefetches each CTA's next tile into L2 and runs a budget of c CTAs as 2c
-// half-size CTAs (two per SM, same threads and registers), so one CTA's per-tile load latency
-// is covered by the other's work.
+// LAND in tiles also prefetches each CTA's next tile into L2 (tried and dropped: running a budget
+// of c CTAs as 2c half-size CTAs, two per SM: no faster, BENCHMARKS.md Run 22).
 // Either way there is no persistence and no inter-CTA communication: a CTA walks its own pieces
 // and exits, so the CTA budget stays an exact upper bound on the SMs a launch occupies (paper
 // §2.2: short-lived CTAs). Tile and range starts are multiples of `align`.

@@ -426,6 +426,7 @@ CudaExecutor::CudaExecutor(std::shared_ptr<fabric::Fabric> fabric, std::vector<P
     for (int k = 0; k < kNumBufKinds; ++k)
       TIDE_PLAN_CHECK(p.arena.offset[k] == p0.arena.offset[k], "arena layouts differ on rank ", r);
   }
+  for (int r = 0; r < n; ++r) preload_kernels(fabric_->device_of(r));  // [Note: eager kernel loading]
   watchdog_ = std::make_unique<Watchdog>(fabric_->device_of(0), opt_.timeout_s);
   streams_.resize(static_cast<size_t>(n));
   std::vector<int> members(static_cast<size_t>(n));

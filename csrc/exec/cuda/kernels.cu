@@ -20,6 +20,8 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <mutex>
+#include <set>
 #include <string>
 #include <utility>
 #include <vector>
@@ -437,6 +439,29 @@ std::vector<KernelAttrs> sum_kernel_attrs() {
   return v;
 }
 
+void preload_kernels(int device) {
+  static std::mutex mu;
+  static std::set<int> loaded;
+  std::lock_guard<std::mutex> g(mu);
+  if (loaded.count(device)) return;
+  int prev = 0;
+  TIDE_CHECK_CUDA(cudaGetDevice(&prev));
+  TIDE_CHECK_CUDA(cudaSetDevice(device), "device ", device);
+  // cudaFuncGetAttributes loads a lazily loaded kernel: SUM, REDUCE and bulk here...
+  (void)sum_kernel_attrs();
+  // ...and the others.
+  const void* rest[] = {reinterpret_cast<const void*>(land_kernel<8, 1>), reinterpret_cast<const void*>(land_kernel<6, 2>),
+                        reinterpret_cast<const void*>(land_kernel<4, 4>), reinterpret_cast<const void*>(land_kernel<2, 8>),
+                        reinterpret_cast<const void*>(cast_kernel), reinterpret_cast<const void*>(zero_kernel),
+                        reinterpret_cast<const void*>(stall_kernel)};
+  for (const void* k : rest) {
+    cudaFuncAttributes fa{};
+    TIDE_CHECK_CUDA(cudaFuncGetAttributes(&fa, k), "loading the TIDE kernels on device ", device);
+  }
+  TIDE_CHECK_CUDA(cudaSetDevice(prev));
+  loaded.insert(device);
+}
+
 void launch_sum(const SumArgs& a, int ctas, cudaStream_t stream) {
   TIDE_CHECK(a.n_staged >= 0 && a.n_staged <= kMaxStaged, "n_staged=", a.n_staged);
   TIDE_CHECK(a.n == 0 || (a.dst && a.segs && a.n_segs > 0), "SUM needs dst and a segment table");
@@ -515,12 +540,7 @@ void launch_land(const LandArgs& a, int ctas, cudaStream_t stream) {
   }
   if (total == 0) return;
   const int c = clamp_ctas(ctas, total / 4 + 1, kLandThreads);
-  const CtaSplit split = cta_split_for(c);
-  // Tiles: a budget of c CTAs runs as 2c half-size CTAs, two per SM (the same threads and
-  // registers): one 512-thread CTA per SM leaves its per-tile load latency uncovered.
-  const bool halves = split == kCtaTiles;
-  land_kernel_for(max_src)<<<halves ? 2 * c : c, halves ? kLandThreads / 2 : kLandThreads, 0, stream>>>(a, total,
-                                                                                                      split);
+  land_kernel_for(max_src)<<<c, kLandThreads, 0, stream>>>(a, total, cta_split_for(c));
   TIDE_CHECK_CUDA(cudaGetLastError(), "launching LAND");
 }
 

@@ -44,6 +44,7 @@ CudaRankExecutor::CudaRankExecutor(std::shared_ptr<fabric::Fabric> fabric, int r
   if (have_layout_) layout_ = arena_layout_from(regions, fabric_->arena_bytes(), "CudaRankExecutor");
   device_ = fabric_->device_of(rank);
   TIDE_CHECK_CUDA(cudaSetDevice(device_), "device ", device_);
+  preload_kernels(device_);  // [Note: eager kernel loading]
   watchdog_ = std::make_unique<Watchdog>(device_, opt_.timeout_s);
   for (cudaEvent_t* e : {&ev_caller_, &ev_entry_, &ev_done_})
     TIDE_CHECK_CUDA(cudaEventCreateWithFlags(e, cudaEventDisableTiming));
