@@ -170,3 +170,20 @@ def test_copy_2d_knob(value, ok, monkeypatch):
             _core.cuda_copy_2d_batched()
     else:
         assert _core.cuda_copy_2d_batched() is ok
+
+
+def test_native_stack_dump_on_signal():
+    """cuda_install_stack_dump(sig): the signalled process writes its native backtrace to stderr
+    and keeps running (the hang reports of tests/test_cuda_ipc.py and tools/gpu/hang.sh)."""
+    if not _core.built_with_cuda:
+        pytest.skip("no CUDA build")
+    import subprocess
+    import sys
+    code = ("import os, signal\nfrom tide import _core\n_core.cuda_install_stack_dump(signal.SIGUSR2)\n"
+            "os.kill(os.getpid(), signal.SIGUSR2)\nprint('still running')\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "still running"
+    assert "-- tide native stack, pid " in r.stderr, r.stderr
+    frames = [ln for ln in r.stderr.splitlines() if "[0x" in ln]
+    assert any("_core" in ln for ln in frames) and any("libc" in ln for ln in frames), r.stderr

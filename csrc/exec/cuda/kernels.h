@@ -155,11 +155,12 @@ struct KernelAttrs {
 std::vector<KernelAttrs> sum_kernel_attrs();
 // [Note: eager kernel loading]
 // Under CUDA's lazy module loading (the default, and torch's), a kernel's first launch loads its
-// code, and that load can wait for the device while one of this process's streams is parked on
-// a WAIT whose release needs the executor's host thread to get past that very launch: rank 0 of
-// tests/test_cuda_ipc.py's dead-peer case hung inside cuLaunchKernel at its first reduce-scatter
-// (BENCHMARKS.md Run 22; NCCL documents the same hazard). Every executor therefore loads all of
-// our kernels on its device when it is created, before any WAIT is enqueued.
+// code. Rank 0 of tests/test_cuda_ipc.py's dead-peer case hung, about one run in six, inside
+// cuLaunchKernel at the first REDUCE launch of its first reduce-scatter, while one of its streams
+// was parked on an entry-fence WAIT and its watchdog sat idle (BENCHMARKS.md Run 23). Our reading:
+// the load waits for the device, and the watchdog's release write queues behind that same wait.
+// Every executor therefore loads all of our kernels on its devices when it is created, before any
+// WAIT exists; the hang has not recurred since (16 runs, Runs 24-25).
 void preload_kernels(int device);
 void append_reduce_kernel_attrs(std::vector<KernelAttrs>* out);  // reduce.cu
 void append_bulk_kernel_attrs(std::vector<KernelAttrs>* out);    // bulk.cu

@@ -19,8 +19,9 @@ namespace tide::cuda {
 namespace {
 
 constexpr int kMaxThreads = 64;
-std::atomic<pthread_t> g_threads[kMaxThreads];
-std::atomic<bool> g_used[kMaxThreads];
+// A slot is free (0), being claimed (1) or holds a thread (2); only state 2 is signalled.
+pthread_t g_threads[kMaxThreads];
+std::atomic<int> g_state[kMaxThreads];
 
 void write_str(const char* s) {
   if (write(2, s, std::strlen(s)) < 0) return;
@@ -35,12 +36,10 @@ void handler(int sig) {
   const int n = backtrace(frames, 48);
   backtrace_symbols_fd(frames, n, 2);
   const pthread_t self = pthread_self();
-  bool registered = false;
   for (int i = 0; i < kMaxThreads; ++i)
-    if (g_used[i].load() && pthread_equal(g_threads[i].load(), self)) registered = true;
-  if (registered) return;  // a forwarded signal: do not forward again
+    if (g_state[i].load() == 2 && pthread_equal(g_threads[i], self)) return;  // forwarded: stop here
   for (int i = 0; i < kMaxThreads; ++i)
-    if (g_used[i].load()) pthread_kill(g_threads[i].load(), sig);
+    if (g_state[i].load() == 2) pthread_kill(g_threads[i], sig);
 }
 
 }  // namespace
@@ -56,13 +55,14 @@ void install_stack_dump(int sig) {
 void register_dump_thread(bool on) {
   const pthread_t self = pthread_self();
   for (int i = 0; i < kMaxThreads; ++i) {
-    if (on && !g_used[i].load()) {
+    int free_slot = 0;
+    if (on && g_state[i].compare_exchange_strong(free_slot, 1)) {
       g_threads[i] = self;
-      g_used[i] = true;
+      g_state[i] = 2;
       return;
     }
-    if (!on && g_used[i].load() && pthread_equal(g_threads[i].load(), self)) {
-      g_used[i] = false;
+    if (!on && g_state[i].load() == 2 && pthread_equal(g_threads[i], self)) {
+      g_state[i] = 0;
       return;
     }
   }
