@@ -136,17 +136,22 @@ def test_layout_bench_row_pieces_cover_the_staging_copies(group, cuts):
         layout.row_pieces(copies, bases, 2 * e_sub, [4, 4])
 
 
+def _knob(monkeypatch, name, value):
+    """A CUDA build's knob `name` set to `value` (None: unset) for one test."""
+    if not _core.built_with_cuda:
+        pytest.skip("no CUDA build")
+    if value is None:
+        monkeypatch.delenv(name, raising=False)
+    else:
+        monkeypatch.setenv(name, value)
+
+
 @pytest.mark.parametrize("value, want", [(None, "auto"), ("auto", "auto"), ("tiles", "tiles"), ("ranges", "ranges"),
                                          ("grid", None)])
 def test_cta_split_knob(value, want, monkeypatch):
     """TIDE_CTA_SPLIT picks how SUM, LAND and REDUCE split their elements (device.cuh); auto runs
     ranges below 32 CTAs and tiles from there; a bad value names the variable."""
-    if not _core.built_with_cuda:
-        pytest.skip("no CUDA build")
-    if value is None:
-        monkeypatch.delenv("TIDE_CTA_SPLIT", raising=False)
-    else:
-        monkeypatch.setenv("TIDE_CTA_SPLIT", value)
+    _knob(monkeypatch, "TIDE_CTA_SPLIT", value)
     if want is None:
         with pytest.raises(tide.PlanError, match="TIDE_CTA_SPLIT=grid: expected auto, tiles or ranges"):
             _core.cuda_cta_split()
@@ -159,12 +164,7 @@ def test_cta_split_knob(value, want, monkeypatch):
 @pytest.mark.parametrize("value, ok", [(None, True), ("batch", True), ("per_copy", False), ("2d", None)])
 def test_copy_2d_knob(value, ok, monkeypatch):
     """TIDE_COPY_2D picks the eager 2-D copy path (runtime.h); a bad value names the variable."""
-    if not _core.built_with_cuda:
-        pytest.skip("no CUDA build")
-    if value is None:
-        monkeypatch.delenv("TIDE_COPY_2D", raising=False)
-    else:
-        monkeypatch.setenv("TIDE_COPY_2D", value)
+    _knob(monkeypatch, "TIDE_COPY_2D", value)
     if ok is None:
         with pytest.raises(tide.PlanError, match="TIDE_COPY_2D must be 'batch' or 'per_copy'"):
             _core.cuda_copy_2d_batched()

@@ -257,11 +257,10 @@ __device__ __forceinline__ void land_vec(const LandJob& j, const LandArgs& a, in
   }
 }
 
-// One instantiation per source bound KS (launch_land picks it from the jobs' largest n_src), so
-// each gets its own register allocation.
-// LAND over elements [begin, end) of the jobs laid end to end, each padded to a multiple of 4.
-template <int KU, int KS>
-__device__ __forceinline__ void land_piece(const LandArgs& a, int64_t begin, int64_t end, bool ahead) {
+// f(job, b, e) for each job's part [b, e) (job-relative) of elements [begin, end) of the jobs
+// laid end to end, each padded to a multiple of 4 elements.
+template <class F>
+__device__ __forceinline__ void for_each_job_part(const LandArgs& a, int64_t begin, int64_t end, F&& f) {
   int64_t base = 0;
   for (int ji = 0; ji < a.n_jobs && base < end; ++ji) {
     const LandJob& j = a.jobs[ji];
@@ -269,7 +268,15 @@ __device__ __forceinline__ void land_piece(const LandArgs& a, int64_t begin, int
     const int64_t b = max(begin, base) - base;
     const int64_t e = min(min(end, base + padded) - base, j.n);
     base += padded;
-    if (b >= e) continue;
+    if (b < e) f(j, b, e);
+  }
+}
+
+// One instantiation per source bound KS (launch_land picks it from the jobs' largest n_src), so
+// each gets its own register allocation. LAND over elements [begin, end) of the jobs.
+template <int KU, int KS>
+__device__ __forceinline__ void land_piece(const LandArgs& a, int64_t begin, int64_t end, bool ahead) {
+  for_each_job_part(a, begin, end, [&](const LandJob& j, int64_t b, int64_t e) {
     bool vec = (reinterpret_cast<uintptr_t>(j.dst) & 15) == 0;
     for (int i = 0; i < j.n_src; ++i) vec = vec && (reinterpret_cast<uintptr_t>(j.src[i]) & 15) == 0;
     int64_t b_tail = b;
@@ -279,7 +286,7 @@ __device__ __forceinline__ void land_piece(const LandArgs& a, int64_t begin, int
       land_vec<KU, KS>(j, a, b, nv, ahead);
     }
     for (int64_t k = b_tail + threadIdx.x; k < e; k += blockDim.x) j.dst[k] = land_one(j, k, a.alpha, a.accumulate);
-  }
+  });
 }
 
 // L2 prefetch of the operands of elements [begin, end) (one thread per source, one for the
@@ -288,18 +295,11 @@ __device__ __forceinline__ void land_piece(const LandArgs& a, int64_t begin, int
 // fill that gap).
 __device__ __forceinline__ void land_prefetch(const LandArgs& a, int64_t begin, int64_t end) {
   const int t = static_cast<int>(threadIdx.x);
-  if (begin >= end || t > kMaxLandSrcs) return;
-  int64_t base = 0;
-  for (int ji = 0; ji < a.n_jobs && base < end; ++ji) {
-    const LandJob& j = a.jobs[ji];
-    const int64_t padded = (j.n + 3) & ~int64_t(3);
-    const int64_t b = max(begin, base) - base;
-    const int64_t e = min(min(end, base + padded) - base, j.n);
-    base += padded;
-    if (b >= e) continue;
+  if (t > kMaxLandSrcs) return;
+  for_each_job_part(a, begin, end, [&](const LandJob& j, int64_t b, int64_t e) {
     if (t < j.n_src) l2_prefetch(j.src[t] + b, (e - b) * 4);
     else if (t == j.n_src && a.accumulate) l2_prefetch(j.dst + b, (e - b) * 4);
-  }
+  });
 }
 
 template <int KU, int KS>
