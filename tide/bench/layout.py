@@ -112,10 +112,6 @@ def run_group(torch, core, name, plan, n, ceiling, n_sm, sum_ctas, land_ctas, la
     def tide_ag_2d(lanes=exec_lanes):
         core.cuda_copies(d2, st, lanes)
 
-    def copy_2d(mode, fn):
-        """fn with TIDE_COPY_2D=mode (read by every copy call): the 2-D batch or per-copy calls."""
-        return with_env("TIDE_COPY_2D", mode, fn)
-
     def tide_ag_batch(lanes=exec_lanes):
         core.cuda_copies(d1, st, lanes)
 
@@ -125,7 +121,7 @@ def run_group(torch, core, name, plan, n, ceiling, n_sm, sum_ctas, land_ctas, la
         ag_steps += [(f"AG TIDE: direct landing, P strided copies, {ln} lane(s)",
                       lambda ln=ln: tide_ag_2d(ln), 2 * ns),
                      (f"AG TIDE: direct landing, P strided copies (2-D per copy), {ln} lane(s)",
-                      copy_2d("per_copy", lambda ln=ln: tide_ag_2d(ln)), 2 * ns),
+                      with_env("TIDE_COPY_2D", "per_copy", lambda ln=ln: tide_ag_2d(ln)), 2 * ns),
                      (f"AG TIDE: direct landing, N*P batched copies, {ln} lane(s)",
                       lambda ln=ln: tide_ag_batch(ln), 2 * ns)]
     for label, fn, nbytes in ag_steps:
@@ -277,7 +273,7 @@ def run_group(torch, core, name, plan, n, ceiling, n_sm, sum_ctas, land_ctas, la
     rs_steps += [(f"RS TIDE: staging copies (strided, height L), {ln} lane(s)", lambda ln=ln: tide_stage(ln), stage_b)
                  for ln in lanes_list]
     rs_steps += [(f"RS TIDE: staging copies (2-D per copy), {ln} lane(s)",
-                  copy_2d("per_copy", lambda ln=ln: tide_stage(ln)), stage_b) for ln in lanes_list]
+                  with_env("TIDE_COPY_2D", "per_copy", lambda ln=ln: tide_stage(ln)), stage_b) for ln in lanes_list]
     rs_steps += [(f"RS TIDE: SUM ({sum_ctas} CTAs)", tide_sum, sum_b),
                  (f"RS TIDE: LAND ({land_ctas} CTAs)", tide_land, land_b),
                  (f"RS TIDE: SUM (full grid, {sum_full} CTAs resident)", lambda: tide_sum(sum_full), sum_b),
@@ -287,7 +283,7 @@ def run_group(torch, core, name, plan, n, ceiling, n_sm, sum_ctas, land_ctas, la
                  ("RS TIDE: LAND (full grid), CTA ranges",
                   with_env("TIDE_CTA_SPLIT", "ranges", lambda: tide_land(land_full)), land_b),
                  ("RS TIDE: staging + SUM + LAND, full grid, CTA ranges",
-                  with_env("TIDE_CTA_SPLIT", "ranges", lambda: tide_rs_full()), stage_b + sum_b + land_b),
+                  with_env("TIDE_CTA_SPLIT", "ranges", tide_rs_full), stage_b + sum_b + land_b),
                  ("RS TIDE: staging + SUM + LAND", tide_rs, stage_b + sum_b + land_b),
                  ("RS TIDE: staging + SUM + LAND, full grid", tide_rs_full, stage_b + sum_b + land_b)]
     rs_steps += [(pipe_label(K, c, sum_full), pipelines[(K, c)], stage_b + sum_b + land_b) for K, c in pipe_rows]

@@ -20,7 +20,7 @@ __device__ __forceinline__ float bf16_hi(uint32_t w) { return __uint_as_float(w 
 //   - ranges: CTA c takes one contiguous range of ~n/G elements. A few CTAs are latency-bound
 //     and open few streams anyway; their long ranges keep ~10 % more per CTA than tiles.
 // LAND in tiles also prefetches each CTA's next tile into L2 (tried and dropped: running a budget
-// of c CTAs as 2c half-size CTAs, two per SM: no faster, BENCHMARKS.md Run 22).
+// of c CTAs as 2c half-size CTAs, two per SM: no faster, BENCHMARKS.md Run 23).
 // Either way there is no persistence and no inter-CTA communication: a CTA walks its own pieces
 // and exits, so the CTA budget stays an exact upper bound on the SMs a launch occupies (paper
 // §2.2: short-lived CTAs). Tile and range starts are multiples of `align`.
