@@ -172,6 +172,18 @@ def test_copy_2d_knob(value, ok, monkeypatch):
         assert _core.cuda_copy_2d_batched() is ok
 
 
+@pytest.mark.parametrize("value, want", [(None, True), ("1", True), ("0", False), ("yes", None)])
+def test_land_deep_knob(value, want, monkeypatch):
+    """TIDE_LAND_DEEP picks the one-source overwrite LAND's tile depth (kernels.h); a bad value
+    names the variable."""
+    _knob(monkeypatch, "TIDE_LAND_DEEP", value)
+    if want is None:
+        with pytest.raises(tide.PlanError, match="TIDE_LAND_DEEP=yes: expected 0 or 1"):
+            _core.cuda_land_deep()
+    else:
+        assert _core.cuda_land_deep() is want
+
+
 def test_native_stack_dump_on_signal():
     """cuda_install_stack_dump(sig): the signalled process writes its native backtrace to stderr
     and keeps running (the hang reports of tests/test_cuda_ipc.py and tools/gpu/hang.sh)."""

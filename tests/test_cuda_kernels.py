@@ -15,8 +15,9 @@ from tide import _core  # noqa: E402
 pytestmark = pytest.mark.gpu
 
 DEV = "cuda"
-# "vec/ranges", "vec/tiles": vec with TIDE_CTA_SPLIT forced (else auto: ranges below 32 CTAs).
-VARIANTS = ["vec", "vec_l2", "bulk", "vec/ranges", "vec/tiles"]
+# "vec/ranges", "vec/tiles": vec with TIDE_CTA_SPLIT forced (else auto: ranges below 32 CTAs);
+# "vec_l2/tiles": the next-tile L2 prefetch (sum_prefetch).
+VARIANTS = ["vec", "vec_l2", "bulk", "vec/ranges", "vec/tiles", "vec_l2/tiles"]
 
 
 @pytest.fixture(params=VARIANTS)
@@ -365,9 +366,16 @@ def test_sum_kernels_do_not_spill():
 @pytest.mark.parametrize("split", ["tiles", "ranges"])
 def test_land_bitwise(n_src, accumulate, split, monkeypatch):
     monkeypatch.setenv("TIDE_CTA_SPLIT", split)
+    # TIDE_LAND_DEEP only changes the one-source overwrite LAND (16 or 8 vectors per thread).
+    for deep in ("1", "0") if n_src == 1 and not accumulate else ("1",):
+        monkeypatch.setenv("TIDE_LAND_DEEP", deep)
+        _land_case(n_src, accumulate, split, deep)
+
+
+def _land_case(n_src, accumulate, split, deep):
     gen = torch.Generator().manual_seed(7 * (9 if n_src == "mixed" else n_src) + accumulate)
-    # The last job spans several tiles (16 Ki elements at one source), so 1 and 5 CTAs each walk
-    # more than one tile, and a tile may straddle two jobs.
+    # The last job spans several tiles (16 or 32 Ki elements at one source), so 1 and 5 CTAs each
+    # walk more than one tile, and a tile may straddle two jobs.
     lens = [4096, 13, (1 << 16) + 5]
     alpha = 0.125 if accumulate else 1.0 / 3.0
     for ctas in (1, 5, 132):
@@ -387,7 +395,7 @@ def test_land_bitwise(n_src, accumulate, split, monkeypatch):
         _core.cuda_land(jobs, alpha, accumulate, ctas, _stream())
         torch.cuda.synchronize()
         for (dst, _), ref in zip(dsts, refs):
-            _assert_same(dst, ref, f"LAND ({split}, {ctas} CTAs)")
+            _assert_same(dst, ref, f"LAND ({split}, {ctas} CTAs, TIDE_LAND_DEEP={deep})")
 
 
 def test_cast_rne():

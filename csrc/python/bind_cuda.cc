@@ -110,6 +110,9 @@ void bind_cuda_ops(nb::module_& m) {
         }, nb::arg("ctas") = 0,
         "How SUM, LAND and REDUCE split their elements over a grid of `ctas` CTAs (TIDE_CTA_SPLIT: "
         "auto | tiles | ranges; ctas = 0: the setting itself).");
+  m.def("cuda_land_deep", &land_deep,
+        "Whether a one-source overwrite LAND keeps 16 vectors per thread in flight (TIDE_LAND_DEEP=1, "
+        "default) or 8 (0); same bits.");
   m.def("cuda_sum_kernel", []() { return std::string(sum_kernel_name(sum_kernel_effective())); },
         "The SUM/REDUCE variant a launch on the current device runs now (TIDE_SUM_KERNEL, kernels.h).");
   m.def("cuda_sum_kernel_attrs", []() {

@@ -274,6 +274,15 @@ def run_group(torch, core, name, plan, n, ceiling, n_sm, sum_ctas, land_ctas, la
                  for ln in lanes_list]
     rs_steps += [(f"RS TIDE: staging copies (2-D per copy), {ln} lane(s)",
                   with_env("TIDE_COPY_2D", "per_copy", lambda ln=ln: tide_stage(ln)), stage_b) for ln in lanes_list]
+    rows_1d = [(d + r * dp, s_ + r * sp, w, 1, 0, 0) for d, s_, w, h, dp, sp in copies for r in range(h)]
+    rs_steps += [(f"RS TIDE: staging as {len(rows_1d)} row copies (1-D), {ln} lane(s)",
+                  lambda ln=ln: core.cuda_copies(rows_1d, st, ln), stage_b) for ln in sorted({exec_lanes, 8})]
+    # Size-matched references (torch's own kernels, no TIDE code): what a plain copy / scale of the
+    # same bytes reaches at this size, against the 4 GiB copy that defines the ceiling.
+    ref_a = torch.empty(stage_b // 4, dtype=torch.bfloat16, device=dev)
+    ref_b = torch.empty_like(ref_a)
+    rs_steps += [("ref: torch copy_, staging's bytes (contiguous)", lambda: ref_b.copy_(ref_a), stage_b),
+                 ("ref: torch mul, LAND's bytes (block -> shard)", lambda: torch.mul(block, alpha, out=out0), land_b)]
     rs_steps += [(f"RS TIDE: SUM ({sum_ctas} CTAs)", tide_sum, sum_b),
                  (f"RS TIDE: LAND ({land_ctas} CTAs)", tide_land, land_b),
                  (f"RS TIDE: SUM (full grid, {sum_full} CTAs resident)", lambda: tide_sum(sum_full), sum_b),
@@ -282,6 +291,12 @@ def run_group(torch, core, name, plan, n, ceiling, n_sm, sum_ctas, land_ctas, la
                   sum_b),
                  ("RS TIDE: LAND (full grid), CTA ranges",
                   with_env("TIDE_CTA_SPLIT", "ranges", lambda: tide_land(land_full)), land_b),
+                 ("RS TIDE: SUM (full grid), next-tile L2 prefetch (vec_l2)",
+                  with_env("TIDE_SUM_KERNEL", "vec_l2", lambda: tide_sum(sum_full)), sum_b),
+                 ("RS TIDE: LAND (full grid), 8 vectors per thread",
+                  with_env("TIDE_LAND_DEEP", "0", lambda: tide_land(land_full)), land_b),
+                 ("RS TIDE: staging + SUM + LAND, full grid, SUM vec_l2",
+                  with_env("TIDE_SUM_KERNEL", "vec_l2", tide_rs_full), stage_b + sum_b + land_b),
                  ("RS TIDE: staging + SUM + LAND, full grid, CTA ranges",
                   with_env("TIDE_CTA_SPLIT", "ranges", tide_rs_full), stage_b + sum_b + land_b),
                  ("RS TIDE: staging + SUM + LAND", tide_rs, stage_b + sum_b + land_b),
@@ -302,7 +317,7 @@ def run_group(torch, core, name, plan, n, ceiling, n_sm, sum_ctas, land_ctas, la
         run()
         torch.cuda.synchronize()
         pieces_ok = pieces_ok and torch.equal(ref_out.view(torch.int32), out0.view(torch.int32))
-    del grads, packed_all, staging, block, out0, ref_out
+    del grads, packed_all, staging, block, out0, ref_out, ref_a, ref_b
     torch.cuda.empty_cache()
     return rows, dict(group=name, P=P, E=E, S=S, NS=ns, ag_landing_bitwise=ag_ok, rs_pieces_bitwise=pieces_ok,
                       exec_lanes=exec_lanes, sum_full_ctas=sum_full, land_full_ctas=land_full)
@@ -422,7 +437,7 @@ def main(argv=None):
         result["groups"].append(info)
     if not args.no_sweep:
         result["sum_sweep"] = sum_sweep(torch, core, args.ranks, [1, 2, 4, 8, 12, 16, 24, 33, 48, 66, 99, 132, 264],
-                                        8 << 20, 64 << 20, n_sm)
+                                        32 << 20, 64 << 20, n_sm)
         best = max(r["gbps"] for r in result["sum_sweep"])
         sat = min(r["ctas"] for r in result["sum_sweep"] if r["gbps"] >= 0.9 * best)
         result["sum_saturation"] = dict(best_gbps=best, best_vs_ceiling=best / (ceiling / 1e9), ctas_90pct=sat)

@@ -51,7 +51,7 @@ __device__ __forceinline__ void for_each_piece(int64_t n, int64_t align, int64_t
 __device__ __forceinline__ void l2_prefetch(const void* p, int64_t bytes) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   bytes &= ~int64_t(15);
-  if (bytes <= 0) return;
+  if (bytes <= 0 || (reinterpret_cast<uintptr_t>(p) & 15) != 0) return;  // the bulk op needs 16 B alignment
   if (bytes > (int64_t(1) << 20)) bytes = int64_t(1) << 20;
   asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(static_cast<uint32_t>(bytes))
                : "memory");

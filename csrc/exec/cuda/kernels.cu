@@ -182,12 +182,38 @@ __device__ __forceinline__ void sum_piece(const SumArgs& a, int64_t begin, int64
   }
 }
 
+// `vec_l2` in tiles: L2 prefetch of the operands of elements [begin, end) (the CTA's next tile),
+// one thread per staged slice and one for the own gradient of the segment holding `begin`, as
+// LAND does (land_prefetch). A tile is one iteration, so the in-piece prefetch of ranges has
+// nothing ahead of it there.
+template <int NS>
+__device__ __forceinline__ void sum_prefetch(const SumArgs& a, int64_t begin, int64_t end) {
+  const int t = static_cast<int>(threadIdx.x);
+  if (begin >= end || t > NS) return;
+  if (t < NS) {
+    l2_prefetch(a.staged[t] + begin, (end - begin) * 2);
+    return;
+  }
+  int lo = 0, hi = a.n_segs - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi) >> 1;
+    if (a.segs[mid].dst_off + a.segs[mid].len <= begin) lo = mid + 1; else hi = mid;
+  }
+  const SumSegment sg = a.segs[lo];
+  if (sg.param < 0) return;
+  const uint16_t* p = a.grad[sg.param] + sg.src_off + (begin - sg.dst_off);
+  l2_prefetch(p, (min(end, sg.dst_off + sg.len) - begin) * 2);
+}
+
 template <int NS>
 __global__ void __launch_bounds__(kSumThreads, 1) sum_kernel(const __grid_constant__ SumArgs a,
                                                           int vec_ok, int l2, int split) {
   constexpr int64_t kTile = static_cast<int64_t>(sum_unroll(NS + 1)) * kSumThreads * kVec;  // one iteration
-  device::for_each_piece(a.n, kVec, kTile, split == kCtaRanges,
-                         [&](int64_t b, int64_t e) { sum_piece<NS>(a, b, e, vec_ok, l2); });
+  const bool ranges = split == kCtaRanges;
+  device::for_each_piece(a.n, kVec, kTile, ranges, [&](int64_t b, int64_t e) {
+    if (l2 && !ranges) sum_prefetch<NS>(a, b + gridDim.x * kTile, min(a.n, b + (gridDim.x + 1) * kTile));
+    sum_piece<NS>(a, b, e, vec_ok, l2 && ranges);
+  });
 }
 
 __device__ __forceinline__ float land_one(const LandJob& j, int64_t k, float alpha, int acc_mode) {
@@ -200,12 +226,17 @@ __device__ __forceinline__ float land_one(const LandJob& j, int64_t k, float alp
 // The aligned body of one LAND job over [b, b + 4 nv): KU vectors per thread per iteration, each
 // reading up to KS sources, every load issued before the first add. KU * KS = 16 float4 in flight
 // per thread at most (one source: 8 vectors; two: 6; four: 4; eight: 2), so a one-source landing
-// (the single-node case) is not latency-bound on 2 loads per thread. Same association for every
-// instantiation: ((s0 + s1) + ...) * alpha [+ old].
+// (the single-node case) is not latency-bound on 2 loads per thread. ACC < 0 reads accumulate at
+// run time (its old words are 16 more float4 of registers); ACC = 0 drops them, which leaves room
+// for the one-source, overwrite landing to keep 16 vectors in flight (land_kernel<16, 1, 0>: a
+// 128 KiB tile per 512-thread CTA; one CTA per SM waits one HBM latency per tile, so the deeper
+// tile halves that bubble's share). Same association for every instantiation:
+// ((s0 + s1) + ...) * alpha [+ old].
 // `ahead`: prefetch `dist` iterations ahead inside this piece (a range); a tile is one iteration,
 // so the tile loop prefetches the CTA's next tile instead (land_prefetch).
-template <int KU, int KS>
+template <int KU, int KS, int ACC>
 __device__ __forceinline__ void land_vec(const LandJob& j, const LandArgs& a, int64_t b, int64_t nv, bool ahead) {
+  const bool acc = ACC < 0 ? a.accumulate != 0 : ACC != 0;
   const int64_t chunk = static_cast<int64_t>(KU) * blockDim.x * 4;  // elements per iteration
   const int dist = ahead ? prefetch_dist() : 0;
   auto prefetch = [&](int64_t it) {
@@ -214,7 +245,7 @@ __device__ __forceinline__ void land_vec(const LandJob& j, const LandArgs& a, in
     if (span <= 0) return;
     const int t = static_cast<int>(threadIdx.x);
     if (t < j.n_src) l2_prefetch(j.src[t] + b + first, span * 4);
-    else if (t == j.n_src && a.accumulate) l2_prefetch(j.dst + b + first, span * 4);
+    else if (t == j.n_src && acc) l2_prefetch(j.dst + b + first, span * 4);
   };
   for (int d = 0; d < dist; ++d) prefetch(d);
   for (int64_t v0 = threadIdx.x; v0 < nv; v0 += KU * blockDim.x) {
@@ -229,7 +260,7 @@ __device__ __forceinline__ void land_vec(const LandJob& j, const LandArgs& a, in
 #pragma unroll
         for (int i = 0; i < KS; ++i)
           if (i < j.n_src) in[u][i] = __ldcs(reinterpret_cast<const float4*>(j.src[i] + k));
-        if (a.accumulate) old[u] = *reinterpret_cast<const float4*>(j.dst + k);
+        if (acc) old[u] = *reinterpret_cast<const float4*>(j.dst + k);
       }
     }
 #pragma unroll
@@ -249,7 +280,7 @@ __device__ __forceinline__ void land_vec(const LandJob& j, const LandArgs& a, in
       }
       float4 v4 = make_float4(__fmul_rn(a.alpha, t.x), __fmul_rn(a.alpha, t.y), __fmul_rn(a.alpha, t.z),
                               __fmul_rn(a.alpha, t.w));
-      if (a.accumulate)
+      if (acc)
         v4 = make_float4(__fadd_rn(old[u].x, v4.x), __fadd_rn(old[u].y, v4.y), __fadd_rn(old[u].z, v4.z),
                          __fadd_rn(old[u].w, v4.w));
       *reinterpret_cast<float4*>(j.dst + k) = v4;
@@ -274,7 +305,7 @@ __device__ __forceinline__ void for_each_job_part(const LandArgs& a, int64_t beg
 
 // One instantiation per source bound KS (launch_land picks it from the jobs' largest n_src), so
 // each gets its own register allocation. LAND over elements [begin, end) of the jobs.
-template <int KU, int KS>
+template <int KU, int KS, int ACC>
 __device__ __forceinline__ void land_piece(const LandArgs& a, int64_t begin, int64_t end, bool ahead) {
   for_each_job_part(a, begin, end, [&](const LandJob& j, int64_t b, int64_t e) {
     bool vec = (reinterpret_cast<uintptr_t>(j.dst) & 15) == 0;
@@ -283,9 +314,10 @@ __device__ __forceinline__ void land_piece(const LandArgs& a, int64_t begin, int
     if (vec) {
       const int64_t nv = (e - b) / 4;
       b_tail = b + nv * 4;
-      land_vec<KU, KS>(j, a, b, nv, ahead);
+      land_vec<KU, KS, ACC>(j, a, b, nv, ahead);
     }
-    for (int64_t k = b_tail + threadIdx.x; k < e; k += blockDim.x) j.dst[k] = land_one(j, k, a.alpha, a.accumulate);
+    const int acc = ACC < 0 ? a.accumulate : ACC;
+    for (int64_t k = b_tail + threadIdx.x; k < e; k += blockDim.x) j.dst[k] = land_one(j, k, a.alpha, acc);
   });
 }
 
@@ -302,14 +334,14 @@ __device__ __forceinline__ void land_prefetch(const LandArgs& a, int64_t begin, 
   });
 }
 
-template <int KU, int KS>
+template <int KU, int KS, int ACC = -1>
 __global__ void __launch_bounds__(kLandThreads) land_kernel(const __grid_constant__ LandArgs a,
                                                             int64_t total, int split) {
   const int64_t tile = static_cast<int64_t>(KU) * blockDim.x * 4;  // one land_vec iteration
   const bool ranges = split == kCtaRanges;
   device::for_each_piece(total, 4, tile, ranges, [&](int64_t b, int64_t e) {
     if (!ranges) land_prefetch(a, b + gridDim.x * tile, min(total, b + (gridDim.x + 1) * tile));
-    land_piece<KU, KS>(a, b, e, ranges);
+    land_piece<KU, KS, ACC>(a, b, e, ranges);
   });
 }
 
@@ -419,6 +451,14 @@ CtaSplit cta_split() {
   return kCtaRanges;
 }
 
+bool land_deep() {
+  // Read at every launch, as TIDE_CTA_SPLIT: the layout bench compares both tiles.
+  const char* v = std::getenv("TIDE_LAND_DEEP");
+  if (v == nullptr || *v == '\0' || std::strcmp(v, "1") == 0) return true;
+  TIDE_PLAN_CHECK(std::strcmp(v, "0") == 0, "TIDE_LAND_DEEP=", v, ": expected 0 or 1");
+  return false;
+}
+
 CtaSplit cta_split_for(int ctas) {
   // A few CTAs are latency-bound and open few DRAM streams anyway; one long range each keeps
   // their per-CTA rate (BENCHMARKS.md Run 21: tiles cost ~10 % per CTA at 1-16 CTAs).
@@ -450,7 +490,8 @@ void preload_kernels(int device) {
   // cudaFuncGetAttributes loads a lazily loaded kernel: SUM, REDUCE and bulk here...
   (void)sum_kernel_attrs();
   // ...and the others.
-  const void* rest[] = {reinterpret_cast<const void*>(land_kernel<8, 1>), reinterpret_cast<const void*>(land_kernel<6, 2>),
+  const void* rest[] = {reinterpret_cast<const void*>(land_kernel<16, 1, 0>),
+                        reinterpret_cast<const void*>(land_kernel<8, 1>), reinterpret_cast<const void*>(land_kernel<6, 2>),
                         reinterpret_cast<const void*>(land_kernel<4, 4>), reinterpret_cast<const void*>(land_kernel<2, 8>),
                         reinterpret_cast<const void*>(cast_kernel), reinterpret_cast<const void*>(zero_kernel),
                         reinterpret_cast<const void*>(stall_kernel)};
@@ -493,8 +534,9 @@ void launch_sum(const SumArgs& a, int ctas, cudaStream_t stream) {
 
 using LandKernel = void (*)(LandArgs, int64_t, int);
 // static_assert below: the instantiations cover 1, 2, 4 and kMaxLandSrcs = 8 sources.
-LandKernel land_kernel_for(int max_src) {
+LandKernel land_kernel_for(int max_src, bool accumulate) {
   static_assert(kMaxLandSrcs == 8, "land_kernel_for covers 1, 2, 4 and 8 sources");
+  if (max_src <= 1 && !accumulate && land_deep()) return land_kernel<16, 1, 0>;
   if (max_src <= 1) return land_kernel<8, 1>;
   if (max_src <= 2) return land_kernel<6, 2>;
   if (max_src <= 4) return land_kernel<4, 4>;
@@ -521,7 +563,7 @@ int resident_ctas_per_sm(const std::string& kernel, int n_staged) {
   }
   TIDE_PLAN_CHECK(kernel == "land", "resident_ctas_per_sm: kernel must be 'sum' or 'land', got '", kernel, "'");
   int k = 0;
-  TIDE_CHECK_CUDA(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&k, land_kernel_for(std::max(1, n_staged)),
+  TIDE_CHECK_CUDA(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&k, land_kernel_for(std::max(1, n_staged), false),
                                                                 kLandThreads, 0),
                   "occupancy of land_kernel");
   return k;
@@ -540,7 +582,7 @@ void launch_land(const LandArgs& a, int ctas, cudaStream_t stream) {
   }
   if (total == 0) return;
   const int c = clamp_ctas(ctas, total / 4 + 1, kLandThreads);
-  land_kernel_for(max_src)<<<c, kLandThreads, 0, stream>>>(a, total, cta_split_for(c));
+  land_kernel_for(max_src, a.accumulate != 0)<<<c, kLandThreads, 0, stream>>>(a, total, cta_split_for(c));
   TIDE_CHECK_CUDA(cudaGetLastError(), "launching LAND");
 }
 

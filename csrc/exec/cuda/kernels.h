@@ -138,6 +138,10 @@ constexpr int kTilesMinCtas = 32;
 CtaSplit cta_split();                  // as requested (kCtaAuto when unset)
 CtaSplit cta_split_for(int ctas);      // what a launch of `ctas` CTAs runs (never kCtaAuto)
 
+// One-source overwrite LAND with 16 vectors per thread per tile (kernels.cu, land_vec) instead
+// of 8: env TIDE_LAND_DEEP=1 (default) | 0, read at every launch; same bits either way.
+bool land_deep();
+
 // bulk.cu: the warp-specialized variant (called by launch_sum / launch_reduce).
 bool bulk_supported();  // current device: cc >= 9.0 and the shared memory (opts every bulk kernel in)
 void launch_sum_bulk(const SumArgs& a, int ctas, cudaStream_t stream);
