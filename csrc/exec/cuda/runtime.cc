@@ -303,7 +303,8 @@ Watchdog::~Watchdog() {
     release(e);  // never leave a stream blocked on a wait nobody will satisfy
     cudaEventDestroy(e.done);
   }
-  for (auto ev : free_events_) cudaEventDestroy(ev);
+  for (auto& [dev, evs] : free_events_)
+    for (auto ev : evs) cudaEventDestroy(ev);
   cudaStreamSynchronize(rescue_);
   cudaStreamDestroy(rescue_);
 }
@@ -312,17 +313,25 @@ void Watchdog::watched_wait(cudaStream_t stream, const WaitSpec* specs, size_t n
                             const std::string& what, double timeout_s) {
   const double limit = timeout_s > 0 ? timeout_s : timeout_s_;
   wait_geq(stream, specs, n);
+  // One watchdog may watch streams of several devices (an in-process executor over several
+  // GPUs); the event must belong to the stream's device.
+  int dev = 0;
+  TIDE_CHECK_CUDA(cudaStreamGetDevice(stream, &dev), "watchdog: device of the stream for ", what);
   cudaEvent_t ev = nullptr;
   {
     std::lock_guard<std::mutex> g(mu_);
-    if (!free_events_.empty()) {
-      ev = free_events_.back();
-      free_events_.pop_back();
+    auto& pool = free_events_[dev];
+    if (!pool.empty()) {
+      ev = pool.back();
+      pool.pop_back();
     }
   }
-  if (!ev) TIDE_CHECK_CUDA(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming));
+  if (!ev) {
+    DeviceGuard on(dev, "watchdog event: ");
+    TIDE_CHECK_CUDA(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming));
+  }
   TIDE_CHECK_CUDA(cudaEventRecord(ev, stream), "watchdog event for ", what);
-  Entry e{ev,
+  Entry e{ev, dev,
           std::chrono::steady_clock::now() +
               std::chrono::microseconds(static_cast<int64_t>(limit * 1e6)),
           std::vector<WaitSpec>(specs, specs + n), what};
@@ -356,7 +365,7 @@ void Watchdog::loop() {
     for (size_t i = 0; i < entries_.size();) {
       const cudaError_t q = cudaEventQuery(entries_[i].done);
       if (q == cudaSuccess) {
-        free_events_.push_back(entries_[i].done);
+        free_events_[entries_[i].device].push_back(entries_[i].done);
         entries_.erase(entries_.begin() + static_cast<long>(i));
         continue;
       }

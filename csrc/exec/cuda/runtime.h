@@ -195,6 +195,7 @@ class Watchdog {
  private:
   struct Entry {
     cudaEvent_t done;
+    int device;  // the watched stream's: an event records only on its own device's streams
     std::chrono::steady_clock::time_point deadline;
     std::vector<WaitSpec> specs;
     std::string what;
@@ -208,7 +209,7 @@ class Watchdog {
   std::mutex mu_;
   std::condition_variable cv_;
   std::vector<Entry> entries_;
-  std::vector<cudaEvent_t> free_events_;
+  std::map<int, std::vector<cudaEvent_t>> free_events_;  // per device
   std::string error_;
   bool stop_ = false;
   std::thread thread_;
