@@ -90,8 +90,7 @@ def run_group(torch, core, name, plan, n, ceiling, n_sm, sum_ctas, land_ctas, la
     lanes_list = sorted(set(lanes_list) | {exec_lanes})
     # "Full grid": every SM's resident CTAs (occupancy API), one wave.
     sum_full = n_sm * max(1, core.cuda_resident_ctas_per_sm("sum", L - 1))
-    # one source per job here: more CTAs than SMs run LAND's wide form (kernels.cu, land_kernel_for)
-    land_full = n_sm * max(1, core.cuda_resident_ctas_per_sm("land", 1))
+    land_full = n_sm * max(1, core.cuda_resident_ctas_per_sm("land", 1))  # one source per job here
     g = torch.Generator(device=dev).manual_seed(1)
     rows = []
 
@@ -294,9 +293,8 @@ def run_group(torch, core, name, plan, n, ceiling, n_sm, sum_ctas, land_ctas, la
                   with_env("TIDE_CTA_SPLIT", "ranges", lambda: tide_land(land_full)), land_b),
                  ("RS TIDE: SUM (full grid), next-tile L2 prefetch (vec_l2)",
                   with_env("TIDE_SUM_KERNEL", "vec_l2", lambda: tide_sum(sum_full)), sum_b),
-                 (f"RS TIDE: LAND (one CTA per SM, {n_sm}), 16 vectors per thread", lambda: tide_land(n_sm), land_b),
-                 (f"RS TIDE: LAND (one CTA per SM, {n_sm}), 8 vectors per thread",
-                  with_env("TIDE_LAND_DEEP", "0", lambda: tide_land(n_sm)), land_b),
+                 ("RS TIDE: LAND (full grid), 8 vectors per thread",
+                  with_env("TIDE_LAND_DEEP", "0", lambda: tide_land(land_full)), land_b),
                  (f"RS TIDE: LAND ({land_ctas} CTAs), 8 vectors per thread",
                   with_env("TIDE_LAND_DEEP", "0", tide_land), land_b),
                  ("RS TIDE: staging + SUM + LAND, full grid, SUM vec_l2",

@@ -23,12 +23,17 @@ __device__ __forceinline__ float bf16_hi(uint32_t w) { return __uint_as_float(w 
 // of c CTAs as 2c half-size CTAs, two per SM: no faster, BENCHMARKS.md Run 23).
 // Either way there is no persistence and no inter-CTA communication: a CTA walks its own pieces
 // and exits, so the CTA budget stays an exact upper bound on the SMs a launch occupies (paper
-// §2.2: short-lived CTAs). Tile and range starts are multiples of `align`.
+// §2.2: short-lived CTAs). Tile starts are multiples of `tile`, range starts of kRangeAlign
+// elements (a multiple of every kernel's `align`): 512 B of bf16, 1 KiB of fp32, so a warp's
+// 512-byte vector load covers 4 whole 128-byte lines, not 5. Ranges of n / G elements start
+// mid-line whenever G is not a power of two, and a SUM launch of 6, 10, 12, 14 or 24 CTAs then ran
+// at 84 GB/s per CTA against 104 at 4, 8 and 16 (BENCHMARKS.md Run 27).
+constexpr int64_t kRangeAlign = 256;
 template <class F>
 __device__ __forceinline__ void for_each_piece(int64_t n, int64_t align, int64_t tile, bool ranges, F&& f) {
   if (ranges) {
     int64_t per = (n + gridDim.x - 1) / gridDim.x;
-    per = (per + align - 1) / align * align;
+    per = (per + kRangeAlign - 1) / kRangeAlign * kRangeAlign;  // kRangeAlign % align == 0
     const int64_t begin = static_cast<int64_t>(blockIdx.x) * per;
     const int64_t end = begin + per < n ? begin + per : n;
     if (begin < end) f(begin, end);

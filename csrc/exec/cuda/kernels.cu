@@ -1,10 +1,10 @@
 // SUM, LAND, CAST and ZERO kernels (see kernels.h for the contract and the fixed association).
 //
 // [Note: work split and CTA retirement]
-// Each kernel splits its element space into `gridDim.x` contiguous ranges (multiples of the
-// vector width) and each CTA walks only its own range, then exits. There is no grid-stride
-// persistence and no inter-CTA communication, so the CTA budget is an exact upper bound on the
-// SMs a launch occupies and every CTA is transient (paper §2.2: short-lived CTAs).
+// SUM and LAND split their element space in tiles or ranges (device.cuh [Note: CTA work split]);
+// CAST in contiguous ranges. Each CTA walks only its own pieces, then exits: no persistence and no
+// inter-CTA communication, so the CTA budget is an exact upper bound on the SMs a launch occupies
+// and every CTA is transient (paper §2.2: short-lived CTAs).
 //
 // [Note: bytes in flight]
 // A memory-bound CTA's rate is bytes-in-flight / latency. SUM issues every load of an
@@ -39,7 +39,6 @@ using device::l2_prefetch;
 using device::prefetch_dist;
 
 constexpr int kVec = 8;  // bf16 elements per 16-byte vector
-constexpr int kLandWidePerSm = 2;  // LAND's wide one-source form: 2 x 512 threads per SM, <= 64 registers
 
 // Vectors per thread per SUM iteration for `terms` operands (staged + own): ~160 registers of
 // loaded words (the launch bounds allow 255 at kSumThreads = 256), 1..6. L = 8: 5.
@@ -231,9 +230,9 @@ __device__ __forceinline__ float land_one(const LandJob& j, int64_t k, float alp
 // run time (its old words are 16 more float4 of registers); ACC = 0 drops them, which leaves room
 // for the one-source, overwrite landing to keep 16 vectors in flight (land_kernel<16, 1, 0>: a
 // 128 KiB tile per 512-thread CTA; one CTA per SM waits one HBM latency per tile, so the deeper
-// tile halves that bubble's share). A launch of more CTAs than SMs runs the one-source overwrite
-// landing in its wide form instead (land_kernel<4, 1, 0, 2>: two 512-thread CTAs per SM, 4
-// vectors each). Same association for every instantiation: ((s0 + s1) + ...) * alpha [+ old].
+// tile was predicted to halve that bubble's share; measured 1-2 % faster, BENCHMARKS.md Runs
+// 26-27; a wide form, two 64-register CTAs per SM with 4 vectors each, was slower still and
+// dropped). Same association for every instantiation: ((s0 + s1) + ...) * alpha [+ old].
 // `ahead`: prefetch `dist` iterations ahead inside this piece (a range); a tile is one iteration,
 // so the tile loop prefetches the CTA's next tile instead (land_prefetch).
 template <int KU, int KS, int ACC>
@@ -336,11 +335,9 @@ __device__ __forceinline__ void land_prefetch(const LandArgs& a, int64_t begin, 
   });
 }
 
-// MINB > 1: the wide form (land_kernel_for): MINB CTAs per SM with registers to match, many
-// warps with few loads each, as a plain elementwise kernel runs.
-template <int KU, int KS, int ACC = -1, int MINB = 1>
-__global__ void __launch_bounds__(kLandThreads, MINB) land_kernel(const __grid_constant__ LandArgs a,
-                                                                  int64_t total, int split) {
+template <int KU, int KS, int ACC = -1>
+__global__ void __launch_bounds__(kLandThreads) land_kernel(const __grid_constant__ LandArgs a,
+                                                            int64_t total, int split) {
   const int64_t tile = static_cast<int64_t>(KU) * blockDim.x * 4;  // one land_vec iteration
   const bool ranges = split == kCtaRanges;
   device::for_each_piece(total, 4, tile, ranges, [&](int64_t b, int64_t e) {
@@ -494,8 +491,7 @@ void preload_kernels(int device) {
   // cudaFuncGetAttributes loads a lazily loaded kernel: SUM, REDUCE and bulk here...
   (void)sum_kernel_attrs();
   // ...and the others.
-  const void* rest[] = {reinterpret_cast<const void*>(land_kernel<4, 1, 0, kLandWidePerSm>),
-                        reinterpret_cast<const void*>(land_kernel<16, 1, 0>),
+  const void* rest[] = {reinterpret_cast<const void*>(land_kernel<16, 1, 0>),
                         reinterpret_cast<const void*>(land_kernel<8, 1>), reinterpret_cast<const void*>(land_kernel<6, 2>),
                         reinterpret_cast<const void*>(land_kernel<4, 4>), reinterpret_cast<const void*>(land_kernel<2, 8>),
                         reinterpret_cast<const void*>(cast_kernel), reinterpret_cast<const void*>(zero_kernel),
@@ -538,20 +534,9 @@ void launch_sum(const SumArgs& a, int ctas, cudaStream_t stream) {
 }
 
 using LandKernel = void (*)(LandArgs, int64_t, int);
-int sm_count() {
-  int dev = 0, n = 0;
-  TIDE_CHECK_CUDA(cudaGetDevice(&dev));
-  TIDE_CHECK_CUDA(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev));
-  return n;
-}
-
 // static_assert below: the instantiations cover 1, 2, 4 and kMaxLandSrcs = 8 sources.
-// `wide`: the launch asks for more CTAs than the device has SMs (a full grid of co-resident CTAs),
-// so a one-source landing runs the small-register form, kLandWidePerSm CTAs per SM; a budget of
-// at most one CTA per SM keeps the deep one-CTA-per-SM form, whose CTAs each move the most.
-LandKernel land_kernel_for(int max_src, bool accumulate, bool wide) {
+LandKernel land_kernel_for(int max_src, bool accumulate) {
   static_assert(kMaxLandSrcs == 8, "land_kernel_for covers 1, 2, 4 and 8 sources");
-  if (max_src <= 1 && !accumulate && wide) return land_kernel<4, 1, 0, kLandWidePerSm>;
   if (max_src <= 1 && !accumulate && land_deep()) return land_kernel<16, 1, 0>;
   if (max_src <= 1) return land_kernel<8, 1>;
   if (max_src <= 2) return land_kernel<6, 2>;
@@ -579,7 +564,7 @@ int resident_ctas_per_sm(const std::string& kernel, int n_staged) {
   }
   TIDE_PLAN_CHECK(kernel == "land", "resident_ctas_per_sm: kernel must be 'sum' or 'land', got '", kernel, "'");
   int k = 0;
-  TIDE_CHECK_CUDA(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&k, land_kernel_for(std::max(1, n_staged), false, true),
+  TIDE_CHECK_CUDA(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&k, land_kernel_for(std::max(1, n_staged), false),
                                                                 kLandThreads, 0),
                   "occupancy of land_kernel");
   return k;
@@ -598,8 +583,7 @@ void launch_land(const LandArgs& a, int ctas, cudaStream_t stream) {
   }
   if (total == 0) return;
   const int c = clamp_ctas(ctas, total / 4 + 1, kLandThreads);
-  land_kernel_for(max_src, a.accumulate != 0, c > sm_count())<<<c, kLandThreads, 0, stream>>>(a, total,
-                                                                                            cta_split_for(c));
+  land_kernel_for(max_src, a.accumulate != 0)<<<c, kLandThreads, 0, stream>>>(a, total, cta_split_for(c));
   TIDE_CHECK_CUDA(cudaGetLastError(), "launching LAND");
 }
 
