@@ -136,6 +136,27 @@ def test_layout_bench_row_pieces_cover_the_staging_copies(group, cuts):
         layout.row_pieces(copies, bases, 2 * e_sub, [4, 4])
 
 
+def test_layout_bench_rs_reference_and_bit_diff():
+    """The layout bench's RS reference: per block segment, peers 1.. in slot order, then rank 0's
+    own term, fp32 adds, then alpha; padding segments give +0. bit_diff names the first differing
+    element and its block row."""
+    torch = pytest.importorskip("torch")
+    from tide.bench import layout
+    gen = torch.Generator().manual_seed(5)
+    grads = [[torch.randn(4, 6, generator=gen).to(torch.bfloat16)] for _ in range(3)]
+    segs = [(0, 12, 0, 0), (12, 4, 0, -1), (16, 12, 12, 0)]  # two block rows of 16, one pad piece
+    got = layout.rs_reference(torch, grads, segs, 16, 26, 0.5)
+    flat = [g[0].view(-1).float() for g in grads]
+    want = torch.zeros(26)
+    want[0:12] = ((flat[1][0:12] + flat[2][0:12]) + flat[0][0:12]) * 0.5
+    want[16:26] = ((flat[1][12:22] + flat[2][12:22]) + flat[0][12:22]) * 0.5
+    assert layout.bit_diff(torch, want, got, 16) == (True, None)
+    bad = got.clone()
+    bad[17] = 5.0
+    ok, d = layout.bit_diff(torch, want, bad, 16)
+    assert not ok and d["count"] == 1 and d["first"] == 17 and d["block_row"] == 1 and d["got"] == 5.0
+
+
 def _knob(monkeypatch, name, value):
     """A CUDA build's knob `name` set to `value` (None: unset) for one test."""
     if not _core.built_with_cuda:
