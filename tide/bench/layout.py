@@ -282,7 +282,7 @@ def run_group(torch, core, name, plan, n, ceiling, n_sm, sum_ctas, land_ctas, la
     ref_a = torch.empty(stage_b // 4, dtype=torch.bfloat16, device=dev)
     ref_b = torch.empty_like(ref_a)
     rs_steps += [("ref: torch copy_, staging's bytes (contiguous)", lambda: ref_b.copy_(ref_a), stage_b),
-                 ("ref: torch mul, LAND's bytes (block -> shard)", lambda: torch.mul(block, alpha, out=out0), land_b)]
+                 ("ref: torch mul, LAND's bytes (block -> shard)", lambda: torch.mul(block[:E], alpha, out=out0), land_b)]
     rs_steps += [(f"RS TIDE: SUM ({sum_ctas} CTAs)", tide_sum, sum_b),
                  (f"RS TIDE: LAND ({land_ctas} CTAs)", tide_land, land_b),
                  (f"RS TIDE: SUM (full grid, {sum_full} CTAs resident)", lambda: tide_sum(sum_full), sum_b),
