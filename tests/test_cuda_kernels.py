@@ -5,12 +5,11 @@ the launch and compared bit for bit with a CPU fp32 reference of the same associ
 an fp64 reference within tolerance. Fresh random data for every case; never zeros. SUM and
 REDUCE run under every TIDE_SUM_KERNEL variant (vec, vec_l2, bulk): all must give the same bits.
 """
-import struct
-
 import pytest
 
 torch = pytest.importorskip("torch")
 from tide import _core  # noqa: E402
+from tide.bench.layout import pack_reduce_runs  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -203,14 +202,10 @@ MAX_TERMS = 12
 
 
 def _pack_runs(runs):
-    """ReduceRun records (kernels.h): int64 dst_off, len, off[12]; int16 slot[12], pad[4]."""
-    out = bytearray()
-    for d0, ln, terms in runs:  # terms[i] = (slot, byte offset) or None
-        offs = [t[1] if t else 0 for t in terms] + [0] * (MAX_TERMS - len(terms))
-        slots = [t[0] if t else -1 for t in terms] + [-1] * (MAX_TERMS - len(terms))
-        out += struct.pack("<14q16h", d0, ln, *offs, *slots, 0, 0, 0, 0)
-    assert len(out) == 144 * len(runs)
-    return torch.frombuffer(out, dtype=torch.uint8).clone().to(DEV)
+    """ReduceRun records (kernels.h), packed by the layout bench's helper."""
+    table = pack_reduce_runs(torch, runs, DEV)
+    assert table.numel() == 144 * len(runs)
+    return table
 
 
 def _reduce_case(n_terms, dtypes, gen):

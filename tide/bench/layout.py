@@ -202,6 +202,29 @@ def run_group(torch, core, name, plan, n, ceiling, n_sm, sum_ctas, land_ctas, la
         if live:
             land_jobs.append((out0.data_ptr() + 4 * s * e_sub, [block.data_ptr() + 4 * s * e_sub], live))
 
+    # The executors run REDUCE (reduce.cu, the run-table kernel) for both: the same SUM and LAND
+    # as run tables. Slots: 0 .. L-2 the staged slices, L-1 + p rank 0's gradient of parameter p.
+    red_bases = staged_ptrs + grad_ptrs
+    red_sum = pack_reduce_runs(torch, [(d, ln, [(j, 2 * d) for j in range(L - 1)] +
+                                        [(L - 1 + p, 2 * s_) if p >= 0 else None]) for d, ln, s_, p in sorted(seg_rows)],
+                               dev)
+    red_land = pack_reduce_runs(torch, [(d0 - out0.data_ptr() >> 2, ln, [(0, 4 * ((d0 - out0.data_ptr()) >> 2))])
+                                        for d0, _, ln in land_jobs], dev)
+    n_red_sum, n_red_land = red_sum.numel() // 144, red_land.numel() // 144
+
+    def exec_sum(ctas=sum_ctas):
+        core.cuda_reduce(block.data_ptr(), L * e_sub, red_sum.data_ptr(), n_red_sum, L, 0, False, False, 1.0,
+                         red_bases, ctas, st)
+
+    def exec_land(ctas=land_ctas):
+        core.cuda_reduce(out0.data_ptr(), sum(j[2] for j in land_jobs), red_land.data_ptr(), n_red_land, 1, 1, True,
+                         False, alpha, [block.data_ptr()], ctas, st)
+
+    def exec_rs(ctas_sum=sum_ctas, ctas_land=land_ctas):
+        tide_stage()
+        exec_sum(ctas_sum)
+        exec_land(ctas_land)
+
     def tide_stage(lanes=exec_lanes):
         core.cuda_copies(copies, st, lanes)
 
@@ -304,6 +327,13 @@ def run_group(torch, core, name, plan, n, ceiling, n_sm, sum_ctas, land_ctas, la
                  ("RS TIDE: staging + SUM + LAND", tide_rs, stage_b + sum_b + land_b),
                  ("RS TIDE: staging + SUM + LAND, full grid", tide_rs_full, stage_b + sum_b + land_b)]
     rs_steps += [(pipe_label(K, c, sum_full), pipelines[(K, c)], stage_b + sum_b + land_b) for K, c in pipe_rows]
+    rs_steps += [(f"RS TIDE executor REDUCE: SUM ({sum_ctas} CTAs)", exec_sum, sum_b),
+                 (f"RS TIDE executor REDUCE: LAND ({land_ctas} CTAs)", exec_land, land_b),
+                 ("RS TIDE executor REDUCE: SUM (full grid)", lambda: exec_sum(sum_full), sum_b),
+                 ("RS TIDE executor REDUCE: LAND (full grid)", lambda: exec_land(land_full), land_b),
+                 ("RS TIDE executor REDUCE: staging + SUM + LAND", exec_rs, stage_b + sum_b + land_b),
+                 ("RS TIDE executor REDUCE: staging + SUM + LAND, full grid", lambda: exec_rs(sum_full, land_full),
+                  stage_b + sum_b + land_b)]
     for label, fn, nbytes in rs_steps:
         ms, spread = _median_ms(torch, fn)
         k, c, smms = _profile(torch, fn, n_sm)
@@ -316,6 +346,10 @@ def run_group(torch, core, name, plan, n, ceiling, n_sm, sum_ctas, land_ctas, la
     tide_rs_full()
     torch.cuda.synchronize()
     ref_ok, ref_diff = bit_diff(torch, ref_out, out0, e_sub)
+    out0.fill_(float("nan"))
+    exec_rs(sum_full, land_full)
+    torch.cuda.synchronize()
+    exec_ok, exec_diff = bit_diff(torch, ref_out, out0, e_sub)
     pieces_ok, pieces_diff = True, {}
     for (K, c), run in pipelines.items():
         out0.fill_(float("nan"))
@@ -325,11 +359,26 @@ def run_group(torch, core, name, plan, n, ceiling, n_sm, sum_ctas, land_ctas, la
         pieces_ok = pieces_ok and ok
         if not ok:
             pieces_diff[pipe_label(K, c, sum_full)] = diff
-    del grads, packed_all, staging, block, out0, ref_out, ref_a, ref_b
+    del grads, packed_all, staging, block, out0, ref_out, red_sum, red_land, ref_a, ref_b
     torch.cuda.empty_cache()
     return rows, dict(group=name, P=P, E=E, S=S, NS=ns, ag_landing_bitwise=ag_ok, rs_reference_bitwise=ref_ok,
-                      rs_reference_diff=ref_diff, rs_pieces_bitwise=pieces_ok, rs_pieces_diff=pieces_diff,
+                      rs_reference_diff=ref_diff, rs_exec_reference_bitwise=exec_ok, rs_exec_reference_diff=exec_diff,
+                      rs_pieces_bitwise=pieces_ok, rs_pieces_diff=pieces_diff,
                       exec_lanes=exec_lanes, sum_full_ctas=sum_full, land_full_ctas=land_full)
+
+
+def pack_reduce_runs(torch, runs, dev):
+    """ReduceRun records (kernels.h, 144 bytes: int64 dst_off, len, off[12]; int16 slot[12],
+    pad[4]) as a uint8 tensor on `dev`; runs are (dst_off, len, terms), terms[i] = (slot, byte
+    offset) or None (absent)."""
+    import struct
+    max_terms = 12
+    out = bytearray()
+    for d0, ln, terms in runs:
+        offs = [t[1] if t else 0 for t in terms] + [0] * (max_terms - len(terms))
+        slots = [t[0] if t else -1 for t in terms] + [-1] * (max_terms - len(terms))
+        out += struct.pack("<14q16h", d0, ln, *offs, *slots, 0, 0, 0, 0)
+    return torch.frombuffer(out, dtype=torch.uint8).clone().to(dev)
 
 
 def rs_reference(torch, grads, seg_rows, e_sub, E, alpha):
@@ -491,6 +540,8 @@ def main(argv=None):
         rs_s = rs["RS stock: _chunk_cat fp32 pack + packed reduce"]
         rs_t = rs["RS TIDE: staging + SUM + LAND, full grid"]
         rs_p = min((r for k, r in rs.items() if k.startswith("RS TIDE: staging in ")), key=lambda r: r["ms"])
+        rs_x = rs["RS TIDE executor REDUCE: staging + SUM + LAND, full grid"]
+        info["rs_exec_x_floor"] = rs_x["ms"] / rs_x["floor_ms"]
         info.update(ag_bytes_ratio=ag_t["bytes"] / ag_s["bytes"], ag_time_ratio=ag_t["ms"] / ag_s["ms"],
                     ag_tide_x_floor=ag_t["ms"] / ag_t["floor_ms"], rs_bytes_ratio=rs_t["bytes"] / rs_s["bytes"],
                     rs_time_ratio=rs_t["ms"] / rs_s["ms"], rs_tide_x_floor=rs_t["ms"] / rs_t["floor_ms"],
@@ -500,8 +551,10 @@ def main(argv=None):
               f" | RS TIDE/stock bytes {info['rs_bytes_ratio']:.2f} time {info['rs_time_ratio']:.2f}, TIDE x floor "
               f"{info['rs_tide_x_floor']:.2f} (chunked, best {info['rs_chunked_x_floor']:.2f}: "
               f"{info['rs_chunked_best'][len('RS TIDE: '):]}; bitwise {info['rs_pieces_bitwise']}) | landing bitwise = copy-out: {info['ag_landing_bitwise']}"
-              f" | RS bitwise = torch reference: {info['rs_reference_bitwise']}")
-        for what, d in [("one piece", info["rs_reference_diff"])] + list(info["rs_pieces_diff"].items()):
+              f" | RS bitwise = torch reference: {info['rs_reference_bitwise']} (executor REDUCE chain: "
+              f"{info['rs_exec_reference_bitwise']}, x floor {info['rs_exec_x_floor']:.2f})")
+        for what, d in ([("one piece", info["rs_reference_diff"]), ("executor REDUCE", info["rs_exec_reference_diff"])]
+                        + list(info["rs_pieces_diff"].items())):
             if d:
                 print(f"#   {info['group']} {what}: {d['count']} elements differ from the reference; first {d['first']} "
                       f"(block row {d['block_row']}): want {d['want']!r}, got {d['got']!r}")
