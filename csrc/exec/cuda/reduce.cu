@@ -41,10 +41,12 @@ constexpr int kV = 8;  // elements per vector step of the generic body (and the 
 enum Pattern : int { kAllBf16 = 0, kAllF32 = 1, kMixed = 2 };
 
 // 16-byte words per term per thread per dense iteration: ~128 registers of loaded words at most,
-// 1..4. At L = 8 all bf16 that
-// is 256 threads x 4 x 8 x 16 B = 128 KiB in flight per CTA, sum_kernel's depth (512 x 2).
+// 1..16. At L = 8 all bf16 that is 256 threads x 4 x 8 x 16 B = 128 KiB in flight per CTA. The cap
+// was 4 until Run 31: a one-term fp32 LAND then kept 16 KiB in flight per CTA and ran at half
+// kernels.cu's LAND (37 GB/s per CTA at 4 CTAs, 1.58x its floor at a full grid); few terms now
+// unroll deeper (one fp32 term with its accumulate operand: 10 words).
 __host__ __device__ constexpr int dense_unroll(int words) {
-  return 128 / (4 * words) < 1 ? 1 : (128 / (4 * words) > 4 ? 4 : 128 / (4 * words));
+  return 128 / (4 * words) < 1 ? 1 : (128 / (4 * words) > 16 ? 16 : 128 / (4 * words));
 }
 
 __device__ __forceinline__ void unpack(float (&x)[kV], const uint4& lo, const uint4& hi, bool fp32) {
@@ -93,6 +95,14 @@ __device__ __forceinline__ void prefetch_terms(const ReduceArgs& a, const char* 
     }
 }
 
+// Words per term per thread of one dense iteration (dense_body): all fp32 hoists the accumulate
+// operand, so its budget counts two extra words (old value, addresses); 11-12 terms take one word
+// (ptxas -v: no spills).
+template <int T, int P>
+__host__ __device__ constexpr int dense_words() {
+  return P == kAllF32 ? (T > 10 ? 1 : dense_unroll(T + 2)) : dense_unroll(T);
+}
+
 // Dense body: every term present, one dtype (P != kMixed). p[i] = term i at element bv (16-byte
 // aligned); nw 16-byte words per term, E elements per word.
 template <int T, int P>
@@ -103,7 +113,7 @@ __device__ __forceinline__ void dense_body(const ReduceArgs& a, const char* cons
   // with accumulate (no program emits one) loads it after them. All fp32: the budget counts two
   // extra words (old value, addresses), and 11-12 terms take one word (ptxas -v: no spills).
   constexpr bool kHoistOld = P == kAllF32;
-  constexpr int U = kHoistOld ? (T > 10 ? 1 : dense_unroll(T + 2)) : dense_unroll(T);
+  constexpr int U = dense_words<T, P>();
   const bool acc = a.land && a.accumulate;
   // The launch always has kReduceThreads threads: word u of an iteration sits at a constant
   // offset from the thread's running pointer, so only T pointers stay live.
@@ -280,12 +290,19 @@ __device__ __forceinline__ void reduce_piece(const ReduceArgs& a, int64_t begin,
   }
 }
 
-constexpr int64_t kReduceTile = 4 * kReduceThreads * kV;  // elements per CTA tile ([Note: CTA work split])
+// Elements per CTA tile ([Note: CTA work split]): one dense iteration (the generic body of a
+// mixed pattern: four of its iterations).
+template <int T, int P>
+constexpr int64_t reduce_tile() {
+  return P == kMixed ? 4 * kReduceThreads * kV
+                     : static_cast<int64_t>(dense_words<T, P>()) * kReduceThreads * (P == kAllF32 ? 4 : 8);
+}
 
 template <int T, int P>
 __global__ void __launch_bounds__(kReduceThreads, 1) reduce_kernel(const __grid_constant__ ReduceArgs a, int l2,
                                                                    int split) {
-  device::for_each_piece(a.n, kV, kReduceTile, split == kCtaRanges, [&](int64_t b, int64_t e) { reduce_piece<T, P>(a, b, e, l2); });
+  device::for_each_piece(a.n, kV, reduce_tile<T, P>(), split == kCtaRanges,
+                         [&](int64_t b, int64_t e) { reduce_piece<T, P>(a, b, e, l2); });
 }
 
 template <int T>
