@@ -17,6 +17,11 @@ chunk k on a second stream under a CTA budget, at most n_stg chunks ahead (paper
 "processed and reused in chunks"); the executors' RS program does not overlap them yet (a rank's
 pushes and SUMs share its read stream). SUM and LAND split their elements in tiles
 (TIDE_CTA_SPLIT; rows with contiguous per-CTA ranges beside them).
+SUM and LAND rows time kernels.cu's kernels; the "executor REDUCE" rows time reduce.cu's run-table
+kernel, which both CUDA executors run for SUM and LAND, on the same data. "ref:" rows are torch's
+own kernels on the same bytes (a contiguous copy, a scale), what a plain kernel reaches at this
+size. Every RS result (one piece, chunked, executor REDUCE) is checked bit for bit against a torch
+reference in the fixed association.
 On one GPU every copy is a same-device copy, which the driver runs on SMs; between GPUs the
 same descriptors run on copy engines. Bytes are HBM bytes (read + write) of the step.
 Peers' buffers live on the same GPU, so "peer" reads are local reads here.
