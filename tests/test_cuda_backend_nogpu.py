@@ -182,27 +182,23 @@ def test_cta_split_knob(value, want, monkeypatch):
         assert _core.cuda_cta_split(ctas) == (auto if want == "auto" else want)
 
 
-@pytest.mark.parametrize("value, ok", [(None, True), ("batch", True), ("per_copy", False), ("2d", None)])
-def test_copy_2d_knob(value, ok, monkeypatch):
-    """TIDE_COPY_2D picks the eager 2-D copy path (runtime.h); a bad value names the variable."""
-    _knob(monkeypatch, "TIDE_COPY_2D", value)
-    if ok is None:
-        with pytest.raises(tide.PlanError, match="TIDE_COPY_2D must be 'batch' or 'per_copy'"):
-            _core.cuda_copy_2d_batched()
-    else:
-        assert _core.cuda_copy_2d_batched() is ok
+# (variable, getter, value, want): want None = a bad value, named with the variable in the error.
+BOOL_KNOBS = [("TIDE_COPY_2D", "cuda_copy_2d_batched", v, w, "TIDE_COPY_2D must be 'batch' or 'per_copy'")
+              for v, w in [(None, True), ("batch", True), ("per_copy", False), ("2d", None)]]
+BOOL_KNOBS += [("TIDE_LAND_DEEP", "cuda_land_deep", v, w, "TIDE_LAND_DEEP=yes: expected 0 or 1")
+               for v, w in [(None, True), ("1", True), ("0", False), ("yes", None)]]
 
 
-@pytest.mark.parametrize("value, want", [(None, True), ("1", True), ("0", False), ("yes", None)])
-def test_land_deep_knob(value, want, monkeypatch):
-    """TIDE_LAND_DEEP picks the one-source overwrite LAND's tile depth (kernels.h); a bad value
-    names the variable."""
-    _knob(monkeypatch, "TIDE_LAND_DEEP", value)
+@pytest.mark.parametrize("name, getter, value, want, error", BOOL_KNOBS)
+def test_boolean_knobs(name, getter, value, want, error, monkeypatch):
+    """TIDE_COPY_2D picks the eager 2-D copy path (runtime.h), TIDE_LAND_DEEP the one-source
+    overwrite LAND's tile depth (kernels.h); a bad value names the variable."""
+    _knob(monkeypatch, name, value)
     if want is None:
-        with pytest.raises(tide.PlanError, match="TIDE_LAND_DEEP=yes: expected 0 or 1"):
-            _core.cuda_land_deep()
+        with pytest.raises(tide.PlanError, match=error):
+            getattr(_core, getter)()
     else:
-        assert _core.cuda_land_deep() is want
+        assert getattr(_core, getter)() is want
 
 
 def test_native_stack_dump_on_signal():
