@@ -14,9 +14,8 @@ from tide.bench.layout import pack_reduce_runs  # noqa: E402
 pytestmark = pytest.mark.gpu
 
 DEV = "cuda"
-# "vec/ranges", "vec/tiles": vec with TIDE_CTA_SPLIT forced (else auto: ranges below 32 CTAs);
-# "vec_l2/tiles": the next-tile L2 prefetch (sum_prefetch).
-VARIANTS = ["vec", "vec_l2", "bulk", "vec/ranges", "vec/tiles", "vec_l2/tiles"]
+# "vec/ranges", "vec/tiles": vec with TIDE_CTA_SPLIT forced (else auto: ranges below 32 CTAs).
+VARIANTS = ["vec", "vec_l2", "bulk", "vec/ranges", "vec/tiles"]
 
 
 @pytest.fixture(params=VARIANTS)

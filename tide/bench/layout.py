@@ -319,7 +319,7 @@ def run_group(torch, core, name, plan, n, ceiling, n_sm, sum_ctas, land_ctas, la
                   sum_b),
                  ("RS TIDE: LAND (full grid), CTA ranges",
                   with_env("TIDE_CTA_SPLIT", "ranges", lambda: tide_land(land_full)), land_b),
-                 ("RS TIDE: SUM (full grid), next-tile L2 prefetch (vec_l2)",
+                 ("RS TIDE: SUM (full grid), vec_l2",
                   with_env("TIDE_SUM_KERNEL", "vec_l2", lambda: tide_sum(sum_full)), sum_b),
                  ("RS TIDE: LAND (full grid), 8 vectors per thread",
                   with_env("TIDE_LAND_DEEP", "0", lambda: tide_land(land_full)), land_b),

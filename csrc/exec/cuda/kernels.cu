@@ -182,38 +182,12 @@ __device__ __forceinline__ void sum_piece(const SumArgs& a, int64_t begin, int64
   }
 }
 
-// `vec_l2` in tiles: L2 prefetch of the operands of elements [begin, end) (the CTA's next tile),
-// one thread per staged slice and one for the own gradient of the segment holding `begin`, as
-// LAND does (land_prefetch). A tile is one iteration, so the in-piece prefetch of ranges has
-// nothing ahead of it there.
-template <int NS>
-__device__ __forceinline__ void sum_prefetch(const SumArgs& a, int64_t begin, int64_t end) {
-  const int t = static_cast<int>(threadIdx.x);
-  if (begin >= end || t > NS) return;
-  if (t < NS) {
-    l2_prefetch(a.staged[t] + begin, (end - begin) * 2);
-    return;
-  }
-  int lo = 0, hi = a.n_segs - 1;
-  while (lo < hi) {
-    const int mid = (lo + hi) >> 1;
-    if (a.segs[mid].dst_off + a.segs[mid].len <= begin) lo = mid + 1; else hi = mid;
-  }
-  const SumSegment sg = a.segs[lo];
-  if (sg.param < 0) return;
-  const uint16_t* p = a.grad[sg.param] + sg.src_off + (begin - sg.dst_off);
-  l2_prefetch(p, (min(end, sg.dst_off + sg.len) - begin) * 2);
-}
-
 template <int NS>
 __global__ void __launch_bounds__(kSumThreads, 1) sum_kernel(const __grid_constant__ SumArgs a,
                                                           int vec_ok, int l2, int split) {
   constexpr int64_t kTile = static_cast<int64_t>(sum_unroll(NS + 1)) * kSumThreads * kVec;  // one iteration
-  const bool ranges = split == kCtaRanges;
-  device::for_each_piece(a.n, kVec, kTile, ranges, [&](int64_t b, int64_t e) {
-    if (l2 && !ranges) sum_prefetch<NS>(a, b + gridDim.x * kTile, min(a.n, b + (gridDim.x + 1) * kTile));
-    sum_piece<NS>(a, b, e, vec_ok, l2 && ranges);
-  });
+  device::for_each_piece(a.n, kVec, kTile, split == kCtaRanges,
+                         [&](int64_t b, int64_t e) { sum_piece<NS>(a, b, e, vec_ok, l2); });
 }
 
 __device__ __forceinline__ float land_one(const LandJob& j, int64_t k, float alpha, int acc_mode) {
