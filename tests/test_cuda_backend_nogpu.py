@@ -187,12 +187,15 @@ BOOL_KNOBS = [("TIDE_COPY_2D", "cuda_copy_2d_batched", v, w, "TIDE_COPY_2D must 
               for v, w in [(None, True), ("batch", True), ("per_copy", False), ("2d", None)]]
 BOOL_KNOBS += [("TIDE_LAND_DEEP", "cuda_land_deep", v, w, "TIDE_LAND_DEEP=yes: expected 0 or 1")
                for v, w in [(None, True), ("1", True), ("0", False), ("yes", None)]]
+BOOL_KNOBS += [("TIDE_FULL_GRID", "cuda_full_grid_tiles", v, w, "TIDE_FULL_GRID=all: expected tiles or wave")
+               for v, w in [(None, True), ("tiles", True), ("wave", False), ("all", None)]]
 
 
 @pytest.mark.parametrize("name, getter, value, want, error", BOOL_KNOBS)
 def test_boolean_knobs(name, getter, value, want, error, monkeypatch):
     """TIDE_COPY_2D picks the eager 2-D copy path (runtime.h), TIDE_LAND_DEEP the one-source
-    overwrite LAND's tile depth (kernels.h); a bad value names the variable."""
+    overwrite LAND's tile depth, TIDE_FULL_GRID the grid of a whole-wave budget (kernels.h); a
+    bad value names the variable."""
     _knob(monkeypatch, name, value)
     if want is None:
         with pytest.raises(tide.PlanError, match=error):

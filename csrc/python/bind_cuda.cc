@@ -113,6 +113,9 @@ void bind_cuda_ops(nb::module_& m) {
   m.def("cuda_land_deep", &land_deep,
         "Whether a one-source overwrite LAND keeps 16 vectors per thread in flight (TIDE_LAND_DEEP=1, "
         "default) or 8 (0); same bits.");
+  m.def("cuda_full_grid_tiles", &full_grid_tiles,
+        "Whether a SUM/LAND/REDUCE budget of a whole resident wave runs one CTA per tile (TIDE_FULL_GRID=tiles, "
+        "default) or one wave (wave); same bits (kernels.h [Note: full grid]).");
   m.def("cuda_sum_kernel", []() { return std::string(sum_kernel_name(sum_kernel_effective())); },
         "The SUM/REDUCE variant a launch on the current device runs now (TIDE_SUM_KERNEL, kernels.h).");
   m.def("cuda_sum_kernel_attrs", []() {

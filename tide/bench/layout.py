@@ -16,7 +16,8 @@ chunked RS rows stage K chunks of L/K block rows, chunk k+1's copies overlapping
 chunk k on a second stream under a CTA budget, at most n_stg chunks ahead (paper §4.1, staging
 "processed and reused in chunks"); the executors' RS program does not overlap them yet (a rank's
 pushes and SUMs share its read stream). SUM and LAND split their elements in tiles
-(TIDE_CTA_SPLIT; rows with contiguous per-CTA ranges beside them).
+(TIDE_CTA_SPLIT; rows with contiguous per-CTA ranges beside them); a full-grid budget runs one
+short-lived CTA per tile ("one wave" rows: TIDE_FULL_GRID=wave, the budget's CTAs looping).
 SUM and LAND rows time kernels.cu's kernels; the "executor REDUCE" rows time reduce.cu's run-table
 kernel, which both CUDA executors run for SUM and LAND, on the same data. "ref:" rows are torch's
 own kernels on the same bytes (a contiguous copy, a scale), what a plain kernel reaches at this
@@ -93,7 +94,8 @@ def run_group(torch, core, name, plan, n, ceiling, n_sm, sum_ctas, land_ctas, la
     st = torch.cuda.current_stream().cuda_stream
     exec_lanes = core.cuda_copy_lanes()  # what the executors spread a large COPY/PUT over
     lanes_list = sorted(set(lanes_list) | {exec_lanes})
-    # "Full grid": every SM's resident CTAs (occupancy API), one wave.
+    # "Full grid": a budget of every SM's resident CTAs (occupancy API), one wave; the kernels then
+    # run one short-lived CTA per tile (kernels.h [Note: full grid]; "one wave" rows: the budget as is).
     sum_full = n_sm * max(1, core.cuda_resident_ctas_per_sm("sum", L - 1))
     land_full = n_sm * max(1, core.cuda_resident_ctas_per_sm("land", 1))  # one source per job here
     g = torch.Generator(device=dev).manual_seed(1)
@@ -321,6 +323,10 @@ def run_group(torch, core, name, plan, n, ceiling, n_sm, sum_ctas, land_ctas, la
                   with_env("TIDE_CTA_SPLIT", "ranges", lambda: tide_land(land_full)), land_b),
                  ("RS TIDE: SUM (full grid), vec_l2",
                   with_env("TIDE_SUM_KERNEL", "vec_l2", lambda: tide_sum(sum_full)), sum_b),
+                 ("RS TIDE: SUM (full grid), one wave (TIDE_FULL_GRID=wave)",
+                  with_env("TIDE_FULL_GRID", "wave", lambda: tide_sum(sum_full)), sum_b),
+                 ("RS TIDE: LAND (full grid), one wave (TIDE_FULL_GRID=wave)",
+                  with_env("TIDE_FULL_GRID", "wave", lambda: tide_land(land_full)), land_b),
                  ("RS TIDE: LAND (full grid), 8 vectors per thread",
                   with_env("TIDE_LAND_DEEP", "0", lambda: tide_land(land_full)), land_b),
                  (f"RS TIDE: LAND ({land_ctas} CTAs), 8 vectors per thread",
@@ -329,6 +335,8 @@ def run_group(torch, core, name, plan, n, ceiling, n_sm, sum_ctas, land_ctas, la
                   with_env("TIDE_SUM_KERNEL", "vec_l2", tide_rs_full), stage_b + sum_b + land_b),
                  ("RS TIDE: staging + SUM + LAND, full grid, CTA ranges",
                   with_env("TIDE_CTA_SPLIT", "ranges", tide_rs_full), stage_b + sum_b + land_b),
+                 ("RS TIDE: staging + SUM + LAND, full grid, one wave",
+                  with_env("TIDE_FULL_GRID", "wave", tide_rs_full), stage_b + sum_b + land_b),
                  ("RS TIDE: staging + SUM + LAND", tide_rs, stage_b + sum_b + land_b),
                  ("RS TIDE: staging + SUM + LAND, full grid", tide_rs_full, stage_b + sum_b + land_b)]
     rs_steps += [(pipe_label(K, c, sum_full), pipelines[(K, c)], stage_b + sum_b + land_b) for K, c in pipe_rows]
@@ -336,6 +344,8 @@ def run_group(torch, core, name, plan, n, ceiling, n_sm, sum_ctas, land_ctas, la
                  (f"RS TIDE executor REDUCE: LAND ({land_ctas} CTAs)", exec_land, land_b),
                  ("RS TIDE executor REDUCE: SUM (full grid)", lambda: exec_sum(sum_full), sum_b),
                  ("RS TIDE executor REDUCE: LAND (full grid)", lambda: exec_land(land_full), land_b),
+                 ("RS TIDE executor REDUCE: LAND (full grid), one wave",
+                  with_env("TIDE_FULL_GRID", "wave", lambda: exec_land(land_full)), land_b),
                  ("RS TIDE executor REDUCE: staging + SUM + LAND", exec_rs, stage_b + sum_b + land_b),
                  ("RS TIDE executor REDUCE: staging + SUM + LAND, full grid", lambda: exec_rs(sum_full, land_full),
                   stage_b + sum_b + land_b)]

@@ -23,7 +23,8 @@ __device__ __forceinline__ float bf16_hi(uint32_t w) { return __uint_as_float(w 
 // of c CTAs as 2c half-size CTAs, two per SM: no faster, BENCHMARKS.md Run 23).
 // Either way there is no persistence and no inter-CTA communication: a CTA walks its own pieces
 // and exits, so the CTA budget stays an exact upper bound on the SMs a launch occupies (paper
-// §2.2: short-lived CTAs). Tile starts are multiples of `tile`, range starts of kRangeAlign
+// §2.2: short-lived CTAs); a budget of a whole resident wave in tiles runs one CTA per tile
+// (kernels.h [Note: full grid]). Tile starts are multiples of `tile`, range starts of kRangeAlign
 // elements (a multiple of every kernel's `align`): 512 B of bf16, 1 KiB of fp32, so a warp's
 // 512-byte vector load covers 4 whole 128-byte lines, not 5. Ranges of n / G elements start
 // mid-line whenever G is not a power of two, and a SUM launch of 6, 10, 12, 14 or 24 CTAs then ran

@@ -18,8 +18,10 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <map>
 #include <mutex>
 #include <set>
 #include <string>
@@ -366,7 +368,9 @@ int clamp_ctas(int ctas, int64_t work_items, int threads) {
 
 template <int NS>
 void launch_sum_ns(const SumArgs& a, int ctas, int vec_ok, int l2, cudaStream_t s) {
-  sum_kernel<NS><<<ctas, kSumThreads, 0, s>>>(a, vec_ok, l2, cta_split_for(ctas));
+  constexpr int64_t kTile = static_cast<int64_t>(sum_unroll(NS + 1)) * kSumThreads * kVec;  // sum_kernel's
+  const int grid = grid_for(reinterpret_cast<const void*>(sum_kernel<NS>), kSumThreads, ctas, a.n, kTile);
+  sum_kernel<NS><<<grid, kSumThreads, 0, s>>>(a, vec_ok, l2, cta_split_for(grid));
 }
 
 template <int... I>
@@ -432,6 +436,38 @@ bool land_deep() {
   if (v == nullptr || *v == '\0' || std::strcmp(v, "1") == 0) return true;
   TIDE_PLAN_CHECK(std::strcmp(v, "0") == 0, "TIDE_LAND_DEEP=", v, ": expected 0 or 1");
   return false;
+}
+
+bool full_grid_tiles() {
+  const char* v = std::getenv("TIDE_FULL_GRID");
+  if (v == nullptr || *v == '\0' || std::strcmp(v, "tiles") == 0) return true;
+  TIDE_PLAN_CHECK(std::strcmp(v, "wave") == 0, "TIDE_FULL_GRID=", v, ": expected tiles or wave");
+  return false;
+}
+
+int grid_for(const void* kernel, int threads, int ctas, int64_t n, int64_t tile) {
+  if (cta_split_for(ctas) != kCtaTiles || !full_grid_tiles()) return ctas;
+  int dev = 0;
+  TIDE_CHECK_CUDA(cudaGetDevice(&dev));
+  int wave = 0;
+  {
+    // One resident wave per (kernel, device), computed once: the occupancy query is not free.
+    static std::mutex mu;
+    static std::map<std::pair<const void*, int>, int> waves;
+    std::lock_guard<std::mutex> g(mu);
+    auto it = waves.find({kernel, dev});
+    if (it == waves.end()) {
+      int per_sm = 0, sms = 0;
+      TIDE_CHECK_CUDA(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, 0),
+                      "occupancy of a TIDE kernel on device ", dev);
+      TIDE_CHECK_CUDA(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev), "SMs of device ", dev);
+      it = waves.emplace(std::make_pair(kernel, dev), std::max(1, per_sm) * sms).first;
+    }
+    wave = it->second;
+  }
+  if (ctas < wave) return ctas;
+  const int64_t tiles = (n + tile - 1) / tile;
+  return static_cast<int>(std::min<int64_t>(std::max<int64_t>(tiles, ctas), INT32_MAX));
 }
 
 CtaSplit cta_split_for(int ctas) {
@@ -507,15 +543,19 @@ void launch_sum(const SumArgs& a, int ctas, cudaStream_t stream) {
   TIDE_CHECK_CUDA(cudaGetLastError(), "launching SUM");
 }
 
-using LandKernel = void (*)(LandArgs, int64_t, int);
+// A LAND instantiation and its tile (KU vectors of 4 elements per thread: land_kernel's).
+struct LandKernel {
+  void (*fn)(LandArgs, int64_t, int);
+  int ku;
+};
 // static_assert below: the instantiations cover 1, 2, 4 and kMaxLandSrcs = 8 sources.
 LandKernel land_kernel_for(int max_src, bool accumulate) {
   static_assert(kMaxLandSrcs == 8, "land_kernel_for covers 1, 2, 4 and 8 sources");
-  if (max_src <= 1 && !accumulate && land_deep()) return land_kernel<16, 1, 0>;
-  if (max_src <= 1) return land_kernel<8, 1>;
-  if (max_src <= 2) return land_kernel<6, 2>;
-  if (max_src <= 4) return land_kernel<4, 4>;
-  return land_kernel<2, 8>;
+  if (max_src <= 1 && !accumulate && land_deep()) return {land_kernel<16, 1, 0>, 16};
+  if (max_src <= 1) return {land_kernel<8, 1>, 8};
+  if (max_src <= 2) return {land_kernel<6, 2>, 6};
+  if (max_src <= 4) return {land_kernel<4, 4>, 4};
+  return {land_kernel<2, 8>, 2};
 }
 
 template <int... I>
@@ -538,7 +578,7 @@ int resident_ctas_per_sm(const std::string& kernel, int n_staged) {
   }
   TIDE_PLAN_CHECK(kernel == "land", "resident_ctas_per_sm: kernel must be 'sum' or 'land', got '", kernel, "'");
   int k = 0;
-  TIDE_CHECK_CUDA(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&k, land_kernel_for(std::max(1, n_staged), false),
+  TIDE_CHECK_CUDA(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&k, land_kernel_for(std::max(1, n_staged), false).fn,
                                                                 kLandThreads, 0),
                   "occupancy of land_kernel");
   return k;
@@ -557,7 +597,10 @@ void launch_land(const LandArgs& a, int ctas, cudaStream_t stream) {
   }
   if (total == 0) return;
   const int c = clamp_ctas(ctas, total / 4 + 1, kLandThreads);
-  land_kernel_for(max_src, a.accumulate != 0)<<<c, kLandThreads, 0, stream>>>(a, total, cta_split_for(c));
+  const LandKernel k = land_kernel_for(max_src, a.accumulate != 0);
+  const int grid = grid_for(reinterpret_cast<const void*>(k.fn), kLandThreads, c, total,
+                            static_cast<int64_t>(k.ku) * kLandThreads * 4);
+  k.fn<<<grid, kLandThreads, 0, stream>>>(a, total, cta_split_for(grid));
   TIDE_CHECK_CUDA(cudaGetLastError(), "launching LAND");
 }
 

@@ -138,6 +138,20 @@ constexpr int kTilesMinCtas = 32;
 CtaSplit cta_split();                  // as requested (kCtaAuto when unset)
 CtaSplit cta_split_for(int ctas);      // what a launch of `ctas` CTAs runs (never kCtaAuto)
 
+// [Note: full grid]
+// A budget of at least one resident wave (SMs x resident CTAs per SM of the kernel) already
+// allows every SM; such a launch in tiles runs one short-lived CTA per tile instead of one wave
+// of CTAs that each loop over tiles, so the hardware block scheduler balances the tiles over the
+// SMs as they free up (as an elementwise torch kernel does). Measured on the H200 (BENCHMARKS.md
+// Run 34): the 70B LAND at 132 CTAs 1.25x its floor, one CTA per tile 1.10x; torch's scale of the
+// same bytes 1.07x. Smaller budgets, ranges and the bulk variant launch exactly `ctas` CTAs. Env
+// TIDE_FULL_GRID=tiles (default) | wave (one wave, the budget as given), read at every launch;
+// same bits either way.
+bool full_grid_tiles();
+// The grid a launch of `kernel` (`threads` per CTA) with budget `ctas` over `n` elements in
+// tiles of `tile` elements runs; `ctas` itself unless the note above applies.
+int grid_for(const void* kernel, int threads, int ctas, int64_t n, int64_t tile);
+
 // One-source overwrite LAND with 16 vectors per thread per tile (kernels.cu, land_vec) instead
 // of 8: env TIDE_LAND_DEEP=1 (default) | 0, read at every launch; same bits either way.
 bool land_deep();

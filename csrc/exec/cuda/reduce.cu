@@ -305,15 +305,22 @@ __global__ void __launch_bounds__(kReduceThreads, 1) reduce_kernel(const __grid_
                          [&](int64_t b, int64_t e) { reduce_piece<T, P>(a, b, e, l2); });
 }
 
+template <int T, int P>
+void launch_tp(const ReduceArgs& a, int ctas, int l2, cudaStream_t s) {
+  const int grid = grid_for(reinterpret_cast<const void*>(reduce_kernel<T, P>), kReduceThreads, ctas, a.n,
+                            reduce_tile<T, P>());
+  reduce_kernel<T, P><<<grid, kReduceThreads, 0, s>>>(a, l2, cta_split_for(grid));
+}
+
 template <int T>
 void launch_t(const ReduceArgs& a, int ctas, int l2, cudaStream_t s) {
   const uint32_t all = (1u << T) - 1u, f32 = a.fp32_terms & all;
   if (f32 == 0)
-    reduce_kernel<T, kAllBf16><<<ctas, kReduceThreads, 0, s>>>(a, l2, cta_split_for(ctas));
+    launch_tp<T, kAllBf16>(a, ctas, l2, s);
   else if (f32 == all)
-    reduce_kernel<T, kAllF32><<<ctas, kReduceThreads, 0, s>>>(a, l2, cta_split_for(ctas));
+    launch_tp<T, kAllF32>(a, ctas, l2, s);
   else
-    reduce_kernel<T, kMixed><<<ctas, kReduceThreads, 0, s>>>(a, l2, cta_split_for(ctas));
+    launch_tp<T, kMixed>(a, ctas, l2, s);
 }
 
 template <int... I>
