@@ -573,31 +573,42 @@ def _launched_grids(fn, name, tmp_path):
 
 @pytest.mark.parametrize("full_grid", ["tiles", "wave"])
 def test_full_grid_one_cta_per_tile(full_grid, monkeypatch, tmp_path):
-    """kernels.h [Note: full grid]: a budget of a whole resident wave runs one short-lived CTA per
-    tile (TIDE_FULL_GRID=tiles, default) or one wave (wave); SUM, LAND and REDUCE give the
-    reference's bits either way, every element written."""
+    """kernels.h [Note: full grid]: a budget of one whole resident wave runs one short-lived CTA
+    per tile (TIDE_FULL_GRID=tiles, default) or exactly the budget (wave); SUM, LAND and REDUCE
+    give the reference's bits either way, every element written."""
     monkeypatch.setenv("TIDE_FULL_GRID", full_grid)
     monkeypatch.delenv("TIDE_CTA_SPLIT", raising=False)
     monkeypatch.delenv("TIDE_LAND_DEEP", raising=False)
     monkeypatch.setenv("TIDE_SUM_KERNEL", "vec")
     assert _core.cuda_full_grid_tiles() is (full_grid == "tiles")
     gen = torch.Generator().manual_seed(11 if full_grid == "tiles" else 12)
-    budget = 4 * torch.cuda.get_device_properties(0).multi_processor_count  # >= one wave of each kernel
-    n = 5_000_003  # > budget tiles of every kernel below: the tiles grid is larger than the budget
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    wave = lambda kernel, k: sms * max(1, _core.cuda_resident_ctas_per_sm(kernel, k))
+    n = 5_000_003  # more tiles than one wave of every kernel below
     alpha = 1.0 / 3.0
 
-    # LAND, one source, overwrite (the 16-vector tile: 32 Ki elements) and two sources, accumulate.
+    def check_grid(run, name, budget, tiles=None):
+        grids = _launched_grids(run, name, tmp_path)
+        assert len(grids) == 1, grids
+        if full_grid == "wave":
+            assert grids[0] == budget, (grids, budget)
+        elif tiles is not None:
+            assert grids[0] == tiles, (grids, tiles)
+        else:
+            assert grids[0] > budget, (grids, budget)
+
+    # LAND, one source, overwrite (tiles of 16 vectors x 512 threads x 4 elements) and two sources,
+    # accumulate.
     src = [torch.randn(n, generator=gen) for _ in range(2)]
     old = torch.randn(n, generator=gen)
     d_src = [s.to(DEV) for s in src]
     dst = _poisoned(n)
-    run = lambda: _core.cuda_land([(dst.data_ptr(), [d_src[0].data_ptr()], n)], alpha, False, budget, _stream())
-    grids = _launched_grids(run, "land_kernel", tmp_path)
-    tiles = -(-((n + 3) // 4 * 4) // (16 * 512 * 4))
-    assert grids and all(g == (tiles if full_grid == "tiles" else budget) for g in grids), grids
+    budget = wave("land", 1)
+    check_grid(lambda: _core.cuda_land([(dst.data_ptr(), [d_src[0].data_ptr()], n)], alpha, False, budget, _stream()),
+               "land_kernel", budget, -(-((n + 3) // 4 * 4) // (16 * 512 * 4)))
     _assert_same(dst, torch.tensor(alpha) * src[0], f"LAND one source, TIDE_FULL_GRID={full_grid}")
     dst2 = old.to(DEV)
-    _core.cuda_land([(dst2.data_ptr(), [s.data_ptr() for s in d_src], n)], alpha, True, budget, _stream())
+    _core.cuda_land([(dst2.data_ptr(), [s.data_ptr() for s in d_src], n)], alpha, True, wave("land", 2), _stream())
     torch.cuda.synchronize()
     _assert_same(dst2, old + torch.tensor(alpha) * (src[0] + src[1]), f"LAND accumulate, {full_grid}")
 
@@ -607,19 +618,22 @@ def test_full_grid_one_cta_per_tile(full_grid, monkeypatch, tmp_path):
     ref, _ = _sum_reference(staged, rows, grads, m)
     table = _seg_table(rows)
     out = _poisoned(m)
-    _core.cuda_sum(out.data_ptr(), m, [s.data_ptr() for s in staged], table.data_ptr(), len(rows),
-                   [g.data_ptr() for g in grads], budget, _stream())
-    torch.cuda.synchronize()
+    budget = wave("sum", 7)
+    check_grid(lambda: _core.cuda_sum(out.data_ptr(), m, [s.data_ptr() for s in staged], table.data_ptr(), len(rows),
+                                      [g.data_ptr() for g in grads], budget, _stream()), "sum_kernel", budget)
     _assert_same(out, ref, f"SUM, TIDE_FULL_GRID={full_grid}")
 
     # REDUCE: LAND of one fp32 term (the executors' LAND) and a SUM of 8 bf16 terms.
     for dtype, terms, land in ((torch.float32, 1, True), (torch.bfloat16, 8, False)):
         bufs = [torch.randn(n, generator=gen).to(dtype) for _ in range(terms)]
         dev_bufs = [b.to(DEV) for b in bufs]
-        table = _pack_runs([(0, n, [(i, 0) for i in range(terms)])])
-        ref = _reduce_reference(bufs, [(0, n, [(i, 0) for i in range(terms)])], n, land, False, alpha, None)
+        runs = [(0, n, [(i, 0) for i in range(terms)])]
+        table = _pack_runs(runs)
+        ref = _reduce_reference(bufs, runs, n, land, False, alpha, None)
         out = _poisoned(n)
-        _core.cuda_reduce(out.data_ptr(), n, table.data_ptr(), 1, terms, (1 << terms) - 1 if land else 0, land,
-                          False, alpha, [b.data_ptr() for b in dev_bufs], budget, _stream())
-        torch.cuda.synchronize()
+        budget = wave("reduce_fp32" if land else "reduce", terms)
+        check_grid(lambda: _core.cuda_reduce(out.data_ptr(), n, table.data_ptr(), 1, terms,
+                                             (1 << terms) - 1 if land else 0, land, False, alpha,
+                                             [b.data_ptr() for b in dev_bufs], budget, _stream()),
+                   "reduce_kernel", budget)
         _assert_same(out, ref, f"REDUCE {terms} {dtype} terms, TIDE_FULL_GRID={full_grid}")

@@ -97,7 +97,8 @@ void bind_cuda_ops(nb::module_& m) {
         "(144 bytes: int64 dst_off, len, off[12]; int16 slot[12], pad[4]); `bases[slot]` are the "
         "slot base addresses. Follows TIDE_SUM_KERNEL like cuda_sum.");
   m.def("cuda_resident_ctas_per_sm", &resident_ctas_per_sm, nb::arg("kernel"), nb::arg("n_staged") = 0,
-        "CTAs of SUM ('sum', L-1 = n_staged) or LAND ('land') resident on one SM (occupancy API).");
+        "CTAs of SUM ('sum', L-1 = n_staged), LAND ('land', sources) or REDUCE ('reduce' / 'reduce_fp32', bf16 / "
+        "fp32 terms) resident on one SM (occupancy API).");
   m.def("cuda_copy_2d_batched", &copy_2d_batched,
         "Whether eager 2-D copies go in one cudaMemcpy3DBatchAsync (TIDE_COPY_2D=batch, default) or per copy.");
   m.def("cuda_copy_lanes", &copy_lanes_default, "Copy lanes per issuing stream (TIDE_COPY_LANES, default 4).");

@@ -98,6 +98,9 @@ def run_group(torch, core, name, plan, n, ceiling, n_sm, sum_ctas, land_ctas, la
     # run one short-lived CTA per tile (kernels.h [Note: full grid]; "one wave" rows: the budget as is).
     sum_full = n_sm * max(1, core.cuda_resident_ctas_per_sm("sum", L - 1))
     land_full = n_sm * max(1, core.cuda_resident_ctas_per_sm("land", 1))  # one source per job here
+    # The executors' REDUCE has its own occupancy: its full grid is its own wave.
+    exec_sum_full = n_sm * max(1, core.cuda_resident_ctas_per_sm("reduce", L))
+    exec_land_full = n_sm * max(1, core.cuda_resident_ctas_per_sm("reduce_fp32", 1))
     g = torch.Generator(device=dev).manual_seed(1)
     rows = []
 
@@ -342,12 +345,14 @@ def run_group(torch, core, name, plan, n, ceiling, n_sm, sum_ctas, land_ctas, la
     rs_steps += [(pipe_label(K, c, sum_full), pipelines[(K, c)], stage_b + sum_b + land_b) for K, c in pipe_rows]
     rs_steps += [(f"RS TIDE executor REDUCE: SUM ({sum_ctas} CTAs)", exec_sum, sum_b),
                  (f"RS TIDE executor REDUCE: LAND ({land_ctas} CTAs)", exec_land, land_b),
-                 ("RS TIDE executor REDUCE: SUM (full grid)", lambda: exec_sum(sum_full), sum_b),
-                 ("RS TIDE executor REDUCE: LAND (full grid)", lambda: exec_land(land_full), land_b),
+                 (f"RS TIDE executor REDUCE: SUM (full grid, {exec_sum_full} CTAs resident)",
+                  lambda: exec_sum(exec_sum_full), sum_b),
+                 (f"RS TIDE executor REDUCE: LAND (full grid, {exec_land_full} CTAs resident)",
+                  lambda: exec_land(exec_land_full), land_b),
                  ("RS TIDE executor REDUCE: LAND (full grid), one wave",
-                  with_env("TIDE_FULL_GRID", "wave", lambda: exec_land(land_full)), land_b),
+                  with_env("TIDE_FULL_GRID", "wave", lambda: exec_land(exec_land_full)), land_b),
                  ("RS TIDE executor REDUCE: staging + SUM + LAND", exec_rs, stage_b + sum_b + land_b),
-                 ("RS TIDE executor REDUCE: staging + SUM + LAND, full grid", lambda: exec_rs(sum_full, land_full),
+                 ("RS TIDE executor REDUCE: staging + SUM + LAND, full grid", lambda: exec_rs(exec_sum_full, exec_land_full),
                   stage_b + sum_b + land_b)]
     for label, fn, nbytes in rs_steps:
         ms, spread = _median_ms(torch, fn)

@@ -576,7 +576,9 @@ int resident_ctas_per_sm(const std::string& kernel, int n_staged) {
                     " outside [0, ", kMaxStaged, "]");
     return sum_occupancy(std::make_integer_sequence<int, kMaxStaged + 1>{}, n_staged);
   }
-  TIDE_PLAN_CHECK(kernel == "land", "resident_ctas_per_sm: kernel must be 'sum' or 'land', got '", kernel, "'");
+  if (kernel == "reduce" || kernel == "reduce_fp32") return reduce_resident_ctas_per_sm(n_staged, kernel == "reduce_fp32");
+  TIDE_PLAN_CHECK(kernel == "land", "resident_ctas_per_sm: kernel must be 'sum', 'land', 'reduce' or 'reduce_fp32', got '",
+                  kernel, "'");
   int k = 0;
   TIDE_CHECK_CUDA(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&k, land_kernel_for(std::max(1, n_staged), false).fn,
                                                                 kLandThreads, 0),

@@ -183,9 +183,11 @@ void preload_kernels(int device);
 void append_reduce_kernel_attrs(std::vector<KernelAttrs>* out);  // reduce.cu
 void append_bulk_kernel_attrs(std::vector<KernelAttrs>* out);    // bulk.cu
 
-// CTAs of the vec SUM kernel (L-1 = n_staged) or of LAND ("land", n_staged = its sources per job)
-// resident on one SM at once: SMs x this is a grid that fills the device in one wave.
+// CTAs of the vec SUM kernel (L-1 = n_staged), of LAND ("land", n_staged = its sources per job)
+// or of REDUCE ("reduce" / "reduce_fp32": n_staged = its bf16 / fp32 terms) resident on one SM at
+// once: SMs x this is a grid that fills the device in one wave.
 int resident_ctas_per_sm(const std::string& kernel, int n_staged = 0);
+int reduce_resident_ctas_per_sm(int n_terms, bool fp32);  // reduce.cu
 void launch_sum(const SumArgs& a, int ctas, cudaStream_t stream);
 void launch_land(const LandArgs& a, int ctas, cudaStream_t stream);
 void launch_cast(uint16_t* dst, const float* src, int64_t n, int ctas, cudaStream_t stream);

@@ -339,6 +339,27 @@ void reduce_attrs(std::integer_sequence<int, I...>, std::vector<KernelAttrs>* ou
 
 }  // namespace
 
+template <int... I>
+int reduce_occupancy(std::integer_sequence<int, I...>, int n_terms, bool fp32) {
+  int k = 0;
+  auto one = [&](auto kernel, int t) {
+    if (t == n_terms)
+      TIDE_CHECK_CUDA(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&k, kernel, kReduceThreads, 0),
+                      "occupancy of reduce_kernel<", t, fp32 ? ",fp32>" : ">");
+  };
+  if (fp32)
+    (one(reduce_kernel<I + 1, kAllF32>, I + 1), ...);
+  else
+    (one(reduce_kernel<I + 1, kAllBf16>, I + 1), ...);
+  return k;
+}
+
+int reduce_resident_ctas_per_sm(int n_terms, bool fp32) {
+  TIDE_PLAN_CHECK(n_terms >= 1 && n_terms <= kMaxTerms, "resident_ctas_per_sm: REDUCE terms ", n_terms,
+                  " outside [1, ", kMaxTerms, "]");
+  return reduce_occupancy(std::make_integer_sequence<int, kMaxTerms>{}, n_terms, fp32);
+}
+
 void append_reduce_kernel_attrs(std::vector<KernelAttrs>* out) {
   reduce_attrs(std::make_integer_sequence<int, kMaxTerms>{}, out);
 }
