@@ -51,14 +51,21 @@ def _expected(pieces, n, n_terms, ps, rank):
 def test_run_tables_address_what_the_cpu_reads(M, L, expert, bank, accumulate):
     plan = tide.plan(tide.GroupSignature(shapes=SHAPES), tide.Topology(M, L))
     ps = _core.build_rs_programs(plan, bank=bank, alpha=0.5, accumulate=accumulate, expert_lane=expert)
-    checked = 0
+    checked = level1_ops = 0
     for rank in range(M * L):
         for line in ps.describe(rank):
             m = re.match(r"(\d+) (SUM|LAND) ", line)
             if not m:
                 continue
             op = int(m.group(1))
-            n, n_terms, mask, runs, pieces = _core.cuda_run_table(ps, rank, op)
+            n, n_terms, mask, runs, pieces, level1 = _core.cuda_run_table(ps, rank, op)
+            if m.group(2) == "SUM":
+                assert (level1 is not None) == _level1_shape(n_terms, mask, runs), (rank, op)
+                if level1 is not None:
+                    _check_level1(level1, n_terms, runs)
+                    level1_ops += 1
+            else:
+                assert level1 is None
             sizes = {}
             for term, *_rest, size in pieces:
                 sizes.setdefault(term, size)
@@ -79,3 +86,48 @@ def test_run_tables_address_what_the_cpu_reads(M, L, expert, bank, accumulate):
             assert pos == n
             checked += 1
     assert checked > 0
+    # Level-1 node partials with staged bytes at every element take kernels.cu's SUM (at M = 1,
+    # L = 2 these tiny shapes leave staging rows uncovered: REDUCE); the expert lane has no
+    # staging.
+    if L >= 2 and not expert and M > 1:
+        assert level1_ops > 0, "no SUM took the Level-1 path"
+    if expert or L == 1:
+        assert level1_ops == 0
+
+
+def _level1_shape(n_terms, mask, runs):
+    """executor.h [Note: Level-1 SUM on kernels.cu's SUM], from the runs: all bf16, the first
+    n_terms - 1 terms present everywhere, each from one slot laid out like dst, the last term a
+    gradient piece (slot < 256, element-aligned) or absent."""
+    if mask or not 2 <= n_terms <= 8:
+        return False
+    _, _, slots0, offs0 = runs[0]
+    base = [(slots0[j], offs0[j] - 2 * runs[0][0]) for j in range(n_terms - 1)]
+    for dst_off, _length, slots, offs in runs:
+        if any(slots[j] < 0 or (slots[j], offs[j] - 2 * dst_off) != base[j] for j in range(n_terms - 1)):
+            return False
+        if slots[-1] >= 256 or (slots[-1] >= 0 and offs[-1] % 2):
+            return False
+    return True
+
+
+def _check_level1(level1, n_terms, runs):
+    """The reported slices are the runs' staged terms: slice j at (slot, base + 2 k) for dst
+    element k."""
+    assert len(level1) == n_terms - 1
+    for dst_off, _length, slots, offs in runs:
+        for j, (slot, base) in enumerate(level1):
+            assert slots[j] == slot and offs[j] == base + 2 * dst_off
+
+
+@pytest.mark.parametrize("M,L", [(1, 8), (2, 8), (1, 4)])
+def test_level1_sums_of_the_70b_group_take_the_sum_kernel(M, L):
+    """The bench's group: every Level-1 SUM of rank 0 runs kernels.cu's SUM in the executors."""
+    from tide import models
+    plan = tide.plan(models.signature("llama3.1-70b", "block"), tide.Topology(M, L))
+    ps = _core.build_rs_programs(plan, bank=0, alpha=0.5, accumulate=False, expert_lane=False)
+    sums = [int(m.group(1)) for line in ps.describe(0) if (m := re.match(r"(\d+) SUM ", line))]
+    assert len(sums) == M
+    for op in sums:
+        *_, level1 = _core.cuda_run_table(ps, 0, op)
+        assert level1 is not None and len(level1) == L - 1

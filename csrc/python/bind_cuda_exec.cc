@@ -130,11 +130,19 @@ void bind_cuda_exec(nb::module_& m) {
     for (const auto& t : ps.progs.at(static_cast<size_t>(rank)).ops.at(static_cast<size_t>(op)).terms)
       pieces.emplace_back(t.term, t.dst_elem, t.elems, static_cast<int>(t.src.kind), t.src.rank, t.src.index,
                           t.src.offset, dtype_size(t.dtype));
-    return std::make_tuple(info.n, info.n_terms, info.fp32_terms, runs, pieces);
+    std::vector<cuda::SumSegment> segs;
+    const cuda::Level1Sum l1 = cuda::level1_sum_shape(info, t, segs);
+    std::vector<std::pair<int, int64_t>> staged;
+    for (int j = 0; j < l1.n_staged; ++j) staged.emplace_back(l1.staged_slot[j], l1.staged_off[j]);
+    const bool is_sum = ps.progs.at(static_cast<size_t>(rank)).ops.at(static_cast<size_t>(op)).kind == OpKind::kSum;
+    nb::object level1 = nb::none();
+    if (is_sum && l1.n_staged >= 0) level1 = nb::cast(staged);
+    return std::make_tuple(info.n, info.n_terms, info.fp32_terms, runs, pieces, level1);
   }, nb::arg("programs"), nb::arg("rank"), nb::arg("op"),
      "Tests: the REDUCE run table of one SUM/LAND op: (n, n_terms, fp32 mask, [(dst_off, len, "
      "slots, byte offsets)], [(term, dst_elem, elems, src kind, src rank, src index, src offset, "
-     "item size)]). Host only.");
+     "item size)], level1) where level1 is [(slot, byte offset of element 0)] per staged slice when "
+     "the executors run the op as kernels.cu's Level-1 SUM, else None. Host only.");
   m.def("cuda_arena_total", [](const ProgramSet& ps) { return ps.progs.at(0).arena.total; });
 
   nb::class_<cuda::CudaExecutor>(m, "CudaExecutor")

@@ -18,10 +18,12 @@ chunk k on a second stream under a CTA budget, at most n_stg chunks ahead (paper
 pushes and SUMs share its read stream). SUM and LAND split their elements in tiles
 (TIDE_CTA_SPLIT; rows with contiguous per-CTA ranges beside them); a full-grid budget runs one
 short-lived CTA per tile ("one wave" rows: TIDE_FULL_GRID=wave, the budget's CTAs looping).
-SUM and LAND rows time kernels.cu's kernels; the "executor REDUCE" rows time reduce.cu's run-table
-kernel, which both CUDA executors run for SUM and LAND, on the same data. "ref:" rows are torch's
+SUM and LAND rows time kernels.cu's kernels; "REDUCE" rows time reduce.cu's run-table kernel on
+the same data. The "executor" chain is what both CUDA executors run: LAND on REDUCE, and a SUM of
+the Level-1 shape (staged slices + own gradient, checked on the plan's own RS program) on
+kernels.cu's SUM, any other SUM on REDUCE. "ref:" rows are torch's
 own kernels on the same bytes (a contiguous copy, a scale), what a plain kernel reaches at this
-size. Every RS result (one piece, chunked, executor REDUCE) is checked bit for bit against a torch
+size. Every RS result (one piece, chunked, executor, REDUCE only) is checked bit for bit against a torch
 reference in the fixed association.
 On one GPU every copy is a same-device copy, which the driver runs on SMs; between GPUs the
 same descriptors run on copy engines. Bytes are HBM bytes (read + write) of the step.
@@ -212,8 +214,11 @@ def run_group(torch, core, name, plan, n, ceiling, n_sm, sum_ctas, land_ctas, la
         if live:
             land_jobs.append((out0.data_ptr() + 4 * s * e_sub, [block.data_ptr() + 4 * s * e_sub], live))
 
-    # The executors run REDUCE (reduce.cu, the run-table kernel) for both: the same SUM and LAND
-    # as run tables. Slots: 0 .. L-2 the staged slices, L-1 + p rank 0's gradient of parameter p.
+    # What the executors run: REDUCE (reduce.cu, the run-table kernel) for LAND, and for a SUM of
+    # the Level-1 shape kernels.cu's SUM (executor.h [Note: Level-1 SUM on kernels.cu's SUM]),
+    # read off the plan's own RS program for rank 0. REDUCE rows run the same SUM and LAND as run
+    # tables. Slots: 0 .. L-2 the staged slices, L-1 + p rank 0's gradient of parameter p.
+    exec_level1 = executor_sum_is_level1(core, plan)
     red_bases = staged_ptrs + grad_ptrs
     red_sum = pack_reduce_runs(torch, [(d, ln, [(j, 2 * d) for j in range(L - 1)] +
                                         [(L - 1 + p, 2 * s_) if p >= 0 else None]) for d, ln, s_, p in sorted(seg_rows)],
@@ -230,10 +235,15 @@ def run_group(torch, core, name, plan, n, ceiling, n_sm, sum_ctas, land_ctas, la
         core.cuda_reduce(out0.data_ptr(), sum(j[2] for j in land_jobs), red_land.data_ptr(), n_red_land, 1, 1, True,
                          False, alpha, [block.data_ptr()], ctas, st)
 
-    def exec_rs(ctas_sum=sum_ctas, ctas_land=land_ctas):
+    def exec_rs(ctas_sum=sum_ctas, ctas_land=land_ctas, level1=exec_level1):
         tide_stage()
-        exec_sum(ctas_sum)
+        if level1:
+            core.cuda_sum(block.data_ptr(), L * e_sub, staged_ptrs, seg.data_ptr(), len(seg_rows), grad_ptrs, ctas_sum,
+                          st)
+        else:
+            exec_sum(ctas_sum)
         exec_land(ctas_land)
+    exec_full = (sum_full if exec_level1 else exec_sum_full, exec_land_full)
 
     def tide_stage(lanes=exec_lanes):
         core.cuda_copies(copies, st, lanes)
@@ -343,16 +353,18 @@ def run_group(torch, core, name, plan, n, ceiling, n_sm, sum_ctas, land_ctas, la
                  ("RS TIDE: staging + SUM + LAND", tide_rs, stage_b + sum_b + land_b),
                  ("RS TIDE: staging + SUM + LAND, full grid", tide_rs_full, stage_b + sum_b + land_b)]
     rs_steps += [(pipe_label(K, c, sum_full), pipelines[(K, c)], stage_b + sum_b + land_b) for K, c in pipe_rows]
-    rs_steps += [(f"RS TIDE executor REDUCE: SUM ({sum_ctas} CTAs)", exec_sum, sum_b),
+    rs_steps += [(f"RS TIDE REDUCE: SUM ({sum_ctas} CTAs)", exec_sum, sum_b),
                  (f"RS TIDE executor REDUCE: LAND ({land_ctas} CTAs)", exec_land, land_b),
-                 (f"RS TIDE executor REDUCE: SUM (full grid, {exec_sum_full} CTAs resident)",
+                 (f"RS TIDE REDUCE: SUM (full grid, {exec_sum_full} CTAs resident)",
                   lambda: exec_sum(exec_sum_full), sum_b),
                  (f"RS TIDE executor REDUCE: LAND (full grid, {exec_land_full} CTAs resident)",
                   lambda: exec_land(exec_land_full), land_b),
                  ("RS TIDE executor REDUCE: LAND (full grid), one wave",
                   with_env("TIDE_FULL_GRID", "wave", lambda: exec_land(exec_land_full)), land_b),
-                 ("RS TIDE executor REDUCE: staging + SUM + LAND", exec_rs, stage_b + sum_b + land_b),
-                 ("RS TIDE executor REDUCE: staging + SUM + LAND, full grid", lambda: exec_rs(exec_sum_full, exec_land_full),
+                 ("RS TIDE REDUCE only: staging + SUM + LAND, full grid",
+                  lambda: exec_rs(exec_sum_full, exec_land_full, False), stage_b + sum_b + land_b),
+                 ("RS TIDE executor: staging + SUM + LAND", exec_rs, stage_b + sum_b + land_b),
+                 ("RS TIDE executor: staging + SUM + LAND, full grid", lambda: exec_rs(*exec_full),
                   stage_b + sum_b + land_b)]
     for label, fn, nbytes in rs_steps:
         ms, spread = _median_ms(torch, fn)
@@ -367,9 +379,13 @@ def run_group(torch, core, name, plan, n, ceiling, n_sm, sum_ctas, land_ctas, la
     torch.cuda.synchronize()
     ref_ok, ref_diff = bit_diff(torch, ref_out, out0, e_sub)
     out0.fill_(float("nan"))
-    exec_rs(sum_full, land_full)
+    exec_rs(*exec_full)
     torch.cuda.synchronize()
     exec_ok, exec_diff = bit_diff(torch, ref_out, out0, e_sub)
+    out0.fill_(float("nan"))
+    exec_rs(exec_sum_full, exec_land_full, False)
+    torch.cuda.synchronize()
+    reduce_ok, reduce_diff = bit_diff(torch, ref_out, out0, e_sub)
     pieces_ok, pieces_diff = True, {}
     for (K, c), run in pipelines.items():
         out0.fill_(float("nan"))
@@ -383,8 +399,19 @@ def run_group(torch, core, name, plan, n, ceiling, n_sm, sum_ctas, land_ctas, la
     torch.cuda.empty_cache()
     return rows, dict(group=name, P=P, E=E, S=S, NS=ns, ag_landing_bitwise=ag_ok, rs_reference_bitwise=ref_ok,
                       rs_reference_diff=ref_diff, rs_exec_reference_bitwise=exec_ok, rs_exec_reference_diff=exec_diff,
+                      rs_reduce_reference_bitwise=reduce_ok, rs_reduce_reference_diff=reduce_diff,
+                      exec_sum_level1=exec_level1,
                       rs_pieces_bitwise=pieces_ok, rs_pieces_diff=pieces_diff,
                       exec_lanes=exec_lanes, sum_full_ctas=sum_full, land_full_ctas=land_full)
+
+
+def executor_sum_is_level1(core, plan):
+    """Whether the executors run every Level-1 SUM of rank 0's RS program as kernels.cu's SUM
+    (executor.h [Note: Level-1 SUM on kernels.cu's SUM]): the same host check they make."""
+    import re
+    ps = core.build_rs_programs(plan, bank=0, alpha=1.0, accumulate=False, expert_lane=False)
+    sums = [int(m.group(1)) for line in ps.describe(0) if (m := re.match(r"(\d+) SUM ", line))]
+    return bool(sums) and all(core.cuda_run_table(ps, 0, op)[5] is not None for op in sums)
 
 
 def pack_reduce_runs(torch, runs, dev):
@@ -560,7 +587,7 @@ def main(argv=None):
         rs_s = rs["RS stock: _chunk_cat fp32 pack + packed reduce"]
         rs_t = rs["RS TIDE: staging + SUM + LAND, full grid"]
         rs_p = min((r for k, r in rs.items() if k.startswith("RS TIDE: staging in ")), key=lambda r: r["ms"])
-        rs_x = rs["RS TIDE executor REDUCE: staging + SUM + LAND, full grid"]
+        rs_x = rs["RS TIDE executor: staging + SUM + LAND, full grid"]
         info["rs_exec_x_floor"] = rs_x["ms"] / rs_x["floor_ms"]
         info.update(ag_bytes_ratio=ag_t["bytes"] / ag_s["bytes"], ag_time_ratio=ag_t["ms"] / ag_s["ms"],
                     ag_tide_x_floor=ag_t["ms"] / ag_t["floor_ms"], rs_bytes_ratio=rs_t["bytes"] / rs_s["bytes"],
@@ -571,9 +598,12 @@ def main(argv=None):
               f" | RS TIDE/stock bytes {info['rs_bytes_ratio']:.2f} time {info['rs_time_ratio']:.2f}, TIDE x floor "
               f"{info['rs_tide_x_floor']:.2f} (chunked, best {info['rs_chunked_x_floor']:.2f}: "
               f"{info['rs_chunked_best'][len('RS TIDE: '):]}; bitwise {info['rs_pieces_bitwise']}) | landing bitwise = copy-out: {info['ag_landing_bitwise']}"
-              f" | RS bitwise = torch reference: {info['rs_reference_bitwise']} (executor REDUCE chain: "
-              f"{info['rs_exec_reference_bitwise']}, x floor {info['rs_exec_x_floor']:.2f})")
-        for what, d in ([("one piece", info["rs_reference_diff"]), ("executor REDUCE", info["rs_exec_reference_diff"])]
+              f" | RS bitwise = torch reference: {info['rs_reference_bitwise']} (executor chain, SUM "
+              f"{'kernels.cu (Level-1 shape)' if info['exec_sum_level1'] else 'REDUCE'}: "
+              f"{info['rs_exec_reference_bitwise']}, x floor {info['rs_exec_x_floor']:.2f}; REDUCE only: "
+              f"{info['rs_reduce_reference_bitwise']})")
+        for what, d in ([("one piece", info["rs_reference_diff"]), ("executor", info["rs_exec_reference_diff"]),
+                         ("REDUCE only", info["rs_reduce_reference_diff"])]
                         + list(info["rs_pieces_diff"].items())):
             if d:
                 print(f"#   {info['group']} {what}: {d['count']} elements differ from the reference; first {d['first']} "

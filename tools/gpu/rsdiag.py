@@ -3,8 +3,9 @@
 Each row times one step of the chain (or a variant of it) at the 70B group's sizes and prints
 ms and ms / floor (bytes moved over the measured copy ceiling):
   land   LAND's bytes (one fp32 source -> fp32 out, alpha): torch's mul, then cuda_land at
-         several grids (one resident wave, 2-32 waves of short-lived tiles) and forms;
-  sum    SUM's bytes (7 staged bf16 + own bf16 -> fp32): cuda_sum at several grids;
+         several grids (a CTA per tile; one resident wave and 2-32 waves looping over tiles) and
+         forms, and the executors' REDUCE on the same data;
+  sum    SUM's bytes (7 staged bf16 + own bf16 -> fp32): cuda_sum at several grids, REDUCE;
   copy   the staging's bytes: the plan's own 2-D descriptors, per copy, as rows, contiguous,
          and synthetic 2-D shapes of the same bytes (height 8 / 64 / 512, pitched or not);
   both   the staging and an independent SUM on two streams at once against each alone.
@@ -22,7 +23,7 @@ def main() -> int:
     import tide
     from tide import _core as core, models
     from tide.bench.common import time_cuda
-    from tide.bench.layout import GROUPS, measure_ceiling
+    from tide.bench.layout import GROUPS, measure_ceiling, pack_reduce_runs
 
     if not core.cuda_available():
         print("rsdiag: needs a CUDA GPU and a CUDA build", file=sys.stderr)
@@ -78,6 +79,13 @@ def main() -> int:
         env("TIDE_LAND_DEEP", "0", lambda: core.cuda_land(job, alpha, False, n_sm, st)), land_b)
     row("land", f"cuda_land {n_sm} CTAs, ranges",
         env("TIDE_CTA_SPLIT", "ranges", lambda: core.cuda_land(job, alpha, False, n_sm, st)), land_b)
+    red_land = pack_reduce_runs(torch, [(0, n, [(0, 0)])], "cuda")
+    lfull = n_sm * max(1, core.cuda_resident_ctas_per_sm("reduce_fp32", 1))
+
+    def exec_land(c):
+        core.cuda_reduce(dst.data_ptr(), n, red_land.data_ptr(), 1, 1, 1, True, False, alpha, [src.data_ptr()], c, st)
+    row("land", f"REDUCE {lfull} CTAs (a CTA per tile)", lambda: exec_land(lfull), land_b)
+    row("land", f"REDUCE {lfull} CTAs, one wave", env("TIDE_FULL_GRID", "wave", lambda: exec_land(lfull)), land_b)
     del src, dst
 
     # ---- SUM: 7 staged bf16 + own bf16 -> fp32 ----
@@ -97,6 +105,15 @@ def main() -> int:
         row("sum", f"cuda_sum {c} CTAs (TIDE_FULL_GRID=wave)", env("TIDE_FULL_GRID", "wave", lambda c=c: tide_sum(c)),
             sum_b)
     row("sum", f"cuda_sum {full} CTAs, ranges", env("TIDE_CTA_SPLIT", "ranges", lambda: tide_sum(full)), sum_b)
+    # The executors' REDUCE on the same data: one run of 8 bf16 terms (7 staged + own).
+    red_sum = pack_reduce_runs(torch, [(0, n, [(j, 0) for j in range(L)])], "cuda")
+    red_bases = sptr + [own.data_ptr()]
+    rfull = n_sm * max(1, core.cuda_resident_ctas_per_sm("reduce", L))
+
+    def exec_sum(c):
+        core.cuda_reduce(out.data_ptr(), n, red_sum.data_ptr(), 1, L, 0, False, False, 1.0, red_bases, c, st)
+    row("sum", f"REDUCE {rfull} CTAs (a CTA per tile)", lambda: exec_sum(rfull), sum_b)
+    row("sum", f"REDUCE {rfull} CTAs, one wave", env("TIDE_FULL_GRID", "wave", lambda: exec_sum(rfull)), sum_b)
     acc = torch.empty(n, device="cuda")
     row("sum", "torch: 8 bf16 adds into fp32 (reference, more bytes)",
         lambda: (torch.add(staged[0], staged[1], out=acc), [acc.add_(s) for s in staged[2:]], acc.add_(own)),

@@ -122,12 +122,40 @@ ReduceOpInfo build_run_table(const std::vector<Program>& programs_, const ArenaS
   return ro;
 }
 
+Level1Sum level1_sum_shape(const ReduceOpInfo& ro, const std::vector<ReduceRun>& table, std::vector<SumSegment>& segs) {
+  Level1Sum l1;
+  const int ns = ro.n_terms - 1;
+  if (ro.fp32_terms != 0 || ns < 1 || ns > kMaxStaged || ro.n_runs < 1) return l1;
+  const ReduceRun* runs = table.data() + ro.table_offset;
+  for (int j = 0; j < ns; ++j) {
+    l1.staged_slot[j] = runs[0].slot[j];
+    l1.staged_off[j] = runs[0].off[j] - 2 * runs[0].dst_off;
+  }
+  for (int r = 0; r < ro.n_runs; ++r) {
+    const ReduceRun& run = runs[r];
+    for (int j = 0; j < ns; ++j)  // slice j: present, one slot, laid out like dst
+      if (run.slot[j] < 0 || run.slot[j] != l1.staged_slot[j] || run.off[j] - 2 * run.dst_off != l1.staged_off[j])
+        return l1;
+    const int own = run.slot[ns];
+    if (own >= kMaxGradPtrs || (own >= 0 && run.off[ns] % 2 != 0)) return l1;  // own: a gradient piece or absent
+  }
+  l1.seg_offset = static_cast<int64_t>(segs.size());
+  for (int r = 0; r < ro.n_runs; ++r) {
+    const ReduceRun& run = runs[r];
+    const int own = run.slot[ns];
+    segs.push_back({run.dst_off, run.len, own >= 0 ? run.off[ns] / 2 : 0, own >= 0 ? own : -1, 0});
+  }
+  l1.n_segs = ro.n_runs;
+  l1.n_staged = ns;
+  return l1;
+}
 
 // ---- program tables ---------------------------------------------------------------------------
 ProgramTables::~ProgramTables() {
-  if (d_runs) {
+  if (d_runs || d_segs) {
     cudaSetDevice(device);
-    cudaFree(d_runs);
+    if (d_runs) cudaFree(d_runs);
+    if (d_segs) cudaFree(d_segs);
   }
 }
 
@@ -146,6 +174,7 @@ std::unique_ptr<ProgramTables> make_program_tables(const std::vector<Program>& p
   t->producer.resize(n);
   for (size_t r = 0; r < n; ++r) t->producer[r].assign(static_cast<size_t>(std::max(0, programs[r].num_counters)), -1);
   std::vector<ReduceRun> table;
+  std::vector<SumSegment> segs;
   for (size_t r = 0; r < n; ++r) {
     const Program& p = programs[r];
     const size_t ns = std::max<size_t>(1, p.streams.size());
@@ -162,8 +191,11 @@ std::unique_ptr<ProgramTables> make_program_tables(const std::vector<Program>& p
                         op.counter.rank, " is outside the program set's counters");
       if (!is_wait(op.kind) && op.counter.index >= 0)
         t->producer[static_cast<size_t>(op.counter.rank)][static_cast<size_t>(op.counter.index)] = static_cast<int>(r);
-      if (t->local[r] && (op.kind == OpKind::kSum || op.kind == OpKind::kLand))
-        t->reduce[r][i] = build_run_table(programs, layout, static_cast<int>(r), static_cast<int>(i), table);
+      if (t->local[r] && (op.kind == OpKind::kSum || op.kind == OpKind::kLand)) {
+        ReduceOpInfo& ro = t->reduce[r][i];
+        ro = build_run_table(programs, layout, static_cast<int>(r), static_cast<int>(i), table);
+        if (op.kind == OpKind::kSum) ro.level1 = level1_sum_shape(ro, table, segs);
+      }
     }
   }
   if (!table.empty()) {
@@ -171,6 +203,13 @@ std::unique_ptr<ProgramTables> make_program_tables(const std::vector<Program>& p
     TIDE_CHECK_CUDA(cudaMalloc(reinterpret_cast<void**>(&t->d_runs), table.size() * sizeof(ReduceRun)), "run tables");
     TIDE_CHECK_CUDA(cudaMemcpy(t->d_runs, table.data(), table.size() * sizeof(ReduceRun), cudaMemcpyHostToDevice),
                     "uploading run tables");
+  }
+  if (!segs.empty()) {
+    TIDE_CHECK_CUDA(cudaSetDevice(device));
+    TIDE_CHECK_CUDA(cudaMalloc(reinterpret_cast<void**>(&t->d_segs), segs.size() * sizeof(SumSegment)),
+                    "Level-1 SUM segment tables");
+    TIDE_CHECK_CUDA(cudaMemcpy(t->d_segs, segs.data(), segs.size() * sizeof(SumSegment), cudaMemcpyHostToDevice),
+                    "uploading Level-1 SUM segment tables");
   }
   return t;
 }
@@ -268,6 +307,32 @@ void issue(const IssueContext& c, int rank, int i, int64_t seq) {
     case OpKind::kSum:
     case OpKind::kLand: {
       const ReduceOpInfo& ro = c.tables->reduce[static_cast<size_t>(rank)][static_cast<size_t>(i)];
+      if (ro.level1.n_staged >= 0) {  // [Note: Level-1 SUM on kernels.cu's SUM]
+        const Level1Sum& l1 = ro.level1;
+        SumArgs sa;
+        sa.dst = static_cast<float*>(resolve(c, op.dst));
+        sa.n = ro.n;
+        sa.n_staged = l1.n_staged;
+        for (int j = 0; j < l1.n_staged; ++j) {
+          const int slot = l1.staged_slot[j];
+          const void* base = nullptr;
+          if (slot < kMaxGradPtrs)
+            base = static_cast<size_t>(slot) < b.grad.size() ? b.grad[static_cast<size_t>(slot)] : nullptr;
+          else if (slot == kSlotOut)
+            base = b.out;
+          else if (static_cast<size_t>(slot - kSlotArena0) < c.tables->members.size())
+            base = c.fabric->arena(c.tables->members[static_cast<size_t>(slot - kSlotArena0)]);
+          TIDE_CHECK(base != nullptr, describe_op(c, rank, i, seq), ": staged slice ", j, " reads slot ", slot,
+                     ", which has no buffer");
+          sa.staged[j] = reinterpret_cast<const uint16_t*>(static_cast<const char*>(base) + l1.staged_off[j]);
+        }
+        sa.segs = c.tables->d_segs + l1.seg_offset;
+        sa.n_segs = l1.n_segs;
+        for (size_t p = 0; p < b.grad.size() && p < static_cast<size_t>(kMaxGradPtrs); ++p)
+          sa.grad[p] = static_cast<const uint16_t*>(b.grad[p]);
+        launch_sum(sa, opt.sum_ctas, s);
+        break;
+      }
       ReduceArgs a;
       a.dst = static_cast<float*>(resolve(c, op.dst));
       a.runs = c.tables->d_runs + ro.table_offset;

@@ -71,6 +71,23 @@ struct ExecOptions {
   double stall_s = 0.0;
 };
 
+// [Note: Level-1 SUM on kernels.cu's SUM]
+// A SUM whose first T-1 terms are bf16 slices laid out like its destination (in every run, from
+// one slot at one base offset) and whose last term is a bf16 gradient piece or absent is the
+// Level-1 node partial (paper §4.1: L-1 staged slices + the owner's own gradient). kernels.cu's
+// SUM takes exactly that operand shape with fewer live registers than REDUCE's general run walk
+// (5 against 4 words per term in flight at L = 8), so the executors run it for such ops:
+// 70B at a full grid 1.03-1.05x its byte floor against REDUCE's 1.09-1.13x (BENCHMARKS.md Run 37).
+// Same association (staged slices in order, then the own term; an absent own term is skipped),
+// so the bits do not change. Every other SUM and every LAND runs REDUCE.
+struct Level1Sum {
+  int n_staged = -1;                     // < 0: not this shape
+  int staged_slot[kMaxStaged] = {};      // slot (kernels.h: grad, out, arena of a rank) of slice j
+  int64_t staged_off[kMaxStaged] = {};   // byte offset of the slice's element 0 in that slot
+  int64_t seg_offset = 0;                // first SumSegment in ProgramTables::d_segs
+  int n_segs = 0;
+};
+
 // Cuts SUM/LAND op `op_index` of rank `rank` into REDUCE runs (kernels.h), appended to `table`.
 // Host only (no CUDA calls), so CPU tests can check the tables against the program's terms.
 struct ReduceOpInfo {
@@ -79,12 +96,17 @@ struct ReduceOpInfo {
   int n_terms = 0;
   uint32_t fp32_terms = 0;
   int64_t n = 0;             // dst elements
+  Level1Sum level1;          // SUM ops only: set by level1_sum_shape()
 };
 // `layout`: the arena offsets (symmetric); the first form uses programs[0].arena.
 ReduceOpInfo build_run_table(const std::vector<Program>& programs, int rank, int op_index,
                              std::vector<ReduceRun>& table);
 ReduceOpInfo build_run_table(const std::vector<Program>& programs, const ArenaSpec& layout, int rank,
                              int op_index, std::vector<ReduceRun>& table);
+
+// The Level-1 shape of a SUM's runs (table[ro.table_offset ...]), its own-term segments appended
+// to `segs`; level1.n_staged < 0 (and nothing appended) when the op has another shape. Host only.
+Level1Sum level1_sum_shape(const ReduceOpInfo& ro, const std::vector<ReduceRun>& table, std::vector<SumSegment>& segs);
 
 // One program set prepared for issue over a fabric: per-stream op lists, the producer of every
 // counter, and the local ranks' SUM/LAND run tables, uploaded once to `device`. Ranks are the
@@ -98,6 +120,7 @@ struct ProgramTables {
   std::vector<std::vector<int>> producer;                 // [owner][counter] -> rank, -1: none
   int device = 0;
   ReduceRun* d_runs = nullptr;
+  SumSegment* d_segs = nullptr;  // the Level-1 SUMs' own-term segments
   ProgramTables() = default;
   ~ProgramTables();
   ProgramTables(const ProgramTables&) = delete;
