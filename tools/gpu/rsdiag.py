@@ -13,7 +13,6 @@ Run on the GPU machine after a CUDA build: `PYTHONPATH=. python tools/gpu/rsdiag
 """
 from __future__ import annotations
 
-import os
 import statistics
 import sys
 
@@ -23,7 +22,7 @@ def main() -> int:
     import tide
     from tide import _core as core, models
     from tide.bench.common import time_cuda
-    from tide.bench.layout import GROUPS, measure_ceiling, pack_reduce_runs
+    from tide.bench.layout import GROUPS, measure_ceiling, pack_reduce_runs, with_env as env
 
     if not core.cuda_available():
         print("rsdiag: needs a CUDA GPU and a CUDA build", file=sys.stderr)
@@ -41,19 +40,6 @@ def main() -> int:
         floor = nbytes / ceiling * 1e3
         rows.append((kind, label, ms, ms / floor))
         print(f"{kind:5} {label:58} {ms:8.3f} {ms / floor:6.2f}", flush=True)
-
-    def env(name, value, fn):
-        def run():
-            old = os.environ.get(name)
-            os.environ[name] = value
-            try:
-                fn()
-            finally:
-                if old is None:
-                    os.environ.pop(name, None)
-                else:
-                    os.environ[name] = old
-        return run
 
     L = 8
     plan = tide.plan(models.signature(GROUPS["llama70b"], "block"), tide.Topology(1, L))
