@@ -54,7 +54,32 @@ def main():
     c.cuda_synchronize()
     for p in staged + [own, seg, dst, out, half]:
         c.cuda_free(p)
+    if full_grid() != 0:
+        return 1
     print("sanitize case ok")
+    return 0
+
+
+def full_grid():
+    """SUM and LAND on a budget above one resident wave: one short-lived CTA per tile
+    (kernels.h [Note: full grid]), ragged tail included."""
+    n = (1 << 20) + 5
+    vals = [float(i % 9 - 4) for i in range(n)]
+    src = c.cuda_malloc(2 * n)
+    c.cuda_h2d(src, bf16(vals))
+    seg = c.cuda_malloc(32)
+    c.cuda_h2d(seg, struct.pack("<qqqq", 0, n, 0, 0xFFFFFFFF))
+    dst, out = c.cuda_malloc(4 * n), c.cuda_malloc(4 * n)
+    c.cuda_sum(dst, n, [src, src], seg, 1, [], 100_000, 0)
+    c.cuda_land([(out, [dst], n)], 0.5, False, 100_000, 0)
+    c.cuda_synchronize()
+    land = struct.unpack(f"{n}f", c.cuda_d2h(out, 4 * n))
+    bad = [i for i in range(n) if land[i] != vals[i]]
+    for p in (src, seg, dst, out):
+        c.cuda_free(p)
+    if bad:
+        print("full-grid SUM/LAND mismatch at", bad[0], land[bad[0]], vals[bad[0]])
+        return 1
     return 0
 
 
