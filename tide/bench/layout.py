@@ -238,8 +238,7 @@ def run_group(torch, core, name, plan, n, ceiling, n_sm, sum_ctas, land_ctas, la
     def exec_rs(ctas_sum=sum_ctas, ctas_land=land_ctas, level1=exec_level1):
         tide_stage()
         if level1:
-            core.cuda_sum(block.data_ptr(), L * e_sub, staged_ptrs, seg.data_ptr(), len(seg_rows), grad_ptrs, ctas_sum,
-                          st)
+            tide_sum(ctas_sum)
         else:
             exec_sum(ctas_sum)
         exec_land(ctas_land)

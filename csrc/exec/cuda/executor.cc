@@ -307,34 +307,30 @@ void issue(const IssueContext& c, int rank, int i, int64_t seq) {
     case OpKind::kSum:
     case OpKind::kLand: {
       const ReduceOpInfo& ro = c.tables->reduce[static_cast<size_t>(rank)][static_cast<size_t>(i)];
+      ReduceArgs a;  // its slot bases serve both kernels
+      for (size_t p = 0; p < b.grad.size() && p < static_cast<size_t>(kMaxGradPtrs); ++p) a.base[p] = b.grad[p];
+      a.base[kSlotOut] = b.out;
+      for (size_t r = 0; r < c.programs->size(); ++r) a.base[kSlotArena0 + r] = c.fabric->arena(c.tables->members[r]);
+      a.dst = static_cast<float*>(resolve(c, op.dst));
+      a.n = ro.n;
       if (ro.level1.n_staged >= 0) {  // [Note: Level-1 SUM on kernels.cu's SUM]
         const Level1Sum& l1 = ro.level1;
         SumArgs sa;
-        sa.dst = static_cast<float*>(resolve(c, op.dst));
+        sa.dst = a.dst;
         sa.n = ro.n;
         sa.n_staged = l1.n_staged;
         for (int j = 0; j < l1.n_staged; ++j) {
-          const int slot = l1.staged_slot[j];
-          const void* base = nullptr;
-          if (slot < kMaxGradPtrs)
-            base = static_cast<size_t>(slot) < b.grad.size() ? b.grad[static_cast<size_t>(slot)] : nullptr;
-          else if (slot == kSlotOut)
-            base = b.out;
-          else if (static_cast<size_t>(slot - kSlotArena0) < c.tables->members.size())
-            base = c.fabric->arena(c.tables->members[static_cast<size_t>(slot - kSlotArena0)]);
-          TIDE_CHECK(base != nullptr, describe_op(c, rank, i, seq), ": staged slice ", j, " reads slot ", slot,
-                     ", which has no buffer");
+          const void* base = a.base[l1.staged_slot[j]];
+          TIDE_CHECK(base != nullptr, describe_op(c, rank, i, seq), ": staged slice ", j, " reads slot ",
+                     l1.staged_slot[j], ", which has no buffer");
           sa.staged[j] = reinterpret_cast<const uint16_t*>(static_cast<const char*>(base) + l1.staged_off[j]);
         }
         sa.segs = c.tables->d_segs + l1.seg_offset;
         sa.n_segs = l1.n_segs;
-        for (size_t p = 0; p < b.grad.size() && p < static_cast<size_t>(kMaxGradPtrs); ++p)
-          sa.grad[p] = static_cast<const uint16_t*>(b.grad[p]);
+        for (int p = 0; p < kMaxGradPtrs; ++p) sa.grad[p] = static_cast<const uint16_t*>(a.base[p]);
         launch_sum(sa, opt.sum_ctas, s);
         break;
       }
-      ReduceArgs a;
-      a.dst = static_cast<float*>(resolve(c, op.dst));
       a.runs = c.tables->d_runs + ro.table_offset;
       a.n_runs = ro.n_runs;
       a.n_terms = ro.n_terms;
@@ -342,10 +338,6 @@ void issue(const IssueContext& c, int rank, int i, int64_t seq) {
       a.land = op.kind == OpKind::kLand;
       a.accumulate = op.accumulate ? 1 : 0;
       a.alpha = op.alpha;
-      a.n = ro.n;
-      for (size_t p = 0; p < b.grad.size() && p < static_cast<size_t>(kMaxGradPtrs); ++p) a.base[p] = b.grad[p];
-      a.base[kSlotOut] = b.out;
-      for (size_t r = 0; r < c.programs->size(); ++r) a.base[kSlotArena0 + r] = c.fabric->arena(c.tables->members[r]);
       launch_reduce(a, op.kind == OpKind::kSum ? opt.sum_ctas : opt.land_ctas, s);
       break;
     }

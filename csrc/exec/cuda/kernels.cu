@@ -438,6 +438,12 @@ bool land_deep() {
   return false;
 }
 
+int resident_per_sm(const void* kernel, int threads) {
+  int k = 0;
+  TIDE_CHECK_CUDA(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&k, kernel, threads, 0), "occupancy of a TIDE kernel");
+  return k;
+}
+
 bool full_grid_tiles() {
   const char* v = std::getenv("TIDE_FULL_GRID");
   if (v == nullptr || *v == '\0' || std::strcmp(v, "tiles") == 0) return true;
@@ -457,11 +463,9 @@ int grid_for(const void* kernel, int threads, int ctas, int64_t n, int64_t tile)
     std::lock_guard<std::mutex> g(mu);
     auto it = waves.find({kernel, dev});
     if (it == waves.end()) {
-      int per_sm = 0, sms = 0;
-      TIDE_CHECK_CUDA(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, 0),
-                      "occupancy of a TIDE kernel on device ", dev);
+      int sms = 0;
       TIDE_CHECK_CUDA(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev), "SMs of device ", dev);
-      it = waves.emplace(std::make_pair(kernel, dev), std::max(1, per_sm) * sms).first;
+      it = waves.emplace(std::make_pair(kernel, dev), std::max(1, resident_per_sm(kernel, threads)) * sms).first;
     }
     wave = it->second;
   }
@@ -562,9 +566,7 @@ template <int... I>
 int sum_occupancy(std::integer_sequence<int, I...>, int n_staged) {
   int k = 0;
   auto one = [&](auto kernel, int ns) {
-    if (ns == n_staged)
-      TIDE_CHECK_CUDA(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&k, kernel, kSumThreads, 0),
-                      "occupancy of sum_kernel<", ns, ">");
+    if (ns == n_staged) k = resident_per_sm(reinterpret_cast<const void*>(kernel), kSumThreads);
   };
   (one(sum_kernel<I>, I), ...);
   return k;
@@ -579,11 +581,7 @@ int resident_ctas_per_sm(const std::string& kernel, int n_staged) {
   if (kernel == "reduce" || kernel == "reduce_fp32") return reduce_resident_ctas_per_sm(n_staged, kernel == "reduce_fp32");
   TIDE_PLAN_CHECK(kernel == "land", "resident_ctas_per_sm: kernel must be 'sum', 'land', 'reduce' or 'reduce_fp32', got '",
                   kernel, "'");
-  int k = 0;
-  TIDE_CHECK_CUDA(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&k, land_kernel_for(std::max(1, n_staged), false).fn,
-                                                                kLandThreads, 0),
-                  "occupancy of land_kernel");
-  return k;
+  return resident_per_sm(reinterpret_cast<const void*>(land_kernel_for(std::max(1, n_staged), false).fn), kLandThreads);
 }
 
 void launch_land(const LandArgs& a, int ctas, cudaStream_t stream) {

@@ -188,6 +188,8 @@ void append_bulk_kernel_attrs(std::vector<KernelAttrs>* out);    // bulk.cu
 // once: SMs x this is a grid that fills the device in one wave.
 int resident_ctas_per_sm(const std::string& kernel, int n_staged = 0);
 int reduce_resident_ctas_per_sm(int n_terms, bool fp32);  // reduce.cu
+// The occupancy API for one kernel of ours on the current device (return code checked).
+int resident_per_sm(const void* kernel, int threads);
 void launch_sum(const SumArgs& a, int ctas, cudaStream_t stream);
 void launch_land(const LandArgs& a, int ctas, cudaStream_t stream);
 void launch_cast(uint16_t* dst, const float* src, int64_t n, int ctas, cudaStream_t stream);

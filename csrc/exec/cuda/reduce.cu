@@ -343,9 +343,7 @@ template <int... I>
 int reduce_occupancy(std::integer_sequence<int, I...>, int n_terms, bool fp32) {
   int k = 0;
   auto one = [&](auto kernel, int t) {
-    if (t == n_terms)
-      TIDE_CHECK_CUDA(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&k, kernel, kReduceThreads, 0),
-                      "occupancy of reduce_kernel<", t, fp32 ? ",fp32>" : ">");
+    if (t == n_terms) k = resident_per_sm(reinterpret_cast<const void*>(kernel), kReduceThreads);
   };
   if (fp32)
     (one(reduce_kernel<I + 1, kAllF32>, I + 1), ...);
