@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import glob
 import json
 import os
 import subprocess
@@ -29,7 +30,11 @@ import tempfile
 import time
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+# A checkout whose core is built in place (make build) runs from the checkout; otherwise the
+# installed packages (pip install .) are used.
+_ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+if glob.glob(os.path.join(_ROOT, "tide", "_core*.so")):
+    sys.path.insert(0, _ROOT)
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import glob
 import json
 import os
 import statistics
@@ -34,7 +35,11 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+# A checkout whose core is built in place (make build) runs from the checkout; otherwise the
+# installed packages (pip install .) are used.
+_ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+if glob.glob(os.path.join(_ROOT, "tide", "_core*.so")):
+    sys.path.insert(0, _ROOT)
 
 VARIANTS = {"stock": None, "tide_in_place": "in_place", "tide_slot_reuse": "slot_reuse"}
 # vocab, dim, layers, heads, kv_heads, hidden, batch, seq
@@ -206,8 +211,10 @@ def main_worker(rank: int, world: int, init: str, args) -> None:
                 for v, sh in shards.items():
                     if v != "stock":
                         diff = max((shards["stock"][n] - sh[n]).abs().max().item() for n in sh)
+                        same = all(torch.equal(shards["stock"][n], sh[n]) for n in sh)
                         print(f"max |param(stock) - param({v})| after {args.steps} steps: "
-                              f"{diff:.3e}")
+                              f"{diff:.3e} (rank 0's shards bitwise equal: "
+                              f"{'yes' if same else 'no'})")
             if args.json:
                 with open(args.json, "w") as f:
                     json.dump({"framework": "torch", "device": name,

@@ -19,7 +19,7 @@ import pytest
 import torch.distributed as dist
 
 import tide
-from _torch_dist import TinyLlama, batches, build, mesh_1d, spawn, train
+from _torch_dist import TinyLlama, assert_same, batches, build, mesh_1d, spawn, train
 
 TOPO = tide.Topology(nodes=2, gpus_per_node=2)
 
@@ -135,6 +135,85 @@ def _errors(rank, world):
 
 def test_enable_errors_no_hang():
     spawn(_errors)
+
+
+def _hidden(rank, world, module, name):
+    """Runs in a fresh (spawned) process: hides one FSDP2 piece before tide_torch is imported,
+    as a torch that lacks it would."""
+    import importlib
+
+    import torch
+    owner = importlib.import_module(f"torch.distributed.fsdp._fully_shard.{module}")
+    cls, _, attr = name.rpartition(".")
+    if cls:
+        owner = getattr(owner, cls)
+    delattr(owner, attr)
+    assert getattr(owner, attr, None) is None
+
+    import tide_torch  # must still import
+    from tide_torch import _patches
+    from tide_torch.groups import find_groups
+    problems = _patches.check_torch()
+    assert any(f"{module}.{name} is missing" in p for p in problems), problems
+    model = build(mesh=mesh_1d(), n_layers=1)
+    _expect(tide_torch.TideTorchVersionError,
+            [f"{module}.{name} is missing", torch.__version__], lambda: tide_torch.enable(model))
+    assert not _patches.installed()
+    assert all(not getattr(fp, "__dict__", {}).get("free_unsharded_param")
+               for g in find_groups(model) for fp in g.pg.fsdp_params)  # no instance patched
+
+
+@pytest.mark.parametrize("module,name", [
+    ("_fsdp_collectives", "foreach_reduce_scatter_copy_in"),
+    ("_fsdp_param_group", "foreach_all_gather"),
+    ("_fsdp_param", "FSDPParam.init_all_gather_outputs"),
+    ("_fsdp_collectives", "AllGatherResult"),
+])
+def test_missing_fsdp2_piece_is_named_at_enable(module, name):
+    """A torch whose FSDP2 lacks a function or class TIDE patches or builds on: import works,
+    enable() raises TideTorchVersionError naming it, and nothing is patched."""
+    spawn(_hidden, module, name, world=1, start_method="spawn")
+
+
+def _copy_out_route(rank, world):
+    """The all-gather copy-out goes through FSDP2's per-group seam where it has one
+    (FSDPParamGroup._all_gather_output_fn) and through the module-level patch otherwise; disable()
+    restores whichever it changed. Training stays bitwise equal to stock either way."""
+    import inspect
+
+    import tide_torch
+    from tide_torch import _patches
+    from torch.distributed.fsdp._fully_shard import _fsdp_param_group as pg_mod
+
+    stock_copy_out = pg_mod.foreach_all_gather_copy_out
+    seam = "all_gather_output_fn" in inspect.signature(stock_copy_out).parameters
+    assert _patches.copy_out_seam() == seam
+    mesh = mesh_1d()
+    model, stock = build(mesh=mesh), build(mesh=mesh)
+    handle = tide_torch.enable(model, topology=TOPO)
+    for g in handle.groups:
+        fn = getattr(g.pg, "_all_gather_output_fn", None)
+        if seam:
+            assert fn is not None and fn is not _patches.default_copy_out(), g.fqn
+        else:
+            assert fn is None, g.fqn
+    if seam:
+        assert pg_mod.foreach_all_gather_copy_out is stock_copy_out
+    else:
+        assert getattr(pg_mod.foreach_all_gather_copy_out, "_tide_hook", False)
+    data = batches(3, same_on_all_ranks=True)
+    assert train(model, data) == train(stock, data)
+    assert handle.stats["ag_tide"] > 0 and handle.stats["ag_stock"] == 0, handle.stats
+    assert_same(model, stock, "copy-out route")
+    handle.disable()
+    assert pg_mod.foreach_all_gather_copy_out is stock_copy_out
+    for g in handle.groups:
+        fn = getattr(g.pg, "_all_gather_output_fn", None)
+        assert fn is (_patches.default_copy_out() if seam else None), g.fqn
+
+
+def test_copy_out_route_per_torch():
+    spawn(_copy_out_route)
 
 
 def test_supported_torch_and_imports():

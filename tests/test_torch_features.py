@@ -73,3 +73,49 @@ def _profile_and_variants(rank, world):
 
 def test_profiler_accumulation_reshard():
     spawn(_profile_and_variants)
+
+
+def _has_param_groups_per_module() -> bool:
+    from torch.distributed.fsdp._fully_shard import _fsdp_common
+    return hasattr(_fsdp_common, "ShardPlacementResult")
+
+
+def _param_groups_per_module(rank, world):
+    """FSDP2 2.12+ splits one module's parameters into several param groups when they shard over
+    different process groups (e.g. experts on a sub-mesh). Each is a TIDE group; siblings unshard
+    together, so they get fixed storage, not ring slots; training matches stock bitwise."""
+    import tide_torch
+    from _torch_dist import DIM, HIDDEN
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp._fully_shard._fsdp_common import (FSDPMeshInfo,
+                                                                   ShardPlacementResult)
+    from torch.distributed.tensor import Shard
+
+    mesh = mesh_1d()
+    sub = FSDPMeshInfo(init_device_mesh("cpu", (2, 2), mesh_dim_names=("rep", "shard"))["shard"],
+                       shard_mesh_dim=0)  # ranks {0, 1} and {2, 3}: one node each on TOPO
+
+    def placement(p):  # w1 and w3 of block 0 shard over the sub-mesh
+        return ShardPlacementResult(Shard(0), sub) if tuple(p.shape) == (HIDDEN, DIM) else None
+
+    model = build(mesh=mesh, shard_placement_fn=placement)
+    stock = build(mesh=mesh, shard_placement_fn=placement)
+    handle = tide_torch.enable(model, topology=TOPO)
+    siblings = [g for g in handle.groups if g.siblings == 2]
+    assert len(siblings) == 2, [(g.fqn, g.siblings) for g in handle.groups]
+    assert sorted(g.world for g in siblings) == [2, 4], [(g.fqn, g.world) for g in siblings]
+    assert all(g.eligible and g.slot == "fixed" for g in siblings), \
+        [(g.fqn, g.fallback, g.slot) for g in siblings]
+    assert siblings[1].fqn == siblings[0].fqn[:-1] + "1"
+    data = batches(3, same_on_all_ranks=True)
+    assert train(model, data) == train(stock, data)
+    assert handle.stats["ag_stock"] == 0 and handle.stats["rs_stock"] == 0, handle.stats
+    assert_same(model, stock, "param groups per module")
+    handle.disable()
+
+
+def test_param_groups_per_module():
+    import pytest
+    if not _has_param_groups_per_module():
+        pytest.skip("this torch's FSDP2 has one param group per module (several since 2.12)")
+    spawn(_param_groups_per_module)

@@ -1,14 +1,16 @@
 """TIDE-AG face for FSDP2: shards land in the unsharded parameters' storage; copy-out only waits.
 
-``foreach_all_gather`` / ``foreach_all_gather_copy_out`` below replace FSDP2's in the param-group
-module's namespace (installed by ``_patches.install``). A call for a group TIDE does not serve, or
-in a state TIDE does not plan (post-forward resharded mesh, compiled autograd), goes to stock.
+``foreach_all_gather`` below replaces FSDP2's in the param-group module's namespace (installed by
+``_patches.install``). A call for a group TIDE does not serve, or in a state TIDE does not plan
+(post-forward resharded mesh, compiled autograd), goes to stock.
 
 For a served group the all-gather input is, per parameter:
 - In-place shard adoption (sharded dtype == all-gather dtype, §3.1): the adopted resident shard
   in the arena, read in place (no copy-in);
 - mixed precision (fp32 master shards, bf16 all-gather): the fp32 shard, which the transport
   casts into the group's receive-stage slot instead of FSDP2's fresh copy-in buffer.
+The copy-out is FSDP2's per-group seam where it has one (``copy_out_for``), else the patched
+``foreach_all_gather_copy_out``; either only waits for a TIDE result.
 The landing buffers are the FSDPParams' ``all_gather_outputs``: zero-offset arena views at the
 planned landing addresses, from which FSDP2's own ``init_unsharded_param`` builds the unsharded
 parameters once (``as_strided(..., storage_offset=0)``), so they keep those addresses.
@@ -124,6 +126,7 @@ def unadopt_shard(tg: Any, p: int) -> None:
 
 @torch.no_grad()
 def foreach_all_gather_copy_out(all_gather_result, fsdp_params, group):
+    """The module-level copy-out, where FSDP2 has no per-group seam (see _patches)."""
     if not isinstance(all_gather_result, TideAllGatherResult):
         return _patches.stock(_patches._pg, "foreach_all_gather_copy_out")(
             all_gather_result, fsdp_params, group)
@@ -135,6 +138,18 @@ def foreach_all_gather_copy_out(all_gather_result, fsdp_params, group):
     if work is not None:
         work.wait()
     # Nothing to copy: the shards landed in the unsharded parameters' storage.
+
+
+def copy_out_for(previous: Any) -> Any:
+    """A served group's ``_all_gather_output_fn`` where FSDP2 has that seam: FSDP2's
+    ``foreach_all_gather_copy_out`` has already waited for the all-gather's event and work, and a
+    TIDE result has nothing to copy; any other result (a call TIDE handed to stock) goes to the
+    function the group had before."""
+    def all_gather_output_fn(fsdp_params, all_gather_result, world_size):
+        if isinstance(all_gather_result, TideAllGatherResult):
+            return None
+        return previous(fsdp_params, all_gather_result, world_size)
+    return all_gather_output_fn
 
 
 def init_outputs_at_world_1(tg: Any, p: int) -> Any:

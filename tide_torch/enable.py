@@ -321,6 +321,9 @@ def _activate(g: TideGroup) -> None:
         if g.adopts:
             all_gather.adopt_shard(g, p)
     g.pg._reduce_scatter_comm = reduce_scatter.TideReduceScatter(g, g.pg._reduce_scatter_comm)
+    if _patches.copy_out_seam():
+        g.previous_copy_out = _patches.set_copy_out(
+            g.pg, all_gather.copy_out_for(g.pg._all_gather_output_fn))
     all_gather.REGISTRY[id(g.pg.fsdp_params)] = g
 
 
@@ -331,6 +334,9 @@ def _deactivate(g: TideGroup) -> None:
     comm_ = g.pg._reduce_scatter_comm
     if isinstance(comm_, reduce_scatter.TideReduceScatter):
         g.pg._reduce_scatter_comm = comm_.previous
+    if g.previous_copy_out is not None:
+        _patches.set_copy_out(g.pg, g.previous_copy_out)
+        g.previous_copy_out = None
     for p, fp in enumerate(g.pg.fsdp_params):
         _patches.unpatch_param_free(fp)
         fp.all_gather_outputs = []

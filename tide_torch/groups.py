@@ -48,6 +48,7 @@ class TideGroup:
     pg: Any                        # FSDPParamGroup
     is_root: bool
     state: Any = None              # the module's FSDPState (explicit prefetch lists)
+    siblings: int = 1              # param groups of the same module (they unshard together)
     fallback: str | None = None    # reason when served by stock FSDP2
     plan: Any = None               # tide Plan (None on fallback)
     plan_fp32_grads: Any = None    # same group, gradients in the reduce dtype (accumulated)
@@ -68,6 +69,7 @@ class TideGroup:
     input_views: list[torch.Tensor] = field(default_factory=list)
     resident_views: list[torch.Tensor] = field(default_factory=list)
     runtime: Any = None
+    previous_copy_out: Any = None  # the group's FSDP2 copy-out seam before TIDE (where it has one)
 
     @property
     def eligible(self) -> bool:
@@ -104,12 +106,15 @@ def find_groups(model: nn.Module) -> list[TideGroup]:
         if not isinstance(module, FSDPModule):
             continue
         state = module._get_fsdp_state()
-        pg = getattr(state, "_fsdp_param_group", None)
-        if pg is None or id(pg) in seen:
-            continue
-        seen.add(id(pg))
-        groups.append(TideGroup(index=len(groups), fqn=name or "<root>", pg=pg,
-                                is_root=module is model, state=state))
+        pgs = _patches.param_groups(state)
+        for k, pg in enumerate(pgs):
+            if id(pg) in seen:
+                continue
+            seen.add(id(pg))
+            fqn = name or "<root>"
+            groups.append(TideGroup(index=len(groups), fqn=fqn if len(pgs) == 1 else f"{fqn}#{k}",
+                                    pg=pg, is_root=module is model, state=state,
+                                    siblings=len(pgs)))
     if not groups:
         raise TideEnableError(
             f"tide_torch.enable() found no FSDP2 module in {type(model).__name__}: call "
@@ -178,9 +183,14 @@ def _why_not(tg: TideGroup, names: dict[int, str]) -> str | None:
     if len(orig) != 1:
         return f"mixed parameter dtypes {sorted(map(str, orig))}"
     tg.orig_dtype = orig.pop()
-    mp = pg.mp_policy
-    tg.param_dtype = mp.param_dtype or tg.orig_dtype
-    tg.reduce_dtype = mp.reduce_dtype or tg.param_dtype
+    # The mixed-precision policy as FSDP2 resolved it for each parameter (every revision keeps
+    # it on the FSDPParam; 2.15 resolves it per parameter and drops the group's copy).
+    policies = {(fp.mp_policy.param_dtype or tg.orig_dtype,
+                 fp.mp_policy.reduce_dtype or fp.mp_policy.param_dtype or tg.orig_dtype)
+                for fp in fsdp_params}
+    if len(policies) != 1:
+        return f"mixed precision policies differ within the group {sorted(map(str, policies))}"
+    tg.param_dtype, tg.reduce_dtype = policies.pop()
     if tg.param_dtype not in (torch.bfloat16, torch.float32) or tg.orig_dtype not in _DTYPE_NAMES:
         return f"all-gather dtype {tg.param_dtype} (fp16 needs pre-division)"
     if tg.reduce_dtype != torch.float32:

@@ -32,8 +32,10 @@ def assign(groups: list[TideGroup], use_ring: bool = True) -> dict[str, int]:
     served = [g for g in groups if g.eligible]
     # Groups that stay unsharded after backward (gradient accumulation without resharding) are
     # live across the step boundary: never in the ring.
+    # Param groups of one module unshard together: they cannot alternate in the ring either.
     candidates = [g for g in served
-                  if use_ring and not g.is_root and g.pg.reshard_after_backward]
+                  if use_ring and not g.is_root and g.pg.reshard_after_backward
+                  and g.siblings == 1]
     ring = [g for g in candidates if _reshards_after_forward(g)]
     tail = [g for g in candidates if not _reshards_after_forward(g)]
     # Ring-tail folding: the last non-resharding non-root group, if it is the last served group.

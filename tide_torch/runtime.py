@@ -78,6 +78,7 @@ class Runtime:
         reduce-scatter copy-in, after tg resharded and before its reduce-scatter is enqueued."""
         pg = tg.pg
         if (self.mode != "in_place" or tg.world == 1 or not tg.slot.startswith("ring")
+                or tg.siblings != 1
                 or pg._training_state != _patches.TrainingState.POST_BACKWARD
                 or not pg.is_sharded or self._owner.get(self._key(tg)) is not tg
                 or _patches.compiled_autograd_enabled()
