@@ -226,6 +226,9 @@ def _cmd_bench(which: str, rest: list[str]) -> int:
     if which == "train":
         from tide.bench import train
         return train.main(rest) or 0
+    if which == "hostcall":
+        from tide.bench import hostcall
+        return hostcall.main(rest) or 0
     from tide.bench import layout
     return layout.main(rest) or 0
 
@@ -245,9 +248,10 @@ def main(argv: list[str] | None = None) -> int:
     dp.add_argument("--no-train", action="store_true", help="skip the training section")
     bp = sub.add_parser("bench", help="benchmarks: TIDE and the stock path side by side",
                         add_help=False)
-    bp.add_argument("which", choices=["ag", "rs", "interference", "train", "layout"],
+    bp.add_argument("which", choices=["ag", "rs", "interference", "train", "layout", "hostcall"],
                     help="ag/rs: latency tables (paper Tables 7, 8); interference: victim slowdown "
-                         "(Tables 4, 6); train: step time, memory, loss; layout: one GPU, N virtual ranks")
+                         "(Tables 4, 6); train: step time, memory, loss; layout: one GPU, N virtual "
+                         "ranks; hostcall: host time per call of tide_torch's CUDA path")
     args, rest = ap.parse_known_args(argv)
     if args.cmd == "bench":
         return _cmd_bench(args.which, rest)
