@@ -236,7 +236,7 @@ def main() -> None:
     ap.add_argument("--variants", default=",".join(VARIANTS),
                     help=f"comma-separated subset of {','.join(VARIANTS)}")
     ap.add_argument("--transport", default="auto",
-                    choices=("auto", "executor", "virtual-cluster", "interim"))
+                    choices=("auto", "executor"))
     ap.add_argument("--fabric", default="auto", choices=("auto", "ipc", "nccl"),
                     help="the CUDA executor's fabric (tide_torch.enable(fabric=...))")
     ap.add_argument("--size", default="tiny", choices=tuple(SIZES))

@@ -124,7 +124,6 @@ ffi::Error AllGatherVirtual(void* stream, int32_t device_ordinal, ffi::Remaining
     if (spec.cuda) {
       all.device = device_ordinal;
       all.stream = stream;
-      record_ready(all);
     }
 #endif
     std::vector<RankIo> ios = stacked_ranks(all, N, in_bytes, out_bytes, 0);
@@ -160,7 +159,6 @@ ffi::Error AllGatherCudaImpl(cudaStream_t stream, int32_t device_ordinal, ffi::R
     const GroupSignature sig = all_gather_signature(shards, params, attrs, io);
     io.device = device_ordinal;
     io.stream = stream;
-    record_ready(io);  // before the rendezvous: the runner's streams wait on it
     CallSpec spec;
     spec.op = Collective::kAllGather;
     spec.cuda = true;

@@ -123,7 +123,7 @@ void run_group_call(const CallSpec& spec, int32_t device_ordinal, int64_t run_id
     }
   }
   GroupCall call;
-  call.plan = plan.get();
+  call.plan = plan;
   call.spec = spec;
   call.group = slot.group;
   call.timeout_ms = attrs.timeout_ms;
@@ -169,7 +169,7 @@ void run_virtual_call(const CallSpec& spec, int32_t device_ordinal, const GroupA
                   " ranks stacked for topology ", topo.nodes, "x", topo.gpus_per_node);
   auto plan = cached_plan(sig, topo, static_cast<Mode>(attrs.mode));
   GroupCall call;
-  call.plan = plan.get();
+  call.plan = plan;
   call.spec = spec;
   call.group = 0;
   call.timeout_ms = attrs.timeout_ms;

@@ -131,8 +131,6 @@ ffi::Error ReduceScatterVirtual(void* stream, int32_t device_ordinal, ffi::Remai
         io.stream = stream;
         copy_accumulator_async(io, lay.S_fp32);
       }
-      record_ready(ios[0]);
-      for (RankIo& io : ios) io.ready = ios[0].ready;
     }
 #endif
     run_virtual_call(spec, device_ordinal, attrs, sig, ios);
@@ -168,7 +166,6 @@ ffi::Error ReduceScatterCudaImpl(cudaStream_t stream, int32_t device_ordinal, ff
     io.device = device_ordinal;
     io.stream = stream;
     copy_accumulator_async(io, build_layout(sig, group_topology(attrs)).S_fp32);
-    record_ready(io);  // after the accumulator copy, before the rendezvous
     CallSpec spec;
     spec.op = Collective::kReduceScatter;
     spec.scale = scale;

@@ -14,13 +14,14 @@
 //     device's call on its own thread, concurrently, so the ranks of a group meet in the
 //     Rendezvous (keyed by RunId, group, op_id, seq); then the group's per-rank programs run
 //     through ExecuteGroup()/CompleteRank() (executor.cc), the one place that calls TIDE's
-//     executor.
+//     core: the group's GroupSession (tide/session.h).
 //   - Every exception stops at the handler boundary (TIDE_FFI_BOUNDARY) and becomes ffi::Error:
 //     PlanError -> INVALID_ARGUMENT, TimeoutError -> DEADLINE_EXCEEDED, anything else -> INTERNAL.
 #pragma once
 
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
 #include <string>
 #include <tuple>
@@ -29,6 +30,7 @@
 #include "tide/errors.h"
 #include "tide/plan.h"
 #include "tide/program.h"
+#include "tide/session.h"
 // The vendored headers end some switch functions without a return; silence only that warning.
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wreturn-type"
@@ -76,11 +78,10 @@ struct RankIo {
   std::vector<void*> out;
   // RS with accumulate: 1 packed fp32 shard added to the result (aliased to `out` by XLA).
   std::vector<const void*> acc;
-  // CUDA only (executor_cuda.cc): the rank's device, XLA's stream (cudaStream_t) and the event
-  // (cudaEvent_t) recorded on it before the rendezvous: the executor streams wait on it.
+  // CUDA only (executor_cuda.cc): the rank's device and XLA's stream (cudaStream_t), the rank's
+  // caller stream for the executor ([Note: stream handoff] in executor_cuda.cc).
   int device = -1;
   void* stream = nullptr;
-  void* ready = nullptr;
 };
 
 struct CallSpec {
@@ -92,7 +93,7 @@ struct CallSpec {
 
 // Everything the executor needs about one call of one group, once every rank joined.
 struct GroupCall {
-  const Plan* plan = nullptr;
+  std::shared_ptr<const Plan> plan;
   CallSpec spec;
   int64_t group = 0;                    // which FSDP group of the mesh
   int64_t timeout_ms = 0;               // the executor's wait deadline
@@ -105,12 +106,16 @@ struct GroupCall {
 // buffers; the rendezvous calls it on rank 0 of the group once all ranks joined. CompleteRank
 // then runs on every rank (its own thread) after ExecuteGroup returned, for per-rank completion
 // work. Both throw tide::Error / TimeoutError / Unimplemented.
-// The group's per-rank programs for one call (executor.cc): TIDE-AG reads XLA's shards in place
-// and lands in ring slot 0; TIDE-RS uses outbox bank `bank`. Key: (bank, alpha, accumulate);
-// TIDE-RS alternates banks b = (seq - 1) mod 2.
-using ProgramKey = std::tuple<int, float, bool>;
-ProgramKey program_key(const GroupCall& call, int64_t seq);
-std::vector<Program> build_call_programs(const GroupCall& call, int bank);
+// One (plan, collective, mesh group, virtual device[, rank devices]) of the process: its
+// session over its executor (executor.cc); `make` builds the executor for the session's arena the
+// first time. run_session: one call of the group through its session (streams: per rank, CUDA).
+struct GroupState {
+  ArenaSpec arena;
+  std::unique_ptr<GroupSession> session;
+};
+GroupState& group_state(const GroupCall& call, const std::vector<int>* devices,
+                        const std::function<std::shared_ptr<CallExecutor>(const ArenaSpec&)>& make);
+int64_t run_session(GroupState& st, const GroupCall& call, const std::vector<uintptr_t>& streams);
 
 // With call.spec.cuda both forward to ExecuteGroupCuda/CompleteRankCuda (executor_cuda.cc).
 void ExecuteGroup(const GroupCall& call);
@@ -120,8 +125,6 @@ std::string executor_description();
 #ifdef TIDE_WITH_CUDA
 void ExecuteGroupCuda(const GroupCall& call);
 void CompleteRankCuda(const GroupCall& call, int rank);
-// Records this device's entry event on XLA's stream (io.stream, io.device) into io.ready.
-void record_ready(RankIo& io);
 // RS with accumulate when XLA did not alias acc to out: out <- acc on XLA's stream.
 void copy_accumulator_async(const RankIo& io, int64_t bytes);
 #endif

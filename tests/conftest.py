@@ -4,10 +4,10 @@ import pytest
 
 
 def pytest_collection_modifyitems(config, items):
-    """GPU tests run only where a CUDA device is usable (tools/gpu_check.sh on the GPU machine)."""
+    """GPU tests run only where a CUDA device is usable (tools/gpu/run.py on the GPU machine)."""
     try:
         from tide import _core
-        have_gpu = _core.cuda_available()
+        have_gpu = _core.cuda.available()
     except Exception:  # noqa: BLE001 - an unbuilt core also means "no GPU path"
         have_gpu = False
     slow = os.environ.get("TIDE_SLOW") == "1"

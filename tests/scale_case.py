@@ -55,7 +55,8 @@ def run_ag(M: int, L: int) -> dict:
     print(f"AG {M}x{L}: arena bytes per rank {mem['arena_bytes']} == plan.memory()")
     # Descriptor counts of a few ranks' programs against the planner's formulas.
     ag = _core.plan_ag(plan)
-    progs = vc._groups[plan.hash].programs[("ag", 0, True, False, False)]
+    progs = vc.session(plan, "all_gather", ring_slot=0, resident=True, multicast=False,
+                       expert_lane=False)[0].programs("all_gather", 1)
     for r in sorted({0, L - 1, N // 2 + 3, N - 1}):
         scat, puts, _ = progs.ag_stats(r)
         assert scat == _core.ag_scatter_descriptors(plan, r // L), (r, scat)
@@ -94,7 +95,8 @@ def run_rs(M: int, L: int) -> dict:
     assert vc.rs_arena(plan).bytes_per_rank == mem["arena_bytes"], (vc.rs_arena(plan).bytes_per_rank, mem["arena_bytes"])
     print(f"RS {M}x{L}: arena bytes per rank {mem['arena_bytes']} == plan.memory()")
     rs = plan.rs_schedule
-    gen = vc._rs_groups[(plan.hash, False)].programs[("rs-gen", 1.0, False, rs_bank(1))]  # call 1's set
+    gen = vc.session(plan, "reduce_scatter")[0].programs("reduce_scatter", 1)  # call 1's (generated) set
+    assert gen.generated
     worst, ops = 0, 0
     for r in list(range(L)) + [N // 2 + 3, N - 1]:  # node 0's ranks give the planner's worst case
         st = _core.rs_program_stats(gen, r)

@@ -171,7 +171,7 @@ def test_bench_interference_cpu(capsys, tmp_path):
 
 def test_bench_rejects_a_gpu_context_without_a_gpu(capsys):
     from tide import _core
-    if _core.cuda_available():
+    if _core.cuda.available():
         pytest.skip("this machine has a GPU")
     rc, _, err = _run(capsys, ["ag", "--context", "gpu1"])
     assert rc == 2 and "--context gpu1: no usable CUDA GPU" in err
@@ -179,7 +179,7 @@ def test_bench_rejects_a_gpu_context_without_a_gpu(capsys):
 
 def test_ce_proof_needs_a_gpu(capsys):
     from tide import _core
-    if _core.cuda_available():
+    if _core.cuda.available():
         pytest.skip("this machine has a GPU")
     rc, _, err = _run(capsys, ["ag", "--ce-proof"])
     assert rc == 2 and "needs a CUDA GPU" in err
@@ -259,7 +259,7 @@ def test_bench_train_real_examples_tiny(capsys, tmp_path):
 def test_cuda_runners_repeat_the_collectives(devices):
     import tide
     from tide import _core
-    if len(devices) > _core.cuda_device_count():
+    if len(devices) > _core.cuda.device_count():
         pytest.skip(f"needs {len(devices)} GPUs")
     N = 4
     shapes = [(24, 40), (8, 16), (12, 8)]
@@ -275,16 +275,16 @@ def test_cuda_runners_repeat_the_collectives(devices):
         ptr, nbytes = landing(r)
         assert nbytes >= plan.layout.S * N
         with torch.cuda.device(vc.device_of(r)):
-            before.append(_core.cuda_d2h(ptr, plan.layout.S * N))
-            _core.cuda_memset(ptr, 0xFF, nbytes, torch.cuda.current_stream().cuda_stream)
+            before.append(_core.cuda.d2h(ptr, plan.layout.S * N))
+            _core.cuda.memset(ptr, 0xFF, nbytes, torch.cuda.current_stream().cuda_stream)
             torch.cuda.synchronize()
-            assert _core.cuda_d2h(ptr, plan.layout.S * N) != before[r]
+            assert _core.cuda.d2h(ptr, plan.layout.S * N) != before[r]
     go()
     go()  # two more calls over the resident shards land the same bytes again
     for r in range(N):
         ptr, _ = landing(r)
         with torch.cuda.device(vc.device_of(r)):
-            assert _core.cuda_d2h(ptr, plan.layout.S * N) == before[r], f"rank {r}"
+            assert _core.cuda.d2h(ptr, plan.layout.S * N) == before[r], f"rank {r}"
     grads = [[x.to(f"cuda:{vc.device_of(r)}") for x in row]
              for r, row in enumerate(coll._make_grads(torch, shapes, N, "cpu"))]
     outs, go_rs = vc.reduce_scatter_runner(plan, grads, scale=1.0 / N)
@@ -300,7 +300,7 @@ def test_cuda_runners_repeat_the_collectives(devices):
 def test_cuda_cluster_rejects_a_missing_device():
     import tide
     from tide import _core
-    n = _core.cuda_device_count()
+    n = _core.cuda.device_count()
     with pytest.raises(tide.PlanError, match=f"device {n} does not exist"):
         tide.VirtualCluster(tide.Topology(1, 2), backend="cuda", devices=[0, n])
 

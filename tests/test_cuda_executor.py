@@ -2,7 +2,7 @@
 
 Every case runs one plan on the CPU virtual cluster and on the CUDA one (all ranks on one GPU)
 and compares the outputs bit for bit, then checks the applicable fault kinds fail-stop with a
-message naming rank, op and seq. Run on the GPU machine (tools/gpu_check.sh).
+message naming rank, op and seq. Run on the GPU machine (python3 tools/gpu/run.py executor).
 """
 import numpy as np
 import pytest
@@ -49,13 +49,13 @@ def _bits(x):
 
 @pytest.mark.parametrize("M,L", GRID)
 @pytest.mark.parametrize("resident", [True, False])
-def test_all_gather_bitwise_equals_cpu(M, L, resident):
+def test_all_gather_bitwise_equals_cpu(M, L, resident, options=None):
     topo = tide.Topology(M, L)
     plan = tide.plan(tide.GroupSignature(shapes=SHAPES), topo)
     rng = np.random.default_rng(M * 100 + L)
     cpu = tide.VirtualCluster(topo, backend="cpu")
-    gpu = tide.VirtualCluster(topo, backend="cuda")
-    assert type(gpu).__name__ == "CudaVirtualCluster"
+    gpu = tide.VirtualCluster(topo, backend="cuda", options=options)
+    assert gpu.backend == "cuda"
     for call in range(3):  # epochs advance across calls; counters are never reset
         shards = _shards(plan, topo.world, rng)
         want = cpu.all_gather(plan, shards, resident=resident)
@@ -86,8 +86,11 @@ def test_all_gather_ring_slots_and_mixed_precision(M, L):
 
 
 def _direct(plan, progs, world):
-    fab = _core.CudaFabric([0] * world, _core.cuda_arena_total(progs))
-    return fab
+    return _core.cuda.InProcessFabric([0] * world, progs.arena_bytes())
+
+
+def _executor(fabric, timeout_s):
+    return _core.cuda.ClusterExecutor(fabric, options={"timeout_s": timeout_s})
 
 
 def _bindings(plan, world, rng):
@@ -98,7 +101,7 @@ def _bindings(plan, world, rng):
         for p in range(lay.P):
             t = torch.randn(lay.params[p].e, device="cuda").to(torch.bfloat16)
             keep.append(t)
-            row.append((_core.buf_kinds["shard"], p, t.data_ptr()))
+            row.append((_core.buf_kinds["shard"], p, t.data_ptr(), 2 * t.numel()))
         b.append(row)
     return keep, b
 
@@ -109,11 +112,11 @@ def test_fault_dropped_credit_is_a_timeout_naming_the_wait():
     progs = _core.build_ag_programs(plan, resident=False, with_expects=False).copy()
     assert progs.inject_fault(_core.fault_kinds["drop_credit"], 1)
     fab = _direct(plan, progs, topo.world)
-    ex = _core.CudaExecutor(fab, progs, 2.0)
+    ex = _executor(fab, 2.0)
     keep, b = _bindings(plan, topo.world, None)
     with pytest.raises(TimeoutError, match=r"rank \d+ op \d+ \(.*WAIT.*\) seq \d"):
         for seq in (1, 2, 3):
-            ex.run(seq, b)
+            ex.run(progs, seq, b)
             ex.synchronize()
     del keep
 
@@ -122,14 +125,14 @@ def test_fault_dead_peer_is_a_timeout():
     topo = tide.Topology(2, 2)
     plan = tide.plan(tide.GroupSignature(shapes=SHAPES), topo)
     progs = _core.build_ag_programs(plan, resident=False, with_expects=False)
-    ex = _core.CudaExecutor(_direct(plan, progs, topo.world), progs, 2.0)
+    ex = _executor(_direct(plan, progs, topo.world), 2.0)
     ex.set_faults(dead_rank=1)
     keep, b = _bindings(plan, topo.world, None)
     with pytest.raises(TimeoutError, match=r"seq 1"):
-        ex.run(1, b)
+        ex.run(progs, 1, b)
         ex.synchronize()
     with pytest.raises(RuntimeError, match="fail-stop"):
-        ex.run(2, b)  # fail-stop: the executor refuses further calls
+        ex.run(progs, 2, b)  # fail-stop: the executor refuses further calls
     del keep
 
 
@@ -139,14 +142,14 @@ def test_fault_stalled_peer_watchdog():
     progs = _core.build_ag_programs(plan, resident=False, with_expects=False)
     fab = _direct(plan, progs, topo.world)
     keep, b = _bindings(plan, topo.world, None)
-    ok = _core.CudaExecutor(fab, progs, 5.0)
+    ok = _executor(fab, 5.0)
     ok.set_faults(stall_rank=1, stall_s=0.2)  # shorter than the deadline: just late
-    ok.run(1, b)
+    ok.run(progs, 1, b)
     ok.synchronize()
-    ex = _core.CudaExecutor(fab, progs, 0.3)
+    ex = _executor(fab, 0.3)
     ex.set_faults(stall_rank=1, stall_s=2.0)  # past the deadline: the watchdog fires
     with pytest.raises(TimeoutError, match=r"rank \d+ op \d+ .* seq 2"):
-        ex.run(2, b)
+        ex.run(progs, 2, b)
         ex.synchronize()
     del keep
 
@@ -157,14 +160,15 @@ def test_fault_other_plan_is_refused():
     bplan = tide.plan(tide.GroupSignature(shapes=SHAPES[:-1]), topo)
     pa = _core.build_ag_programs(a, resident=False, with_expects=False)
     pb = _core.build_ag_programs(bplan, resident=False, with_expects=False)
-    mixed = _core.cuda_mixed_programs(pa, pb, 1)
-    fab = _core.CudaFabric([0] * topo.world, max(_core.cuda_arena_total(pa), _core.cuda_arena_total(pb)))
+    mixed = _core.testing.mixed_programs(pa, pb, 1)
+    fab = _core.cuda.InProcessFabric([0] * topo.world, max(pa.arena_bytes(), pb.arena_bytes()))
+    keep, b = _bindings(a, topo.world, None)
     with pytest.raises(ValueError, match="inconsistent programs"):
-        _core.CudaExecutor(fab, mixed, 2.0)
+        _executor(fab, 2.0).run(mixed, 1, b)  # refused before anything is enqueued
 
 
 def test_multicast_gate_never_opens_here():
-    assert not _core.cuda_multicast_allowed(0)
+    assert not _core.cuda.multicast_allowed(0)
 
 
 RS_GRID = [(1, 1), (1, 2), (1, 4), (1, 8), (2, 1), (2, 2), (2, 4), (3, 2), (4, 2), (2, 8), (9, 2)]
@@ -177,12 +181,12 @@ def _grads(plan, world, rng):
 
 
 @pytest.mark.parametrize("M,L", RS_GRID)
-def test_reduce_scatter_bitwise_equals_cpu(M, L):
+def test_reduce_scatter_bitwise_equals_cpu(M, L, options=None):
     topo = tide.Topology(M, L)
     plan = tide.plan(tide.GroupSignature(shapes=SHAPES), topo)
     rng = np.random.default_rng(7 * M + L)
     cpu = tide.VirtualCluster(topo, backend="cpu")
-    gpu = tide.VirtualCluster(topo, backend="cuda")
+    gpu = tide.VirtualCluster(topo, backend="cuda", options=options)
     prev_cpu = prev_gpu = None
     for call, scale in enumerate((1.0, 0.25, 1.0 / 3.0, 0.5)):  # banks alternate: seq mod 2
         grads = _grads(plan, topo.world, rng)
@@ -200,15 +204,13 @@ def test_reduce_scatter_bitwise_equals_cpu(M, L):
 
 
 @pytest.mark.parametrize("M,L", [(1, 8), (2, 4), (3, 2)])
-def test_copy_lanes_bitwise_equals_cpu(M, L, monkeypatch):
+def test_copy_lanes_bitwise_equals_cpu(M, L):
     """[Note: copy lanes] with EVERY COPY/PUT spread over 3 lanes (threshold 0): the same bytes as
     the CPU executor, call after call; a PUT's bump issued before its lanes joined would show as
     stale landing or inbox bytes."""
-    monkeypatch.setenv("TIDE_COPY_SPREAD_BYTES", "0")
-    monkeypatch.setenv("TIDE_COPY_LANES", "3")
-    assert _core.cuda_copy_lanes() == 3
-    test_all_gather_bitwise_equals_cpu(M, L, resident=True)
-    test_reduce_scatter_bitwise_equals_cpu(M, L)
+    options = tide.ExecutorOptions(copy_spread_bytes=0, copy_lanes=3)
+    test_all_gather_bitwise_equals_cpu(M, L, resident=True, options=options)
+    test_reduce_scatter_bitwise_equals_cpu(M, L, options=options)
 
 
 @pytest.mark.parametrize("M", [2, 3, 5])
@@ -230,3 +232,69 @@ def test_expert_lane_and_hsdp_bitwise_equal_cpu(M):
     for g in range(2):
         for r in range(topo.world):
             assert _bits(got[g][r]) == _bits(np.ascontiguousarray(want[g][r]))
+
+
+# ---- CTA budgets: the plan's solver (Eqs. 13-14) reaches the launches; a session override wins --
+def _launch_grids(fn):
+    """(kernel name, grid x) of every SUM / REDUCE kernel that fn() launches, from the profiler's
+    trace (CUPTI sees the executor's own streams too)."""
+    import json
+    import os
+    import tempfile
+    from torch.profiler import ProfilerActivity, profile
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    fd, path = tempfile.mkstemp(suffix=".json")
+    os.close(fd)
+    try:
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            events = json.load(f).get("traceEvents", [])
+    finally:
+        os.unlink(path)
+    return [(ev["name"], ev["args"]["grid"][0]) for ev in events
+            if ev.get("cat") == "kernel" and ("sum_kernel" in ev["name"] or "reduce_kernel" in ev["name"])]
+
+
+def _sum_land_ops(plan):
+    """SUM and LAND ops of one RS call over every rank (one launch each)."""
+    ps = _core.build_rs_programs(plan, bank=0, alpha=1.0, accumulate=False, expert_lane=False)
+    kinds = [line.split()[1] for r in range(plan.world) for line in ps.describe(r)]
+    return kinds.count("SUM"), kinds.count("LAND")
+
+
+@pytest.mark.parametrize("M,L,plan_ctas,override", [
+    (1, 4, {}, None),                               # the solver's C_sum / C_mc
+    (2, 2, {}, None),
+    (2, 2, {"sum_ctas": 5, "land_ctas": 3}, None),  # given to the planner: the solver records them
+    (2, 2, {}, (7, 2)),                             # a session override, not the plan's
+])
+def test_sum_and_land_launch_with_the_plan_budgets(M, L, plan_ctas, override):
+    topo = tide.Topology(M, L)
+    # Ops large enough that no launch is clamped below its budget (a CTA per 2048 elements at most).
+    plan = tide.plan(tide.GroupSignature(shapes=[(2048, 512), (1024, 256), (300, 64)]), topo, **plan_ctas)
+    want_sum, want_land = override or (plan.solver["sum_ctas"], plan.solver["land_ctas"])
+    if plan_ctas:
+        assert (want_sum, want_land) == (plan_ctas["sum_ctas"], plan_ctas["land_ctas"])
+    assert want_sum != want_land, "the test tells SUM from LAND launches by their grids"
+    assert (want_sum, want_land) != (16, 4), "the executors' fallback budgets would pass unseen"
+    kw = {} if override is None else {"sum_ctas": override[0], "land_ctas": override[1]}
+    gpu = tide.VirtualCluster(topo, backend="cuda", **kw)
+    cpu = tide.VirtualCluster(topo, backend="cpu")
+    rng = np.random.default_rng(M * 10 + L)
+    grads = _grads(plan, topo.world, rng)
+    dev = [[_to_torch(x) for x in row] for row in grads]
+    gpu.reduce_scatter(plan, dev)  # the session's first call (program sets, run tables) unprofiled
+    got = []
+    grids = _launch_grids(lambda: got.append(gpu.reduce_scatter(plan, dev, poison=True)))
+    n_sum, n_land = _sum_land_ops(plan)
+    assert n_sum and n_land
+    assert sorted({g for _, g in grids}) == sorted({want_sum, want_land}), grids
+    assert sum(g == want_sum for _, g in grids) == n_sum, grids
+    assert sum(g == want_land for _, g in grids) == n_land, grids
+    assert all(g == want_sum for name, g in grids if "sum_kernel" in name), grids
+    want = cpu.reduce_scatter(plan, grads)
+    for r in range(topo.world):  # a budget changes the grid, never the bits
+        assert _bits(got[0][r]) == _bits(np.ascontiguousarray(want[r])), r

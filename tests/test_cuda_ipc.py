@@ -3,7 +3,7 @@ pipes, no torch.distributed), ranks sharing GPU 0 or spread over the GPUs. TIDE-
 TIDE-RS outputs are bit-equal to tide.VirtualCluster (CPU) on the same plan, for fresh random
 integer-valued inputs, with poisoned outputs, seq 1..3 over both RS banks; a peer that never runs
 is a TimeoutError naming rank, op and seq within the timeout. Run on the GPU machine
-(tools/gpu/cudarank.sh).
+(tools/gpu/run.py cudaipc).
 """
 import contextlib
 import faulthandler
@@ -99,36 +99,36 @@ def _calls_raw(rank, cfg, fab, ex, plan, conn):
                                  counter_base=0)
     rs = {b: _core.build_rs_programs(plan, bank=b, alpha=ALPHA, accumulate=False, arena=regions,
                                      counter_base=RS_BASE) for b in (0, 1)}
-    out_ptr = _core.cuda_malloc(lay.E * 4)
-    grad_ptrs = [_core.cuda_malloc(lay.params[p].D * lay.params[p].K * 2) for p in range(lay.P)]
+    out_ptr = _core.cuda.malloc(lay.E * 4)
+    grad_ptrs = [_core.cuda.malloc(lay.params[p].D * lay.params[p].K * 2) for p in range(lay.P)]
     shard_ptrs = []
     for seq in range(1, CALLS + 1):
         shards = [np.ascontiguousarray(x) for x in _ag_inputs(plan, N, seed, seq, cast)[rank]]
-        _core.cuda_memset(base + ring0, 0xFF, NS, 0)  # poison the landing
+        _core.cuda.memset(base + ring0, 0xFF, NS, 0)  # poison the landing
         binds = []
         for p, x in enumerate(shards):
             b = x.view(np.uint8).reshape(-1).tobytes()
             if cast:
                 if len(shard_ptrs) <= p:
-                    shard_ptrs.append(_core.cuda_malloc(len(b)))
-                _core.cuda_h2d(shard_ptrs[p], b)
+                    shard_ptrs.append(_core.cuda.malloc(len(b)))
+                _core.cuda.h2d(shard_ptrs[p], b)
                 binds.append((KIND["shard"], p, shard_ptrs[p], len(b)))
             else:  # in-place adoption: the shard lives in the arena's resident region
-                _core.cuda_h2d(base + resident + lay.params[p].o, b)
+                _core.cuda.h2d(base + resident + lay.params[p].o, b)
         ex.run(ag, seq, buffers=binds, stream=0)
-        land = _core.cuda_d2h(base + ring0, NS)
+        land = _core.cuda.d2h(base + ring0, NS)
         grads = [np.ascontiguousarray(g) for g in _rs_inputs(plan, N, seed, seq)[rank]]
         binds = []
         for p, g in enumerate(grads):
-            _core.cuda_h2d(grad_ptrs[p], g.view(np.uint8).tobytes())
+            _core.cuda.h2d(grad_ptrs[p], g.view(np.uint8).tobytes())
             binds.append((KIND["grad"], p, grad_ptrs[p], g.nbytes))
-        _core.cuda_memset(out_ptr, 0xFF, lay.E * 4, 0)  # poison: NaN
+        _core.cuda.memset(out_ptr, 0xFF, lay.E * 4, 0)  # poison: NaN
         binds.append((KIND["out"], -1, out_ptr, lay.E * 4))
         ex.run(rs[rs_bank(seq)], seq, buffers=binds, stream=0)
-        conn.send(("call", (seq, land, _core.cuda_d2h(out_ptr, lay.E * 4))))
+        conn.send(("call", (seq, land, _core.cuda.d2h(out_ptr, lay.E * 4))))
     ex.synchronize()
     for p in [out_ptr] + grad_ptrs + shard_ptrs:
-        _core.cuda_free(p)
+        _core.cuda.free(p)
 
 
 def _calls_torch(rank, cfg, fab, ex, plan, conn):
@@ -149,12 +149,12 @@ def _calls_torch(rank, cfg, fab, ex, plan, conn):
         for seq in range(1, CALLS + 1):
             shards = _ag_inputs(plan, N, seed, seq, False)[rank]
             ts = [torch.from_numpy(np.ascontiguousarray(x).view(np.int16).reshape(-1)).to(dev) for x in shards]
-            _core.cuda_memset(base + ring0, 0xFF, NS, h)
-            _core.cuda_copies([(base + resident + lay.params[p].o, t.data_ptr(), t.numel() * 2, 1, 0, 0)
+            _core.cuda.memset(base + ring0, 0xFF, NS, h)
+            _core.cuda.copies([(base + resident + lay.params[p].o, t.data_ptr(), t.numel() * 2, 1, 0, 0)
                                for p, t in enumerate(ts)], h)
             ex.run(ag, seq, stream=h)
             land = torch.empty(NS, dtype=torch.uint8, device=dev)
-            _core.cuda_copies([(land.data_ptr(), base + ring0, NS, 1, 0, 0)], h)
+            _core.cuda.copies([(land.data_ptr(), base + ring0, NS, 1, 0, 0)], h)
             grads = [torch.from_numpy(np.ascontiguousarray(g).view(np.int16)).to(dev)
                      for g in _rs_inputs(plan, N, seed, seq)[rank]]
             out = torch.full((lay.E,), float("nan"), dtype=torch.float32, device=dev)
@@ -180,12 +180,12 @@ def _calls_hsdp(rank, cfg, fab, ex, plan, conn):
         binds = []
         for p, x in enumerate(shards):
             if len(ptrs) <= p:
-                ptrs.append(_core.cuda_malloc(x.nbytes))
-            _core.cuda_h2d(ptrs[p], x.view(np.uint8).tobytes())
+                ptrs.append(_core.cuda.malloc(x.nbytes))
+            _core.cuda.h2d(ptrs[p], x.view(np.uint8).tobytes())
             binds.append((KIND["shard"], p, ptrs[p], x.nbytes))
-        _core.cuda_memset(base + ring0, 0xFF, NS, 0)
+        _core.cuda.memset(base + ring0, 0xFF, NS, 0)
         ex.run(ag, seq, buffers=binds, ranks=groups[g])
-        conn.send(("call", (seq, _core.cuda_d2h(base + ring0, NS), None)))
+        conn.send(("call", (seq, _core.cuda.d2h(base + ring0, NS), None)))
     ex.synchronize()
     if rank == 0:  # bad input is refused before anything is enqueued, naming it
         with pytest.raises(_core.PlanError, match="pass ranks= for a sub-group"):
@@ -198,20 +198,20 @@ def _calls_hsdp(rank, cfg, fab, ex, plan, conn):
         with pytest.raises(_core.PlanError, match=r"shard\[0\] has 2 bytes, the program touches \d+"):
             ex.run(ag, CALLS + 1, buffers=short, ranks=groups[0])
     for p in ptrs:
-        _core.cuda_free(p)
+        _core.cuda.free(p)
 
 
 def _rank_main(rank, cfg, conn):
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # the parent's hang report: Python
-    _core.cuda_install_stack_dump(signal.SIGUSR2)           # and native stacks
+    _core.cuda.install_stack_dump(signal.SIGUSR2)           # and native stacks
     try:
         M, L = cfg["M"], cfg["L"]
         _, plan = _plan(2, 1, False) if cfg["mode"] == "hsdp" else _plan(M, L, cfg["cast"])
-        fab = _core.CudaIpcFabric(rank, M * L, cfg["devices"][rank], cfg["nbytes"])
+        fab = _core.cuda.IpcFabric(rank, M * L, cfg["devices"][rank], cfg["nbytes"])
         conn.send(("handle", fab.handle()))
         fab.open_peers(conn.recv())
         assert fab.peers_open and all(fab.peer_arena_ptr(r) for r in range(M * L))
-        ex = _core.CudaRankExecutor(fab, rank, M, L, regions=cfg["regions"], timeout_s=cfg["timeout_s"],
+        ex = _core.cuda.RankExecutor(fab, rank, M, L, regions=cfg["regions"], timeout_s=cfg["timeout_s"],
                                     fence=cfg["fence"])
         conn.send(("open", None))
         conn.recv()  # every rank has opened every arena
@@ -234,7 +234,7 @@ def _rank_main(rank, cfg, conn):
 
 # ---- the parent -----------------------------------------------------------------------------------
 def _devices(N, spread):
-    n = _core.cuda_device_count()
+    n = _core.cuda.device_count()
     return [r % n if spread else 0 for r in range(N)]
 
 
@@ -269,7 +269,7 @@ def _run_world(M, L, *, spread=False, cast=False, dead=-1, timeout_s=10.0, fence
         p.start()
     conns = [p[0] for p in pipes]
     got = {r: [] for r in range(N)}
-    # TIDE_TEST_HANG_S shortens the wait for a hang report (tools/gpu/hang.sh); 120 s by default.
+    # TIDE_TEST_HANG_S shortens the wait for a hang report (tools/gpu/run.py hang); 120 s by default.
     deadline = time.monotonic() + float(os.environ.get("TIDE_TEST_HANG_S", "120")) + 4 * timeout_s
 
     def expect(kind):
@@ -340,7 +340,7 @@ def test_mixed_precision_ag_matches_the_virtual_cluster():
 
 @pytest.mark.parametrize("M,L", [(1, 2), (2, 2)])
 def test_ranks_spread_over_gpus_match_the_virtual_cluster(M, L):
-    if _core.cuda_device_count() < 2:
+    if _core.cuda.device_count() < 2:
         pytest.skip("one GPU visible: ranks cannot spread (the one-GPU cases cover the rest)")
     cfg, got = _run_world(M, L, spread=True)
     assert len(set(cfg["devices"])) >= 2
@@ -391,5 +391,5 @@ def test_peer_that_never_runs_is_a_timeout_naming_rank_op_seq(fence):
     # overdue wait the watchdog reports first on a rank is timing: on the H200 (2026-11-29) once
     # both fences named rank 3, once rank 2 reported a wait whose producer was the blocked rank 1.
     # Before kernels were loaded eagerly ([Note: eager kernel loading]), rank 0 reaching its RS
-    # while a WAIT was parked hung in its first kernel launch (BENCHMARKS.md Run 23).
+    # while a WAIT was parked hung in its first kernel launch (kernels.h [Note: eager kernel loading]).
     assert (named_dead >= 1) if fence else (named_dead == 0), named_dead

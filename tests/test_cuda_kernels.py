@@ -1,38 +1,26 @@
-"""CUDA kernel unit tests (SUM, REDUCE, LAND, CAST, ZERO), copy paths, stream memops, watchdog.
+"""CUDA kernel unit tests (SUM, REDUCE: the executors' SUM and LAND; CAST, ZERO), copy paths,
+stream memops, watchdog.
 
-Run on the GPU machine (tools/gpu_check.sh, tools/gpu/sumk.sh). Every output is poisoned before
-the launch and compared bit for bit with a CPU fp32 reference of the same association, and with
-an fp64 reference within tolerance. Fresh random data for every case; never zeros. SUM and
-REDUCE run under every TIDE_SUM_KERNEL variant (vec, vec_l2, bulk): all must give the same bits.
+Run on the GPU machine (python3 tools/gpu/run.py kernels). Every output is poisoned before the
+launch and compared bit for bit with a CPU fp32 reference of the same association, and with an
+fp64 reference within tolerance. Fresh random data for every case; never zeros. SUM and REDUCE
+run under every CTA work split (ExecutorOptions.cta_split): all must give the same bits.
 """
 import pytest
 
 torch = pytest.importorskip("torch")
 from tide import _core  # noqa: E402
-from tide.bench.layout import pack_reduce_runs  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
 DEV = "cuda"
-# "vec/ranges", "vec/tiles": vec with TIDE_CTA_SPLIT forced (else auto: ranges below 32 CTAs).
-VARIANTS = ["vec", "vec_l2", "bulk", "vec/ranges", "vec/tiles"]
+SPLITS = ["auto", "ranges", "tiles"]  # auto: ranges below 32 CTAs, tiles from there
 
 
-@pytest.fixture(params=VARIANTS)
-def variant(request, monkeypatch):
-    """Select the SUM/REDUCE kernel variant and CTA work split (both read by every launch) and
-    check they are the ones run."""
-    kernel, _, split = request.param.partition("/")
-    monkeypatch.setenv("TIDE_SUM_KERNEL", kernel)
-    if split:
-        monkeypatch.setenv("TIDE_CTA_SPLIT", split)
-    else:
-        monkeypatch.delenv("TIDE_CTA_SPLIT", raising=False)
-    cc = _core.cuda_capabilities(0)["cc"]
-    expect = kernel if kernel != "bulk" or cc[0] >= 9 else "vec"
-    assert _core.cuda_sum_kernel() == expect
-    assert _core.cuda_cta_split() == (split or "auto")
-    return request.param
+@pytest.fixture(params=SPLITS)
+def split(request):
+    """The executor options a launch follows: the CTA work split (device.cuh)."""
+    return {"cta_split": request.param}
 
 
 def _stream():
@@ -59,8 +47,8 @@ def _segments(param_lens, n_pad_between, gen, src_offs=None):
 
 
 def _seg_table(rows):
-    t = torch.tensor([[d, ln, s, p & 0xFFFFFFFF] for d, ln, s, p in rows], dtype=torch.int64)
-    return t.to(DEV)
+    """SUM's segment table on the GPU (the core packs its records)."""
+    return _core.cuda.sum_segments(rows)
 
 
 def _sum_reference(staged, rows, grads, n):
@@ -82,7 +70,7 @@ def _sum_reference(staged, rows, grads, n):
 
 @pytest.mark.parametrize("n_staged", [0, 1, 3, 7])
 @pytest.mark.parametrize("shape", ["aligned", "ragged", "long"])
-def test_sum_bitwise(n_staged, shape, variant):
+def test_sum_bitwise(n_staged, shape, split):
     gen = torch.Generator().manual_seed(100 + n_staged)
     # "long": segments of many bulk chunks, so the ring (6 stages) wraps several times per CTA.
     lens = {"aligned": [4096, 1024, 8, 24576], "ragged": [1000, 3, 77, 4099],
@@ -99,8 +87,8 @@ def test_sum_bitwise(n_staged, shape, variant):
     outs = []
     for ctas in (1, 3, 16, 132):
         dst = torch.full((n,), float("nan"), device=DEV)
-        _core.cuda_sum(dst.data_ptr(), n, [s.data_ptr() for s in staged], table.data_ptr(), len(rows),
-                       [g.data_ptr() for g in grads], ctas, _stream())
+        _core.cuda.sum(dst.data_ptr(), n, [s.data_ptr() for s in staged], table.ptr, len(rows),
+                       [g.data_ptr() for g in grads], ctas, _stream(), split)
         torch.cuda.synchronize()
         assert not torch.isnan(dst).any(), f"unwritten elements at ctas={ctas}"
         assert _bits_equal(dst, ref), f"SUM differs from the CPU fp32 reference at ctas={ctas}"
@@ -143,7 +131,7 @@ def _specials(x, gen, frac=0.01):
     return x
 
 
-def test_sum_specials_and_negative_zero(variant):
+def test_sum_specials_and_negative_zero(split):
     """NaN/Inf/-0.0 in staged and own terms; at some elements every term is -0.0 (result -0.0:
     the first term initialises, nothing is added to a +0.0 start) or +0.0 and -0.0 mix (+0.0)."""
     gen = torch.Generator().manual_seed(77)
@@ -168,13 +156,13 @@ def test_sum_specials_and_negative_zero(variant):
     table = _seg_table(rows)
     for ctas in (1, 7, 132):
         dst = _poisoned(n)
-        _core.cuda_sum(dst.data_ptr(), n, [x.data_ptr() for x in staged], table.data_ptr(), len(rows),
-                       [g.data_ptr() for g in grads], ctas, _stream())
+        _core.cuda.sum(dst.data_ptr(), n, [x.data_ptr() for x in staged], table.ptr, len(rows),
+                       [g.data_ptr() for g in grads], ctas, _stream(), split)
         torch.cuda.synchronize()
-        _assert_same(dst, ref, f"SUM ({variant}) with special values at ctas={ctas}")
+        _assert_same(dst, ref, f"SUM ({split['cta_split']}) with special values at ctas={ctas}")
 
 
-def test_sum_captured_in_graph(variant):
+def test_sum_captured_in_graph(split):
     """SUM launched inside a CUDA graph capture (as the executor's captured programs do) and
     replayed twice: same bits as the CPU reference. n_staged = 5 appears in no other test, so
     the capture holds that kernel's first launch (lazy module loading under capture)."""
@@ -187,23 +175,23 @@ def test_sum_captured_in_graph(variant):
     side = torch.cuda.Stream()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, stream=side):
-        _core.cuda_sum(dst.data_ptr(), n, [x.data_ptr() for x in staged], table.data_ptr(), len(rows),
-                       [g.data_ptr() for g in grads], 4, torch.cuda.current_stream().cuda_stream)
+        _core.cuda.sum(dst.data_ptr(), n, [x.data_ptr() for x in staged], table.ptr, len(rows),
+                       [g.data_ptr() for g in grads], 4, torch.cuda.current_stream().cuda_stream, split)
     for _ in range(2):
         dst.view(torch.int32).fill_(POISON)
         graph.replay()
         torch.cuda.synchronize()
-        _assert_same(dst, ref, f"SUM ({variant}) replayed from a CUDA graph")
+        _assert_same(dst, ref, f"SUM ({split['cta_split']}) replayed from a CUDA graph")
 
 
-# ---- REDUCE: the executor's run-table kernel (SUM and LAND), through cuda_reduce -----------------
+# ---- REDUCE: the executor's run-table kernel (SUM and LAND), through cuda.reduce -----------------
 MAX_TERMS = 12
 
 
 def _pack_runs(runs):
-    """ReduceRun records (kernels.h), packed by the layout bench's helper."""
-    table = pack_reduce_runs(torch, runs, DEV)
-    assert table.numel() == 144 * len(runs)
+    """REDUCE's run table on the GPU (the core packs its ReduceRun records)."""
+    table = _core.cuda.reduce_runs(runs)
+    assert table.count == len(runs)
     return table
 
 
@@ -257,7 +245,7 @@ def _reduce_reference(bufs, runs, n, land, accumulate, alpha, old):
 @pytest.mark.parametrize("n_terms", list(range(1, MAX_TERMS + 1)))
 @pytest.mark.parametrize("dtype", ["bf16", "fp32", "mixed"])
 @pytest.mark.parametrize("op", ["sum", "land", "land_accumulate"])
-def test_reduce_bitwise(n_terms, dtype, op, variant):
+def test_reduce_bitwise(n_terms, dtype, op, split):
     gen = torch.Generator().manual_seed(1000 * n_terms + 10 * len(dtype) + len(op))
     dtypes = {"bf16": [torch.bfloat16] * n_terms, "fp32": [torch.float32] * n_terms,
               "mixed": [torch.float32 if i % 2 else torch.bfloat16 for i in range(n_terms)]}[dtype]
@@ -271,13 +259,13 @@ def test_reduce_bitwise(n_terms, dtype, op, variant):
     table = _pack_runs(runs)
     for ctas in (1, 5, 132):
         dst = old.to(DEV) if accumulate else _poisoned(n)
-        _core.cuda_reduce(dst.data_ptr(), n, table.data_ptr(), len(runs), n_terms, mask, land, accumulate,
-                          alpha, [b.data_ptr() for b in dev_bufs], ctas, _stream())
+        _core.cuda.reduce(dst.data_ptr(), n, table.ptr, len(runs), n_terms, mask, land, accumulate,
+                          alpha, [b.data_ptr() for b in dev_bufs], ctas, _stream(), split)
         torch.cuda.synchronize()
-        _assert_same(dst, ref, f"REDUCE {op} ({variant}, {n_terms} {dtype} terms) at ctas={ctas}")
+        _assert_same(dst, ref, f"REDUCE {op} ({split['cta_split']}, {n_terms} {dtype} terms) at ctas={ctas}")
 
 
-def test_reduce_unaligned_dst(variant):
+def test_reduce_unaligned_dst(split):
     """dst 4 bytes off a 16-byte boundary: no vector/bulk body anywhere, same bits."""
     gen = torch.Generator().manual_seed(5)
     dtypes = [torch.bfloat16] * 8
@@ -286,110 +274,19 @@ def test_reduce_unaligned_dst(variant):
     dev_bufs = [b.to(DEV) for b in bufs]
     table = _pack_runs(runs)
     base = _poisoned(n + 4)
-    _core.cuda_reduce(base.data_ptr() + 4, n, table.data_ptr(), len(runs), 8, 0, False, False, 1.0,
-                      [b.data_ptr() for b in dev_bufs], 3, _stream())
+    _core.cuda.reduce(base.data_ptr() + 4, n, table.ptr, len(runs), 8, 0, False, False, 1.0,
+                      [b.data_ptr() for b in dev_bufs], 3, _stream(), split)
     torch.cuda.synchronize()
-    _assert_same(base[1:n + 1], ref, f"REDUCE ({variant}) into an unaligned dst")
+    _assert_same(base[1:n + 1], ref, f"REDUCE ({split['cta_split']}) into an unaligned dst")
     assert base[0].view(torch.int32).item() == POISON and base[n + 1].view(torch.int32).item() == POISON
 
 
-@pytest.mark.parametrize("kib,stages", [("8", ""), ("96", ""), ("32", "2")])
-@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
-def test_reduce_bulk_ring_geometry(kib, stages, dtype, monkeypatch):
-    """TIDE_BULK_STAGE_KIB / TIDE_BULK_STAGES (the sweep's ring rows): 16 small stages, 2 large
-    ones, 2 of the default size; the ring wraps many times; same bits as the CPU reference."""
-    if _core.cuda_capabilities(0)["cc"][0] < 9:
-        pytest.skip("the bulk variant needs compute capability >= 9.0")
-    monkeypatch.setenv("TIDE_SUM_KERNEL", "bulk")
-    monkeypatch.setenv("TIDE_BULK_STAGE_KIB", kib)
-    monkeypatch.setenv("TIDE_BULK_STAGES", stages)
-    gen = torch.Generator().manual_seed(int(kib) + len(dtype))
-    dt = torch.bfloat16 if dtype == "bf16" else torch.float32
-    bufs, runs, n = _reduce_case(8, [dt] * 8, gen)
-    mask = 0 if dtype == "bf16" else 0xFF
-    old = _specials(torch.randn(n, generator=gen), gen)
-    ref = _reduce_reference(bufs, runs, n, True, True, 0.125, old)
-    dev_bufs = [b.to(DEV) for b in bufs]
-    table = _pack_runs(runs)
-    for ctas in (1, 7):
-        dst = old.to(DEV)
-        _core.cuda_reduce(dst.data_ptr(), n, table.data_ptr(), len(runs), 8, mask, True, True, 0.125,
-                          [b.data_ptr() for b in dev_bufs], ctas, _stream())
-        torch.cuda.synchronize()
-        _assert_same(dst, ref, f"REDUCE LAND (bulk, {kib} KiB x {stages or 'max'} stages, {dtype}) at ctas={ctas}")
-
-
-@pytest.mark.parametrize("name,value,msg", [("TIDE_BULK_STAGE_KIB", "4", "expected 8..96"),
-                                            ("TIDE_BULK_STAGES", "1", "expected 2..16")])
-def test_bulk_ring_knobs_reject_out_of_range(name, value, msg, monkeypatch):
-    if _core.cuda_capabilities(0)["cc"][0] < 9:
-        pytest.skip("the bulk variant needs compute capability >= 9.0")
-    monkeypatch.setenv("TIDE_SUM_KERNEL", "bulk")
-    monkeypatch.setenv(name, value)
-    gen = torch.Generator().manual_seed(2)
-    rows, grads, n = _segments([64], 0, gen)
-    dst = _poisoned(n)
-    with pytest.raises(ValueError, match=f"{name}={value}: {msg}"):
-        _core.cuda_sum(dst.data_ptr(), n, [], _seg_table(rows).data_ptr(), len(rows),
-                       [g.data_ptr() for g in grads], 1, _stream())
-
-
-def test_sum_kernel_knob_rejects_unknown(monkeypatch):
-    monkeypatch.setenv("TIDE_SUM_KERNEL", "fast")
-    with pytest.raises(ValueError, match="TIDE_SUM_KERNEL=fast: expected vec, vec_l2 or bulk"):
-        _core.cuda_sum_kernel()
-    gen = torch.Generator().manual_seed(1)
-    rows, grads, n = _segments([64], 0, gen)
-    dst = _poisoned(n)
-    with pytest.raises(ValueError, match="TIDE_SUM_KERNEL"):
-        _core.cuda_sum(dst.data_ptr(), n, [], _seg_table(rows).data_ptr(), len(rows),
-                       [g.data_ptr() for g in grads], 1, _stream())
-
-
 def test_sum_kernels_do_not_spill():
-    attrs = _core.cuda_sum_kernel_attrs()
+    attrs = _core.cuda.kernel_attrs()
     names = {a["name"] for a in attrs}
-    assert {"sum_kernel<7>", "reduce_kernel<12>", "reduce_kernel<12,fp32>", "reduce_kernel<12,mixed>",
-            "sum_bulk_kernel<7>", "reduce_bulk_kernel<12>"} <= names
+    assert {"sum_kernel<7>", "reduce_kernel<12>", "reduce_kernel<12,fp32>", "reduce_kernel<12,mixed>"} <= names
     spilled = [a for a in attrs if a["local_bytes"] != 0]
     assert not spilled, f"kernels with local memory (spills or stack): {spilled}"
-
-
-@pytest.mark.parametrize("n_src", [1, 2, 3, 4, 8, "mixed"])  # each LAND instantiation, and jobs of 1/3/8
-@pytest.mark.parametrize("accumulate", [False, True])
-@pytest.mark.parametrize("split", ["tiles", "ranges"])
-def test_land_bitwise(n_src, accumulate, split, monkeypatch):
-    monkeypatch.setenv("TIDE_CTA_SPLIT", split)
-    # TIDE_LAND_DEEP only changes the one-source overwrite LAND (16 or 8 vectors per thread).
-    for deep in ("1", "0") if n_src == 1 and not accumulate else ("1",):
-        monkeypatch.setenv("TIDE_LAND_DEEP", deep)
-        _land_case(n_src, accumulate, split, deep)
-
-
-def _land_case(n_src, accumulate, split, deep):
-    gen = torch.Generator().manual_seed(7 * (9 if n_src == "mixed" else n_src) + accumulate)
-    # The last job spans several tiles (16 or 32 Ki elements at one source), so 1 and 5 CTAs each
-    # walk more than one tile, and a tile may straddle two jobs.
-    lens = [4096, 13, (1 << 16) + 5]
-    alpha = 0.125 if accumulate else 1.0 / 3.0
-    for ctas in (1, 5, 132):
-        jobs, refs, dsts = [], [], []
-        for i, n in enumerate(lens):
-            k = (1, 3, 8)[i] if n_src == "mixed" else n_src
-            srcs = [torch.randn(n, generator=gen).to(DEV) for _ in range(k)]
-            prev = torch.randn(n, generator=gen)
-            dst = prev.to(DEV) if accumulate else _poisoned(n)
-            t = srcs[0].cpu()
-            for s in srcs[1:]:
-                t = t + s.cpu()
-            v = torch.tensor(alpha, dtype=torch.float32) * t
-            refs.append(prev + v if accumulate else v)
-            jobs.append((dst.data_ptr(), [s.data_ptr() for s in srcs], n))
-            dsts.append((dst, srcs))
-        _core.cuda_land(jobs, alpha, accumulate, ctas, _stream())
-        torch.cuda.synchronize()
-        for (dst, _), ref in zip(dsts, refs):
-            _assert_same(dst, ref, f"LAND ({split}, {ctas} CTAs, TIDE_LAND_DEEP={deep})")
 
 
 def test_cast_rne():
@@ -397,13 +294,13 @@ def test_cast_rne():
     for n in (1 << 20, 1001):
         src = (torch.randn(n, generator=gen) * 1e3).to(DEV)
         dst = torch.full((n,), -1, dtype=torch.int16, device=DEV)
-        _core.cuda_cast(dst.data_ptr(), src.data_ptr(), n, 64, _stream())
+        _core.cuda.cast(dst.data_ptr(), src.data_ptr(), n, 64, _stream())
         torch.cuda.synchronize()
         ref = src.to(torch.bfloat16).view(torch.int16)
         assert torch.equal(dst, ref)
     special = torch.tensor([float("nan"), float("inf"), -float("inf"), -0.0, 1e-40, 3.0e38], device=DEV)
     dst = torch.zeros(6, dtype=torch.int16, device=DEV)
-    _core.cuda_cast(dst.data_ptr(), special.data_ptr(), 6, 1, _stream())
+    _core.cuda.cast(dst.data_ptr(), special.data_ptr(), 6, 1, _stream())
     torch.cuda.synchronize()
     got = [int(x) & 0xFFFF for x in dst.cpu()]
     assert got[0] == 0x7FC0 and got[1] == 0x7F80 and got[2] == 0xFF80 and got[3] == 0x8000
@@ -412,7 +309,7 @@ def test_cast_rne():
 def test_zero_regions():
     buf = torch.full((1 << 20,), 0x5A, dtype=torch.uint8, device=DEV)
     regions = [(0, 4096), (4099, 17), (10000, 65536 + 3), (900001, 1)]
-    _core.cuda_zero([(buf.data_ptr() + o, b) for o, b in regions], 8, _stream())
+    _core.cuda.zero([(buf.data_ptr() + o, b) for o, b in regions], 8, _stream())
     torch.cuda.synchronize()
     ref = torch.full((1 << 20,), 0x5A, dtype=torch.uint8)
     for o, b in regions:
@@ -422,8 +319,7 @@ def test_zero_regions():
 
 @pytest.mark.parametrize("mode_2d", ["batch", "per_copy"])
 @pytest.mark.parametrize("capture", ["default_stream", "side_stream", "graph"])
-def test_copies_1d_2d(capture, mode_2d, monkeypatch):
-    monkeypatch.setenv("TIDE_COPY_2D", mode_2d)
+def test_copies_1d_2d(capture, mode_2d):
     src = torch.randint(0, 255, (1 << 20,), dtype=torch.uint8, device=DEV)
     dst = torch.full((1 << 21,), 7, dtype=torch.uint8, device=DEV)
     s, d = src.data_ptr(), dst.data_ptr()
@@ -443,16 +339,16 @@ def test_copies_1d_2d(capture, mode_2d, monkeypatch):
         stream = torch.cuda.Stream()
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g, stream=stream):
-            assert _core.cuda_is_capturing(torch.cuda.current_stream().cuda_stream)
-            _core.cuda_copies(descs, torch.cuda.current_stream().cuda_stream)
+            assert _core.cuda.is_capturing(torch.cuda.current_stream().cuda_stream)
+            _core.cuda.copies(descs, torch.cuda.current_stream().cuda_stream, copy_2d=mode_2d)
         g.replay()
     elif capture == "side_stream":  # eager batch paths (cudaMemcpyBatchAsync, cudaMemcpy3DBatchAsync)
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
-        _core.cuda_copies(descs, side.cuda_stream)
+        _core.cuda.copies(descs, side.cuda_stream, copy_2d=mode_2d)
         side.synchronize()
     else:
-        _core.cuda_copies(descs, _stream())
+        _core.cuda.copies(descs, _stream(), copy_2d=mode_2d)
     torch.cuda.synchronize()
     assert torch.equal(dst.cpu(), ref)
 
@@ -488,12 +384,12 @@ def test_copies_spread_over_lanes(lanes, capture):
     if capture:
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g, stream=side):
-            _core.cuda_copies(descs, side.cuda_stream, lanes)
+            _core.cuda.copies(descs, side.cuda_stream, lanes)
             after.copy_(dst)
         g.replay()
     else:
         with torch.cuda.stream(side):
-            _core.cuda_copies(descs, side.cuda_stream, lanes)
+            _core.cuda.copies(descs, side.cuda_stream, lanes)
             after.copy_(dst)  # same stream, right after: must see every lane's bytes
     torch.cuda.synchronize()
     assert torch.equal(dst.cpu(), ref)
@@ -513,9 +409,9 @@ def test_signal_wait_orders_streams():
     with torch.cuda.stream(prod):
         torch.cuda._sleep(2_000_000)
         data.fill_(3.0)
-        _core.cuda_signal(counter.data_ptr(), epoch, prod.cuda_stream)
+        _core.cuda.signal(counter.data_ptr(), epoch, prod.cuda_stream)
     with torch.cuda.stream(cons):
-        _core.cuda_wait([(counter.data_ptr(), epoch)], cons.cuda_stream)
+        _core.cuda.wait([(counter.data_ptr(), epoch)], cons.cuda_stream)
         out.copy_(data)
     torch.cuda.synchronize()
     assert torch.all(out == 3.0)
@@ -524,7 +420,7 @@ def test_signal_wait_orders_streams():
 
 def test_watchdog_timeout_names_the_wait():
     counter = torch.zeros(1, dtype=torch.int64, device=DEV)
-    wd = _core.CudaWatchdog(0, 0.5)
+    wd = _core.cuda.Watchdog(0, 0.5)
     s = torch.cuda.Stream()
     wd.wait([(counter.data_ptr(), 1)], "rank 3 op 7 (WAIT) seq 2", s.cuda_stream)
     with pytest.raises(TimeoutError, match="rank 3 op 7 .* seq 2"):
@@ -535,11 +431,11 @@ def test_watchdog_timeout_names_the_wait():
 
 def test_watchdog_quiet_when_signalled():
     counter = torch.zeros(1, dtype=torch.int64, device=DEV)
-    wd = _core.CudaWatchdog(0, 5.0)
+    wd = _core.cuda.Watchdog(0, 5.0)
     s, p = torch.cuda.Stream(), torch.cuda.Stream()
     with torch.cuda.stream(p):  # producer first: see [Note: producer first]
         torch.cuda._sleep(2_000_000)
-        _core.cuda_signal(counter.data_ptr(), 2, p.cuda_stream)
+        _core.cuda.signal(counter.data_ptr(), 2, p.cuda_stream)
     wd.wait([(counter.data_ptr(), 2)], "rank 0 op 1 seq 1", s.cuda_stream)
     wd.drain()
     wd.check()
@@ -548,11 +444,11 @@ def test_watchdog_quiet_when_signalled():
 def test_multicast_gate_closed_here():
     import os
     assert os.environ.get("NCCL_NVLS_ENABLE") == "0"
-    assert _core.cuda_multicast_allowed(0) is False
+    assert _core.cuda.multicast_allowed(0) is False
 
 
 def test_capability_probe():
-    caps = _core.cuda_capabilities(0)
+    caps = _core.cuda.capabilities(0)
     assert caps["memops64"], "64-bit stream memory operations are required for signals/waits"
     assert caps["multicast_allowed"] is False  # the gate is closed on the test machines
     assert caps["sm_count"] > 0 and caps["async_engines"] >= 1
@@ -572,18 +468,15 @@ def _launched_grids(fn, name, tmp_path):
 
 
 @pytest.mark.parametrize("full_grid", ["tiles", "wave"])
-def test_full_grid_one_cta_per_tile(full_grid, monkeypatch, tmp_path):
+def test_full_grid_one_cta_per_tile(full_grid, tmp_path):
     """kernels.h [Note: full grid]: a budget of one whole resident wave runs one short-lived CTA
-    per tile (TIDE_FULL_GRID=tiles, default) or exactly the budget (wave); SUM, LAND and REDUCE
-    give the reference's bits either way, every element written."""
-    monkeypatch.setenv("TIDE_FULL_GRID", full_grid)
-    monkeypatch.delenv("TIDE_CTA_SPLIT", raising=False)
-    monkeypatch.delenv("TIDE_LAND_DEEP", raising=False)
-    monkeypatch.setenv("TIDE_SUM_KERNEL", "vec")
-    assert _core.cuda_full_grid_tiles() is (full_grid == "tiles")
+    per tile (ExecutorOptions.full_grid="tiles", default) or exactly the budget ("wave"); SUM and
+    REDUCE (the executors' SUM and LAND) give the reference's bits either way, every element
+    written."""
+    opts = {"full_grid": full_grid}
     gen = torch.Generator().manual_seed(11 if full_grid == "tiles" else 12)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    wave = lambda kernel, k: sms * max(1, _core.cuda_resident_ctas_per_sm(kernel, k))
+    wave = lambda kernel, k: sms * max(1, _core.cuda.resident_ctas_per_sm(kernel, k))
     n = 5_000_003  # more tiles than one wave of every kernel below
     alpha = 1.0 / 3.0
 
@@ -597,21 +490,6 @@ def test_full_grid_one_cta_per_tile(full_grid, monkeypatch, tmp_path):
         else:
             assert grids[0] > budget, (grids, budget)
 
-    # LAND, one source, overwrite (tiles of 16 vectors x 512 threads x 4 elements) and two sources,
-    # accumulate.
-    src = [torch.randn(n, generator=gen) for _ in range(2)]
-    old = torch.randn(n, generator=gen)
-    d_src = [s.to(DEV) for s in src]
-    dst = _poisoned(n)
-    budget = wave("land", 1)
-    check_grid(lambda: _core.cuda_land([(dst.data_ptr(), [d_src[0].data_ptr()], n)], alpha, False, budget, _stream()),
-               "land_kernel", budget, -(-((n + 3) // 4 * 4) // (16 * 512 * 4)))
-    _assert_same(dst, torch.tensor(alpha) * src[0], f"LAND one source, TIDE_FULL_GRID={full_grid}")
-    dst2 = old.to(DEV)
-    _core.cuda_land([(dst2.data_ptr(), [s.data_ptr() for s in d_src], n)], alpha, True, wave("land", 2), _stream())
-    torch.cuda.synchronize()
-    _assert_same(dst2, old + torch.tensor(alpha) * (src[0] + src[1]), f"LAND accumulate, {full_grid}")
-
     # SUM: 7 staged slices + own segments.
     rows, grads, m = _segments([3_000_000, 5, 2_000_000], 13, gen, [0, 3, 5])
     staged = [torch.randn(m, generator=gen).to(torch.bfloat16).to(DEV) for _ in range(7)]
@@ -619,9 +497,9 @@ def test_full_grid_one_cta_per_tile(full_grid, monkeypatch, tmp_path):
     table = _seg_table(rows)
     out = _poisoned(m)
     budget = wave("sum", 7)
-    check_grid(lambda: _core.cuda_sum(out.data_ptr(), m, [s.data_ptr() for s in staged], table.data_ptr(), len(rows),
-                                      [g.data_ptr() for g in grads], budget, _stream()), "sum_kernel", budget)
-    _assert_same(out, ref, f"SUM, TIDE_FULL_GRID={full_grid}")
+    check_grid(lambda: _core.cuda.sum(out.data_ptr(), m, [s.data_ptr() for s in staged], table.ptr, len(rows),
+                                      [g.data_ptr() for g in grads], budget, _stream(), opts), "sum_kernel", budget)
+    _assert_same(out, ref, f"SUM, full_grid={full_grid}")
 
     # REDUCE: LAND of one fp32 term (the executors' LAND) and a SUM of 8 bf16 terms.
     for dtype, terms, land in ((torch.float32, 1, True), (torch.bfloat16, 8, False)):
@@ -632,8 +510,8 @@ def test_full_grid_one_cta_per_tile(full_grid, monkeypatch, tmp_path):
         ref = _reduce_reference(bufs, runs, n, land, False, alpha, None)
         out = _poisoned(n)
         budget = wave("reduce_fp32" if land else "reduce", terms)
-        check_grid(lambda: _core.cuda_reduce(out.data_ptr(), n, table.data_ptr(), 1, terms,
+        check_grid(lambda: _core.cuda.reduce(out.data_ptr(), n, table.ptr, 1, terms,
                                              (1 << terms) - 1 if land else 0, land, False, alpha,
-                                             [b.data_ptr() for b in dev_bufs], budget, _stream()),
+                                             [b.data_ptr() for b in dev_bufs], budget, _stream(), opts),
                    "reduce_kernel", budget)
-        _assert_same(out, ref, f"REDUCE {terms} {dtype} terms, TIDE_FULL_GRID={full_grid}")
+        _assert_same(out, ref, f"REDUCE {terms} {dtype} terms, full_grid={full_grid}")

@@ -36,7 +36,7 @@ def _expected(pieces, n, n_terms, ps, rank):
             slot, base = 256, off
         else:
             assert kind in ARENA_KINDS
-            region_off, _ = _core.cuda_arena_region(ps, kind)
+            region_off, _ = _core.cuda.arena_region(ps, kind)
             slot, base = 257 + srank, region_off + off
         for i in range(elems):
             assert dst + i not in want[t], "overlapping pieces in one term"
@@ -58,14 +58,15 @@ def test_run_tables_address_what_the_cpu_reads(M, L, expert, bank, accumulate):
             if not m:
                 continue
             op = int(m.group(1))
-            n, n_terms, mask, runs, pieces, level1 = _core.cuda_run_table(ps, rank, op)
+            n, n_terms, mask, runs, pieces, level1, segments = _core.testing.run_table(ps, rank, op)
             if m.group(2) == "SUM":
                 assert (level1 is not None) == _level1_shape(n_terms, mask, runs), (rank, op)
                 if level1 is not None:
                     _check_level1(level1, n_terms, runs)
+                    _check_segments(segments, n, n_terms, runs)
                     level1_ops += 1
             else:
-                assert level1 is None
+                assert level1 is None and segments is None
             sizes = {}
             for term, *_rest, size in pieces:
                 sizes.setdefault(term, size)
@@ -120,6 +121,19 @@ def _check_level1(level1, n_terms, runs):
             assert slots[j] == slot and offs[j] == base + 2 * dst_off
 
 
+def _check_segments(segments, n, n_terms, runs):
+    """SUM's segment table tiles [0, n) in order and carries each run's own term (the last
+    column): param = its gradient slot, src_off its element offset; absent -> param < 0."""
+    assert [s[0] for s in segments] == [r[0] for r in runs] and sum(s[1] for s in segments) == n
+    for (dst_off, length, src_off, param), (d0, ln, slots, offs) in zip(segments, runs):
+        assert (dst_off, length) == (d0, ln)
+        own = n_terms - 1
+        if slots[own] < 0:
+            assert param < 0
+        else:
+            assert (param, 2 * src_off) == (slots[own], offs[own])
+
+
 @pytest.mark.parametrize("M,L", [(1, 8), (2, 8), (1, 4)])
 def test_level1_sums_of_the_70b_group_take_the_sum_kernel(M, L):
     """The bench's group: every Level-1 SUM of rank 0 runs kernels.cu's SUM in the executors."""
@@ -129,5 +143,5 @@ def test_level1_sums_of_the_70b_group_take_the_sum_kernel(M, L):
     sums = [int(m.group(1)) for line in ps.describe(0) if (m := re.match(r"(\d+) SUM ", line))]
     assert len(sums) == M
     for op in sums:
-        *_, level1 = _core.cuda_run_table(ps, 0, op)
+        level1 = _core.testing.run_table(ps, 0, op)[5]
         assert level1 is not None and len(level1) == L - 1

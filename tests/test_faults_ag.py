@@ -65,11 +65,13 @@ def test_dropped_completion_fence(setup):
     bad = faulty(progs, "drop_fence", 2)
     ok, errors = bad.check(2)
     assert not ok and any("race" in e and "EVENT_RECORD" in e for e in errors), errors
-    # The virtual cluster checks programs before it runs them: no silent wrong result.
+    # The virtual cluster's sessions check programs before they run them (check=True): the
+    # routine they run rejects the faulty set, passes the clean one, and a checked cluster runs.
     vc2 = tide.VirtualCluster(vc.topo, check=True)
-    vc2._programs(plan, "x", lambda: progs)  # a clean set passes
+    assert vc2._checking()
+    _core.testing.check_session_programs("all_gather", [progs])  # a clean set passes
     with pytest.raises(_core.Error, match="checker rejected"):
-        vc2._programs(plan, "y", lambda: bad)
+        _core.testing.check_session_programs("all_gather", [bad])
 
 
 def test_reordered_calls_on_one_rank(setup):

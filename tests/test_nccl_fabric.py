@@ -3,7 +3,7 @@ peers by LSA pointer, a rail communicator, an agreed capability probe.
 
 CPU (CI): tide._core imports; arguments are refused by name before NCCL or a GPU is touched; no GPU
 is a clear error; the loader names a missing library, a missing symbol and a major.minor mismatch
-with the headers (fake libraries in a subprocess). GPU (tools/gpu/nccl.sh): world 1 -- the arena
+with the headers (fake libraries in a subprocess). GPU (tools/gpu/run.py nccl): world 1 -- the arena
 is zeroed, arena(0) (the LSA pointer) aliases the ncclMemAlloc pointer, the rail communicator has
 size 1, the probe is agreed, and CudaRankExecutor over the fabric at 1 x 1 runs TIDE-AG and TIDE-RS
 bit-equal to the CPU VirtualCluster; world 2 (two processes, one GPU each; needs two GPUs) -- the
@@ -25,7 +25,7 @@ import pytest
 from tide import _core
 from test_cuda_ipc import _calls_raw, _check_bitwise, _layout, _plan, reaped
 
-HEADERS = _core.nccl_header_version()
+HEADERS = _core.cuda.nccl_header_version()
 needs_headers = pytest.mark.skipif(HEADERS == 0, reason="tide._core has no NCCL fabric (built without CUDA or NCCL headers)")
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -37,17 +37,17 @@ def _version_str(code):
 # ---- CPU ------------------------------------------------------------------------------------------
 def test_core_imports_and_names_the_nccl_surface():
     for name in ("NcclFabric", "nccl_unique_id", "nccl_version", "nccl_header_version"):
-        assert hasattr(_core, name), name
+        assert hasattr(_core.cuda, name), name
     if _core.built_with_cuda and HEADERS:
         assert HEADERS >= 22800, HEADERS
-        doc = _core.CudaRankExecutor.__init__.__doc__
-        assert "fabric: tide._core.NcclFabric" in doc and "fabric: tide._core.CudaIpcFabric" in doc, doc
+        doc = _core.cuda.RankExecutor.__init__.__doc__
+        assert "fabric: tide._core.cuda.NcclFabric" in doc and "fabric: tide._core.cuda.IpcFabric" in doc, doc
 
 
 @pytest.mark.skipif(HEADERS != 0, reason="this build has the NCCL fabric")
 def test_without_headers_the_fabric_says_so():
     with pytest.raises(_core.PlanError, match="built without NCCL headers|has no CUDA executor"):
-        _core.NcclFabric(0, 1, 0, 4096, b"\0" * 128)
+        _core.cuda.NcclFabric(0, 1, 0, 4096, b"\0" * 128)
 
 
 @needs_headers
@@ -63,22 +63,22 @@ def test_without_headers_the_fabric_says_so():
 ])
 def test_bad_arguments_are_named_before_anything_is_touched(args, kw, match):
     with pytest.raises(_core.PlanError, match=match):
-        _core.NcclFabric(*args, **kw)
+        _core.cuda.NcclFabric(*args, **kw)
 
 
 @needs_headers
 def test_unique_id_is_128_fresh_bytes():
-    a, b = _core.nccl_unique_id(), _core.nccl_unique_id()
+    a, b = _core.cuda.nccl_unique_id(), _core.cuda.nccl_unique_id()
     assert isinstance(a, bytes) and len(a) == len(b) == 128
     assert a != b
-    assert _core.nccl_version() // 100 == HEADERS // 100
+    assert _core.cuda.nccl_version() // 100 == HEADERS // 100
 
 
 @needs_headers
-@pytest.mark.skipif(_core.cuda_available(), reason="a CUDA device is usable here")
+@pytest.mark.skipif(_core.cuda.available(), reason="a CUDA device is usable here")
 def test_no_gpu_is_a_clear_error():
     with pytest.raises(_core.PlanError, match=r"NcclFabric: device 0 is not a usable CUDA device \(0 visible\)"):
-        _core.NcclFabric(0, 1, 0, 4096, _core.nccl_unique_id())
+        _core.cuda.NcclFabric(0, 1, 0, 4096, _core.cuda.nccl_unique_id())
 
 
 # The loader, in a fresh interpreter (nothing loaded yet, so RTLD_NOLOAD finds nothing), with the
@@ -113,13 +113,13 @@ def _in_fresh_python(code, library):
 def test_major_minor_mismatch_is_refused_naming_the_abi(tmp_path):
     lib = _fake_nccl(tmp_path, 23203)
     out = _in_fresh_python("""
-        print(_core.nccl_version())
+        print(_core.cuda.nccl_version())
         try:
-            _core.nccl_unique_id()
+            _core.cuda.nccl_unique_id()
         except _core.Error as e:
             print("ERR", e)
         try:
-            _core.NcclFabric(0, 1, 0, 4096, b"\\0" * 128)
+            _core.cuda.NcclFabric(0, 1, 0, 4096, b"\\0" * 128)
         except _core.Error as e:
             print("ERR", e)
     """, lib)
@@ -138,7 +138,7 @@ def test_missing_symbol_is_named(tmp_path):
     lib = _fake_nccl(tmp_path, HEADERS, omit=("ncclCommWindowRegister",))
     out = _in_fresh_python("""
         try:
-            _core.nccl_version()
+            _core.cuda.nccl_version()
         except _core.Error as e:
             print("ERR", e)
     """, lib)
@@ -154,7 +154,7 @@ def test_no_library_is_a_clear_error(tmp_path):
             print("ON_PATH")
         except OSError:
             pass
-        for f in (_core.nccl_version, _core.nccl_unique_id, lambda: _core.NcclFabric(0, 1, 0, 4096, b"\\0" * 128)):
+        for f in (_core.cuda.nccl_version, _core.cuda.nccl_unique_id, lambda: _core.cuda.NcclFabric(0, 1, 0, 4096, b"\\0" * 128)):
             try:
                 f()
             except _core.Error as e:
@@ -168,7 +168,7 @@ def test_no_library_is_a_clear_error(tmp_path):
 
 
 @needs_headers
-@pytest.mark.skipif(_core.cuda_available(), reason="sets NCCL_NVLS_ENABLE=1: CPU machines only (GPU safety rule)")
+@pytest.mark.skipif(_core.cuda.available(), reason="sets NCCL_NVLS_ENABLE=1: CPU machines only (GPU safety rule)")
 def test_nvls_on_with_the_multicast_gate_closed_is_refused(tmp_path):
     # A fake libnccl (no real NCCL is loaded) and no GPU: the refusal comes before either is used.
     out = _in_fresh_python("""
@@ -176,7 +176,7 @@ def test_nvls_on_with_the_multicast_gate_closed_is_refused(tmp_path):
         os.environ.pop("TIDE_ENABLE_MULTICAST", None)
         os.environ["NCCL_NVLS_ENABLE"] = "1"
         try:
-            _core.NcclFabric(0, 1, 0, 4096, b"\\0" * 128)
+            _core.cuda.NcclFabric(0, 1, 0, 4096, b"\\0" * 128)
         except _core.PlanError as e:
             print("ERR", e)
     """, _fake_nccl(tmp_path, HEADERS))
@@ -195,7 +195,7 @@ class _Collect:
 
 
 def _fabric1(nbytes):
-    return _core.NcclFabric(0, 1, 0, nbytes, _core.nccl_unique_id(), gpus_per_node=1)
+    return _core.cuda.NcclFabric(0, 1, 0, nbytes, _core.cuda.nccl_unique_id(), gpus_per_node=1)
 
 
 @pytest.mark.gpu
@@ -208,16 +208,16 @@ def test_world1_arena_zeroed_lsa_pointer_aliases_rail_probe():
         assert fab.is_local(0) and fab.device_of(0) == 0 and fab.world == 1 and fab.arena_bytes == nbytes
         assert (fab.lsa_size, fab.lsa_rank) == (1, 0)
         assert (fab.rail_size, fab.rail_rank) == (1, 0)
-        assert _core.cuda_d2h(local, nbytes) == bytes(nbytes), "arena not zeroed (local pointer)"
-        assert _core.cuda_d2h(lsa, nbytes) == bytes(nbytes), "arena not zeroed (LSA pointer)"
+        assert _core.cuda.d2h(local, nbytes) == bytes(nbytes), "arena not zeroed (local pointer)"
+        assert _core.cuda.d2h(lsa, nbytes) == bytes(nbytes), "arena not zeroed (LSA pointer)"
         rng = np.random.default_rng(int.from_bytes(os.urandom(4), "little"))
         a = rng.integers(0, 256, nbytes, dtype=np.uint8).tobytes()
-        _core.cuda_h2d(local, a)
-        assert _core.cuda_d2h(lsa, nbytes) == a, "a write through ncclMemAlloc's pointer is not seen via the LSA one"
+        _core.cuda.h2d(local, a)
+        assert _core.cuda.d2h(lsa, nbytes) == a, "a write through ncclMemAlloc's pointer is not seen via the LSA one"
         b = rng.integers(0, 256, nbytes, dtype=np.uint8).tobytes()
-        _core.cuda_h2d(lsa + 17, b[17:])
-        assert _core.cuda_d2h(local, nbytes) == a[:17] + b[17:], "a write through the LSA pointer is not seen locally"
-        v = _core.nccl_version()
+        _core.cuda.h2d(lsa + 17, b[17:])
+        assert _core.cuda.d2h(local, nbytes) == a[:17] + b[17:], "a write through the LSA pointer is not seen locally"
+        v = _core.cuda.nccl_version()
         assert fab.probe == {"nccl_version": v, "header_version": HEADERS, "multicast_allowed": 0,
                              "arena_bytes": nbytes, "gpus_per_node": 1, "lsa_team_size": 1}, fab.probe
         assert fab.rail_put_path == ("put_signal" if v >= 22900 else "send_recv")
@@ -235,7 +235,7 @@ def test_world1_rank_executor_ag_rs_match_the_virtual_cluster():
     cfg = dict(M=1, L=1, cast=False, seed=seed, regions=regions, nbytes=nbytes)
     fab = _fabric1(nbytes)
     try:
-        ex = _core.CudaRankExecutor(fab, 0, 1, 1, regions=regions, timeout_s=10.0)
+        ex = _core.cuda.RankExecutor(fab, 0, 1, 1, regions=regions, timeout_s=10.0)
         conn = _Collect()
         _calls_raw(0, cfg, fab, ex, plan, conn)
         conn.send(("stats", (ex.cached_program_sets, ex.runs_started)))
@@ -251,19 +251,19 @@ def _gpu_count():
         import torch
         return torch.cuda.device_count()
     except ImportError:
-        return _core.cuda_device_count()
+        return _core.cuda.device_count()
 
 
-two_gpus = pytest.mark.skipif(_core.cuda_available() and _gpu_count() < 2, reason="needs two GPUs")
+two_gpus = pytest.mark.skipif(_core.cuda.available() and _gpu_count() < 2, reason="needs two GPUs")
 
 
 def _rank_main(rank, cfg, conn):
     try:
         if rank == 0:
-            conn.send(("uid", _core.nccl_unique_id()))
+            conn.send(("uid", _core.cuda.nccl_unique_id()))
         uid = conn.recv()
         try:
-            fab = _core.NcclFabric(rank, 2, rank, cfg["nbytes"], uid, gpus_per_node=cfg["gpus_per_node"][rank])
+            fab = _core.cuda.NcclFabric(rank, 2, rank, cfg["nbytes"], uid, gpus_per_node=cfg["gpus_per_node"][rank])
         except _core.PlanError as e:
             conn.send(("raised", str(e)))
             conn.send(("done", None))
@@ -273,7 +273,7 @@ def _rank_main(rank, cfg, conn):
         assert (fab.rail_size, fab.rail_rank) == (1, 0)
         assert fab.probe["lsa_team_size"] == 2 and fab.probe["gpus_per_node"] == 2, fab.probe
         _, plan = _plan(1, 2, False)
-        ex = _core.CudaRankExecutor(fab, rank, 1, 2, regions=cfg["regions"], timeout_s=10.0)
+        ex = _core.cuda.RankExecutor(fab, rank, 1, 2, regions=cfg["regions"], timeout_s=10.0)
         _calls_raw(rank, cfg, fab, ex, plan, conn)
         conn.send(("stats", (ex.cached_program_sets, ex.runs_started)))
         del ex

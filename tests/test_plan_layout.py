@@ -88,3 +88,29 @@ def test_landing_example_by_hand():
     assert [g.landing(1, r) for r in range(4)] == [48, 50, 52, 54]
     assert [g.valid_rows(0, r) for r in range(4)] == [2, 2, 1, 0]
     assert g.NS == 56 and g.B_pack == 4 * 4 * (6 + 1)
+
+
+@settings(max_examples=60, deadline=None)
+@given(shapes_st, topo_st, st.sampled_from(["bfloat16", "float32"]))
+def test_layout_is_the_plans(shapes, topo, ag):
+    """tide.layout(shapes, N), what the faces ask for R_p / e_p / o32_p, is the planner's layout
+    of the same group on any topology of N ranks."""
+    M, L = topo
+    want = _plan(shapes, M, L, ag).layout
+    got = tide.layout(shapes, M * L, ag_dtype=ag)
+    assert (got.P, got.N, got.S, got.E, got.S_fp32, got.B_pack) == (want.P, want.N, want.S, want.E, want.S_fp32,
+                                                                     want.B_pack)
+    for a, b in zip(got.params, want.params):
+        assert (a.D, a.K, a.R, a.e, a.s, a.o, a.o32) == (b.D, b.K, b.R, b.e, b.s, b.o, b.o32)
+
+
+def test_layout_errors_name_the_field():
+    import pytest
+    with pytest.raises(tide.PlanError, match=r"world: must be >= 1"):
+        tide.layout([(4, 2)], 0)
+    with pytest.raises(tide.PlanError, match=r"parameter 1: shape\[0\] = 0 must be > 0"):
+        tide.layout([(4, 2), (0, 3)], 4)
+    with pytest.raises(tide.PlanError, match=r"GroupSignature.shapes\[0\]"):
+        tide.layout(["ab"], 4)
+    with pytest.raises(tide.PlanError, match=r"the group is empty"):
+        tide.layout([], 4)

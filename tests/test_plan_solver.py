@@ -101,3 +101,14 @@ def test_recoverable_overhead_fraction():
         tide.recoverable_overhead_fraction(1.0, 0.0, 1.0)
     with pytest.raises(tide.PlanError, match="calibration: unknown field 'bw_x'"):
         _plan(GROUP_32MIB, 8, 8, calibration={"bw_x": 1.0})
+
+
+def test_land_ctas_one_node_is_the_fabric_ceiling():
+    """M = 1 has no network phase: Eq. 14's need grows without bound as t_NIC -> 0, so C_mc is
+    the fabric ceiling floor(BW_cap / BW_land) (4 with the default calibration), not 1."""
+    import math
+    cal = tide._core.calibration_defaults()
+    cap = math.floor(cal["bw_cap"] / cal["bw_land"])
+    for L in (1, 4, 8):
+        assert _plan(GROUP_32MIB, 1, L).solver["land_ctas"] == cap
+    assert _plan(GROUP_32MIB, 1, 8, calibration={"bw_cap": 210e9}).solver["land_ctas"] == 10

@@ -135,7 +135,8 @@ def test_skipped_zeroing_corrupts_the_executor_result_too():
     vc = tide.VirtualCluster(tide.Topology(2, 8), check=False)
     good = vc.reduce_scatter(plan, grads)
     # second call with zeroing dropped on every rank, arena holding the first call's partials
-    st = vc._rs_groups[(plan.hash, False)]
+    arena = vc.rs_arena(plan)
+    seq = vc.session(plan, "reduce_scatter")[0].calls("reduce_scatter") + 1
     bad_sets = {b: _core.build_rs_programs(plan, bank=b) for b in (0, 1)}
     for ps in bad_sets.values():
         for r in range(N):
@@ -146,9 +147,8 @@ def test_skipped_zeroing_corrupts_the_executor_result_too():
               for p in range(3)] + [(_core.buf_kinds["out"], -1, outs[r].view(np.uint8))] for r in range(N)]
     # poison the inbox like a reused arena would hold it
     for r in range(N):
-        st.arena.fill(r, _core.buf_kinds["inbox"], 0x3F)
-    st.seq += 1
-    st.arena.run([[(bad_sets[rs_bank(st.seq)], st.seq)] for _ in range(N)], binds)
+        arena.fill(r, _core.buf_kinds["inbox"], 0x3F)
+    arena.run([[(bad_sets[rs_bank(seq)], seq)] for _ in range(N)], binds)
     assert any(not np.array_equal(a, b) for a, b in zip(good, outs))
 
 

@@ -226,7 +226,7 @@ def test_supported_torch_and_imports():
 
 
 class _RecordedNcclFabric:
-    """Stands in for tide._core.NcclFabric in _nccl_flow: records its arguments and close()."""
+    """Stands in for tide._core.cuda.NcclFabric in _nccl_flow: records its arguments and close()."""
 
     def __init__(self, calls, rank, world, device, nbytes, unique_id, gpus_per_node):
         calls.append((rank, world, nbytes, unique_id, gpus_per_node))
@@ -249,8 +249,8 @@ def _nccl_flow(rank, world):
     topo = tide.Topology(nodes=1, gpus_per_node=2)
     model = build(mesh=mesh_1d())
     en._check_nccl_fabric = lambda device, transport: None
-    tide._core.nccl_unique_id = lambda: bytes([rank + 1]) * 128  # only rank 0's may be used
-    tide._core.nccl_version = lambda: 22809
+    tide._core.cuda.nccl_unique_id = lambda: bytes([rank + 1]) * 128  # only rank 0's may be used
+    tide._core.cuda.nccl_version = lambda: 22809
     real_nbytes = en.arena_nbytes
     sizes = []
     en.arena_nbytes = lambda s: sizes.append(real_nbytes(s)) or sizes[-1] + 4096 * rank

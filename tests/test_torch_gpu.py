@@ -1,4 +1,4 @@
-"""tide_torch on CUDA: TIDE's programs through tide._core.CudaRankExecutor over the CUDA-IPC
+"""tide_torch on CUDA: TIDE's programs through tide._core.cuda.RankExecutor over the CUDA-IPC
 fabric of the ranks' arenas, 5 AdamW steps of the tiny Llama with MixedPrecisionPolicy(bf16, fp32),
 both modes.
 
@@ -15,7 +15,7 @@ both modes.
     SGD within fp32 tolerance of the same training on CPU (gloo, CPU) — GPU and CPU matmuls
     differ in summation order, so CPU vs GPU is never bitwise.
 (c) with two GPUs: world 2 over NCCL, TIDE vs stock FSDP2 bitwise on exact data, both modes.
-(d) enable(fabric="nccl"): the arena is a tide._core.NcclFabric's (views at its arena_ptr, the
+(d) enable(fabric="nccl"): the arena is a tide._core.cuda.NcclFabric's (views at its arena_ptr, the
     pointer the executor resolves); (a)'s claims at world 1 on cuda:0, and (c)'s on two GPUs;
     disable() closes the fabric on every rank.
 
@@ -46,7 +46,7 @@ def _cuda_tide() -> bool:
 
 
 needs_cuda_tide = pytest.mark.skipif(
-    not _cuda_tide(), reason="no CUDA path here: tide._core lacks CudaRankExecutor / CudaIpcFabric, or no GPU is usable")
+    not _cuda_tide(), reason="no CUDA path here: tide._core.cuda lacks RankExecutor / IpcFabric, or no GPU is usable")
 
 
 def _nccl_fabric_missing() -> str | None:
@@ -116,7 +116,7 @@ def _pg_collectives(names: set[str]) -> list[str]:
 def _check_nccl_arena(handle):
     """The arena sits on the NCCL fabric, and views use the pointer the executor resolves."""
     arena = handle._rt.arena
-    assert isinstance(arena.fabric, tide._core.NcclFabric), type(arena.fabric)
+    assert isinstance(arena.fabric, tide._core.cuda.NcclFabric), type(arena.fabric)
     assert arena.fabric_kind == "nccl" and not arena.fabric.closed
     assert arena.base_ptr == arena.fabric.arena_ptr != 0, (arena.base_ptr, arena.fabric.arena_ptr)
     assert arena.fabric.local_arena_ptr != 0 and arena.fabric.arena_bytes >= arena.nbytes
@@ -330,21 +330,36 @@ def test_world2_two_gpus_nccl_fabric():
 # ---- the CUDA transport's calls into tide._core, checked on CPU -------------------------------
 
 class _RecordingExecutor:
-    """Records what CudaExecutorTransport passes to tide._core.CudaRankExecutor (the bytes are
-    moved by the real executor in the GPU tests above)."""
+    """Stands in for tide._core.cuda.RankExecutor: records its construction."""
 
-    def __init__(self, fabric, rank, nodes, gpus_per_node, *, regions, **knobs):
+    def __init__(self, fabric, rank, nodes, gpus_per_node, *, regions, options):
         self.args = (fabric, rank, nodes, gpus_per_node)
-        self.regions, self.knobs, self.runs = regions, knobs, []
-
-    def run(self, progs, seq, buffers, *, stream, ranks):
-        self.runs.append((progs, seq, buffers, stream, ranks))
+        self.regions, self.options, self.syncs = regions, options, 0
 
     def synchronize(self):
-        self.runs.append("sync")
+        self.syncs += 1
+
+
+class _RecordingSession:
+    """Stands in for tide._core.GroupSession: records its placement and every call (the bytes are
+    moved by the real sessions in the GPU tests above; the per-call state is the core's)."""
+
+    made: list = []
+
+    def __init__(self, plan, executor, kinds, **placement):
+        self.plan, self.executor, self.kinds, self.placement, self.calls = plan, executor, kinds, placement, []
+        _RecordingSession.made.append(self)
+
+    def all_gather(self, buffers, streams):
+        self.calls.append(("ag", buffers, streams))
+
+    def reduce_scatter(self, alpha, accumulate, buffers, streams):
+        self.calls.append(("rs", alpha, accumulate, buffers, streams))
 
 
 def test_cuda_transport_calls(monkeypatch):
+    """What CudaExecutorTransport hands the core: one session per (group, collective, plan) with
+    the group's placement and counter ranges, this rank's buffers and torch's current stream."""
     from types import SimpleNamespace
 
     from tide_torch import comm, placement
@@ -364,18 +379,19 @@ def test_cuda_transport_calls(monkeypatch):
     shm_name = arena.shm_name
     try:
         placement.bind([tg], arena)
+        assert tg.counter_bases == {"ag": 0, "rs": tide._core.program_counters(tg.plan, "all_gather")}
         arena.shm_name, arena.fabric = None, "the fabric"  # as on CUDA
-        monkeypatch.setattr(tide._core, "CudaRankExecutor", _RecordingExecutor, raising=False)
-        monkeypatch.setattr(tide._core, "CudaIpcFabric", object, raising=False)
-        monkeypatch.setattr(tide._core, "cuda_available", lambda: True)
+        monkeypatch.setattr(tide._core.cuda, "RankExecutor", _RecordingExecutor)
+        monkeypatch.setattr(tide._core, "GroupSession", _RecordingSession)
         monkeypatch.setattr(torch.cuda, "current_stream", lambda: SimpleNamespace(cuda_stream=77))
-        assert comm.cuda_executor_available()
-        t = comm.make_transport("auto", arena, [None, None], 1, topo, group_of=None,
-                                options={"sum_ctas": 8, "w_wave": 2})
+        _RecordingSession.made.clear()
+        opts = tide.ExecutorOptions(timeout_s=7.0)
+        t = comm.make_transport(arena, [None, None], 1, topo, group_of=None, options=opts)
         assert isinstance(t, comm.CudaExecutorTransport) and t.name == "tide-cuda-executor"
         ex = t._exec
-        assert ex.args == ("the fabric", 1, 1, 2) and ex.knobs == {"sum_ctas": 8}
-        assert ex.regions == {r.name: (r.offset, r.nbytes) for r in arena.regions.values()}
+        regions = {r.name: (r.offset, r.nbytes) for r in arena.regions.values()}
+        assert ex.args == ("the fabric", 1, 1, 2) and ex.regions == regions
+        assert ex.options == opts.as_dict()
 
         layout = tg.plan.layout
         shards = [torch.zeros(pl.e) for pl in layout.params]
@@ -386,24 +402,31 @@ def test_cuda_transport_calls(monkeypatch):
         t.reduce_scatter(tg, tg.plan, grads, out, 0.5)
         t.reduce_scatter(tg, tg.plan, grads, out, 0.5)
         t.synchronize()
-        (ag1, ag2, rs1, rs2, sync) = ex.runs
-        assert sync == "sync"
+        assert ex.syncs == 1
+        ag, rs = _RecordingSession.made  # one session per collective, made at its first call
+        assert ag.kinds == ["all_gather"] and rs.kinds == ["reduce_scatter"]
+        assert ag.executor is ex and rs.executor is ex
+        assert ag.placement == dict(group=1, counter_bases={"all_gather": 0}, members=None, ring_slot=0,
+                                    resident=False, landing_region=tg.slot,
+                                    landing_offset=tg.unsharded_offset - regions[tg.slot][0],
+                                    resident_offset=0)
+        assert rs.placement == dict(group=1, counter_bases={"reduce_scatter": tg.counter_bases["rs"]},
+                                    members=None)
         shard = dict(tide._core.buf_kinds)["shard"]
-        assert ag1[1:] == (1, [(shard, p, s.data_ptr(), 4 * s.numel())
-                               for p, s in enumerate(shards)], 77, None)
-        assert ag2[0] is ag1[0] and ag2[1] == 2  # programs built once, seq per group and kind
+        want = [[(shard, p, s.data_ptr(), 4 * s.numel()) for p, s in enumerate(shards)]]
+        assert ag.calls == [("ag", want, [77])] * 2
         kinds = dict(tide._core.buf_kinds)
-        assert rs1[1] == 1 and rs2[1] == 2 and rs1[0] is not rs2[0]  # banks 1, 0
-        assert rs1[2][-1] == (kinds["out"], -1, out.data_ptr(), 4 * layout.E)
-        assert [b[:2] for b in rs1[2][:-1]] == [(kinds["grad"], p) for p in range(3)]
-        assert rs1[3] == 77 and rs1[4] is None
+        (_, alpha, acc, buffers, streams), second = rs.calls
+        assert (alpha, acc, streams) == (0.5, False, [77]) and second[1:] == (0.5, False, buffers, [77])
+        assert buffers[0][-1] == (kinds["out"], -1, out.data_ptr(), 4 * layout.E)
+        assert [b[:2] for b in buffers[0][:-1]] == [(kinds["grad"], p) for p in range(3)]
     finally:
         arena.shm_name, arena.fabric = shm_name, None
         arena.close()
 
 
 class _StandInNccl:
-    """What Arena asks of a tide._core.NcclFabric once built (test_nccl_arena_calls)."""
+    """What Arena asks of a tide._core.cuda.NcclFabric once built (test_nccl_arena_calls)."""
 
     def __init__(self):
         self.closed, self.closes = False, 0

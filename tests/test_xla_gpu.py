@@ -3,7 +3,7 @@ jax.lax.all_gather / psum_scatter of upcast gradients and the CPU path bit for b
 (small-integer) data; the one-GPU virtual cluster equals the CPU virtual target, the CPU mesh
 path and tide.VirtualCluster.
 
-Run on the GPU machine (tools/gpu/xlacuda.sh): python3 -m pytest -q tests/test_xla_gpu.py
+Run on the GPU machine (tools/gpu/run.py xlacuda): python3 -m pytest -q tests/test_xla_gpu.py
 """
 import functools
 import os

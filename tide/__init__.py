@@ -7,8 +7,9 @@ from tide import _core
 from tide._core import PlanError, TimeoutError  # noqa: A004  (tide.TimeoutError is ours)
 from tide._core import n_rounds, recoverable_overhead_fraction
 from tide.cluster import VirtualCluster
-from tide.plan import GroupSignature, Topology, plan
+from tide.options import ExecutorOptions
+from tide.plan import GroupSignature, Topology, layout, plan
 
-__all__ = ["GroupSignature", "PlanError", "TimeoutError", "Topology", "VirtualCluster", "n_rounds",
-           "plan", "recoverable_overhead_fraction"]
+__all__ = ["ExecutorOptions", "GroupSignature", "PlanError", "TimeoutError", "Topology",
+           "VirtualCluster", "layout", "n_rounds", "plan", "recoverable_overhead_fraction"]
 __version__ = "0.1.0"

@@ -1,12 +1,11 @@
-"""`tide` command line: `tide plan`, `tide demo`, `tide bench ag|rs|interference|train|layout`."""
+"""`tide` command line: `tide plan`, `tide demo`, `tide bench ag|rs|interference|train|layout|hostcall`."""
 from __future__ import annotations
 
 import argparse
 import json
 import sys
-from typing import Any
 
-GIB = float(1 << 30)
+from tide.report import format_plan, plan_dict
 
 
 def _add_plan_args(ap: argparse.ArgumentParser) -> None:
@@ -53,96 +52,6 @@ def _signature(args: argparse.Namespace):
     if group == "largest":
         title += f" ({models.largest_group_name(args.model)})"
     return title, models.signature(args.model, group, **dt)
-
-
-def plan_dict(p) -> dict[str, Any]:
-    """Everything the planner computed, as JSON-ready data."""
-    g = p.layout
-    params = []
-    for i, (name, shape, pl) in enumerate(zip(p.names, p.shapes, g.params)):
-        params.append(dict(index=i, name=name, shape=list(shape), D=pl.D, K=pl.K, R=pl.R, s=pl.s,
-                           o=pl.o, valid_rows_last_rank=g.valid_rows(i, g.N - 1)))
-    return dict(
-        hash=f"{p.hash:#018x}",
-        topology=dict(nodes=p.nodes, gpus_per_node=p.gpus_per_node, world=p.world),
-        dtypes=dict(ag=p.ag_dtype, grad=p.grad_dtype, shard=p.shard_dtype),
-        options=p.options,
-        layout=dict(P=g.P, N=g.N, S=g.S, S_grad=g.S_grad, S_fp32=g.S_fp32, E=g.E, NS=g.NS,
-                    B_pack=g.B_pack, params=params),
-        ag=p.ag, rs=p.rs, solver=p.solver, memory=p.memory())
-
-
-def _fmt_bytes(b: int) -> str:
-    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if b >= scale:
-            return f"{b / scale:.2f} {unit}"
-    return f"{b} B"
-
-
-def format_plan(p, title: str, max_params: int = 12) -> str:
-    g, ag, rs, sv, mem = p.layout, p.ag, p.rs, p.solver, p.memory()
-    cast = "cast" if p.shard_dtype != p.ag_dtype else "no cast"
-    out = [f"TIDE plan: {title}",
-           f"  topology  M={p.nodes} nodes x L={p.gpus_per_node} GPUs (N={p.world}), "
-           f"mode {p.mode}, hash {p.hash:#018x}",
-           f"  dtypes    ag {p.ag_dtype}, grad {p.grad_dtype}, shard {p.shard_dtype} ({cast})",
-           "", f"Layout (P={g.P})",
-           f"  S = {g.S} B ({_fmt_bytes(g.S)}) per-rank packed shard;  NS = {_fmt_bytes(g.NS)};  "
-           f"S_fp32 = {_fmt_bytes(g.S_fp32)};  B_pack (FSDP2 fp32 RS input) = "
-           f"{_fmt_bytes(g.B_pack)}",
-           f"  {'p':>3} {'name':<32} {'shape':<20} {'R_p':>8} {'s_p':>12} {'o_p':>12} "
-           f"{'valid@last':>10}"]
-    for i, (name, shape, pl) in enumerate(zip(p.names, p.shapes, g.params)):
-        if i == max_params:
-            out.append(f"  ... {g.P - max_params} more parameters")
-            break
-        out.append(f"  {i:>3} {name[:32]:<32} {str(tuple(shape)):<20} {pl.R:>8} {pl.s:>12} "
-                   f"{pl.o:>12} {g.valid_rows(i, g.N - 1):>10}")
-    out += ["", "TIDE-AG",
-            f"  {ag['rounds']} Bruck rounds, c_d = {ag['c']} (sum {sum(ag['c'])} = M-1), "
-            f"receive stage {ag['stage_slots']} slots = {_fmt_bytes(ag['stage_bytes'])}",
-            f"  scatter descriptors per rank: {ag['descriptors_per_rank']} coalesced, "
-            f"{ag['flat_descriptors_per_rank']} flat",
-            "", "TIDE-RS",
-            f"  W_wave {rs['w_wave']}, {rs['waves']} waves, n_par {rs['n_par']} generations, "
-            f"n_out {rs['n_out']} blocks/bank, n_part {rs['n_part']}, k {rs['k']}",
-            f"  E_sub {rs['E_sub']} elements, block {_fmt_bytes(rs['block_bytes'])}; Level-1 "
-            f"descriptors per rank: {rs['l1_descriptors_per_rank']} coalesced, "
-            f"{rs['l1_flat_descriptors_per_rank']} flat",
-            "", "Sizing solver (Eqs. 13-14, App. G)"]
-    given = lambda key: "given" if sv[f"{key}_given"] else "solver"  # noqa: E731
-    out.append(f"  k = {sv['k']} ({given('k')}), C_sum = {sv['sum_ctas']} ({given('sum_ctas')}), "
-               f"C_mc = {sv['land_ctas']} ({given('land_ctas')}), N_rounds = {sv['rounds']}, "
-               f"t_NIC = {sv['t_nic_s'] * 1e3:.2f} ms")
-    out += ["", "Memory per rank during a layer's backward (Section 5.4)",
-            f"  {'term':<44} {'bytes':>14} {'GiB':>9} {'NS':>8}"]
-
-    def row(label: str, nbytes: int | None, ns: float) -> None:
-        b = "" if nbytes is None else f"{nbytes:>14}"
-        gib = "" if nbytes is None else f"{nbytes / GIB:>9.3f}"
-        out.append(f"  {label:<44} {b:>14} {gib:>9} {ns:>8.3f}")
-
-    row("AG ring slots (2 x NS)", mem["ring_bytes"], mem["ring_ns"])
-    row("AG receive stage", mem["stage_bytes"], mem["stage_ns"])
-    row("RS staging Area_RS (Eq. 10, as laid out)", mem["area_rs_bytes"], mem["area_rs_ns"])
-    for k in ("staging", "inbox", "outbox", "spare"):
-        row(f"  {k}", mem[f"{k}_bytes"], mem[f"{k}_ns"])
-    row("previous layer's gradients (In-Place)", mem["prev_grad_bytes"], mem["prev_grad_ns"])
-    row(f"TIDE total ({p.mode})", mem["live_tide_bytes"], mem["live_tide_ns"])
-    row("FSDP2 total", mem["live_fsdp2_bytes"], mem["live_fsdp2_ns"])
-    in_place = p.mode == "in_place"
-    bound = mem["area_inplace_bound_ns"] if in_place else mem["area_slot_bound_ns"]
-    out += ["  closed-form bounds:",
-            f"    RS staging: In-Place staging (Eq. 11) {mem['area_inplace_bound_ns']:.3f} NS, "
-            f"Slot-Reuse staging (Eq. 12, k={rs['k']}) {mem['area_slot_bound_ns']:.3f} NS",
-            f"    TIDE total bound ({p.mode}) = (2 + 1/L) + {bound:.3f}"
-            + (f" + {mem['prev_grad_ns']:.3f} (grads)" if in_place else "")
-            + f" = {mem['live_tide_bound_ns']:.3f} NS vs FSDP2 {mem['live_fsdp2_ns']:.3f} NS",
-            "", f"Arena ({_fmt_bytes(mem['arena_bytes'])}, 4 KiB-aligned regions)",
-            f"  {'region':<10} {'offset':>14} {'bytes':>14}"]
-    for r in mem["arena"]:
-        out.append(f"  {r['name']:<10} {r['offset']:>14} {r['bytes']:>14}")
-    return "\n".join(out)
 
 
 def _ranges(values: list[int]) -> str:

@@ -28,12 +28,9 @@ _INT_OPTIONS = {
 }
 
 
-def rs_bank(seq: int) -> int:
-    """The outbox/spare bank of TIDE-RS call `seq` (1, 2, ...): b = e mod 2 with e = seq - 1, as
-    Algorithm 1 numbers calls (rs_program.h). Every caller of the RS builders uses this."""
-    if seq < 1:
-        raise _core.PlanError(f"TIDE-RS call sequence numbers start at 1 (got seq={seq})")
-    return (seq - 1) % 2
+# The outbox/spare bank of TIDE-RS call `seq` (1, 2, ...): b = (seq - 1) mod 2, as Algorithm 1
+# numbers calls. The core's rule (tide/session.h), the one every session applies.
+rs_bank = _core.rs_bank
 
 
 def _as_int(value: Any, where: str, bits: int = 64) -> int:
@@ -120,3 +117,12 @@ def plan(sig: GroupSignature, topo: Topology, mode: str = "in_place",
         shapes, [str(n) for n in sig.names], sig.ag_dtype, sig.grad_dtype,
         sig.shard_dtype or sig.ag_dtype, nodes, gpus, mode, calibration=dict(calibration or {}),
         **opts)
+
+
+def layout(shapes: Sequence[Sequence[int]], world: int, ag_dtype: str = "bfloat16",
+           grad_dtype: str = "bfloat16"):
+    """The planner's layout of a group sharded over `world` ranks (paper Section 2.1, Eqs. 2-3):
+    per parameter D, K, R = ceil(D / N), e = R K, the packed byte offset o and the fp32 element
+    offset o32; E, S, S_fp32 for the group. Faces ask this instead of re-deriving it."""
+    sig = GroupSignature(shapes=shapes)
+    return _core.make_layout(_check_shapes(sig), _as_int(world, "world", 32), ag_dtype, grad_dtype)

@@ -16,12 +16,12 @@ every peer has mapped it (the mapping lives on), so nothing outlives the process
 also runs at exit and from multiprocessing's exit hooks (forked ranks skip atexit).
 
 On CUDA, when this build of tide._core has the CUDA-IPC fabric, the arena is the fabric's
-zeroed ``cudaMalloc`` (``tide._core.CudaIpcFabric``): ``enable()`` exchanges every rank's IPC
+zeroed ``cudaMalloc`` (``tide._core.cuda.IpcFabric``): ``enable()`` exchanges every rank's IPC
 handle and opens the peers' arenas, so TIDE's CUDA executor pushes into them (peers on other
 GPUs of the node, or other processes on the same GPU). With ``enable(fabric="nccl")`` it is the
-``tide._core.NcclFabric``'s arena instead (``ncclMemAlloc`` in an NCCL symmetric window, peers
+``tide._core.cuda.NcclFabric``'s arena instead (``ncclMemAlloc`` in an NCCL symmetric window, peers
 mapped by the fabric itself: no handle exchange). Without a fabric it is a plain device
-allocation (the interim transport's). See [Note: fabric lifetime].
+allocation (tests). See [Note: fabric lifetime].
 
 [Note: zero-offset views]
 FSDP2 builds unsharded parameters with ``torch.as_strided(..., storage_offset=0)``, and
@@ -82,8 +82,8 @@ class Arena:
                  world: int = 1, fabric: bool = False, nccl: Any = None,
                  nbytes: int | None = None) -> None:
         """``rank``/``world``: this rank in the default process group (the CUDA-IPC fabric's
-        world). ``fabric``: on CUDA, allocate through ``tide._core.CudaIpcFabric`` (else a
-        plain device allocation). ``nccl``: instead, a ``tide._core.NcclFabric`` the caller has
+        world). ``fabric``: on CUDA, allocate through ``tide._core.cuda.IpcFabric`` (else a
+        plain device allocation). ``nccl``: instead, a ``tide._core.cuda.NcclFabric`` the caller has
         built (collectively: ``make_nccl_fabric``) whose arena this one is. ``nbytes``: total
         size, at least the regions' (``arena_nbytes(sizes)``; the NCCL fabric's size)."""
         self.device = device
@@ -203,29 +203,29 @@ def arena_nbytes(sizes: dict[str, int]) -> int:
 
 def make_nccl_fabric(rank: int, world: int, device: torch.device, nbytes: int,
                      unique_id: bytes, gpus_per_node: int) -> Any:
-    """``tide._core.NcclFabric`` of ``nbytes`` on ``device``. Collective over the ``world``
+    """``tide._core.cuda.NcclFabric`` of ``nbytes`` on ``device``. Collective over the ``world``
     ranks of ``unique_id``: every rank calls it with the same ``nbytes`` and ``gpus_per_node``
     (the fabric's probe makes every rank raise otherwise)."""
     index = device.index if device.index is not None else torch.cuda.current_device()
-    return tide._core.NcclFabric(rank, world, index, int(nbytes), unique_id,
-                                 gpus_per_node=gpus_per_node)
+    return tide._core.cuda.NcclFabric(rank, world, index, int(nbytes), unique_id,
+                                      gpus_per_node=gpus_per_node)
 
 
 def nccl_fabric_api_error() -> str | None:
     """Why this build cannot give tide_torch the NCCL fabric (None: it can)."""
     core = tide._core
-    if not getattr(core, "built_with_cuda", False) or not hasattr(core, "CudaRankExecutor"):
-        return "tide._core was built without CUDA (no CudaRankExecutor)"
-    if not core.nccl_header_version():
+    if not core.cuda.built:
+        return "tide._core was built without CUDA (no tide._core.cuda.RankExecutor)"
+    if not core.cuda.nccl_header_version():
         return "tide._core was built without NCCL headers (no NcclFabric)"
-    if not core.cuda_available():
+    if not core.cuda.available():
         return "no usable CUDA device"
     return None
 
 
 def fabric_api():
-    """tide._core.CudaIpcFabric when this build has the CUDA-IPC fabric, else None."""
-    return getattr(tide._core, "CudaIpcFabric", None)
+    """tide._core.cuda.IpcFabric when this build has the CUDA-IPC fabric, else None."""
+    return tide._core.cuda.IpcFabric if tide._core.cuda.built else None
 
 
 class _FabricBytes:

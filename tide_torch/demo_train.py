@@ -6,7 +6,7 @@ CPU: 4 gloo ranks as processes, emulating 2 nodes x 2 GPUs (TIDE's programs run 
 per-rank process-mode executor). CUDA: one process per GPU over NCCL (world = number of GPUs),
 or world 1 on one GPU. Rank 0 writes what it measured as JSON for the parent to print.
 
-Imported only by ``tide.demo`` when it trains, so ``tide plan`` never imports torch.
+Imported only by ``tide.demo`` when it trains (the torch face holds it), so ``tide`` never imports torch.
 """
 from __future__ import annotations
 
@@ -268,7 +268,7 @@ def gpu_unavailable_reason() -> str | None:
     from tide import _core
     if not torch.cuda.is_available():
         return "torch sees no CUDA device"
-    if not _core.cuda_available():
+    if not _core.cuda.available():
         return "tide._core has no usable CUDA executor (built without CUDA, or no driver)"
     if not dist.is_nccl_available():
         return "this torch has no NCCL backend"
@@ -292,7 +292,7 @@ def run(device: str = "cpu", cfg: Config | None = None,
                          f"got {cfg.steps}")
     import multiprocessing
     multiprocessing.set_forkserver_preload(["torch", "torch.distributed.fsdp", "tide",
-                                            "tide_torch", "tide.demo_train"])
+                                            "tide_torch", "tide_torch.demo_train"])
     tmp = tempfile.mkdtemp(prefix="tide_demo_")
     init_file, out_path = os.path.join(tmp, "pg"), os.path.join(tmp, "result.json")
     try:

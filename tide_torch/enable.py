@@ -120,17 +120,19 @@ class TideHandle:
 
 def enable(model: nn.Module, *, mode: str = "in_place", topology: tide.Topology | None = None,
            transport: str = "auto", fabric: str = "auto", ring: bool = True,
-           **options: int) -> TideHandle:
+           executor_options: tide.ExecutorOptions | None = None, **options: int) -> TideHandle:
     """Switches ``model``'s FSDP2 collectives to TIDE. Call after ``fully_shard`` and before (or
     between) training steps, on every rank.
 
     ``mode``: ``"in_place"`` reads gradients where autograd leaves them; ``"slot_reuse"`` copies
     them into the group's vacated all-gather slot. ``topology``: ``tide.Topology(nodes, L)``;
-    default from ``LOCAL_WORLD_SIZE``. ``transport``: ``"auto"`` (TIDE's per-rank executor when
-    this build has it for the model's device: ``RankExecutor`` on CPU, ``CudaRankExecutor`` over
-    ``fabric`` on CUDA; else ``"interim"``), ``"executor"``, ``"virtual-cluster"`` or
-    ``"interim"`` (see ``tide_torch/comm.py``). ``fabric``: how the CUDA executor's ranks reach
-    each other's arenas: ``"ipc"`` (``CudaIpcFabric``, CUDA-IPC handles exchanged here),
+    default from ``LOCAL_WORLD_SIZE``. ``transport``: ``"auto"`` (TIDE's per-rank executor for
+    the model's device: the CPU ``RankExecutor``, or on CUDA ``tide._core.cuda.RankExecutor`` over
+    ``fabric``; a CUDA model on a build without the CUDA executor keeps stock FSDP2 collectives,
+    one log line) or ``"executor"`` (the same, raising instead of falling back; see
+    ``tide_torch/comm.py``). ``executor_options``: ``tide.ExecutorOptions`` of the executor (e.g.
+    ``timeout_s``). ``fabric``: how the CUDA executor's ranks reach each other's arenas:
+    ``"ipc"`` (``IpcFabric``, CUDA-IPC handles exchanged here),
     ``"nccl"`` (``NcclFabric``: the arena in an NCCL symmetric window, peers by LSA pointer,
     built collectively once the ranks agree; needs a CUDA model and the CUDA executor) or
     ``"auto"``: env ``TIDE_TORCH_FABRIC`` when set, else ``"ipc"`` (the NCCL fabric has run at
@@ -153,6 +155,9 @@ def enable(model: nn.Module, *, mode: str = "in_place", topology: tide.Topology 
     unknown = sorted(set(options) - set(PLAN_OPTIONS))
     if unknown:
         raise TypeError(f"tide_torch.enable: unknown options {unknown}; known: {PLAN_OPTIONS}")
+    if executor_options is not None and not isinstance(executor_options, tide.ExecutorOptions):
+        raise TypeError(f"tide_torch.enable: executor_options must be a tide.ExecutorOptions, got "
+                        f"{type(executor_options).__name__}")
     initialized = dist.is_available() and dist.is_initialized()
     rank = dist.get_rank() if initialized else 0
     world = dist.get_world_size() if initialized else 1
@@ -183,8 +188,15 @@ def enable(model: nn.Module, *, mode: str = "in_place", topology: tide.Topology 
             device = served[0].pg.device
         if fabric == "nccl" and groups:
             _check_nccl_fabric(served[0].pg.device if served else groups[0].pg.device, transport)
-        cuda_tide = (device.type == "cuda" and transport in ("auto", "executor")
-                     and (fabric == "nccl" or comm.cuda_executor_available()))
+        cuda_tide = device.type == "cuda" and (fabric == "nccl" or comm.cuda_executor_available())
+        if device.type == "cuda" and not cuda_tide:
+            why = ("this build of tide._core has no CUDA executor (built with TIDE_CUDA=off or "
+                   "without nvcc) or no GPU is usable")
+            if transport == "executor":
+                raise TideEnableError(f"tide_torch.enable: transport='executor': {why}")
+            for g in served:
+                g.fallback, g.plan, g.plan_fp32_grads = why, None, None
+            served = []
         if served:
             sizes = placement.assign(groups, use_ring=ring)
             if fabric == "nccl":
@@ -192,9 +204,9 @@ def enable(model: nn.Module, *, mode: str = "in_place", topology: tide.Topology 
                 # its peers inside NCCL's init): rank 0's unique id rides in the records.
                 record["arena_bytes"] = arena_nbytes(sizes)
                 if rank == 0:
-                    record["nccl_id"] = tide._core.nccl_unique_id()
+                    record["nccl_id"] = tide._core.cuda.nccl_unique_id()
                 else:
-                    tide._core.nccl_version()  # loads libnccl here: a missing one fails now
+                    tide._core.cuda.nccl_version()  # loads libnccl here: a missing one fails now
             else:
                 arena = Arena(sizes, device, rank=rank, world=world, fabric=cuda_tide)
         record.update(
@@ -202,7 +214,6 @@ def enable(model: nn.Module, *, mode: str = "in_place", topology: tide.Topology 
             groups=[(g.fqn, g.status) for g in groups],
             capabilities={"torch": torch.__version__.split("+")[0], "mode": mode,
                           "layout_hook": _patches.has_all_gather_layout(),
-                          "executor": comm._executor_api() is not None,
                           "cuda_executor": cuda_tide,
                           "cuda": _cuda_capabilities(device) if cuda_tide else None,
                           "transport": transport, "fabric": fabric if cuda_tide else None,
@@ -242,8 +253,8 @@ def enable(model: nn.Module, *, mode: str = "in_place", topology: tide.Topology 
             placement.bind(groups, arena)
             arena.open_peers([r["ipc"] for r in records])
             transport_ = comm.make_transport(
-                transport, arena, [r["shm"] for r in records], rank, topo,
-                group_of=lambda g: g.pg.mesh_info.shard_process_group, options=options)
+                arena, [r["shm"] for r in records], rank, topo,
+                group_of=lambda g: g.pg.mesh_info.shard_process_group, options=executor_options)
         except Exception as e:  # noqa: BLE001 - reported to every rank before raising
             local_exc, err = e, f"{type(e).__name__}: {e}"
         after = agreement.exchange({"rank": rank, "error": err, "nccl": nccl is not None})
@@ -293,9 +304,6 @@ def _check_nccl_fabric(device: torch.device, transport: str) -> None:
     if device.type != "cuda":
         raise TideEnableError(f"tide_torch.enable: fabric='nccl' but the model is on {device}: "
                               "the NCCL fabric needs CUDA")
-    if transport not in ("auto", "executor"):
-        raise TideEnableError(f"tide_torch.enable: fabric='nccl' carries TIDE's CUDA executor, "
-                              f"but transport={transport!r} does not use it")
     why = nccl_fabric_api_error()
     if why is not None:
         raise TideEnableError(f"tide_torch.enable: fabric='nccl' is unavailable: {why}")
@@ -304,7 +312,7 @@ def _check_nccl_fabric(device: torch.device, transport: str) -> None:
 def _cuda_capabilities(device: torch.device) -> dict[str, Any]:
     """What ranks must agree on about their GPUs (the device index may differ per rank)."""
     index = device.index if device.index is not None else torch.cuda.current_device()
-    caps = dict(tide._core.cuda_capabilities(index))
+    caps = dict(tide._core.cuda.capabilities(index))
     caps.pop("device", None)
     return {k: (list(v) if isinstance(v, tuple) else v) for k, v in sorted(caps.items())}
 

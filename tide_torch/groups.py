@@ -70,6 +70,7 @@ class TideGroup:
     resident_views: list[torch.Tensor] = field(default_factory=list)
     runtime: Any = None
     previous_copy_out: Any = None  # the group's FSDP2 copy-out seam before TIDE (where it has one)
+    counter_bases: dict[str, int] = field(default_factory=dict)  # "ag"/"rs"/"rs32" -> first counter
 
     @property
     def eligible(self) -> bool:

@@ -68,16 +68,24 @@ def assign(groups: list[TideGroup], use_ring: bool = True) -> dict[str, int]:
     sizes["stage"] = max([2 * stage_slot] + [int(tide._core.plan_ag(g.plan).stage_bytes) for g in served])
     if served and all(g.world == 1 for g in served):
         sizes["stage"] = 0  # a single-rank job never all-gathers (groups.py [Note: world 1])
-    # TIDE-RS scratch (staging/outbox/inbox/spare/counters): reduce-scatters run one group at a
-    # time in collective order, so one set sized for the largest group serves all of them.
+    # TIDE-RS scratch (staging/outbox/inbox/spare): reduce-scatters run one group at a time in
+    # collective order, so one set sized for the largest group serves all of them.
     for name in EXECUTOR_REGIONS:
         sizes[name] = max((_plan_region_bytes(pl, name) for g in served
                            for pl in (g.plan, g.plan_fp32_grads) if pl is not None), default=0)
-    sizes["counters"] = max(sizes["counters"], 8 * (4096 * 3 * (max((g.index for g in served), default=0) + 1) + 1))
+    # Counters: every group's ranges from one CounterSpace, in group order (the same on every
+    # rank), plus the executor's entry-fence slot at the end (tide/session.h).
+    counters = tide._core.CounterSpace()
+    for g in served:
+        g.counter_bases = {"ag": counters.reserve(g.plan, "all_gather"),
+                           "rs": counters.reserve(g.plan, "reduce_scatter")}
+        if g.plan_fp32_grads is not None:
+            g.counter_bases["rs32"] = counters.reserve(g.plan_fp32_grads, "reduce_scatter")
+    sizes["counters"] = 8 * (counters.used + 1)
     return sizes
 
 
-EXECUTOR_REGIONS = ("staging", "outbox", "inbox", "spare", "counters")
+EXECUTOR_REGIONS = ("staging", "outbox", "inbox", "spare")
 
 
 def _plan_region_bytes(plan, name: str) -> int:

@@ -20,9 +20,11 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+import tide
+
 from tide_xla.all_gather import AllGatherPrimitive
 from tide_xla.context import TideContext, context_for
-from tide_xla.reduce_scatter import ReduceScatterPrimitive, packed_offsets, unpack
+from tide_xla.reduce_scatter import ReduceScatterPrimitive, unpack
 from tide_xla.sharding import ShardLayout
 
 
@@ -148,8 +150,8 @@ def reduce_scatter(grads, layout: ShardLayout, *, scale: float = 1.0, accumulate
 
 def packed_sizes(layout: ShardLayout) -> list[int]:
     """E_g = sum_p R_p K_p of every group: the length of its local packed fp32 shard."""
-    return [sum(e for _, e in packed_offsets([layout.leaves[i].shape for i in grp.leaves],
-                                             layout.world)) for grp in layout.groups]
+    return [tide.layout([layout.leaves[i].shape for i in grp.leaves], layout.world).E
+            for grp in layout.groups]
 
 
 def zeros_packed(layout: ShardLayout):

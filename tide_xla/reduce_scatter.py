@@ -17,24 +17,21 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import tide
 from tide_xla.all_gather import next_op_id
 from tide_xla.context import TideContext
 
 
 def packed_offsets(shapes: Sequence[Sequence[int]], world: int) -> list[tuple[int, int]]:
-    """(o32_p, e_p) for every parameter of a group: e_p = R_p K_p, o32_p its prefix offset."""
-    out, o = [], 0
-    for s in shapes:
-        e = -(-int(s[0]) // world) * int(np.prod(s[1:], dtype=np.int64))
-        out.append((o, e))
-        o += e
-    return out
+    """(o32_p, e_p) for every parameter of a group: e_p = R_p K_p, o32_p its prefix offset (the
+    planner's layout, tide.layout)."""
+    return [(p.o32, p.e) for p in tide.layout(shapes, world).params]
 
 
 def unpack(packed: jax.Array, shapes: Sequence[Sequence[int]], world: int) -> list[jax.Array]:
     """A local packed fp32 shard -> one (R_p, ...) shard per parameter (slices of `packed`)."""
-    return [packed[o:o + e].reshape(-(-int(s[0]) // world), *s[1:])
-            for (o, e), s in zip(packed_offsets(shapes, world), shapes)]
+    return [packed[p.o32:p.o32 + p.e].reshape(p.R, *s[1:])
+            for p, s in zip(tide.layout(shapes, world).params, shapes)]
 
 
 class ReduceScatterPrimitive:
@@ -44,7 +41,7 @@ class ReduceScatterPrimitive:
 
     @staticmethod
     def abstract(grads: Sequence[jax.ShapeDtypeStruct], world: int) -> jax.ShapeDtypeStruct:
-        e = sum(e for _, e in packed_offsets([g.shape for g in grads], world))
+        e = tide.layout([g.shape for g in grads], world).E
         return jax.ShapeDtypeStruct((e,), jnp.float32)
 
     @classmethod

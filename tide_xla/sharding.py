@@ -15,6 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+import tide
+
 MAX_GROUP_PARAMS = 256  # tide::kMaxParams
 
 
@@ -144,8 +146,12 @@ def shard(params, mesh: Mesh, axis: str = "fsdp", *, shard_dtype=jnp.float32,
             for i in chunk:
                 leaf_group[i] = len(groups)
             groups.append(TideGroup(name=gname, leaves=chunk))
-    layouts = tuple(LeafLayout(path=name, shape=shape, rows=-(-shape[0] // n),
-                               group=leaf_group[i]) for i, (name, shape) in enumerate(leaves))
+    rows = [0] * len(leaves)
+    for grp in groups:  # R_p from the planner's layout of each group
+        for i, pl in zip(grp.leaves, tide.layout([leaves[i][1] for i in grp.leaves], n).params):
+            rows[i] = pl.R
+    layouts = tuple(LeafLayout(path=name, shape=shape, rows=rows[i], group=leaf_group[i])
+                    for i, (name, shape) in enumerate(leaves))
     layout = ShardLayout(mesh=mesh, axis=axis, world=n, treedef=treedef, leaves=layouts,
                          groups=tuple(groups), shard_dtype=jnp.dtype(shard_dtype),
                          ag_dtype=jnp.dtype(ag_dtype))

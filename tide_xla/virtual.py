@@ -6,7 +6,7 @@
 Every rank's buffer is stacked on a leading axis of N = M * L (rank r = n*L + l is row r); the
 results are stacked the same way: TIDE-AG gives [N, D_p, ...] per parameter (every rank's copy of
 the full parameter), TIDE-RS gives [N, E] (rank r's packed fp32 shard, E = sum_p R_p K_p,
-parameter p at tide_xla.reduce_scatter.packed_offsets). The targets "tide_all_gather_virtual" /
+parameter p at its o32_p of tide.layout). The targets "tide_all_gather_virtual" /
 "tide_reduce_scatter_virtual" take the topology as attributes (nodes x gpus_per_node = the
 virtual world N on this device) and run the plan, programs and executor of the mesh path with
 rank r's buffers the r-th slices: on CUDA one CudaExecutor over an InProcessFabric with every
@@ -22,9 +22,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import tide
 from tide_xla._registration import ensure_registered
 from tide_xla.context import MODES, _resolve_topology
-from tide_xla.reduce_scatter import packed_offsets
+
 
 _DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
 
@@ -59,8 +60,8 @@ def virtual_all_gather(shards: Sequence[jax.Array], dims0: Sequence[int], topolo
                          f"parameters (one stacked shard per parameter, at least one)")
     sd = jnp.dtype(shards[0].dtype)
     ad = jnp.dtype(ag_dtype) if ag_dtype is not None else sd
-    for p, (x, d) in enumerate(zip(shards, dims0)):
-        r = -(-int(d) // n)
+    rows = [pl.R for pl in tide.layout([(int(d),) for d in dims0], n).params]
+    for p, (x, d, r) in enumerate(zip(shards, dims0, rows)):
         if x.ndim < 2 or x.shape[0] != n or x.shape[1] != r:
             raise ValueError(f"virtual_all_gather: shards[{p}] has shape {tuple(x.shape)}; "
                              f"expected ({n}, {r}, ...): N = {n} ranks of R_p = ceil({d}/{n}) "
@@ -96,7 +97,7 @@ def virtual_reduce_scatter(grads: Sequence[jax.Array], topology, *, scale: float
             raise ValueError(f"virtual_reduce_scatter: grads[{p}] has dtype {g.dtype}; every "
                              f"gradient must be {gd} (bfloat16, float16 or float32)")
     dims0 = [int(g.shape[1]) for g in grads]
-    e = sum(e_p for _, e_p in packed_offsets([g.shape[1:] for g in grads], n))
+    e = tide.layout([g.shape[1:] for g in grads], n).E
     out_type = jax.ShapeDtypeStruct((n, e), jnp.float32)
     operands, aliases = list(grads), {}
     if accumulate is not None:
@@ -117,6 +118,6 @@ def virtual_reduce_scatter(grads: Sequence[jax.Array], topology, *, scale: float
 def stack_shards(full: jax.Array, n: int) -> jax.Array:
     """A full parameter (D, ...) as the virtual cluster's stacked shards [N, R, ...] (zero
     padded rows, FSDP2's dim-0 padding)."""
-    r = -(-full.shape[0] // n)
+    r = tide.layout([full.shape], n).params[0].R
     pad = [(0, n * r - full.shape[0])] + [(0, 0)] * (full.ndim - 1)
     return jnp.pad(full, pad).reshape((n, r, *full.shape[1:]))

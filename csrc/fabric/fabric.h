@@ -1,5 +1,5 @@
 // The fabric interface the CUDA executors use: where every rank's arena is, which ranks this
-// process issues, and the host mirror of the counters this process produces (paper §6; issue 4).
+// process issues, and the host mirror of the counters this process produces (paper §6).
 //
 // Contract
 //   - arena(r) is a device pointer valid in this process (and on every device that has peer

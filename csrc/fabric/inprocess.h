@@ -1,4 +1,4 @@
-// In-process fabric: every rank of a virtual cluster lives in this process (paper §6; issue 4).
+// In-process fabric: every rank of a virtual cluster lives in this process (paper §6).
 //
 // Contract
 //   - Each rank owns one arena (ArenaSpec::total bytes, plain cudaMalloc on the rank's device,

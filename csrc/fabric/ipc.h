@@ -1,5 +1,5 @@
 // CUDA-IPC fabric: one rank per process (tide_torch under torchrun), peers in other processes of
-// the node, on other GPUs or on the SAME GPU (paper §6; issue 4).
+// the node, on other GPUs or on the SAME GPU (paper §6).
 //
 // Contract
 //   - This process's rank allocates its arena with cudaMalloc on `device` (zeroed, so counters

@@ -12,7 +12,7 @@
 #include <memory>
 #include <mutex>
 
-#include "exec/cuda/runtime.h"
+#include "tide/cuda.h"
 #include "tide/errors.h"
 
 namespace tide::fabric {

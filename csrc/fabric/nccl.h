@@ -1,6 +1,5 @@
 // NCCL fabric: one rank per process, arenas in an NCCL symmetric window, peers of the node's LSA
-// team reached through their LSA pointers, a rail communicator per local index (paper §6;
-// issue 4, deliverable 2).
+// team reached through their LSA pointers, a rail communicator per local index (paper §6).
 //
 // Contract
 //   - NCCL is loaded at run time, never linked (nccl_api()): dlopen("libnccl.so.2", RTLD_NOLOAD)

@@ -40,14 +40,8 @@ Mode parse_mode(const std::string& name) {
   throw PlanError(TIDE_STR_CAT("mode: unknown mode '", name, "' (expected in_place or slot_reuse)"));
 }
 
-void validate_inputs(const GroupSignature& sig, const Topology& topo, const Options& opt) {
-  TIDE_PLAN_CHECK(topo.nodes >= 1 && topo.nodes <= kMaxNodes, "Topology.nodes: must be in [1, ",
-                  kMaxNodes, "], got ", topo.nodes);
-  TIDE_PLAN_CHECK(topo.gpus_per_node >= 1, "Topology.gpus_per_node: must be >= 1, got ",
-                  topo.gpus_per_node);
-  TIDE_PLAN_CHECK(topo.gpus_per_node <= kMaxGpusPerNode, "Topology.gpus_per_node: L = ",
-                  topo.gpus_per_node, " exceeds one NVSwitch domain (L <= ", kMaxGpusPerNode,
-                  "); this group falls back to stock FSDP2 collectives");
+void validate_signature(const GroupSignature& sig, int world) {
+  TIDE_PLAN_CHECK(world >= 1, "world: must be >= 1, got ", world);
   const int P = static_cast<int>(sig.params.size());
   TIDE_PLAN_CHECK(P >= 1, "GroupSignature.shapes: the group is empty (no parameters)");
   TIDE_PLAN_CHECK(P <= kMaxParams, "GroupSignature.shapes: ", P, " parameters exceed TIDE's limit of ",
@@ -66,12 +60,23 @@ void validate_inputs(const GroupSignature& sig, const Topology& topo, const Opti
   long double ns = 0;
   for (int p = 0; p < P; ++p) {
     const auto& sh = sig.params[p].shape;
-    long double padded = std::ceil(static_cast<long double>(sh[0]) / topo.world()) * topo.world();
+    long double padded = std::ceil(static_cast<long double>(sh[0]) / world) * world;
     for (size_t i = 1; i < sh.size(); ++i) padded *= sh[i];
     ns += padded * 4;
   }
   TIDE_PLAN_CHECK(ns < limit, "GroupSignature.shapes: the group is too large (", (double)ns,
                   " fp32 bytes unsharded)");
+}
+
+void validate_inputs(const GroupSignature& sig, const Topology& topo, const Options& opt) {
+  TIDE_PLAN_CHECK(topo.nodes >= 1 && topo.nodes <= kMaxNodes, "Topology.nodes: must be in [1, ",
+                  kMaxNodes, "], got ", topo.nodes);
+  TIDE_PLAN_CHECK(topo.gpus_per_node >= 1, "Topology.gpus_per_node: must be >= 1, got ",
+                  topo.gpus_per_node);
+  TIDE_PLAN_CHECK(topo.gpus_per_node <= kMaxGpusPerNode, "Topology.gpus_per_node: L = ",
+                  topo.gpus_per_node, " exceeds one NVSwitch domain (L <= ", kMaxGpusPerNode,
+                  "); this group falls back to stock FSDP2 collectives");
+  validate_signature(sig, topo.world());
   const int L = topo.gpus_per_node;
   TIDE_PLAN_CHECK(opt.struct_size == sizeof(Options), "Options.struct_size: ", opt.struct_size,
                   " does not match this build's ", sizeof(Options));

@@ -49,7 +49,9 @@ SolverResult solve(const GroupLayout& layout, const Topology& topo, const Option
                         (cal.eta_tail * r.t_nic * cal.bw_land);
     r.land_ctas = std::max(1, std::min(cap, static_cast<int>(std::ceil(need - 1e-9))));
   } else {
-    r.land_ctas = 1;  // one node: no network phase, only the own-node landing
+    // One node: no wire time to hide the landing behind (t_NIC = 0), so the landing is on the
+    // call's critical path; Eq. 14's bound in that limit is the fabric ceiling alone.
+    r.land_ctas = cap;
   }
 
   // App. G: k starts at min(2, M-1) and doubles (up to k_max) while the per-round wait overhead

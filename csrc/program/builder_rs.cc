@@ -217,7 +217,7 @@ float rs_fold_alpha(RsReduceOp op, int world, double premul, double predivide, d
   return static_cast<float>(a);
 }
 
-RsProgramGen::RsProgramGen(std::shared_ptr<const Plan> plan, const RsCallOptions& opt)
+RsProgramGenerator::RsProgramGenerator(std::shared_ptr<const Plan> plan, const RsCallOptions& opt)
     : plan_(std::move(plan)), opt_(opt) {
   TIDE_PLAN_CHECK(opt.struct_size == sizeof(RsCallOptions), "RsCallOptions.struct_size: ",
                   opt.struct_size, " does not match this build's ", sizeof(RsCallOptions));
@@ -240,7 +240,7 @@ Ctx make_ctx(const Plan& plan, const RsCallOptions& opt, int rank, std::vector<O
 }
 }  // namespace
 
-Program RsProgramGen::header(int rank, bool counter_names) const {
+Program RsProgramGenerator::header(int rank, bool counter_names) const {
   const Plan& plan = *plan_;
   const RsCallOptions& opt = opt_;
   Program prog;
@@ -252,6 +252,8 @@ Program RsProgramGen::header(int rank, bool counter_names) const {
   prog.plan_hash = plan.hash;
   prog.group = opt.group;
   prog.streams = {"read", "rail", "land"};
+  prog.sum_ctas = plan.solver.sum_ctas;    // C_sum, Eq. 13
+  prog.land_ctas = plan.solver.land_ctas;  // C_mc, Eq. 14
   prog.num_counters = x.num_counters();
   prog.release_event = x.ev_release();
   prog.done_event = x.ev_done();
@@ -294,14 +296,14 @@ Program RsProgramGen::header(int rank, bool counter_names) const {
   return prog;
 }
 
-int RsProgramGen::steps(int, int stream) const {
+int RsProgramGenerator::steps(int, int stream) const {
   const RsSchedule& rs = plan_->rs;
   const int T = static_cast<int>(rs.wave_list.size());
   // read: bank wait, one step per (pass, position), release; rail/land: one step per wave, final record.
   return stream == kRead ? rs.n_part * rs.M + 2 : stream == kRail || stream == kLandStream ? T + 1 : 0;
 }
 
-void RsProgramGen::emit(int rank, int stream, int step, std::vector<Op>& out) const {
+void RsProgramGenerator::emit(int rank, int stream, int step, std::vector<Op>& out) const {
   const Plan& plan = *plan_;
   const RsCallOptions& opt = opt_;
   const RsSchedule& rs = plan.rs;
@@ -309,7 +311,7 @@ void RsProgramGen::emit(int rank, int stream, int step, std::vector<Op>& out) co
   const int M = x.M, L = x.L, n = x.n, me = x.me, T = x.T;
   const int64_t PM = static_cast<int64_t>(rs.n_part) * M;
   const int64_t D = rs.d_rem;
-  TIDE_CHECK(step >= 0 && step < steps(rank, stream), "RsProgramGen::emit: rank ", rank, " stream ",
+  TIDE_CHECK(step >= 0 && step < steps(rank, stream), "RsProgramGenerator::emit: rank ", rank, " stream ",
              stream, " has no step ", step);
   if (stream == kRead) {
     // ---- read stream: Level 1 (Algorithm 1 lines 1-7; later sums follow the sends) --------
@@ -432,7 +434,7 @@ void RsProgramGen::emit(int rank, int stream, int step, std::vector<Op>& out) co
     x.bump(OpKind::kSignal, kLandStream, rs_tag::kLanded, x.rank_of(n, l), x.landed_from(me));
 }
 
-int RsProgramGen::producer(const CounterRef& c, int* stream) const {
+int RsProgramGenerator::producer(const CounterRef& c, int* stream) const {
   const Plan& plan = *plan_;
   *stream = -1;
   if (c.rank < 0 || c.rank >= plan.topo.world()) return -1;
@@ -457,8 +459,8 @@ int RsProgramGen::producer(const CounterRef& c, int* stream) const {
 
 Program build_rs_program(const Plan& plan, const RsCallOptions& opt, int rank) {
   // A non-owning handle: the generator lives only inside this call.
-  const RsProgramGen gen(std::shared_ptr<const Plan>(std::shared_ptr<const Plan>(), &plan), opt);
-  Program prog = gen.header(rank);
+  const RsProgramGenerator generator(std::shared_ptr<const Plan>(std::shared_ptr<const Plan>(), &plan), opt);
+  Program prog = generator.header(rank);
   Ctx x = make_ctx(plan, opt, rank, &prog.ops);
   const int P = x.lay.P;
   // Eq. 5 provenance: every valid element of out[p, r] is the sum over ranks u of grad_u[p] rows
@@ -487,7 +489,7 @@ Program build_rs_program(const Plan& plan, const RsCallOptions& opt, int rank) {
   }
 
   for (int stream = kRead; stream <= kLandStream; ++stream)
-    for (int step = 0, n = gen.steps(rank, stream); step < n; ++step) gen.emit(rank, stream, step, prog.ops);
+    for (int step = 0, n = generator.steps(rank, stream); step < n; ++step) generator.emit(rank, stream, step, prog.ops);
   return prog;
 }
 

@@ -83,6 +83,8 @@ Program build_rs_expert_program(const Plan& plan, const RsCallOptions& opt, int 
   prog.plan_hash = plan.hash;
   prog.group = opt.group;
   prog.streams = {"rail", "land"};
+  prog.sum_ctas = plan.solver.sum_ctas;    // C_sum, Eq. 13
+  prog.land_ctas = plan.solver.land_ctas;  // C_mc, Eq. 14
   prog.num_counters = x.num_counters();
   prog.counter_names.resize(prog.num_counters);
   for (int t = 0; t < M; ++t) prog.counter_names[x.credit_from(t)] = TIDE_STR_CAT("credit_from[", t, "]");

@@ -76,8 +76,10 @@ void bind_exec(nb::module_& m) {
           }
           ++r;
         }
-        ExecOptions o = exec_options_from_env();
+        CpuRunOptions o;
+        static_cast<ExecutorOptions&>(o) = with_debug_env(ExecutorOptions{});
         o.timeout_s = timeout_s; o.workers = workers; o.processes = processes;
+        validate(o);
         o.stall_rank = stall_rank; o.stall_op = stall_op; o.stall_s = stall_s;
         o.dead_rank = dead_rank; o.dead_op = dead_op; o.verify_agreement = verify_agreement;
         nb::gil_scoped_release release;

@@ -1,4 +1,4 @@
-// Bindings of the NCCL fabric (csrc/fabric/nccl.h): tide._core.NcclFabric, nccl_unique_id,
+// Bindings of the NCCL fabric (csrc/fabric/nccl.h) in tide._core.cuda: NcclFabric, nccl_unique_id,
 // nccl_version, nccl_header_version. Built with CUDA; without NCCL headers the names exist and
 // raise "built without NCCL headers".
 #ifdef TIDE_WITH_CUDA

@@ -227,6 +227,21 @@ void bind_plan(nb::module_& m) {
       nb::arg("chunk_bytes") = 0, nb::arg("sum_ctas") = 0, nb::arg("land_ctas") = 0,
       nb::arg("ag_head_bytes") = Options().ag_head_bytes, nb::arg("calibration") = nb::dict());
 
+  m.def(
+      "make_layout",
+      [](const std::vector<std::vector<int64_t>>& shapes, int world, const std::string& ag_dtype,
+         const std::string& grad_dtype) {
+        GroupSignature sig;
+        for (const auto& s : shapes) sig.params.push_back({std::string(), s});
+        sig.ag_dtype = parse_dtype(ag_dtype, "ag_dtype");
+        sig.grad_dtype = parse_dtype(grad_dtype, "grad_dtype");
+        sig.shard_dtype = sig.ag_dtype;
+        validate_signature(sig, world);
+        return build_layout(sig, Topology{1, world});  // the layout depends on N only
+      },
+      nb::arg("shapes"), nb::arg("world"), nb::arg("ag_dtype") = "bfloat16", nb::arg("grad_dtype") = "bfloat16",
+      "The planner's per-parameter layout (Section 2.1, Eqs. 2-3) of a group sharded over `world` ranks.");
+
   m.def("n_rounds", &n_rounds, nb::arg("nodes"), nb::arg("k"), nb::arg("w_wave"),
         "N_rounds(M-1, k, W_wave): network rounds of one reduce-scatter (App. G).");
   m.def("recoverable_overhead_fraction", &recoverable_overhead_fraction, nb::arg("psi_total"),

@@ -16,38 +16,6 @@ namespace nb = nanobind;
 using namespace tide;
 
 namespace tide {
-std::vector<std::vector<Call>> calls_from_python(const nb::list& per_rank) {
-  std::vector<std::vector<Call>> out;
-  for (auto rank_calls : per_rank) {
-    std::vector<Call> v;
-    const int r = static_cast<int>(out.size());
-    for (auto item : nb::cast<nb::list>(rank_calls)) {
-      auto tup = nb::cast<nb::tuple>(item);
-      auto ps = nb::cast<std::shared_ptr<ProgramSet>>(tup[0]);
-      const int64_t seq = nb::cast<int64_t>(tup[1]);
-      TIDE_PLAN_CHECK(r < static_cast<int>(ps->progs.size()), "calls: rank ", r, " has no program in its set");
-      v.push_back({&ps->progs[r], seq, ps->gen.get()});
-    }
-    out.push_back(std::move(v));
-  }
-  return out;
-}
-
-Program ProgramSet::program(int r) const {
-  TIDE_PLAN_CHECK(r >= 0 && r < static_cast<int>(progs.size()), "rank: ", r, " is outside [0, ",
-                  progs.size(), ")");
-  if (!gen) return progs[static_cast<size_t>(r)];
-  Program p = progs[static_cast<size_t>(r)];
-  for (int s = 0; s < static_cast<int>(p.streams.size()); ++s)
-    for (int k = 0, n = gen->steps(r, s); k < n; ++k) gen->emit(r, s, k, p.ops);
-  return p;
-}
-
-void ProgramSet::require_built(const char* what) const {
-  TIDE_PLAN_CHECK(!gen, what, ": this program set is generated while it runs (no op tables); "
-                  "build it instead (e.g. build_rs_programs)");
-}
-
 namespace {
 bool same_ref(const BufRef& a, const BufRef& b) {
   return a.kind == b.kind && a.rank == b.rank && a.index == b.index && a.offset == b.offset &&
@@ -99,13 +67,13 @@ void bind_program(nb::module_& m) {
       .def("copy", [](const ProgramSet& s) { return std::make_shared<ProgramSet>(s); })
       .def_prop_ro("plan_hash", [](const ProgramSet& s) { return s.progs.empty() ? 0 : s.progs[0].plan_hash; })
       .def("num_ops", [](const ProgramSet& s, int r) { return s.program(r).ops.size(); })
-      .def_prop_ro("generated", [](const ProgramSet& s) { return s.gen != nullptr; })
+      .def_prop_ro("generated", [](const ProgramSet& s) { return s.generator != nullptr; })
       .def("producer", [](const ProgramSet& s, int rank, int index) {
         // (rank, stream) of the ops that bump counter `index` on `rank`; (-1, -1): none.
         const CounterRef c{rank, index};
-        if (s.gen) {
+        if (s.generator) {
           int stream = -1;
-          const int p = s.gen->producer(c, &stream);
+          const int p = s.generator->producer(c, &stream);
           return std::make_pair(p, p < 0 ? -1 : stream);
         }
         for (const Program& pr : s.progs)
@@ -185,7 +153,7 @@ void bind_program(nb::module_& m) {
     auto calls = calls_from_python(per_rank);
     for (const auto& rc : calls)
       for (const Call& c : rc)
-        TIDE_PLAN_CHECK(!c.gen, "check_calls: rank ", c.program->rank, " calls a generated program set; "
+        TIDE_PLAN_CHECK(!c.generator, "check_calls: rank ", c.program->rank, " calls a generated program set; "
                         "the checker needs built programs");
     auto rep = check_programs(calls, max_errors);
     return std::make_pair(rep.ok, rep.errors);

@@ -12,25 +12,13 @@
 namespace nb = nanobind;
 using namespace tide;
 
-namespace tide {
-RegionTable regions_from_python(const nb::handle& regions) {
-  RegionTable out;
-  TIDE_PLAN_CHECK(nb::isinstance<nb::dict>(regions), "arena/regions: expected {name: (offset, nbytes)}");
-  for (auto kv : nb::borrow<nb::dict>(regions)) {
-    const std::string name = nb::cast<std::string>(kv.first);
-    nb::sequence t = nb::borrow<nb::sequence>(kv.second);
-    TIDE_PLAN_CHECK(nb::len(t) == 2, "arena/regions['", name, "']: expected (offset, nbytes)");
-    out[name] = {nb::cast<int64_t>(t[0]), nb::cast<int64_t>(t[1])};
-  }
-  return out;
-}
-}  // namespace tide
 
 void bind_rank_exec(nb::module_& m) {
   nb::class_<RankExecutor>(m, "RankExecutor",
                            "Runs only `rank`'s TIDE programs; peers run theirs in their own processes.")
       .def("__init__", [](RankExecutor* self, int rank, int nodes, int gpus_per_node, const nb::list& segments,
-                          int64_t segment_bytes, nb::object regions, double timeout_s, bool fence) {
+                          int64_t segment_bytes, nb::object regions, nb::object timeout_s, bool fence, nb::object options) {
+        const ExecutorOptions opt = options_from_python(options, timeout_s);
         Topology topo;
         topo.nodes = nodes;
         topo.gpus_per_node = gpus_per_node;
@@ -43,16 +31,17 @@ void bind_rank_exec(nb::module_& m) {
         if (segments.size() > 0 && addrs && !names) {
           std::vector<uint8_t*> bases;
           for (auto s : segments) bases.push_back(reinterpret_cast<uint8_t*>(nb::cast<uintptr_t>(s)));
-          new (self) RankExecutor(rank, topo, bases, segment_bytes, table, timeout_s, fence);
+          new (self) RankExecutor(rank, topo, bases, segment_bytes, table, opt, fence);
           return;
         }
         TIDE_PLAN_CHECK(names, "RankExecutor: segments must be all shared-memory names (str) or all "
                         "addresses (int)");
         std::vector<std::string> v;
         for (auto s : segments) v.push_back(nb::cast<std::string>(s));
-        new (self) RankExecutor(rank, topo, v, segment_bytes, table, timeout_s, fence);
+        new (self) RankExecutor(rank, topo, v, segment_bytes, table, opt, fence);
       }, nb::arg("rank"), nb::arg("nodes"), nb::arg("gpus_per_node"), nb::arg("segments"),
-         nb::arg("segment_bytes"), nb::arg("regions") = nb::none(), nb::arg("timeout_s") = 30.0, nb::arg("fence") = true)
+         nb::arg("segment_bytes"), nb::arg("regions") = nb::none(), nb::arg("timeout_s") = nb::none(), nb::arg("fence") = true,
+         nb::arg("options") = nb::none())
       .def_prop_ro("rank", &RankExecutor::rank)
       .def_prop_ro("world", &RankExecutor::world)
       .def("segment_address", [](const RankExecutor& ex, int r) {
@@ -61,7 +50,6 @@ void bind_rank_exec(nb::module_& m) {
       }, nb::arg("rank"))
       .def("run", [](RankExecutor& ex, std::shared_ptr<ProgramSet> ps, int64_t seq, const nb::list& bindings,
                      nb::object ranks) {
-        ps->require_built("RankExecutor.run");
         RankBindings b;
         for (auto item : bindings) {
           auto t = nb::cast<nb::tuple>(item);
@@ -75,7 +63,7 @@ void bind_rank_exec(nb::module_& m) {
         if (!ranks.is_none())
           for (auto r : ranks) members.push_back(nb::cast<int>(r));
         nb::gil_scoped_release release;
-        ex.run(ps->progs, seq, b, ps->arena_bound, ranks.is_none() ? nullptr : &members);
+        ex.run(*ps, seq, b, ranks.is_none() ? nullptr : &members);
       }, nb::arg("programs"), nb::arg("seq"), nb::arg("bindings") = nb::list(), nb::arg("ranks") = nb::none(),
          "Runs this rank's program of `programs` for call `seq`; returns when it is done. bindings: "
          "[(buf_kind, index, data_ptr, nbytes), ...] for shard[p], grad[p], out (index -1). ranks: the "

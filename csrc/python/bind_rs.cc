@@ -132,11 +132,11 @@ void bind_rs(nb::module_& m) {
       [](const Plan& plan, int bank, float alpha, bool accumulate, int group) {
         RsCallOptions o;
         o.bank = bank; o.alpha = alpha; o.accumulate = accumulate; o.group = group;
-        auto gen = std::make_shared<RsProgramGen>(std::make_shared<const Plan>(plan), o);
+        auto generator = std::make_shared<RsProgramGenerator>(std::make_shared<const Plan>(plan), o);
         auto ps = std::make_shared<ProgramSet>();
         ps->progs.reserve(static_cast<size_t>(plan.topo.world()));
-        for (int r = 0; r < plan.topo.world(); ++r) ps->progs.push_back(gen->header(r, false));
-        ps->gen = gen;
+        for (int r = 0; r < plan.topo.world(); ++r) ps->progs.push_back(generator->header(r, false));
+        ps->generator = generator;
         return ps;
       },
       nb::arg("plan"), nb::arg("bank") = 0, nb::arg("alpha") = 1.0f, nb::arg("accumulate") = false,

@@ -13,6 +13,7 @@ void bind_cuda(nb::module_& m);     // bind_cuda.cc
 void bind_rs(nb::module_& m);       // bind_rs.cc
 void bind_ag(nb::module_& m);       // bind_ag.cc
 void bind_rank_exec(nb::module_& m); // bind_rank_exec.cc
+void bind_session(nb::module_& m);   // bind_session.cc
 
 NB_MODULE(_core, m) {
   m.doc() = "TIDE core: planner, programs, executors";
@@ -31,8 +32,9 @@ NB_MODULE(_core, m) {
   bind_plan(m);
   bind_program(m);
   bind_exec(m);
-  bind_cuda(m);
   bind_rs(m);
   bind_ag(m);
   bind_rank_exec(m);
+  bind_session(m);  // CallExecutor, before the CUDA executors that derive from it
+  bind_cuda(m);     // the submodules tide._core.cuda and tide._core.testing
 }

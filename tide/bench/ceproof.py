@@ -1,4 +1,4 @@
-"""`tide bench ag --ce-proof`: TIDE-AG's transport needs no SMs (issue 8).
+"""`tide bench ag --ce-proof`: TIDE-AG's transport needs no SMs (paper §3: copy engines).
 
 A spin kernel fills every SM of GPU 0 (grid = #SMs x (max threads per SM / 1024) blocks of 1024
 threads, each spinning on %globaltimer for --spin-s seconds, so no other CTA can become
@@ -101,13 +101,13 @@ def tide_proof(ctx, shard_bytes, spin_s) -> dict:
     segs = _segments(plan, N, 0)
     dev1 = vc.device_of(1)
     with torch.cuda.device(dev1):  # rank 1's landing is read and poisoned from its own device
-        expect = [_core.cuda_d2h(ptr1 + o, n) for o, n in segs]
-        _core.cuda_memset(ptr1, 0xFF, nbytes1, torch.cuda.current_stream().cuda_stream)
+        expect = [_core.cuda.d2h(ptr1 + o, n) for o, n in segs]
+        _core.cuda.memset(ptr1, 0xFF, nbytes1, torch.cuda.current_stream().cuda_stream)
         torch.cuda.synchronize()
 
     def arrived():
         with torch.cuda.device(dev1):
-            return all(_core.cuda_d2h(ptr1 + o, n) == e for (o, n), e in zip(segs, expect))
+            return all(_core.cuda.d2h(ptr1 + o, n) == e for (o, n), e in zip(segs, expect))
     if arrived():
         raise RuntimeError("ce-proof: rank 1's landing still holds rank 0's rows after poisoning")
     spin = Spinner(0, spin_s)

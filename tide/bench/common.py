@@ -36,7 +36,7 @@ class Context:
 def detect_context(force: str | None = None, ranks: int = 8) -> Context:
     """The execution context: `force` ("cpu", "gpu1", "multi") or what this machine has."""
     from tide import _core
-    n = _core.cuda_device_count() if (_core.built_with_cuda and _core.cuda_available()) else 0
+    n = _core.cuda.device_count() if (_core.built_with_cuda and _core.cuda.available()) else 0
     if force not in (None, "auto", "cpu", "gpu1", "multi"):
         raise ValueError(f"--context: expected auto, cpu, gpu1 or multi, got {force!r}")
     kind = force if force not in (None, "auto") else ("cpu" if n == 0 else "gpu1" if n == 1 else "multi")
@@ -249,7 +249,7 @@ class cpu_threads:
         self.on = context_arg == "cpu"
         if not self.on and context_arg == "auto":
             from tide import _core
-            self.on = not (_core.built_with_cuda and _core.cuda_available())
+            self.on = not (_core.built_with_cuda and _core.cuda.available())
 
     def __enter__(self):
         import torch

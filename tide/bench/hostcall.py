@@ -53,8 +53,7 @@ def _rank(rank: int, world: int, init: str, args, out_path: str) -> None:
         handles: list = [None] * world
         dist.all_gather_object(handles, arena.ipc_handle())
         arena.open_peers(handles)
-        transport = comm.make_transport("auto", arena, [None] * world, rank, topo,
-                                        group_of=None, options={})
+        transport = comm.make_transport(arena, [None] * world, rank, topo, group_of=None)
         layout = plan.layout
         shards = [torch.randn(pl.e, device=device) for pl in layout.params]
         grads = [torch.randn(s, device=device).to(torch.bfloat16) for s in shapes]

@@ -1,174 +1,185 @@
-"""Where the 70B RS chain's time above its byte floor goes, on one GPU (issue #4).
+"""Where an RS call's time above its byte floor goes, on one GPU: the parts of the programs that run.
 
-Each row times one step of the chain (or a variant of it) at the 70B group's sizes and prints
-ms and ms / floor (bytes moved over the measured copy ceiling):
-  land   LAND's bytes (one fp32 source -> fp32 out, alpha): torch's mul, then cuda_land at
-         several grids (a CTA per tile; one resident wave and 2-32 waves looping over tiles) and
-         forms, and the executors' REDUCE on the same data;
-  sum    SUM's bytes (7 staged bf16 + own bf16 -> fp32): cuda_sum at several grids, REDUCE;
-  copy   the staging's bytes: the plan's own 2-D descriptors, per copy, as rows, contiguous,
-         and synthetic 2-D shapes of the same bytes (height 8 / 64 / 512, pitched or not);
-  both   the staging and an independent SUM on two streams at once against each alone.
-Run on the GPU machine after a CUDA build: `PYTHONPATH=. python tools/gpu/rsdiag.py`.
+`python tools/gpu/rsdiag.py [--group llama70b] [--ranks 8] [--reps 10] [--json PATH]` after a CUDA
+build in place (exit 2 without a GPU). One GPU emulates a node (tide.Topology(1, L));
+the programs are the group's TIDE-RS programs as the 1 x L CUDA VirtualCluster's session builds
+them. Each row prints ms and x floor (its bytes over the measured device-to-device ceiling):
+  sum   rank 0's SUM op(s) on the run table the CUDA executor builds (tide._core.testing.run_table,
+        packed by cuda.reduce_runs): as the executors launch it (kernels.cu's SUM for an op in the
+        Level-1 shape, else REDUCE) and as REDUCE on the same table, at the solver's budget and a
+        full grid (SMs x resident CTAs), at the full grid under ExecutorOptions(cta_split='ranges')
+        and (full_grid='wave') (tide.bench.layout.ReduceOp binds the table's slots to buffers)
+  land  rank 0's LAND ops (REDUCE on their run tables) in program order, the same budgets / options
+  copy  rank 0's Level-1 pushes (tide._core.rs_level1_copies: the descriptors of its COPY ops, one
+        submission per owner as the executor issues one COPY op per owner; each owner's staging
+        area a buffer of its own) under copy_lanes 1 / default / 8 x copy_2d batch / per_copy
+  ref   torch's copy_ of the SUM's bytes (contiguous): what a plain kernel reaches at this size
+  call  the whole reduce_scatter call of the virtual cluster (every rank, every op: staging, SUM,
+        ZERO, the rail's copies, LAND) at the solver's budgets, a full grid, and the full grid
+        under ranges / wave; under the table, the full-grid call's GPU time by kernel and copies
+Bytes: an op's run table (every present term read, the fp32 destination written), a copy's width
+x height read and written, a call's every COPY / PUT descriptor and run table over all ranks (ZERO
+ops carry no size in the listings: their time is time above the floor). ms: the median device time;
+a call's host enqueue is kept off the clock (tide.bench.layout._call_ms). Checks: a Level-1 SUM
+gives REDUCE's bits on the same table, and every call variant gives the first one's bits.
 """
 from __future__ import annotations
 
+import argparse
+import json
 import statistics
 import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
-def main() -> int:
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="tools/gpu/rsdiag.py", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--group", default="llama70b", help="a group of tide.bench.layout.GROUPS")
+    ap.add_argument("--ranks", type=int, default=8)
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))  # run as a script from anywhere: the repo's tide
     import torch
+
     import tide
     from tide import _core as core, models
     from tide.bench.common import time_cuda
-    from tide.bench.layout import GROUPS, measure_ceiling, pack_reduce_runs, with_env as env
+    from tide.bench.layout import (GROUPS, ReduceOp, _call_ms, _profile_parts, _release, full_grid,
+                                   level1_matches_reduce, measure_ceiling, program_bytes, reduce_ops)
 
-    if not core.cuda_available():
-        print("rsdiag: needs a CUDA GPU and a CUDA build", file=sys.stderr)
+    if args.group not in GROUPS:
+        ap.error(f"--group: expected one of {', '.join(GROUPS)}, got {args.group!r}")
+    if not core.cuda.available():
+        print("rsdiag: needs a CUDA GPU and a CUDA build of tide._core", file=sys.stderr)
         return 2
     n_sm = torch.cuda.get_device_properties(0).multi_processor_count
-    bench_stream = torch.cuda.Stream()
-    torch.cuda.set_stream(bench_stream)
-    st = bench_stream.cuda_stream
+    torch.cuda.set_stream(torch.cuda.Stream())  # cudaMemcpyBatchAsync needs a real stream
+    st = torch.cuda.current_stream().cuda_stream
     ceiling = measure_ceiling(torch)
     rows = []
 
-    def row(kind, label, fn, nbytes, reps=10):
-        times = time_cuda(torch, fn, reps, 3)
-        ms = statistics.median(times)
-        floor = nbytes / ceiling * 1e3
-        rows.append((kind, label, ms, ms / floor))
-        print(f"{kind:5} {label:58} {ms:8.3f} {ms / floor:6.2f}", flush=True)
+    def row(kind, label, nbytes, ms):
+        x = ms / (nbytes / ceiling * 1e3)
+        rows.append(dict(kind=kind, label=label, ms=ms, bytes=nbytes, x_floor=x))
+        print(f"{kind:5} {label:64} {ms:8.3f} {x:6.2f}", flush=True)
 
-    L = 8
-    plan = tide.plan(models.signature(GROUPS["llama70b"], "block"), tide.Topology(1, L))
-    e_sub = plan.rs_schedule.E_sub
-    n = L * e_sub
+    def timed(kind, label, fn, nbytes):
+        row(kind, label, nbytes, statistics.median(time_cuda(torch, fn, args.reps, 3)))
+
+    L = args.ranks
     alpha = 1.0 / L
-    print(f"# {torch.cuda.get_device_name(0)}, {n_sm} SMs, ceiling {ceiling / 1e9:.0f} GB/s; 70B: n = {n}")
-
-    # ---- LAND: one source, overwrite ----
-    src = torch.randn(n, device="cuda")
-    dst = torch.empty(n, device="cuda")
-    land_b = 8 * n
-    row("land", "torch mul (reference)", lambda: torch.mul(src, alpha, out=dst), land_b)
-    row("land", "torch copy_ (reference)", lambda: dst.copy_(src), land_b)
-    job = [(dst.data_ptr(), [src.data_ptr()], n)]
-    tile = 16 * 512 * 4
-    row("land", f"cuda_land {n_sm} CTAs (default: a CTA per tile)",
-        lambda: core.cuda_land(job, alpha, False, n_sm, st), land_b)
-    for c in (n_sm, 2 * n_sm, 4 * n_sm, 8 * n_sm, 16 * n_sm, (n + tile - 1) // tile):
-        row("land", f"cuda_land {c} CTAs (TIDE_FULL_GRID=wave: the grid as given)",
-            env("TIDE_FULL_GRID", "wave", lambda c=c: core.cuda_land(job, alpha, False, c, st)), land_b)
-    row("land", f"cuda_land {n_sm} CTAs, 8 vectors (TIDE_LAND_DEEP=0), a CTA per tile",
-        env("TIDE_LAND_DEEP", "0", lambda: core.cuda_land(job, alpha, False, n_sm, st)), land_b)
-    row("land", f"cuda_land {n_sm} CTAs, ranges",
-        env("TIDE_CTA_SPLIT", "ranges", lambda: core.cuda_land(job, alpha, False, n_sm, st)), land_b)
-    red_land = pack_reduce_runs(torch, [(0, n, [(0, 0)])], "cuda")
-    lfull = n_sm * max(1, core.cuda_resident_ctas_per_sm("reduce_fp32", 1))
-
-    def exec_land(c):
-        core.cuda_reduce(dst.data_ptr(), n, red_land.data_ptr(), 1, 1, 1, True, False, alpha, [src.data_ptr()], c, st)
-    row("land", f"REDUCE {lfull} CTAs (a CTA per tile)", lambda: exec_land(lfull), land_b)
-    row("land", f"REDUCE {lfull} CTAs, one wave", env("TIDE_FULL_GRID", "wave", lambda: exec_land(lfull)), land_b)
-    del src, dst
-
-    # ---- SUM: 7 staged bf16 + own bf16 -> fp32 ----
-    staged = [torch.randn(n, device="cuda").to(torch.bfloat16) for _ in range(L - 1)]
-    own = torch.randn(n, device="cuda").to(torch.bfloat16)
-    out = torch.empty(n, device="cuda")
-    seg = torch.tensor([[0, n, 0, 0]], dtype=torch.int64, device="cuda")
-    sum_b = 2 * L * n + 4 * n
-    sptr = [s.data_ptr() for s in staged]
-
-    def tide_sum(c, stream=st):
-        core.cuda_sum(out.data_ptr(), n, sptr, seg.data_ptr(), 1, [own.data_ptr()], c, stream)
-
-    full = n_sm * max(1, core.cuda_resident_ctas_per_sm("sum", L - 1))
-    row("sum", f"cuda_sum {full} CTAs (default: a CTA per tile)", lambda: tide_sum(full), sum_b)
-    for c in sorted({full, 2 * full, 4 * full, 8 * full}):
-        row("sum", f"cuda_sum {c} CTAs (TIDE_FULL_GRID=wave)", env("TIDE_FULL_GRID", "wave", lambda c=c: tide_sum(c)),
-            sum_b)
-    row("sum", f"cuda_sum {full} CTAs, ranges", env("TIDE_CTA_SPLIT", "ranges", lambda: tide_sum(full)), sum_b)
-    # The executors' REDUCE on the same data: one run of 8 bf16 terms (7 staged + own).
-    red_sum = pack_reduce_runs(torch, [(0, n, [(j, 0) for j in range(L)])], "cuda")
-    red_bases = sptr + [own.data_ptr()]
-    rfull = n_sm * max(1, core.cuda_resident_ctas_per_sm("reduce", L))
-
-    def exec_sum(c):
-        core.cuda_reduce(out.data_ptr(), n, red_sum.data_ptr(), 1, L, 0, False, False, 1.0, red_bases, c, st)
-    row("sum", f"REDUCE {rfull} CTAs (a CTA per tile)", lambda: exec_sum(rfull), sum_b)
-    row("sum", f"REDUCE {rfull} CTAs, one wave", env("TIDE_FULL_GRID", "wave", lambda: exec_sum(rfull)), sum_b)
-    acc = torch.empty(n, device="cuda")
-    row("sum", "torch: 8 bf16 adds into fp32 (reference, more bytes)",
-        lambda: (torch.add(staged[0], staged[1], out=acc), [acc.add_(s) for s in staged[2:]], acc.add_(own)),
-        sum_b)
-    del acc
-
-    # ---- staging copies: the plan's geometry and same-byte shapes ----
+    plan = tide.plan(models.signature(GROUPS[args.group], "block"), tide.Topology(1, L))
     shapes = [tuple(s) for s in core.plan_shapes(plan)]
-    g = torch.Generator(device="cuda").manual_seed(1)
-    grads = {u: [torch.randn(*shapes[p], device="cuda", generator=g).to(torch.bfloat16) for p in range(len(shapes))]
-             for u in range(1, L)}
-    staging = torch.zeros(L - 1, L * e_sub, dtype=torch.bfloat16, device="cuda")
-    copies = []
-    for slot, u in enumerate(range(1, L)):
-        for c in core.rs_level1_copies(plan, u):
-            if c["owner"] == 0 and c["s"] == 0:
-                copies.append((staging[slot].data_ptr() + c["dst_offset"], grads[u][c["param"]].data_ptr() + c["src_offset"],
-                               c["width"], c["height"], c["dst_pitch"], c["src_pitch"]))
-    stage_b = sum(2 * w * h for _, _, w, h, _, _ in copies)
-    print(f"# staging: {len(copies)} copies, widths {sorted({w for _, _, w, _, _, _ in copies})}, "
-          f"heights {sorted({h for _, _, _, h, _, _ in copies})}")
-    lanes = core.cuda_copy_lanes()
-    for ln in sorted({1, lanes, 8}):
-        row("copy", f"plan 2-D batch, {ln} lane(s)", lambda ln=ln: core.cuda_copies(copies, st, ln), stage_b)
-    row("copy", f"plan 2-D per copy, {lanes} lane(s)",
-        env("TIDE_COPY_2D", "per_copy", lambda: core.cuda_copies(copies, st, lanes)), stage_b)
-    # Same bytes, contiguous, one descriptor per peer (what a flat copy costs).
-    per_peer = stage_b // 2 // (L - 1)
-    flat_src = torch.empty(stage_b // 2 // 2, dtype=torch.bfloat16, device="cuda")
-    flat = [(staging[j].data_ptr(), flat_src.data_ptr() + j * per_peer, per_peer, 1, per_peer, per_peer)
-            for j in range(L - 1)]
-    row("copy", f"7 contiguous 1-D copies, {lanes} lane(s)", lambda: core.cuda_copies(flat, st, lanes), stage_b)
-    # Synthetic 2-D: the same bytes per peer as height h rows of width per_peer / h; pitch = width
-    # (dense) or width + 4 KiB (strided) on the destination.
-    for h in (8, 64, 512):
-        w = per_peer // h // 256 * 256
-        for gap in (0, 4096):
-            if (w + gap) * h > staging.shape[1] * 2:
-                continue
-            d = [(staging[j].data_ptr(), flat_src.data_ptr() + j * per_peer, w, h, w + gap, w) for j in range(L - 1)]
-            row("copy", f"synthetic 2-D h={h} w={w >> 10} KiB dpitch=w+{gap}, {lanes} lane(s)",
-                lambda d=d: core.cuda_copies(d, st, lanes), 2 * w * h * (L - 1))
-    del flat_src
+    g = torch.Generator(device="cuda").manual_seed(2)
+    grads = [[torch.randint(-4, 5, s, device="cuda", generator=g).to(torch.bfloat16) for s in shapes]
+             for _ in range(L)]
+    default = tide.ExecutorOptions()
+    print(f"# {torch.cuda.get_device_name(0)}, {n_sm} SMs, ceiling {ceiling / 1e9:.0f} GB/s; {args.group} on "
+          f"1 x {L}: E = {plan.layout.E}; solver SUM {plan.solver['sum_ctas']} / LAND {plan.solver['land_ctas']} "
+          f"CTAs; executor options {default.effective()}")
 
-    # ---- staging and SUM at once on two streams ----
-    side = torch.cuda.Stream()
+    # ---- the whole call, per variant (the first one's session gives the programs below) ----
+    ps, first, calls = None, None, {}
+    same_bits = True
+    variants = [("solver budgets", {}, False), ("full grid, CTA ranges", dict(cta_split="ranges"), True),
+                ("full grid, one wave", dict(full_grid="wave"), True), ("full grid", {}, True)]
+    for label, opts, full in variants:
+        vc = tide.VirtualCluster(tide.Topology(1, L), backend="cuda", check=False,
+                                 options=tide.ExecutorOptions(**opts), sum_ctas=calls["sum_full"] if full else None,
+                                 land_ctas=calls["land_full"] if full else None)
+        outs, go = vc.reduce_scatter_runner(plan, grads, scale=alpha)
+        s, ex = vc.session(plan, "reduce_scatter")
+        if ps is None:
+            ps = s.programs("reduce_scatter", 1, alpha, False)
+            ops = reduce_ops(core, ps, 0)
+            calls.update(sum_full=full_grid(core, ops, "SUM", n_sm), land_full=full_grid(core, ops, "LAND", n_sm),
+                         bytes=program_bytes(core, ps, L))
+            first = [o.clone() for o in outs]
+        else:
+            same_bits = same_bits and all(torch.equal(a.view(torch.int32), b.view(torch.int32))
+                                          for a, b in zip(first, outs))
+        ms, _, enq = _call_ms(torch, go.enqueue, ex.synchronize, args.reps)
+        parts = _profile_parts(torch, go, n_sm)[3]
+        calls[label] = dict(ms=ms, enqueue_ms=enq, parts=parts, sum_ctas=s.sum_ctas, land_ctas=s.land_ctas)
+        row("call", f"reduce_scatter, {label} (SUM {s.sum_ctas} / LAND {s.land_ctas} CTAs)", calls["bytes"], ms)
+        del vc, go, outs, s, ex
+        _release(torch)
+    del first
 
-    def both():
-        cur = torch.cuda.current_stream()
-        side.wait_stream(cur)
-        core.cuda_copies(copies, st, lanes)
-        tide_sum(full, side.cuda_stream)
-        cur.wait_stream(side)
-    row("both", "staging alone", lambda: core.cuda_copies(copies, st, lanes), stage_b)
-    row("both", f"SUM alone ({full} CTAs)", lambda: tide_sum(full), sum_b)
-    row("both", "staging || SUM (two streams, independent data)", both, stage_b + sum_b)
-    for c in (32, 64):
-        def both_c(c=c):
-            cur = torch.cuda.current_stream()
-            side.wait_stream(cur)
-            core.cuda_copies(copies, st, lanes)
-            tide_sum(c, side.cuda_stream)
-            cur.wait_stream(side)
-        row("both", f"staging || SUM {c} CTAs", both_c, stage_b + sum_b)
+    # ---- rank 0's SUM and LAND ops on their run tables ----
+    sums = [ReduceOp(torch, core, o, grads=grads[0]) for o in ops if o["kind"] == "SUM"]
+    lands = [ReduceOp(torch, core, o, alpha=alpha) for o in ops if o["kind"] == "LAND"]
+    budgets = {"SUM": plan.solver["sum_ctas"], "LAND": plan.solver["land_ctas"]}
+    for kind, group in (("sum", sums), ("land", lands)):
+        if not group:
+            continue
+        nbytes = sum(o.bytes for o in group)
+        what = (f"{kind.upper()} op {group[0].op}" if len(group) == 1 else
+                f"{len(group)} {kind.upper()} ops {group[0].op}-{group[-1].op}")
+        full = full_grid(core, ops, kind.upper(), n_sm)
+        cases = [(f"solver budget, {budgets[kind.upper()]} CTAs", budgets[kind.upper()], None, False),
+                 (f"full grid, {full} CTAs", full, None, False),
+                 ("full grid, CTA ranges", full, dict(cta_split="ranges"), False),
+                 ("full grid, one wave", full, dict(full_grid="wave"), False)]
+        if any(o.level1 is not None for o in group):
+            rfull = full_grid(core, ops, kind.upper(), n_sm, reduce=True)
+            cases += [(f"REDUCE on the table, full grid, {rfull} CTAs", rfull, None, True),
+                      ("REDUCE on the table, full grid, one wave", rfull, dict(full_grid="wave"), True)]
+        for label, ctas, opts, red in cases:
+            timed(kind, f"{what} on {group[0].runs_on(red)}, {label}",
+                  lambda c=ctas, o=opts, r=red: [x.launch(c, st, o, reduce=r) for x in group], nbytes)
+    level1_ok = level1_matches_reduce(torch, sums, full_grid(core, ops, "SUM", n_sm), st)
+    sum_bytes = sum(o.bytes for o in sums)
+    del sums, lands
+    _release(torch)
 
+    # ---- rank 0's Level-1 pushes ----
+    owners = {}
+    for c in core.rs_level1_copies(plan, 0):
+        owners.setdefault(c["owner"], []).append(c)
+    dsts, subs = [], []
+    for cs in owners.values():
+        end = max(c["dst_offset"] + (c["height"] - 1) * c["dst_pitch"] + c["width"] for c in cs)
+        dst = torch.empty(end, dtype=torch.uint8, device="cuda")
+        dsts.append(dst)
+        subs.append([(dst.data_ptr() + c["dst_offset"], grads[0][c["param"]].data_ptr() + c["src_offset"],
+                      c["width"], c["height"], c["dst_pitch"], c["src_pitch"]) for c in cs])
+    stage_b = sum(2 * w * h for sub in subs for _, _, w, h, _, _ in sub)
+    print(f"# rank 0's pushes: {sum(map(len, subs))} descriptors in {len(subs)} COPY ops, widths "
+          f"{sorted({d[2] for sub in subs for d in sub})}, heights {sorted({d[3] for sub in subs for d in sub})}")
+    for c2 in ("batch", "per_copy"):
+        for ln in sorted({1, default.copy_lanes, 8}):
+            timed("copy", f"{len(subs)} COPY ops, copy_2d {c2}, {ln} lane(s)",
+                  lambda ln=ln, c2=c2: [core.cuda.copies(sub, st, ln, c2) for sub in subs], stage_b)
+    del dsts, subs
+
+    # ---- a plain kernel on the SUM's bytes ----
+    a = torch.empty(sum_bytes // 4, dtype=torch.bfloat16, device="cuda")
+    b = torch.empty_like(a)
+    timed("ref", "torch copy_, the SUM ops' bytes (contiguous)", lambda: b.copy_(a), sum_bytes)
+    del a, b, grads
+    _release(torch)
+
+    fg = calls["full grid"]
+    print(f"# full-grid call ({fg['sum_ctas']} / {fg['land_ctas']} CTAs), GPU time by kernel (summed over "
+          f"every rank's streams, which overlap), host enqueue {fg['enqueue_ms']:.2f} ms:")
+    for k, v in sorted(fg["parts"].items(), key=lambda kv: -kv[1]["ms"]):
+        print(f"#   {k:28} {v['count']:5d}x {v['ms']:9.3f} ms {v['sm_ms']:9.2f} SM*ms")
+    print(f"# checks: Level-1 SUM = REDUCE bitwise: {level1_ok}; call variants bitwise equal: {same_bits}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(group=args.group, ranks=L, ceiling_gbps=ceiling / 1e9, rows=rows, calls=calls,
+                           level1_matches_reduce=level1_ok, call_variants_bitwise=same_bits), f, indent=1)
     print("\n==== rsdiag summary (ms, x floor) ====")
-    for kind, label, ms, x in rows:
-        print(f"{kind:5} {label:58} {ms:8.3f} {x:6.2f}")
-    return 0
+    order = ("sum", "land", "copy", "ref", "call")  # the full-grid call last
+    for r in sorted(rows, key=lambda r: order.index(r["kind"])):
+        print(f"{r['kind']:5} {r['label']:64} {r['ms']:8.3f} {r['x_floor']:6.2f}")
+    return 0 if level1_ok and same_bits else 1
 
 
 if __name__ == "__main__":

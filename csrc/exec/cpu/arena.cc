@@ -40,13 +40,6 @@ void RankBindings::bind(BufKind kind, int index, void* data, int64_t bytes) {
   v[index + 1] = {data, bytes};
 }
 
-ExecOptions exec_options_from_env() {
-  ExecOptions o;
-  const char* dbg = std::getenv("TIDE_DEBUG");
-  o.trace = dbg && dbg[0] && std::strcmp(dbg, "0") != 0;
-  return o;
-}
-
 CpuArena::CpuArena(int world, const ArenaSpec& spec, bool shared_memory)
     : world_(world), spec_(spec), shm_(shared_memory) {
   TIDE_PLAN_CHECK(world >= 1, "CpuArena: world must be >= 1, got ", world);

@@ -11,6 +11,7 @@
 #include <thread>
 
 #include "exec/cpu/internal.h"
+#include "tide/numerics.h"
 #include "tide/exec_cpu.h"
 
 namespace tide {
@@ -19,19 +20,6 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-uint16_t fp32_to_bf16(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40);  // quiet NaN
-  u += 0x7fffu + ((u >> 16) & 1u);  // round to nearest even
-  return static_cast<uint16_t>(u >> 16);
-}
-float bf16_to_fp32(uint16_t h) {
-  uint32_t u = static_cast<uint32_t>(h) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
 float fp16_to_fp32(uint16_t h) {
   const uint32_t s = (h >> 15) & 1, e = (h >> 10) & 0x1f, m = h & 0x3ff;
   float v = e == 0 ? std::ldexp(static_cast<float>(m), -24)
@@ -74,7 +62,7 @@ struct Runner {
   const ArenaView& arena;
   const std::vector<std::vector<Call>>& per_rank;
   std::vector<RankBindings>& bindings;
-  const ExecOptions& opt;
+  const CpuRunOptions& opt;
 
   [[noreturn]] void fail(int kind, const std::string& msg) {
     auto* sh = arena.shared();
@@ -90,7 +78,7 @@ struct Runner {
 
   // The op `idx` of `call` on `rs`: the program's op, or for a generated call the op being run.
   static const Op& op_at(const RankState& rs, const Call& call, int idx) {
-    return call.gen ? *rs.cur : call.program->ops[idx];
+    return call.generator ? *rs.cur : call.program->ops[idx];
   }
 
   std::string op_name(const RankState& rs, const Call& call, int idx) const {
@@ -134,17 +122,17 @@ struct Runner {
   }
 
   // A generated call's generator, if any rank runs one (then no rank has op tables to scan).
-  const ProgramGen* generator() const {
+  const ProgramGenerator* generator() const {
     for (const auto& calls : per_rank)
       for (const Call& call : calls)
-        if (call.gen) return call.gen;
+        if (call.generator) return call.generator;
     return nullptr;
   }
 
   std::string producer_of(const Call& call, const CounterRef& c) const {
-    if (call.gen) {
+    if (call.generator) {
       int stream = -1;
-      const int p = call.gen->producer(c, &stream);
+      const int p = call.generator->producer(c, &stream);
       if (p < 0) return "unknown (generated program)";
       const auto& names = call.program->streams;
       return TIDE_STR_CAT("rank ", p, " [", stream >= 0 && stream < static_cast<int>(names.size()) ? names[stream] : "?",
@@ -165,9 +153,9 @@ struct Runner {
   }
 
   int producer_rank(const CounterRef& c) const {
-    if (const ProgramGen* gen = generator()) {
+    if (const ProgramGenerator* g = generator()) {
       int stream = -1;
-      return gen->producer(c, &stream);
+      return g->producer(c, &stream);
     }
     for (const auto& calls : per_rank) {
       if (calls.empty()) continue;
@@ -264,7 +252,7 @@ struct Runner {
         const int64_t t = op.target(call.seq);
         if (t <= 0) return true;
         if (static_cast<int64_t>(counter(rs, call, idx, op.counter).load(std::memory_order_acquire)) < t) return false;
-        if (op.kind == OpKind::kWait && op.tag == OpTag::kArrivalWait && !call.gen) verify_put(rs, call, idx);
+        if (op.kind == OpKind::kWait && op.tag == OpTag::kArrivalWait && !call.generator) verify_put(rs, call, idx);
         return true;
       }
       default: break;
@@ -284,7 +272,7 @@ struct Runner {
         }
         if (op.kind == OpKind::kPut && op.counter.index >= 0) {
           auto& c = counter(rs, call, idx, op.counter);
-          if (op.counter.index < kChecksumCounters && !call.gen) {
+          if (op.counter.index < kChecksumCounters && !call.generator) {
             auto* rec = arena.shared()->put_record(arena.world(), op.counter.rank, op.counter.index);
             rec->hash.store(put_hash(rs, call, idx, false));
             rec->src_rank.store(rs.rank);
@@ -373,15 +361,15 @@ struct Runner {
       while (cur.call < rs.calls->size()) {
         const Call& call = (*rs.calls)[cur.call];
         int idx;
-        if (call.gen) {  // [Note: generated programs] emit the stream's next step when needed
+        if (call.generator) {  // [Note: generated programs] emit the stream's next step when needed
           if (cur.wpos >= cur.window.size()) {
-            if (cur.step >= call.gen->steps(rs.rank, static_cast<int>(s))) {
+            if (cur.step >= call.generator->steps(rs.rank, static_cast<int>(s))) {
               ++cur.call; cur.pos = 0; cur.step = 0; cur.window.clear(); cur.wpos = 0;
               continue;
             }
             cur.window.clear();
             cur.wpos = 0;
-            call.gen->emit(rs.rank, static_cast<int>(s), cur.step++, cur.window);
+            call.generator->emit(rs.rank, static_cast<int>(s), cur.step++, cur.window);
             continue;
           }
           rs.cur = &cur.window[cur.wpos];
@@ -429,7 +417,7 @@ struct Runner {
         if (cur.blocked && s < static_cast<size_t>(kMaxStreams)) arena.shared()->blocked(rs.rank, static_cast<int>(s))->valid.store(0);
         cur.blocked = false;
         ++cur.pos;
-        if (call.gen) ++cur.wpos;
+        if (call.generator) ++cur.wpos;
         ++rs.ops_done;
         progress = true;
       }
@@ -448,7 +436,7 @@ struct Runner {
     rs.cursors.resize(streams);
     for (const auto& c : per_rank[r]) {
       std::vector<std::vector<int>> so(streams);
-      for (size_t i = 0; i < c.program->ops.size() && !c.gen; ++i) so[c.program->ops[i].stream].push_back(static_cast<int>(i));
+      for (size_t i = 0; i < c.program->ops.size() && !c.generator; ++i) so[c.program->ops[i].stream].push_back(static_cast<int>(i));
       rs.stream_ops.push_back(std::move(so));
     }
     return rs;
@@ -484,13 +472,13 @@ void rethrow_shared(CpuArena::Shared* sh) {
 }
 
 void step_ranks(const ArenaView& view, const std::vector<std::vector<Call>>& per_rank,
-                std::vector<RankBindings>& bindings, const ExecOptions& opt, int lo, int hi) {
+                std::vector<RankBindings>& bindings, const CpuRunOptions& opt, int lo, int hi) {
   Runner runner{view, per_rank, bindings, opt};
   runner.work(lo, hi);
 }
 
 void run_cpu(CpuArena& arena, const std::vector<std::vector<Call>>& per_rank,
-             std::vector<RankBindings>& bindings, const ExecOptions& opt) {
+             std::vector<RankBindings>& bindings, const CpuRunOptions& opt) {
   const int N = arena.world();
   TIDE_PLAN_CHECK(static_cast<int>(per_rank.size()) == N, "run_cpu: ", per_rank.size(), " call lists for ", N, " ranks");
   TIDE_PLAN_CHECK(static_cast<int>(bindings.size()) == N, "run_cpu: ", bindings.size(), " bindings for ", N, " ranks");
@@ -535,7 +523,7 @@ void run_cpu(CpuArena& arena, const std::vector<std::vector<Call>>& per_rank,
     TIDE_PLAN_CHECK(arena.shared_memory(), "run_cpu: processes mode needs a shared-memory arena");
     for (int r = 0; r < N; ++r)
       for (const auto& call : per_rank[r])
-        TIDE_PLAN_CHECK(!call.gen, "run_cpu: rank ", r, " runs a generated program, which runs in threads "
+        TIDE_PLAN_CHECK(!call.generator, "run_cpu: rank ", r, " runs a generated program, which runs in threads "
                         "mode only (processes=false)");
     // [Note: process bounce buffers] Children inherit user inputs copy-on-write, but their writes
     // to user buffers would stay private, so every user buffer the programs write is bounced

@@ -83,7 +83,7 @@ struct ArenaView {
 // recording the first failure in view.shared(). per_rank and bindings are indexed by rank and
 // hold every rank (other ranks' programs name producers in timeout messages).
 void step_ranks(const ArenaView& view, const std::vector<std::vector<Call>>& per_rank,
-                std::vector<RankBindings>& bindings, const ExecOptions& opt, int lo, int hi);
+                std::vector<RankBindings>& bindings, const CpuRunOptions& opt, int lo, int hi);
 void rethrow_shared(CpuArena::Shared* sh);
 
 }  // namespace tide

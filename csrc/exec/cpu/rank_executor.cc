@@ -15,6 +15,7 @@
 
 #include "exec/cpu/internal.h"
 #include "tide/exec_cpu.h"
+#include "tide/program_index.h"
 
 namespace tide {
 
@@ -27,34 +28,15 @@ int kind_of(const std::string& name) {
   return -1;
 }
 
+ExecutorOptions checked(ExecutorOptions o) {
+  validate(o);
+  return o;
+}
+
 std::string region_names(const RegionTable& regions) {
   std::string s;
   for (const auto& kv : regions) s += (s.empty() ? "" : ", ") + kv.first;
   return s.empty() ? "none" : s;
-}
-
-// Every arena kind a program touches (its ops' buffer references), and the peers whose arenas
-// it writes.
-void used_kinds(const Program& pr, int64_t need[kNumBufKinds], bool* uses_counters, std::vector<int>* writes) {
-  auto note = [&](const BufRef& b) {
-    auto& n = need[static_cast<int>(b.kind)];
-    n = std::max(n, b.end());
-  };
-  auto wrote = [&](const BufRef& b) {
-    if (!is_user_buffer(b.kind) && b.rank != pr.rank &&
-        std::find(writes->begin(), writes->end(), b.rank) == writes->end())
-      writes->push_back(b.rank);
-  };
-  for (const Op& op : pr.ops) {
-    for (const auto& cd : op.copies) wrote(cd.dst);
-    if (op.kind == OpKind::kSum || op.kind == OpKind::kLand || op.kind == OpKind::kZero) wrote(op.dst);
-  }
-  for (const Op& op : pr.ops) {
-    for (const auto& cd : op.copies) { note(cd.src); note(cd.dst); }
-    for (const auto& t : op.terms) note(t.src);
-    if (op.kind == OpKind::kSum || op.kind == OpKind::kLand || op.kind == OpKind::kZero) note(op.dst);
-    if (op.counter.index >= 0) *uses_counters = true;
-  }
 }
 
 }  // namespace
@@ -81,8 +63,9 @@ ArenaSpec arena_layout_from(const RegionTable& regions, int64_t limit, const cha
 }
 
 RankExecutor::RankExecutor(int rank, const Topology& topo, const std::vector<std::string>& segment_names,
-                           int64_t segment_bytes, const RegionTable& regions, double timeout_s, bool fence)
-    : rank_(rank), topo_(topo), segment_bytes_(segment_bytes), timeout_s_(timeout_s), fence_(fence) {
+                           int64_t segment_bytes, const RegionTable& regions, const ExecutorOptions& opt,
+                           bool fence)
+    : rank_(rank), topo_(topo), segment_bytes_(segment_bytes), opt_(checked(with_debug_env(opt))), fence_(fence) {
   TIDE_PLAN_CHECK(static_cast<int>(segment_names.size()) == topo.world(), "RankExecutor: ",
                   segment_names.size(), " segments for ", topo.world(), " ranks (", topo.nodes, "x",
                   topo.gpus_per_node, ")");
@@ -119,8 +102,9 @@ RankExecutor::RankExecutor(int rank, const Topology& topo, const std::vector<std
 }
 
 RankExecutor::RankExecutor(int rank, const Topology& topo, const std::vector<uint8_t*>& segment_bases,
-                           int64_t segment_bytes, const RegionTable& regions, double timeout_s, bool fence)
-    : rank_(rank), topo_(topo), segment_bytes_(segment_bytes), timeout_s_(timeout_s), fence_(fence) {
+                           int64_t segment_bytes, const RegionTable& regions, const ExecutorOptions& opt,
+                           bool fence)
+    : rank_(rank), topo_(topo), segment_bytes_(segment_bytes), opt_(checked(with_debug_env(opt))), fence_(fence) {
   TIDE_PLAN_CHECK(static_cast<int>(segment_bases.size()) == topo.world(), "RankExecutor: ",
                   segment_bases.size(), " segments for ", topo.world(), " ranks");
   for (uint8_t* b : segment_bases) {
@@ -139,6 +123,12 @@ void RankExecutor::init(const RegionTable& regions) {
 
 RankExecutor::~RankExecutor() { unmap_all(); }
 
+void RankExecutor::set_timeout(double timeout_s) {
+  const double t = checked_timeout(timeout_s);
+  std::lock_guard<std::mutex> lock(mu_);
+  opt_.timeout_s = t;
+}
+
 void RankExecutor::unmap_all() {
   for (size_t i = 0; i < bases_.size(); ++i)
     if (owned_[i]) munmap(bases_[i], static_cast<size_t>(segment_bytes_));
@@ -146,8 +136,11 @@ void RankExecutor::unmap_all() {
   owned_.clear();
 }
 
-void RankExecutor::run(const std::vector<Program>& progs, int64_t seq, const RankBindings& bindings,
-                       bool use_program_layout, const std::vector<int>* ranks) {
+void RankExecutor::run(const ProgramSet& set, int64_t seq, const RankBindings& bindings,
+                       const std::vector<int>* ranks) {
+  set.require_built("RankExecutor.run");
+  const std::vector<Program>& progs = set.progs;
+  const bool use_program_layout = set.arena_bound;
   // The program set's ranks: every rank of the executor, or a sub-group (HSDP shard group) whose
   // group rank i is global rank (*ranks)[i]. Programs number ranks within their group.
   std::vector<int> members;
@@ -187,37 +180,9 @@ void RankExecutor::run(const std::vector<Program>& progs, int64_t seq, const Ran
                     ", +", view.spec.counters_bytes, ") other than this executor's [", layout_.counters_offset, ", +",
                     layout_.counters_bytes, ")");
   // Regions the program touches must exist and fit the segment; counters likewise.
-  int64_t need[kNumBufKinds];
-  std::fill(need, need + kNumBufKinds, int64_t{-1});
-  bool uses_counters = false;
-  std::vector<int> writes;
-  used_kinds(mine, need, &uses_counters, &writes);
-  for (int k = 4; k < kNumBufKinds; ++k) {
-    if (need[k] < 0) continue;
-    const char* name = buf_kind_name(static_cast<BufKind>(k));
-    if (view.spec.offset[k] < 0)
-      throw Error(TIDE_STR_CAT("RankExecutor: rank ", rank_, "'s program (group ", mine.group,
-                               ") uses arena region '", name, "', which the arena layout does not have"));
-    TIDE_PLAN_CHECK(view.spec.offset[k] + view.spec.bytes[k] <= segment_bytes_, "RankExecutor: region '", name,
-                    "' [", view.spec.offset[k], ", ", view.spec.offset[k] + view.spec.bytes[k],
-                    ") does not fit the ", segment_bytes_, "-byte segment");
-    if (need[k] > view.spec.bytes[k])
-      throw Error(TIDE_STR_CAT("RankExecutor: rank ", rank_, "'s program (group ", mine.group, ") addresses ",
-                               need[k], " bytes of arena region '", name, "', which has ", view.spec.bytes[k]));
-  }
-  if (uses_counters || (fence_ && !writes.empty())) {
-    if (view.spec.counters_offset < 0)
-      throw Error(TIDE_STR_CAT("RankExecutor: rank ", rank_, "'s program (group ", mine.group,
-                               ") uses arena region 'counters', which the arena layout does not have"));
-    TIDE_PLAN_CHECK(view.spec.counters_offset % 8 == 0 &&
-                        view.spec.counters_offset + view.spec.counters_bytes <= segment_bytes_,
-                    "RankExecutor: region 'counters' is misaligned or outside the segment");
-    const int64_t usable = view.num_counters() - (fence_ ? 1 : 0);
-    if (mine.num_counters > usable)
-      throw Error(TIDE_STR_CAT("RankExecutor: rank ", rank_, "'s program (group ", mine.group, ") uses ",
-                               mine.num_counters, " counters (counter_base included), region 'counters' holds ",
-                               usable, fence_ ? " (its last counter is the executor's entry fence)" : ""));
-  }
+  const std::shared_ptr<const ProgramIndex> index = set.index();
+  admit(progs, *index, me, view.spec, "RankExecutor", rank_, segment_bytes_, fence_);
+  const std::vector<int>& writes = index->use[static_cast<size_t>(me)].writes;
   // Every run bumps the fence (run numbers must agree across ranks), even one writing no peer.
   if (fence_ && view.spec.counters_offset >= 0 && view.num_counters() > 0)
     entry_fence(view, mine, seq, writes, members);
@@ -230,8 +195,8 @@ void RankExecutor::run(const std::vector<Program>& progs, int64_t seq, const Ran
   for (int r = 0; r < N; ++r) per_rank[static_cast<size_t>(r)].push_back({&progs[static_cast<size_t>(r)], seq});
   std::vector<RankBindings> b(static_cast<size_t>(N));
   b[static_cast<size_t>(me)] = bindings;
-  ExecOptions opt = exec_options_from_env();
-  opt.timeout_s = timeout_s_;
+  CpuRunOptions opt;
+  static_cast<ExecutorOptions&>(opt) = opt_;
   opt.verify_agreement = false;
   opt.peers_remote = true;
   step_ranks(view, per_rank, b, opt, me, me + 1);
@@ -255,9 +220,9 @@ void RankExecutor::entry_fence(const ArenaView& view, const Program& mine, int64
   for (int p : writes) {
     auto& c = view.counters(p)[idx];
     while (c.load(std::memory_order_acquire) < k) {
-      if (std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() > timeout_s_)
+      if (std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() > opt_.timeout_s)
         throw TimeoutError(TIDE_STR_CAT(
-            "TIDE timeout after ", timeout_s_, " s: rank ", rank_, " (node ", topo_.node_of(rank_), ", local ",
+            "TIDE timeout after ", opt_.timeout_s, " s: rank ", rank_, " (node ", topo_.node_of(rank_), ", local ",
             topo_.local_of(rank_), ") call seq ", seq, " group ", mine.group,
             ": entry fence (before op 0) waits for rank ", members[static_cast<size_t>(p)], " to start run #", k,
             " (it has started ", c.load(), "): rank ", members[static_cast<size_t>(p)],

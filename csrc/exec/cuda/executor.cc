@@ -159,43 +159,36 @@ ProgramTables::~ProgramTables() {
   }
 }
 
-std::unique_ptr<ProgramTables> make_program_tables(const std::vector<Program>& programs, std::vector<int> members,
-                                                   std::vector<char> local, const ArenaSpec& layout, int device) {
+std::unique_ptr<ProgramTables> make_program_tables(const std::vector<Program>& programs, const ProgramIndex& index,
+                                                   std::vector<int> members, std::vector<char> local,
+                                                   const ArenaSpec& layout, int device) {
   auto t = std::make_unique<ProgramTables>();
   const size_t n = programs.size();
-  TIDE_CHECK(members.size() == n && local.size() == n, "program tables: ", n, " programs, ", members.size(),
-             " members");
+  TIDE_CHECK(members.size() == n && local.size() == n && index.stream_ops.size() == n, "program tables: ", n,
+             " programs, ", members.size(), " members");
   t->members = std::move(members);
   t->local = std::move(local);
   t->layout = layout;
   t->device = device;
-  t->stream_ops.resize(n);
+  t->stream_ops = index.stream_ops;
   t->reduce.resize(n);
   t->producer.resize(n);
-  for (size_t r = 0; r < n; ++r) t->producer[r].assign(static_cast<size_t>(std::max(0, programs[r].num_counters)), -1);
+  for (size_t r = 0; r < n; ++r) {
+    t->producer[r].resize(index.producer[r].size());
+    for (size_t c = 0; c < index.producer[r].size(); ++c) t->producer[r][c] = index.producer[r][c].rank;
+  }
   std::vector<ReduceRun> table;
   std::vector<SumSegment> segs;
   for (size_t r = 0; r < n; ++r) {
+    if (!t->local[r]) continue;
     const Program& p = programs[r];
-    const size_t ns = std::max<size_t>(1, p.streams.size());
-    t->stream_ops[r].resize(ns);
-    if (t->local[r]) t->reduce[r].resize(p.ops.size());
+    t->reduce[r].resize(p.ops.size());
     for (size_t i = 0; i < p.ops.size(); ++i) {
       const Op& op = p.ops[i];
-      TIDE_PLAN_CHECK(op.stream < ns, "rank ", t->members[r], " op ", i, ": stream ", int(op.stream), " of ", ns);
-      t->stream_ops[r][op.stream].push_back(static_cast<int>(i));
-      if (op.counter.index >= 0)
-        TIDE_PLAN_CHECK(op.counter.rank >= 0 && static_cast<size_t>(op.counter.rank) < n &&
-                            op.counter.index < programs[static_cast<size_t>(op.counter.rank)].num_counters,
-                        "rank ", t->members[r], " op ", i, ": counter ", op.counter.index, " of rank ",
-                        op.counter.rank, " is outside the program set's counters");
-      if (!is_wait(op.kind) && op.counter.index >= 0)
-        t->producer[static_cast<size_t>(op.counter.rank)][static_cast<size_t>(op.counter.index)] = static_cast<int>(r);
-      if (t->local[r] && (op.kind == OpKind::kSum || op.kind == OpKind::kLand)) {
-        ReduceOpInfo& ro = t->reduce[r][i];
-        ro = build_run_table(programs, layout, static_cast<int>(r), static_cast<int>(i), table);
-        if (op.kind == OpKind::kSum) ro.level1 = level1_sum_shape(ro, table, segs);
-      }
+      if (op.kind != OpKind::kSum && op.kind != OpKind::kLand) continue;
+      ReduceOpInfo& ro = t->reduce[r][i];
+      ro = build_run_table(programs, layout, static_cast<int>(r), static_cast<int>(i), table);
+      if (op.kind == OpKind::kSum) ro.level1 = level1_sum_shape(ro, table, segs);
     }
   }
   if (!table.empty()) {
@@ -266,7 +259,11 @@ bool bumps(OpKind k) {
 void issue(const IssueContext& c, int rank, int i, int64_t seq) {
   const Op& op = prog(c, rank).ops[static_cast<size_t>(i)];
   const RankBuffers& b = (*c.buffers)[static_cast<size_t>(rank)];
-  const ExecOptions& opt = *c.opt;
+  const CudaRunOptions& opt = *c.opt;
+  const LaunchKnobs knobs = launch_knobs(opt);
+  const Program& pr = prog(c, rank);
+  const int sum_ctas = pr.sum_ctas > 0 ? pr.sum_ctas : kDefaultSumCtas;
+  const int land_ctas = pr.land_ctas > 0 ? pr.land_ctas : kDefaultLandCtas;
   cudaStream_t s = (*c.streams)[static_cast<size_t>(rank)][op.stream];
   auto bump = [&]() {
     uint64_t& sh = shadow(c, op.counter);
@@ -289,7 +286,8 @@ void issue(const IssueContext& c, int rank, int i, int64_t seq) {
       for (const CopyDesc& x : d) bytes += x.width * x.height;
       const int g = fabric_rank(c, rank);
       submit_copies(s, d.data(), d.size(),
-                    c.lanes ? c.lanes->for_op(g, op.stream, c.fabric->device_of(g), d.size(), bytes) : nullptr);
+                    c.lanes ? c.lanes->for_op(g, op.stream, c.fabric->device_of(g), d.size(), bytes) : nullptr,
+                    opt.copy_2d);
       if (op.kind == OpKind::kPut) bump();  // data first, then the bump
       break;
     }
@@ -328,7 +326,7 @@ void issue(const IssueContext& c, int rank, int i, int64_t seq) {
         sa.segs = c.tables->d_segs + l1.seg_offset;
         sa.n_segs = l1.n_segs;
         for (int p = 0; p < kMaxGradPtrs; ++p) sa.grad[p] = static_cast<const uint16_t*>(a.base[p]);
-        launch_sum(sa, opt.sum_ctas, s);
+        launch_sum(sa, sum_ctas, knobs, s);
         break;
       }
       a.runs = c.tables->d_runs + ro.table_offset;
@@ -338,7 +336,7 @@ void issue(const IssueContext& c, int rank, int i, int64_t seq) {
       a.land = op.kind == OpKind::kLand;
       a.accumulate = op.accumulate ? 1 : 0;
       a.alpha = op.alpha;
-      launch_reduce(a, op.kind == OpKind::kSum ? opt.sum_ctas : opt.land_ctas, s);
+      launch_reduce(a, op.kind == OpKind::kSum ? sum_ctas : land_ctas, knobs, s);
       break;
     }
     case OpKind::kZero: {
@@ -460,83 +458,178 @@ void issue_call(const IssueContext& c, int64_t seq) {
 }
 
 // ---- in-process executor ------------------------------------------------------------------------
-CudaExecutor::CudaExecutor(std::shared_ptr<fabric::Fabric> fabric, std::vector<Program> programs, ExecOptions opt)
-    : fabric_(std::move(fabric)), programs_(std::move(programs)), opt_(opt) {
+struct CudaExecutor::Entry {
+  const void* key = nullptr;
+  std::weak_ptr<const void> owner;
+  uint64_t version = 0;
+  std::unique_ptr<ProgramTables> tables;
+};
+
+CudaExecutor::CudaExecutor(std::shared_ptr<fabric::Fabric> fabric, const ExecutorOptions& opt)
+    : fabric_(std::move(fabric)), lanes_(opt) {
+  TIDE_PLAN_CHECK(fabric_ != nullptr, "CudaExecutor: no fabric");
+  static_cast<ExecutorOptions&>(opt_) = with_debug_env(opt);
+  validate(opt_);
+  lanes_ = CopyLaneTable(opt_);
   const int n = fabric_->world();
-  TIDE_PLAN_CHECK(static_cast<int>(programs_.size()) == n, "CudaExecutor: ", programs_.size(),
-                  " programs for a fabric of ", n, " ranks");
   TIDE_PLAN_CHECK(n <= kMaxSlots - kSlotArena0, "CudaExecutor: at most ", kMaxSlots - kSlotArena0, " ranks");
-  const Program& p0 = programs_[0];
   for (int r = 0; r < n; ++r) {
-    const Program& p = programs_[static_cast<size_t>(r)];
     TIDE_PLAN_CHECK(fabric_->is_local(r), "CudaExecutor: rank ", r, " is not in this process (use CudaRankExecutor)");
+    preload_kernels(fabric_->device_of(r));  // [Note: eager kernel loading]
+  }
+  watchdog_ = std::make_unique<Watchdog>(fabric_->device_of(0), opt_.timeout_s);
+  streams_.resize(static_cast<size_t>(n));
+  joined_.resize(static_cast<size_t>(n));
+  for (int r = 0; r < n; ++r) {
+    DeviceGuard guard(fabric_->device_of(r), "CudaExecutor: ");
+    for (auto* v : {&ready_, &done_}) {
+      cudaEvent_t e = nullptr;
+      TIDE_CHECK_CUDA(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "rank ", r, " handoff event");
+      v->push_back(e);
+    }
+  }
+}
+
+CudaExecutor::~CudaExecutor() {
+  for (size_t r = 0; r < streams_.size(); ++r) {
+    cudaSetDevice(fabric_->device_of(static_cast<int>(r)));
+    for (auto s : streams_[r]) cudaStreamSynchronize(s);  // stuck waits are released by the watchdog
+  }
+  watchdog_.reset();
+  cache_.clear();
+  for (size_t r = 0; r < streams_.size(); ++r) {
+    cudaSetDevice(fabric_->device_of(static_cast<int>(r)));
+    for (auto s : streams_[r]) cudaStreamDestroy(s);
+    for (auto e : joined_[r]) cudaEventDestroy(e);
+    cudaEventDestroy(ready_[r]);
+    cudaEventDestroy(done_[r]);
+  }
+}
+
+void CudaExecutor::ensure_streams(int rank, size_t n) {
+  auto& v = streams_[static_cast<size_t>(rank)];
+  if (v.size() >= n) return;
+  DeviceGuard guard(fabric_->device_of(rank), "CudaExecutor: ");
+  while (v.size() < n) {
+    // [Note: internal streams] one non-blocking stream per named program stream (caller,
+    // readiness, scatter, completion, ...): ordering between them is only what the program's
+    // waits and events say, exactly as on the CPU executor; the pool persists across calls.
+    cudaStream_t s = nullptr;
+    TIDE_CHECK_CUDA(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "rank ", rank, " stream");
+    v.push_back(s);
+    if (v.size() > 1) {
+      cudaEvent_t e = nullptr;
+      TIDE_CHECK_CUDA(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "rank ", rank, " join event");
+      joined_[static_cast<size_t>(rank)].push_back(e);
+    }
+  }
+}
+
+CudaExecutor::Entry& CudaExecutor::prepare(const std::shared_ptr<const ProgramSet>& sp) {
+  TIDE_PLAN_CHECK(sp != nullptr && !sp->progs.empty(), "CudaExecutor.run: empty program set");
+  sp->require_built("CudaExecutor.run");
+  auto stale = [&](const std::unique_ptr<Entry>& e) {
+    return e->owner.expired() || (e->key == sp.get() && e->version != sp->version);
+  };
+  if (std::any_of(cache_.begin(), cache_.end(), stale)) {
+    for (auto& rs : streams_)
+      for (auto s : rs) cudaStreamSynchronize(s);  // their run tables may still be read
+    cache_.erase(std::remove_if(cache_.begin(), cache_.end(), stale), cache_.end());
+  }
+  for (auto& e : cache_)
+    if (e->key == sp.get() && e->version == sp->version) return *e;
+
+  const std::vector<Program>& programs = sp->progs;
+  const int n = fabric_->world();
+  TIDE_PLAN_CHECK(static_cast<int>(programs.size()) == n, "CudaExecutor: ", programs.size(),
+                  " programs for a fabric of ", n, " ranks");
+  const Program& p0 = programs[0];
+  for (int r = 0; r < n; ++r) {
+    const Program& p = programs[static_cast<size_t>(r)];
     TIDE_PLAN_CHECK(p.version == kProgramIrVersion, "rank ", r, ": program IR version ", p.version);
     TIDE_PLAN_CHECK(p.rank == r, "program ", r, " is rank ", p.rank, "'s program");
     // All ranks must run the same plan and group, or the collective order is broken (I4).
     TIDE_PLAN_CHECK(p.plan_hash == p0.plan_hash && p.group == p0.group && p.collective == p0.collective,
                     "rank ", r, " runs plan ", p.plan_hash, " group ", p.group, " but rank 0 runs plan ",
                     p0.plan_hash, " group ", p0.group, " (inconsistent programs)");
-    TIDE_PLAN_CHECK(p.arena.total <= fabric_->arena_bytes(), "rank ", r, ": arena needs ", p.arena.total,
-                    " bytes, fabric has ", fabric_->arena_bytes());
-    TIDE_PLAN_CHECK(p.arena.counters_offset + 8ll * p.num_counters <= fabric_->arena_bytes(),
-                    "rank ", r, ": counters exceed the arena");
     for (int k = 0; k < kNumBufKinds; ++k)
       TIDE_PLAN_CHECK(p.arena.offset[k] == p0.arena.offset[k], "arena layouts differ on rank ", r);
   }
-  for (int r = 0; r < n; ++r) preload_kernels(fabric_->device_of(r));  // [Note: eager kernel loading]
-  watchdog_ = std::make_unique<Watchdog>(fabric_->device_of(0), opt_.timeout_s);
-  streams_.resize(static_cast<size_t>(n));
+  const std::shared_ptr<const ProgramIndex> index = sp->index();
+  for (int r = 0; r < n; ++r) admit(programs, *index, r, p0.arena, "CudaExecutor", r, fabric_->arena_bytes(), false);
+  auto e = std::make_unique<Entry>();
+  e->key = sp.get();
+  e->owner = sp;
+  e->version = sp->version;
   std::vector<int> members(static_cast<size_t>(n));
   for (int r = 0; r < n; ++r) {
     members[static_cast<size_t>(r)] = r;
-    const Program& p = programs_[static_cast<size_t>(r)];
-    TIDE_CHECK_CUDA(cudaSetDevice(fabric_->device_of(r)));
-    // [Note: internal streams] one non-blocking stream per named program stream (caller,
-    // readiness, scatter, completion, ...): ordering between them is only what the program's
-    // waits and events say, exactly as on the CPU executor.
-    streams_[r].resize(std::max<size_t>(1, p.streams.size()), nullptr);
-    for (auto& s : streams_[r]) TIDE_CHECK_CUDA(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
-    fabric_->issued(r, static_cast<size_t>(p.num_counters));
+    ensure_streams(r, std::max<size_t>(1, programs[static_cast<size_t>(r)].streams.size()));
+    fabric_->issued(r, static_cast<size_t>(programs[static_cast<size_t>(r)].num_counters));
   }
-  tables_ = make_program_tables(programs_, members, std::vector<char>(static_cast<size_t>(n), 1), p0.arena,
-                                fabric_->device_of(0));
-}
-
-CudaExecutor::~CudaExecutor() {
-  for (auto& rs : streams_)
-    for (auto s : rs) {
-      cudaStreamSynchronize(s);
-      cudaStreamDestroy(s);
-    }
-  watchdog_.reset();
-  tables_.reset();
+  DeviceGuard guard(fabric_->device_of(0), "CudaExecutor: ");
+  e->tables = make_program_tables(programs, *index, members, std::vector<char>(static_cast<size_t>(n), 1), p0.arena,
+                                  fabric_->device_of(0));
+  cache_.push_back(std::move(e));
+  return *cache_.back();
 }
 
 cudaStream_t CudaExecutor::stream(int rank, int s) const {
   return streams_.at(static_cast<size_t>(rank)).at(static_cast<size_t>(s));
 }
 
-uint64_t* CudaExecutor::counter_ptr(int rank, int index) const {
-  const Program& p = programs_.at(static_cast<size_t>(rank));
+uint64_t* CudaExecutor::counter_ptr(const ProgramSet& set, int rank, int index) const {
+  const Program& p = set.progs.at(static_cast<size_t>(rank));
   TIDE_CHECK(index >= 0 && index < p.num_counters, "counter ", index, " of rank ", rank);
   return reinterpret_cast<uint64_t*>(fabric_->arena(rank) + p.arena.counters_offset) + index;
+}
+
+void CudaExecutor::set_timeout(double timeout_s) {
+  const double t = checked_timeout(timeout_s);
+  std::lock_guard<std::mutex> lock(mu_);
+  opt_.timeout_s = t;
+  watchdog_->set_timeout(t);
 }
 
 void CudaExecutor::fail(const std::string& msg) {
   if (failed_.empty()) failed_ = msg;
 }
 
-void CudaExecutor::run(int64_t seq, const std::vector<RankBuffers>& buffers) {
+void CudaExecutor::run(const std::shared_ptr<const ProgramSet>& set, int64_t seq,
+                       const std::vector<RankBuffers>& buffers, const std::vector<cudaStream_t>& caller) {
+  std::lock_guard<std::mutex> lock(mu_);
   if (!failed_.empty()) throw Error("CudaExecutor failed earlier (fail-stop): " + failed_);
+  try {
+    watchdog_->check();  // a timeout seen since the last call
+  } catch (const TimeoutError& e) {
+    fail(e.what());
+    throw;
+  }
   const int n = fabric_->world();
-  TIDE_PLAN_CHECK(static_cast<int>(buffers.size()) == n, "run: ", buffers.size(), " buffer sets for ", n, " ranks");
-  TIDE_CHECK_CUDA(cudaSetDevice(fabric_->device_of(0)));
+  TIDE_PLAN_CHECK(seq >= 1, "CudaExecutor.run: seq must be >= 1, got ", seq);
+  TIDE_PLAN_CHECK(static_cast<int>(buffers.size()) == n, "CudaExecutor.run: ", buffers.size(),
+                  " buffer sets for ", n, " ranks");
+  TIDE_PLAN_CHECK(caller.empty() || static_cast<int>(caller.size()) == n, "CudaExecutor.run: ", caller.size(),
+                  " caller streams for ", n, " ranks");
+  DeviceGuard guard(fabric_->device_of(0), "CudaExecutor: ");
+  Entry& e = prepare(set);  // bad input stops here, before anything is enqueued
+  const std::vector<Program>& programs = set->progs;
+  auto ns = [&](int r) { return std::max<size_t>(1, programs[static_cast<size_t>(r)].streams.size()); };
+  // [Note: stream handoff] in: nothing of call `seq` before each caller stream got here.
+  for (int r = 0; r < n && !caller.empty(); ++r) {
+    TIDE_CHECK_CUDA(cudaSetDevice(fabric_->device_of(r)));
+    TIDE_CHECK_CUDA(cudaEventRecord(ready_[static_cast<size_t>(r)], caller[static_cast<size_t>(r)]),
+                    "rank ", r, ": recording the caller stream");
+    for (size_t s = 0; s < ns(r); ++s)
+      TIDE_CHECK_CUDA(cudaStreamWaitEvent(streams_[static_cast<size_t>(r)][s], ready_[static_cast<size_t>(r)], 0),
+                      "rank ", r, " stream ", s);
+  }
   if (opt_.stall_rank >= 0 && opt_.stall_rank < n && opt_.stall_s > 0)
     for (auto st : streams_[static_cast<size_t>(opt_.stall_rank)]) launch_stall(opt_.stall_s, st);
   IssueContext c;
   c.fabric = fabric_.get();
-  c.programs = &programs_;
-  c.tables = tables_.get();
+  c.programs = &programs;
+  c.tables = e.tables.get();
   c.opt = &opt_;
   c.watchdog = watchdog_.get();
   c.streams = &streams_;
@@ -545,18 +638,37 @@ void CudaExecutor::run(int64_t seq, const std::vector<RankBuffers>& buffers) {
   c.dead_rank = opt_.dead_rank;
   try {
     issue_call(c, seq);
-  } catch (const TimeoutError& e) {
-    fail(e.what());
+    // Out: every internal stream joins stream 0, the caller stream waits for stream 0.
+    for (int r = 0; r < n && !caller.empty(); ++r) {
+      TIDE_CHECK_CUDA(cudaSetDevice(fabric_->device_of(r)));
+      const auto& st = streams_[static_cast<size_t>(r)];
+      for (size_t s = 1; s < ns(r); ++s) {
+        cudaEvent_t j = joined_[static_cast<size_t>(r)][s - 1];
+        TIDE_CHECK_CUDA(cudaEventRecord(j, st[s]), "rank ", r, " stream ", s);
+        TIDE_CHECK_CUDA(cudaStreamWaitEvent(st[0], j, 0), "rank ", r, " stream ", s);
+      }
+      TIDE_CHECK_CUDA(cudaEventRecord(done_[static_cast<size_t>(r)], st[0]), "rank ", r, ": the call's completion");
+      TIDE_CHECK_CUDA(cudaStreamWaitEvent(caller[static_cast<size_t>(r)], done_[static_cast<size_t>(r)], 0),
+                      "rank ", r, ": the caller stream waiting for the call");
+    }
+  } catch (const TimeoutError& ex) {
+    fail(ex.what());
     for (auto& rs : streams_)
       for (auto st : rs) cudaStreamSynchronize(st);  // what was issued has its producers
     throw;
-  } catch (const std::exception& e) {
-    fail(e.what());
+  } catch (const std::exception& ex) {
+    fail(ex.what());
     throw;
+  }
+  if (opt_.sync_every_call) {
+    watchdog_->drain();
+    for (auto& rs : streams_)
+      for (auto st : rs) TIDE_CHECK_CUDA(cudaStreamSynchronize(st), "executor stream");
   }
 }
 
 void CudaExecutor::synchronize() {
+  std::lock_guard<std::mutex> lock(mu_);
   try {
     watchdog_->drain();
   } catch (const TimeoutError& e) {

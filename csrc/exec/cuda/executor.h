@@ -1,12 +1,11 @@
 // TIDE CUDA executor: runs the same Programs as the CPU executor (program.h) on CUDA streams.
 //
 // Contract
-//   - Construction ("registration"): takes one Program per rank of a fabric, checks that every
-//     rank runs the same plan and group (FaultKind::kOtherPlan is refused here), creates each
-//     rank's named streams (non-blocking), cuts every SUM/LAND into a run table and uploads all
-//     tables once. Nothing is allocated or uploaded per call after that.
-//   - run(seq, bindings): enqueues call `seq` of every rank and returns; user buffers are plain
-//     device pointers bound per call. synchronize() waits for the call (or throws).
+//   - Registration: a program set's first run checks that every rank runs the same plan and
+//     group (FaultKind::kOtherPlan is refused here), cuts every SUM/LAND into a run table and
+//     uploads all tables once (cached per set). Nothing is allocated or uploaded per call after.
+//   - run(set, seq, buffers): enqueues call `seq` and returns; user buffers are plain device
+//     pointers bound per call. synchronize() waits for what was enqueued (or throws).
 //   - Op mapping: COPY/PUT -> submit_copies (batched when eager); CAST/SUM/LAND/ZERO -> kernels;
 //     SIGNAL/CREDIT/PUT bumps and EVENT_RECORD -> cuStreamWriteValue64 of the counter's new
 //     absolute value (single producer per counter, so the host tracks it: "counter += v" is a
@@ -35,6 +34,7 @@
 #include <cuda_runtime_api.h>
 
 #include <map>
+#include <mutex>
 #include <memory>
 #include <string>
 #include <utility>
@@ -45,6 +45,8 @@
 #include "fabric/fabric.h"
 #include "fabric/inprocess.h"
 #include "tide/program.h"
+#include "tide/program_index.h"
+#include "tide/program_set.h"
 
 namespace tide::cuda {
 
@@ -58,18 +60,18 @@ struct RankBuffers {
   std::map<std::pair<int, int>, int64_t> bytes;  // bound sizes by (kind, index), where known
 };
 
-struct ExecOptions {
-  double timeout_s = 30.0;
-  int sum_ctas = 16;
-  int land_ctas = 4;
-  int cast_ctas = 32;
-  int zero_ctas = 8;
-  // Executor-level fault injection (tests): a dead rank issues nothing; a stalled rank's streams
-  // all sleep `stall_s` seconds before its first op.
+// What the issue path takes: the executor's options plus executor-level fault injection (tests):
+// a dead rank issues nothing; a stalled rank's streams all sleep `stall_s` seconds before its
+// first op. SUM/LAND budgets come from the programs (Program::sum_ctas / land_ctas).
+struct CudaRunOptions : ExecutorOptions {
   int dead_rank = -1;
   int stall_rank = -1;
   double stall_s = 0.0;
 };
+// The budget an op runs with: the program's, or kDefault*Ctas for a program that carries none
+// (a hand-written program set; builders always stamp the plan's).
+constexpr int kDefaultSumCtas = 16;
+constexpr int kDefaultLandCtas = 4;
 
 // [Note: Level-1 SUM on kernels.cu's SUM]
 // A SUM whose first T-1 terms are bf16 slices laid out like its destination (in every run, from
@@ -77,7 +79,7 @@ struct ExecOptions {
 // Level-1 node partial (paper §4.1: L-1 staged slices + the owner's own gradient). kernels.cu's
 // SUM takes exactly that operand shape with fewer live registers than REDUCE's general run walk
 // (5 against 4 words per term in flight at L = 8), so the executors run it for such ops:
-// 70B at a full grid 1.03-1.05x its byte floor against REDUCE's 1.09-1.13x (BENCHMARKS.md Run 37).
+// 70B at a full grid 1.03-1.05x its byte floor against REDUCE's 1.09-1.13x (BENCHMARKS.md).
 // Same association (staged slices in order, then the own term; an absent own term is skipped),
 // so the bits do not change. Every other SUM and every LAND runs REDUCE.
 struct Level1Sum {
@@ -126,8 +128,9 @@ struct ProgramTables {
   ProgramTables(const ProgramTables&) = delete;
   ProgramTables& operator=(const ProgramTables&) = delete;
 };
-std::unique_ptr<ProgramTables> make_program_tables(const std::vector<Program>& programs, std::vector<int> members,
-                                                   std::vector<char> local, const ArenaSpec& layout, int device);
+std::unique_ptr<ProgramTables> make_program_tables(const std::vector<Program>& programs, const ProgramIndex& index,
+                                                   std::vector<int> members, std::vector<char> local,
+                                                   const ArenaSpec& layout, int device);
 
 // Enqueues call `seq` of the local ranks of `t` in the global topological order ([Note: enqueue
 // order]). streams[r][s]: local rank r's CUDA stream for program stream s. dead_rank (a group
@@ -137,7 +140,7 @@ struct IssueContext {
   fabric::Fabric* fabric = nullptr;
   const std::vector<Program>* programs = nullptr;
   const ProgramTables* tables = nullptr;
-  const ExecOptions* opt = nullptr;
+  const CudaRunOptions* opt = nullptr;
   Watchdog* watchdog = nullptr;
   const std::vector<std::vector<cudaStream_t>>* streams = nullptr;
   const std::vector<RankBuffers>* buffers = nullptr;
@@ -150,31 +153,51 @@ void issue_call(const IssueContext& c, int64_t seq);
 std::string describe_op(const IssueContext& c, int rank, int op_index, int64_t seq);
 uint64_t* counter_address(const IssueContext& c, int rank, int index);
 
+// The in-process executor: every rank of a fabric whose ranks all live in this process (an
+// InProcessFabric: a virtual cluster on one GPU, or the XLA devices of one process).
+//   - run(set, seq, buffers, caller_streams) enqueues call `seq` of any program set of the
+//     fabric's ranks (sets of several groups and banks alternate over one executor). Each set
+//     is registered once (checked: every rank runs the same plan and group, kOtherPlan is
+//     refused; its layout fits the arena; run tables uploaded) and cached by identity and
+//     version, as CudaRankExecutor caches its sets.
+//   - Every rank's internal streams persist across calls and sets ([Note: internal streams]), so
+//     stream s of call e+1 queues behind stream s of call e whatever sets they run.
+//   - caller_streams[r] (empty: none) is rank r's caller stream: the call's streams wait for its
+//     prior work, and it waits for the whole call (every internal stream joined) — no host sync.
 class CudaExecutor {
  public:
-  CudaExecutor(std::shared_ptr<fabric::Fabric> fabric, std::vector<Program> programs, ExecOptions opt);
+  CudaExecutor(std::shared_ptr<fabric::Fabric> fabric, const ExecutorOptions& opt);
   ~CudaExecutor();
   CudaExecutor(const CudaExecutor&) = delete;
   CudaExecutor& operator=(const CudaExecutor&) = delete;
 
-  void run(int64_t seq, const std::vector<RankBuffers>& buffers);
+  void run(const std::shared_ptr<const ProgramSet>& set, int64_t seq, const std::vector<RankBuffers>& buffers,
+           const std::vector<cudaStream_t>& caller_streams = {});
   void synchronize();
+  int world() const { return fabric_->world(); }
   cudaStream_t stream(int rank, int s) const;
-  const Program& program(int rank) const { return programs_[static_cast<size_t>(rank)]; }
-  uint64_t* counter_ptr(int rank, int index) const;
-  ExecOptions& options() { return opt_; }
+  // Rank `rank`'s counter `index` in `set`'s layout (tests).
+  uint64_t* counter_ptr(const ProgramSet& set, int rank, int index) const;
+  CudaRunOptions& options() { return opt_; }  // fault injection (tests)
+  void set_timeout(double timeout_s);         // later waits' deadline
+  size_t cached_program_sets() const { return cache_.size(); }
 
  private:
+  struct Entry;
+  Entry& prepare(const std::shared_ptr<const ProgramSet>& set);
+  void ensure_streams(int rank, size_t n);
   void fail(const std::string& msg);
 
   std::shared_ptr<fabric::Fabric> fabric_;
-  std::vector<Program> programs_;
-  ExecOptions opt_;
-  std::vector<std::vector<cudaStream_t>> streams_;  // [rank][stream]
+  CudaRunOptions opt_;
+  std::vector<std::vector<cudaStream_t>> streams_;  // [rank][stream], grown as sets need
+  std::vector<std::vector<cudaEvent_t>> joined_;     // [rank][stream - 1]
+  std::vector<cudaEvent_t> ready_, done_;           // [rank]: caller -> call, call -> caller
   CopyLaneTable lanes_;
-  std::unique_ptr<ProgramTables> tables_;
+  std::vector<std::unique_ptr<Entry>> cache_;
   std::unique_ptr<Watchdog> watchdog_;
   std::string failed_;
+  std::mutex mu_;
 };
 
 }  // namespace tide::cuda

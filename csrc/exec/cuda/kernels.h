@@ -1,4 +1,5 @@
-// TIDE CUDA kernels: SUM, LAND, CAST, ZERO (paper §4.1, §4.2, §3.1).
+// TIDE CUDA kernels: SUM, REDUCE (every other SUM and every LAND), CAST, ZERO (paper §4.1, §4.2,
+// §3.1).
 //
 // Contract
 //   - Every launch takes an explicit stream and a CTA budget (`ctas`); kernels never poll peers,
@@ -8,8 +9,9 @@
 //   - Arithmetic is fp32 with explicit round-to-nearest adds/multiplies (__fadd_rn/__fmul_rn),
 //     so no FMA contraction changes bits. The association is fixed and documented per kernel;
 //     the CPU executor uses the same one, so both produce the same bytes.
-//   - bf16 is handled as raw uint16 bits: bf16 -> fp32 is exact (bits << 16); fp32 -> bf16 is
-//     round-to-nearest-even, NaN -> its top 16 bits with the quiet bit set (the CPU executor's).
+//   - bf16 is handled as raw uint16 bits through tide/numerics.h, the CPU executor's conversions.
+//   - Launch knobs (how a launch splits its elements, the full-grid rule) come from the
+//     executor's options (tide/exec_options.h) as LaunchKnobs; nothing here reads the environment.
 //   - All launches are graph-capturable and allocation-free. Host wrappers check the launch.
 #pragma once
 
@@ -19,15 +21,14 @@
 #include <string>
 #include <vector>
 
+#include "tide/exec_options.h"
+
 namespace tide::cuda {
 
 constexpr int kMaxStaged = 7;       // L - 1 staged slices, L <= 8
 constexpr int kMaxGradPtrs = 256;   // P <= 256 parameters per group
-constexpr int kMaxLandSrcs = 8;     // L inbox blocks per wave
-constexpr int kMaxLandJobs = 16;    // landing jobs (sub-slices) per launch
 constexpr int kMaxZeroRegions = 32; // stale blocks per launch
 constexpr int kSumThreads = 256;   // with sum_unroll() vectors per thread (kernels.cu)
-constexpr int kLandThreads = 512;
 constexpr int kCastThreads = 256;
 constexpr int kZeroThreads = 256;
 
@@ -53,22 +54,6 @@ struct SumArgs {
   int n_segs = 0;
   const SumSegment* segs = nullptr;                // device table (uploaded at registration)
   const uint16_t* grad[kMaxGradPtrs] = {};         // per-parameter bf16 gradient base pointers
-};
-
-// ---- LAND: inbox blocks -> fp32 output (Level 2) --------------------------------------------
-// For each job: t = ((src_0[k] + src_1[k]) + ... + src_{n_src-1}[k]);  v = alpha * t;
-//               dst[k] = accumulate ? dst[k] + v : v.   (the CPU executor's LAND)
-struct LandJob {
-  float* dst = nullptr;
-  const float* src[kMaxLandSrcs] = {};
-  int n_src = 0;
-  int64_t n = 0;
-};
-struct LandArgs {
-  LandJob jobs[kMaxLandJobs];
-  int n_jobs = 0;
-  float alpha = 1.0f;
-  int accumulate = 0;
 };
 
 // ---- ZERO: stale inbox blocks -----------------------------------------------------------------
@@ -115,51 +100,33 @@ struct ReduceArgs {
   int64_t n = 0;                    // elements covered by the runs (sum of len)
   const void* base[kMaxSlots] = {};
 };
-void launch_reduce(const ReduceArgs& a, int ctas, cudaStream_t stream);
+// The executor's options as a launch sees them.
+struct LaunchKnobs {
+  CtaSplit split = CtaSplit::kAuto;
+  FullGrid full_grid = FullGrid::kTiles;
+};
+inline LaunchKnobs launch_knobs(const ExecutorOptions& o) { return {o.cta_split, o.full_grid}; }
+void launch_reduce(const ReduceArgs& a, int ctas, const LaunchKnobs& knobs, cudaStream_t stream);
 
-// ---- SUM/REDUCE kernel variant (env TIDE_SUM_KERNEL, read at every launch) ------------------
-//   vec    : register-staged 16-byte loads (the default; BENCHMARKS.md Run 2)
-//   vec_l2 : vec plus the L2 bulk prefetch ahead of the loads (Run 4; opt-in, measured slower)
-//   bulk   : sm_90 warp-specialized bulk-copy pipeline (bulk.cu [Note: bulk pipeline]); runs
-//            as `vec` on a device below compute capability 9.0
-// All three produce the same bits (the association above). launch_sum and launch_reduce (SUM
-// and LAND) follow the knob; launch_land does not.
-enum class SumKernel : int { kVec = 0, kVecL2 = 1, kBulk = 2 };
-SumKernel sum_kernel_requested();          // unset/empty -> kVec; an unknown value is an error
-SumKernel sum_kernel_effective();          // the variant a launch on the current device runs
-const char* sum_kernel_name(SumKernel k);  // "vec", "vec_l2", "bulk"
-
-// ---- CTA work split of SUM, LAND and REDUCE (env TIDE_CTA_SPLIT, read at every launch) ---------
-// device.cuh [Note: CTA work split]: "auto" (default: tiles from kTilesMinCtas CTAs, ranges
-// below), "tiles" or "ranges"; same bits either way. An unknown value is an error naming the
-// variable.
-enum CtaSplit : int { kCtaAuto = -1, kCtaTiles = 0, kCtaRanges = 1 };
+// ---- CTA work split of SUM and REDUCE --------------------------------------------------------
+// device.cuh [Note: CTA work split]: CtaSplit::kAuto (tiles from kTilesMinCtas CTAs, ranges
+// below), kTiles or kRanges; same bits either way.
+constexpr int kSplitTiles = 0;   // what a launch runs (the kernels' `split` argument)
+constexpr int kSplitRanges = 1;
 constexpr int kTilesMinCtas = 32;
-CtaSplit cta_split();                  // as requested (kCtaAuto when unset)
-CtaSplit cta_split_for(int ctas);      // what a launch of `ctas` CTAs runs (never kCtaAuto)
+int split_for(int ctas, const LaunchKnobs& k);  // kSplitTiles or kSplitRanges for `ctas` CTAs
 
 // [Note: full grid]
 // A budget of at least one resident wave (SMs x resident CTAs per SM of the kernel) already
 // allows every SM; such a launch in tiles runs one short-lived CTA per tile instead of one wave
 // of CTAs that each loop over tiles, so the hardware block scheduler balances the tiles over the
-// SMs as they free up (as an elementwise torch kernel does). Measured on the H200 (BENCHMARKS.md
-// Run 34): the 70B LAND at 132 CTAs 1.25x its floor, one CTA per tile 1.10x; torch's scale of the
-// same bytes 1.07x. Smaller budgets, ranges and the bulk variant launch exactly `ctas` CTAs. Env
-// TIDE_FULL_GRID=tiles (default) | wave (one wave, the budget as given), read at every launch;
-// same bits either way.
-bool full_grid_tiles();
+// SMs as they free up (as an elementwise torch kernel does). Measured on the H200 (BENCHMARKS.md,
+// full grid): the 70B LAND at 132 CTAs 1.25x its floor, one CTA per tile 1.10x; torch's scale of the
+// same bytes 1.07x. Smaller budgets and ranges launch exactly `ctas` CTAs. FullGrid::kWave (an
+// executor option) launches one wave, the budget as given; same bits either way.
 // The grid a launch of `kernel` (`threads` per CTA) with budget `ctas` over `n` elements in
 // tiles of `tile` elements runs; `ctas` itself unless the note above applies.
-int grid_for(const void* kernel, int threads, int ctas, int64_t n, int64_t tile);
-
-// One-source overwrite LAND with 16 vectors per thread per tile (kernels.cu, land_vec) instead
-// of 8: env TIDE_LAND_DEEP=1 (default) | 0, read at every launch; same bits either way.
-bool land_deep();
-
-// bulk.cu: the warp-specialized variant (called by launch_sum / launch_reduce).
-bool bulk_supported();  // current device: cc >= 9.0 and the shared memory (opts every bulk kernel in)
-void launch_sum_bulk(const SumArgs& a, int ctas, cudaStream_t stream);
-void launch_reduce_bulk(const ReduceArgs& a, int ctas, cudaStream_t stream);
+int grid_for(const void* kernel, int threads, int ctas, int64_t n, int64_t tile, const LaunchKnobs& k);
 
 // Registers and local memory (spills + stack) of every SUM/REDUCE kernel instantiation, as the
 // driver reports them for the current device (cudaFuncGetAttributes).
@@ -175,27 +142,23 @@ std::vector<KernelAttrs> sum_kernel_attrs();
 // Under CUDA's lazy module loading (the default, and torch's), a kernel's first launch loads its
 // code. Rank 0 of tests/test_cuda_ipc.py's dead-peer case hung, about one run in six, inside
 // cuLaunchKernel at the first REDUCE launch of its first reduce-scatter, while one of its streams
-// was parked on an entry-fence WAIT and its watchdog sat idle (BENCHMARKS.md Run 23). Our reading:
+// was parked on an entry-fence WAIT and its watchdog sat idle (BENCHMARKS.md, the IPC hang). Our reading:
 // the load waits for the device, and the watchdog's release write queues behind that same wait.
 // Every executor therefore loads all of our kernels on its devices when it is created, before any
-// WAIT exists; the hang has not recurred since (16 runs, Runs 24-25).
+// WAIT exists; the hang has not recurred since (BENCHMARKS.md).
 void preload_kernels(int device);
 void append_reduce_kernel_attrs(std::vector<KernelAttrs>* out);  // reduce.cu
-void append_bulk_kernel_attrs(std::vector<KernelAttrs>* out);    // bulk.cu
 
-// CTAs of the vec SUM kernel (L-1 = n_staged), of LAND ("land", n_staged = its sources per job)
-// or of REDUCE ("reduce" / "reduce_fp32": n_staged = its bf16 / fp32 terms) resident on one SM at
-// once: SMs x this is a grid that fills the device in one wave.
+// CTAs of the SUM kernel (L-1 = n_staged) or of REDUCE ("reduce" / "reduce_fp32": n_staged = its
+// bf16 / fp32 terms) resident on one SM at once: SMs x this is a grid that fills the device in
+// one wave.
 int resident_ctas_per_sm(const std::string& kernel, int n_staged = 0);
 int reduce_resident_ctas_per_sm(int n_terms, bool fp32);  // reduce.cu
 // The occupancy API for one kernel of ours on the current device (return code checked).
 int resident_per_sm(const void* kernel, int threads);
-void launch_sum(const SumArgs& a, int ctas, cudaStream_t stream);
-void launch_land(const LandArgs& a, int ctas, cudaStream_t stream);
+void launch_sum(const SumArgs& a, int ctas, const LaunchKnobs& knobs, cudaStream_t stream);
 void launch_cast(uint16_t* dst, const float* src, int64_t n, int ctas, cudaStream_t stream);
 void launch_zero(const ZeroArgs& a, int ctas, cudaStream_t stream);
 
-// Host reference of the bf16 rounding the CAST kernel uses (for tests and the CPU side).
-uint16_t float_to_bf16_rne(float f);
 
 }  // namespace tide::cuda

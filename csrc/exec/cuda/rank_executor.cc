@@ -15,6 +15,7 @@ struct CudaRankExecutor::Entry {
   std::vector<int> members;
   bool program_layout = false;
   int me = -1;                       // this rank's group rank
+  std::shared_ptr<const ProgramIndex> index;
   std::unique_ptr<ProgramTables> tables;
   std::vector<int> writes;           // fabric ranks whose arenas this rank writes (entry fence)
   std::map<std::pair<int, int>, int64_t> needs;  // (user kind, index) -> bytes the program touches
@@ -22,14 +23,17 @@ struct CudaRankExecutor::Entry {
 };
 
 namespace {
-
-const char* region_name(BufKind k) { return buf_kind_name(k); }
-
+CudaRunOptions run_options(const ExecutorOptions& opt) {
+  CudaRunOptions o;
+  static_cast<ExecutorOptions&>(o) = with_debug_env(opt);
+  validate(o);
+  return o;
+}
 }  // namespace
 
 CudaRankExecutor::CudaRankExecutor(std::shared_ptr<fabric::Fabric> fabric, int rank, const Topology& topo,
-                                   const RegionTable& regions, ExecOptions opt, bool fence)
-    : fabric_(std::move(fabric)), rank_(rank), topo_(topo), opt_(opt), fence_(fence) {
+                                   const RegionTable& regions, const ExecutorOptions& opt, bool fence)
+    : fabric_(std::move(fabric)), rank_(rank), topo_(topo), opt_(run_options(opt)), fence_(fence), lanes_(opt_) {
   TIDE_PLAN_CHECK(fabric_ != nullptr, "CudaRankExecutor: no fabric");
   TIDE_PLAN_CHECK(topo.nodes >= 1 && topo.gpus_per_node >= 1 && topo.world() == fabric_->world(),
                   "CudaRankExecutor: a ", topo.nodes, "x", topo.gpus_per_node, " topology over a fabric of ",
@@ -38,8 +42,6 @@ CudaRankExecutor::CudaRankExecutor(std::shared_ptr<fabric::Fabric> fabric, int r
                   fabric_->world(), ")");
   TIDE_PLAN_CHECK(fabric_->is_local(rank) && fabric_->device_of(rank) >= 0, "CudaRankExecutor: rank ", rank,
                   "'s arena does not belong to this process's fabric");
-  TIDE_PLAN_CHECK(opt.timeout_s > 0, "CudaRankExecutor: timeout_s must be positive, got ", opt.timeout_s);
-  TIDE_PLAN_CHECK(opt.sum_ctas >= 1 && opt.land_ctas >= 1, "CudaRankExecutor: sum_ctas and land_ctas must be >= 1");
   have_layout_ = !regions.empty();
   if (have_layout_) layout_ = arena_layout_from(regions, fabric_->arena_bytes(), "CudaRankExecutor");
   device_ = fabric_->device_of(rank);
@@ -61,6 +63,13 @@ CudaRankExecutor::~CudaRankExecutor() {
     if (e) cudaEventDestroy(e);
 }
 
+void CudaRankExecutor::set_timeout(double timeout_s) {
+  const double t = checked_timeout(timeout_s);
+  std::lock_guard<std::mutex> lock(mu_);
+  opt_.timeout_s = t;
+  watchdog_->set_timeout(t);
+}
+
 void CudaRankExecutor::fail(const std::string& msg) {
   if (failed_.empty()) failed_ = msg;
 }
@@ -78,10 +87,12 @@ void CudaRankExecutor::ensure_streams(size_t n) {
   }
 }
 
-CudaRankExecutor::Entry& CudaRankExecutor::prepare(const std::shared_ptr<const std::vector<Program>>& sp,
-                                                   uint64_t version, bool program_layout,
+CudaRankExecutor::Entry& CudaRankExecutor::prepare(const std::shared_ptr<const ProgramSet>& sp,
                                                    const std::vector<int>& members) {
-  const std::vector<Program>& progs = *sp;
+  sp->require_built("CudaRankExecutor.run");
+  const std::vector<Program>& progs = sp->progs;
+  const uint64_t version = sp->version;
+  const bool program_layout = sp->arena_bound;
   // Stale: the set died, or was mutated in place (inject_fault) since it was prepared.
   auto stale = [&](const std::unique_ptr<Entry>& e) {
     return e->owner.expired() || (e->key == sp.get() && e->version != version);
@@ -104,6 +115,7 @@ CudaRankExecutor::Entry& CudaRankExecutor::prepare(const std::shared_ptr<const s
   e->version = version;
   e->members = members;
   e->program_layout = program_layout;
+  e->index = sp->index();
   for (int i = 0; i < N; ++i) {
     TIDE_PLAN_CHECK(members[i] >= 0 && members[i] < world(), "CudaRankExecutor.run: ranks[", i, "] = ", members[i],
                     " is outside [0, ", world(), ")");
@@ -139,70 +151,19 @@ CudaRankExecutor::Entry& CudaRankExecutor::prepare(const std::shared_ptr<const s
                     "CudaRankExecutor.run: the programs were bound to a 'counters' region [", layout.counters_offset,
                     ", +", layout.counters_bytes, ") other than this executor's [", layout_.counters_offset, ", +",
                     layout_.counters_bytes, ")");
-  // What this rank's program touches: arena regions (any rank), its own user buffers, the peers
-  // it writes into.
-  int64_t need[kNumBufKinds];
-  std::fill(need, need + kNumBufKinds, int64_t{-1});
-  bool uses_counters = false;
-  auto note = [&](const BufRef& b, bool write) {
-    const int k = static_cast<int>(b.kind);
-    TIDE_PLAN_CHECK(b.rank >= 0 && b.rank < N && k >= 0 && k < kNumBufKinds, "rank ", rank_,
-                    "'s program references buffer kind ", k, " of rank ", b.rank, " (", N, " ranks)");
-    if (is_user_buffer(b.kind)) {
-      TIDE_PLAN_CHECK(b.rank == e->me, "rank ", rank_, "'s program touches rank ", members[b.rank], "'s ",
-                      region_name(b.kind), " (the push rule: user buffers are rank-local)");
-      int64_t& n = e->needs[{k, b.kind == BufKind::kOut ? -1 : b.index}];
-      n = std::max(n, b.end());
-      return;
-    }
-    need[k] = std::max(need[k], b.end());
-    const int g = members[static_cast<size_t>(b.rank)];
-    if (write && g != rank_ && std::find(e->writes.begin(), e->writes.end(), g) == e->writes.end())
-      e->writes.push_back(g);
-  };
-  for (const Op& op : mine.ops) {
-    for (const auto& cd : op.copies) {
-      note(cd.src, false);
-      note(cd.dst, true);
-    }
-    for (const auto& t : op.terms) note(t.src, false);
-    if (op.kind == OpKind::kSum || op.kind == OpKind::kLand || op.kind == OpKind::kZero) note(op.dst, true);
-    if (op.counter.index >= 0) uses_counters = true;
-  }
-  for (int k = 4; k < kNumBufKinds; ++k) {
-    if (need[k] < 0) continue;
-    const char* name = region_name(static_cast<BufKind>(k));
-    if (layout.offset[k] < 0)
-      throw Error(TIDE_STR_CAT("CudaRankExecutor: rank ", rank_, "'s program (group ", mine.group,
-                               ") uses arena region '", name, "', which the arena layout does not have"));
-    TIDE_PLAN_CHECK(layout.offset[k] + layout.bytes[k] <= fabric_->arena_bytes(), "CudaRankExecutor: region '", name,
-                    "' [", layout.offset[k], ", ", layout.offset[k] + layout.bytes[k], ") does not fit the ",
-                    fabric_->arena_bytes(), "-byte arena");
-    if (need[k] > layout.bytes[k])
-      throw Error(TIDE_STR_CAT("CudaRankExecutor: rank ", rank_, "'s program (group ", mine.group, ") addresses ",
-                               need[k], " bytes of arena region '", name, "', which has ", layout.bytes[k]));
-  }
-  if (uses_counters || fence_) {
-    if (layout.counters_offset < 0 || layout.counters_bytes < 8)
-      throw Error(TIDE_STR_CAT("CudaRankExecutor: rank ", rank_, "'s program (group ", mine.group,
-                               ") uses arena region 'counters', which the arena layout does not have"));
-    TIDE_PLAN_CHECK(layout.counters_offset % 8 == 0 &&
-                        layout.counters_offset + layout.counters_bytes <= fabric_->arena_bytes(),
-                    "CudaRankExecutor: region 'counters' is misaligned or outside the ", fabric_->arena_bytes(),
-                    "-byte arena");
-    const int64_t slots = layout.counters_bytes / 8;
-    const int64_t usable = slots - (fence_ ? 1 : 0);
-    for (const Program& p : progs)
-      if (p.num_counters > usable)
-        throw Error(TIDE_STR_CAT("CudaRankExecutor: rank ", members[static_cast<size_t>(p.rank)], "'s program (group ",
-                                 p.group, ") uses ", p.num_counters, " counters (counter_base included), region "
-                                 "'counters' holds ", usable, fence_ ? " (its last counter is the executor's entry fence)" : ""));
-    e->fence_index = slots - 1;
-  }
+  // What this rank's program touches (the set's index), admitted onto the layout.
+  const ProgramIndex& index = *e->index;
+  admit(progs, index, e->me, layout, "CudaRankExecutor", rank_, fabric_->arena_bytes(), fence_);
+  if (fence_ && (layout.counters_offset < 0 || layout.counters_bytes < 8))
+    throw Error(TIDE_STR_CAT("CudaRankExecutor: rank ", rank_, "'s program (group ", mine.group,
+                             ") uses arena region 'counters', which the arena layout does not have"));
+  e->needs = index.use[static_cast<size_t>(e->me)].user_end;
+  for (int g : index.use[static_cast<size_t>(e->me)].writes) e->writes.push_back(members[static_cast<size_t>(g)]);
+  if (fence_) e->fence_index = layout.counters_bytes / 8 - 1;
   std::vector<char> local(static_cast<size_t>(N), 0);
   local[static_cast<size_t>(e->me)] = 1;
   TIDE_CHECK_CUDA(cudaSetDevice(device_));
-  e->tables = make_program_tables(progs, members, std::move(local), layout, device_);
+  e->tables = make_program_tables(progs, index, members, std::move(local), layout, device_);
   cache_.push_back(std::move(e));
   return *cache_.back();
 }
@@ -253,9 +214,8 @@ void CudaRankExecutor::fence(const Entry& e, int64_t seq, const std::vector<Prog
   }
 }
 
-void CudaRankExecutor::run(const std::shared_ptr<const std::vector<Program>>& progs, uint64_t version,
-                           bool program_layout, int64_t seq, const RankBuffers& buffers, cudaStream_t caller,
-                           const std::vector<int>* ranks) {
+void CudaRankExecutor::run(const std::shared_ptr<const ProgramSet>& set, int64_t seq, const RankBuffers& buffers,
+                           cudaStream_t caller, const std::vector<int>* ranks) {
   std::lock_guard<std::mutex> lock(mu_);
   if (!failed_.empty()) throw Error("CudaRankExecutor failed earlier (fail-stop): " + failed_);
   try {
@@ -264,7 +224,8 @@ void CudaRankExecutor::run(const std::shared_ptr<const std::vector<Program>>& pr
     fail(e.what());
     throw;
   }
-  TIDE_PLAN_CHECK(progs != nullptr && !progs->empty(), "CudaRankExecutor.run: empty program set");
+  TIDE_PLAN_CHECK(set != nullptr && !set->progs.empty(), "CudaRankExecutor.run: empty program set");
+  const std::vector<Program>* progs = &set->progs;
   TIDE_PLAN_CHECK(seq >= 1, "CudaRankExecutor.run: seq must be >= 1, got ", seq);
   std::vector<int> members;
   if (ranks) {
@@ -274,7 +235,7 @@ void CudaRankExecutor::run(const std::shared_ptr<const std::vector<Program>>& pr
   }
   DeviceGuard device(device_);
   // Bad input stops here, before anything is enqueued (the executor stays usable).
-  Entry& e = prepare(progs, version, program_layout, members);
+  Entry& e = prepare(set, members);
   check_buffers(e, buffers);
   for (int g : e.members)
     TIDE_PLAN_CHECK(fabric_->arena(g) != nullptr, "CudaRankExecutor.run: rank ", g,
@@ -289,7 +250,7 @@ void CudaRankExecutor::run(const std::shared_ptr<const std::vector<Program>>& pr
   bufs[static_cast<size_t>(e.me)] = buffers;
   IssueContext c;
   c.fabric = fabric_.get();
-  c.programs = progs.get();
+  c.programs = progs;
   c.tables = e.tables.get();
   c.opt = &opt_;
   c.watchdog = watchdog_.get();
@@ -323,6 +284,14 @@ void CudaRankExecutor::run(const std::shared_ptr<const std::vector<Program>>& pr
   }
   try {
     join(true);
+    if (opt_.sync_every_call) {  // debug: every call completes (or names its stuck wait) before run returns
+      watchdog_->drain();
+      for (auto s : streams_) TIDE_CHECK_CUDA(cudaStreamSynchronize(s), "rank ", rank_, " call seq ", seq);
+    }
+  } catch (const TimeoutError& ex) {
+    fail(ex.what());
+    for (auto s : streams_) cudaStreamSynchronize(s);  // released waits let the streams drain
+    throw;
   } catch (const std::exception& ex) {
     fail(ex.what());
     throw;

@@ -41,6 +41,7 @@
 #include "fabric/fabric.h"
 #include "tide/exec_cpu.h"
 #include "tide/program.h"
+#include "tide/program_set.h"
 
 namespace tide::cuda {
 
@@ -48,18 +49,18 @@ class CudaRankExecutor {
  public:
   // regions empty: every program set uses its own arena layout.
   CudaRankExecutor(std::shared_ptr<fabric::Fabric> fabric, int rank, const Topology& topo, const RegionTable& regions,
-                   ExecOptions opt, bool fence = true);
+                   const ExecutorOptions& opt, bool fence = true);
   ~CudaRankExecutor();
   CudaRankExecutor(const CudaRankExecutor&) = delete;
   CudaRankExecutor& operator=(const CudaRankExecutor&) = delete;
 
-  // progs: a program set (one Program per group rank); the shared_ptr's identity and `version`
-  // key the cache. program_layout: the set was built with arena= (its layout is the caller's).
-  // buffers: this rank's user buffers. ranks: a sub-group's fabric ranks (nullptr: every rank).
-  void run(const std::shared_ptr<const std::vector<Program>>& progs, uint64_t version, bool program_layout,
-           int64_t seq,
-           const RankBuffers& buffers, cudaStream_t caller_stream, const std::vector<int>* ranks = nullptr);
+  // set: one Program per group rank; its identity and version key the cache; a set built with
+  // arena= (arena_bound) uses its own layout. buffers: this rank's user buffers. ranks: a
+  // sub-group's fabric ranks (nullptr: every rank).
+  void run(const std::shared_ptr<const ProgramSet>& set, int64_t seq, const RankBuffers& buffers,
+           cudaStream_t caller_stream, const std::vector<int>* ranks = nullptr);
   void synchronize();
+  void set_timeout(double timeout_s);  // later waits' deadline
   int rank() const { return rank_; }
   int world() const { return fabric_->world(); }
   size_t cached_program_sets() const { return cache_.size(); }
@@ -67,8 +68,7 @@ class CudaRankExecutor {
 
  private:
   struct Entry;
-  Entry& prepare(const std::shared_ptr<const std::vector<Program>>& progs, uint64_t version, bool program_layout,
-                 const std::vector<int>& members);
+  Entry& prepare(const std::shared_ptr<const ProgramSet>& set, const std::vector<int>& members);
   void check_buffers(const Entry& e, const RankBuffers& b) const;
   void fence(const Entry& e, int64_t seq, const std::vector<Program>& progs);
   void fail(const std::string& msg);
@@ -79,7 +79,7 @@ class CudaRankExecutor {
   Topology topo_;
   ArenaSpec layout_;
   bool have_layout_;
-  ExecOptions opt_;
+  CudaRunOptions opt_;
   bool fence_;
   int device_;
   uint64_t runs_ = 0;  // runs enqueued (the entry fence's "started run #k")

@@ -5,8 +5,6 @@
 // a piecewise own term). Programs may cut terms differently (valid extents, spares, several
 // pieces per term), so the executor runs this run-table kernel, which takes any term shape with
 // the same per-CTA work split and 16-byte loads. Both start from the association in kernels.h.
-// TIDE_SUM_KERNEL picks this kernel (`vec`), it with the L2 prefetch (`vec_l2`) or the bulk
-// pipeline of bulk.cu (`bulk`); kernels.h.
 #include <cuda_runtime.h>
 
 #include <string>
@@ -41,8 +39,8 @@ constexpr int kV = 8;  // elements per vector step of the generic body (and the 
 enum Pattern : int { kAllBf16 = 0, kAllF32 = 1, kMixed = 2 };
 
 // 16-byte words per term per thread per dense iteration: ~128 registers of loaded words at most,
-// 1..16. At L = 8 all bf16 that is 256 threads x 4 x 8 x 16 B = 128 KiB in flight per CTA. The cap
-// was 4 until Run 31: a one-term fp32 LAND then kept 16 KiB in flight per CTA and ran at half
+// 1..16. At L = 8 all bf16 that is 256 threads x 4 x 8 x 16 B = 128 KiB in flight per CTA. A cap
+// of 4 words was measured too shallow: a one-term fp32 LAND then kept 16 KiB in flight per CTA and ran at half
 // kernels.cu's LAND (37 GB/s per CTA at 4 CTAs, 1.58x its floor at a full grid); few terms now
 // unroll deeper (one fp32 term with its accumulate operand: 10 words).
 __host__ __device__ constexpr int dense_unroll(int words) {
@@ -81,20 +79,6 @@ __device__ __forceinline__ bool term_fp32(const ReduceArgs& a, int i) {
   return P == kAllF32 ? true : (P == kAllBf16 ? false : ((a.fp32_terms >> i) & 1) != 0);
 }
 
-// vec_l2 only: thread i < T prefetches term i's `span` elements from element `first` of the body.
-template <int T, int P>
-__device__ __forceinline__ void prefetch_terms(const ReduceArgs& a, const char* const (&p)[T], int64_t first,
-                                               int64_t span) {
-  const int i = static_cast<int>(threadIdx.x);
-  if (i >= T || span <= 0) return;
-#pragma unroll
-  for (int t = 0; t < T; ++t)
-    if (t == i && p[t]) {
-      const int64_t size = term_fp32<T, P>(a, t) ? 4 : 2;
-      device::l2_prefetch(p[t] + first * size, span * size);
-    }
-}
-
 // Words per term per thread of one dense iteration (dense_body): all fp32 hoists the accumulate
 // operand, so its budget counts two extra words (old value, addresses); 11-12 terms take one word
 // (ptxas -v: no spills).
@@ -107,7 +91,7 @@ __host__ __device__ constexpr int dense_words() {
 // aligned); nw 16-byte words per term, E elements per word.
 template <int T, int P>
 __device__ __forceinline__ void dense_body(const ReduceArgs& a, const char* const (&p)[T], int64_t bv,
-                                           int64_t nw, int l2) {
+                                           int64_t nw) {
   constexpr int E = P == kAllF32 ? 4 : 8;
   // LAND over fp32 inbox terms loads the accumulate operand with the terms; an all-bf16 LAND
   // with accumulate (no program emits one) loads it after them. All fp32: the budget counts two
@@ -122,11 +106,7 @@ __device__ __forceinline__ void dense_body(const ReduceArgs& a, const char* cons
 #pragma unroll
   for (int i = 0; i < T; ++i) q[i] = reinterpret_cast<const uint4*>(p[i]) + threadIdx.x;
   float4* d = reinterpret_cast<float4*>(a.dst + bv) + threadIdx.x * (E / 4);
-  const int dist = device::prefetch_dist();
-  if (l2)
-    for (int dd = 0; dd < dist; ++dd) prefetch_terms<T, P>(a, p, dd * kStep * E, min(kStep, nw - dd * kStep) * E);
-  for (int64_t w0 = threadIdx.x, it = 0; w0 < nw; w0 += kStep, ++it) {
-    if (l2) prefetch_terms<T, P>(a, p, (it + dist) * kStep * E, min(kStep, nw - (it + dist) * kStep) * E);
+  for (int64_t w0 = threadIdx.x; w0 < nw; w0 += kStep) {
     uint4 x[T][U];
     float4 old[U];
 #pragma unroll
@@ -170,18 +150,10 @@ __device__ __forceinline__ void dense_body(const ReduceArgs& a, const char* cons
 // p[i] = term i at element bv or nullptr (absent).
 template <int T, int P>
 __device__ __forceinline__ void generic_body(const ReduceArgs& a, const char* const (&p)[T], int64_t bv,
-                                             int64_t nv, int l2) {
+                                             int64_t nv) {
   constexpr int G = P == kAllBf16 ? 8 : 4;  // terms whose loads are issued together
   const bool acc = a.land && a.accumulate;
-  const int64_t chunk = static_cast<int64_t>(blockDim.x) * kV;  // elements per iteration
-  const int dist = device::prefetch_dist();
-  if (l2)
-    for (int d = 0; d < dist; ++d) prefetch_terms<T, P>(a, p, d * chunk, min(chunk, nv * kV - d * chunk));
   for (int64_t v = threadIdx.x; v < nv; v += blockDim.x) {
-    if (l2) {
-      const int64_t first = ((v - threadIdx.x) / blockDim.x + dist) * chunk;
-      prefetch_terms<T, P>(a, p, first, min(chunk, nv * kV - first));
-    }
     const int64_t k = bv + v * kV;
     const uint4* dv = reinterpret_cast<const uint4*>(a.dst + k);  // stand-in for absent terms
     // Selects, not branches, below: a branch per term would let nvcc schedule the next term's
@@ -240,7 +212,7 @@ __device__ __forceinline__ void generic_body(const ReduceArgs& a, const char* co
 
 // REDUCE over elements [begin, end) of dst (one CTA piece: a tile or a range).
 template <int T, int P>
-__device__ __forceinline__ void reduce_piece(const ReduceArgs& a, int64_t begin, int64_t end, int l2) {
+__device__ __forceinline__ void reduce_piece(const ReduceArgs& a, int64_t begin, int64_t end) {
   int lo = 0, hi = a.n_runs - 1;
   while (lo < hi) {
     const int mid = (lo + hi) >> 1;
@@ -269,9 +241,9 @@ __device__ __forceinline__ void reduce_piece(const ReduceArgs& a, int64_t begin,
       const int64_t nv = (e - bv) / kV;
       b_tail = bv + nv * kV;
       if (dense)
-        dense_body<T, P>(a, pv, bv, nv * kV / (P == kAllF32 ? 4 : 8), l2);
+        dense_body<T, P>(a, pv, bv, nv * kV / (P == kAllF32 ? 4 : 8));
       else
-        generic_body<T, P>(a, pv, bv, nv, l2);
+        generic_body<T, P>(a, pv, bv, nv);
     }
     const int64_t head_end = vec ? bv : b;  // scalar head [b, bv) when the body was vectorised
     for (int64_t k0 = threadIdx.x; k0 < (head_end - b) + (e - b_tail); k0 += blockDim.x) {
@@ -299,28 +271,27 @@ constexpr int64_t reduce_tile() {
 }
 
 template <int T, int P>
-__global__ void __launch_bounds__(kReduceThreads, 1) reduce_kernel(const __grid_constant__ ReduceArgs a, int l2,
-                                                                   int split) {
-  device::for_each_piece(a.n, kV, reduce_tile<T, P>(), split == kCtaRanges,
-                         [&](int64_t b, int64_t e) { reduce_piece<T, P>(a, b, e, l2); });
+__global__ void __launch_bounds__(kReduceThreads, 1) reduce_kernel(const __grid_constant__ ReduceArgs a, int split) {
+  device::for_each_piece(a.n, kV, reduce_tile<T, P>(), split == kSplitRanges,
+                         [&](int64_t b, int64_t e) { reduce_piece<T, P>(a, b, e); });
 }
 
 template <int T, int P>
-void launch_tp(const ReduceArgs& a, int ctas, int l2, cudaStream_t s) {
+void launch_tp(const ReduceArgs& a, int ctas, const LaunchKnobs& k, cudaStream_t s) {
   const int grid = grid_for(reinterpret_cast<const void*>(reduce_kernel<T, P>), kReduceThreads, ctas, a.n,
-                            reduce_tile<T, P>());
-  reduce_kernel<T, P><<<grid, kReduceThreads, 0, s>>>(a, l2, cta_split_for(grid));
+                            reduce_tile<T, P>(), k);
+  reduce_kernel<T, P><<<grid, kReduceThreads, 0, s>>>(a, split_for(grid, k));
 }
 
 template <int T>
-void launch_t(const ReduceArgs& a, int ctas, int l2, cudaStream_t s) {
+void launch_t(const ReduceArgs& a, int ctas, const LaunchKnobs& k, cudaStream_t s) {
   const uint32_t all = (1u << T) - 1u, f32 = a.fp32_terms & all;
   if (f32 == 0)
-    launch_tp<T, kAllBf16>(a, ctas, l2, s);
+    launch_tp<T, kAllBf16>(a, ctas, k, s);
   else if (f32 == all)
-    launch_tp<T, kAllF32>(a, ctas, l2, s);
+    launch_tp<T, kAllF32>(a, ctas, k, s);
   else
-    launch_tp<T, kMixed>(a, ctas, l2, s);
+    launch_tp<T, kMixed>(a, ctas, k, s);
 }
 
 template <int... I>
@@ -362,31 +333,25 @@ void append_reduce_kernel_attrs(std::vector<KernelAttrs>* out) {
   reduce_attrs(std::make_integer_sequence<int, kMaxTerms>{}, out);
 }
 
-void launch_reduce(const ReduceArgs& a, int ctas, cudaStream_t stream) {
+void launch_reduce(const ReduceArgs& a, int ctas, const LaunchKnobs& knobs, cudaStream_t stream) {
   TIDE_CHECK(a.n_terms >= 1 && a.n_terms <= kMaxTerms, "REDUCE n_terms=", a.n_terms);
   TIDE_CHECK(a.n == 0 || (a.dst && a.runs && a.n_runs > 0), "REDUCE needs dst and runs");
   if (a.n == 0) return;
-  const SumKernel variant = sum_kernel_effective();
-  if (variant == SumKernel::kBulk) {
-    launch_reduce_bulk(a, ctas, stream);
-    return;
-  }
-  const int l2 = variant == SumKernel::kVecL2 ? 1 : 0;
   int64_t need = (a.n / kV + kReduceThreads) / kReduceThreads;
   const int c = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(ctas > 0 ? ctas : 1, need)));
   switch (a.n_terms) {
-    case 1: launch_t<1>(a, c, l2, stream); break;
-    case 2: launch_t<2>(a, c, l2, stream); break;
-    case 3: launch_t<3>(a, c, l2, stream); break;
-    case 4: launch_t<4>(a, c, l2, stream); break;
-    case 5: launch_t<5>(a, c, l2, stream); break;
-    case 6: launch_t<6>(a, c, l2, stream); break;
-    case 7: launch_t<7>(a, c, l2, stream); break;
-    case 8: launch_t<8>(a, c, l2, stream); break;
-    case 9: launch_t<9>(a, c, l2, stream); break;
-    case 10: launch_t<10>(a, c, l2, stream); break;
-    case 11: launch_t<11>(a, c, l2, stream); break;
-    default: launch_t<12>(a, c, l2, stream); break;
+    case 1: launch_t<1>(a, c, knobs, stream); break;
+    case 2: launch_t<2>(a, c, knobs, stream); break;
+    case 3: launch_t<3>(a, c, knobs, stream); break;
+    case 4: launch_t<4>(a, c, knobs, stream); break;
+    case 5: launch_t<5>(a, c, knobs, stream); break;
+    case 6: launch_t<6>(a, c, knobs, stream); break;
+    case 7: launch_t<7>(a, c, knobs, stream); break;
+    case 8: launch_t<8>(a, c, knobs, stream); break;
+    case 9: launch_t<9>(a, c, knobs, stream); break;
+    case 10: launch_t<10>(a, c, knobs, stream); break;
+    case 11: launch_t<11>(a, c, knobs, stream); break;
+    default: launch_t<12>(a, c, knobs, stream); break;
   }
   TIDE_CHECK_CUDA(cudaGetLastError(), "launching REDUCE");
 }

@@ -95,21 +95,14 @@ bool stream_is_capturing(cudaStream_t stream) {
   return st != cudaStreamCaptureStatusNone;
 }
 
-bool copy_2d_batched() {
-  const char* e = std::getenv("TIDE_COPY_2D");
-  if (!e || !*e || std::strcmp(e, "batch") == 0) return true;
-  TIDE_PLAN_CHECK(std::strcmp(e, "per_copy") == 0, "TIDE_COPY_2D must be 'batch' or 'per_copy', got '", e, "'");
-  return false;
-}
-
-void submit_copies(cudaStream_t stream, const CopyDesc* d, size_t n) {
+void submit_copies(cudaStream_t stream, const CopyDesc* d, size_t n, Copy2D mode) {
   if (n == 0) return;
   const bool capturing = stream_is_capturing(stream);
   // The batch APIs refuse (and on some drivers crash on) the legacy NULL stream and the
   // per-thread default stream, and cannot be captured: those get per-copy calls.
   const bool default_stream = stream == nullptr || stream == cudaStreamLegacy || stream == cudaStreamPerThread;
   const bool batch = !capturing && !default_stream;
-  const bool batch_2d = batch && copy_2d_batched();
+  const bool batch_2d = batch && mode == Copy2D::kBatch;
   std::vector<void*> dsts;
   std::vector<const void*> srcs;
   std::vector<size_t> sizes;
@@ -162,26 +155,8 @@ void submit_copies(cudaStream_t stream, const CopyDesc* d, size_t n) {
 }
 
 // ---- copy lanes ---------------------------------------------------------------------------------
-int copy_lanes_default() {
-  const char* e = std::getenv("TIDE_COPY_LANES");
-  if (!e || !*e) return 4;
-  char* end = nullptr;
-  const long v = std::strtol(e, &end, 10);
-  TIDE_PLAN_CHECK(end && *end == '\0' && v >= 1 && v <= 8, "TIDE_COPY_LANES must be an integer in [1, 8], got '",
-                  e, "'");
-  return static_cast<int>(v);
-}
-
-size_t copy_spread_bytes_default() {
-  const char* e = std::getenv("TIDE_COPY_SPREAD_BYTES");
-  if (!e || !*e) return size_t{8} << 20;
-  char* end = nullptr;
-  const long long v = std::strtoll(e, &end, 10);
-  TIDE_PLAN_CHECK(end && *end == '\0' && v >= 0, "TIDE_COPY_SPREAD_BYTES must be a byte count >= 0, got '", e, "'");
-  return static_cast<size_t>(v);
-}
-
-CopyLanes::CopyLanes(int device, int n, size_t spread_bytes) : device_(device), spread_bytes_(spread_bytes) {
+CopyLanes::CopyLanes(int device, int n, size_t spread_bytes, Copy2D mode)
+    : device_(device), spread_bytes_(spread_bytes), mode_(mode) {
   TIDE_CHECK(n >= 2, "copy lanes: ", n, " (need at least 2)");
   DeviceGuard guard(device, "copy lanes: ");
   try {
@@ -234,23 +209,23 @@ void CopyLanes::submit(cudaStream_t origin, const CopyDesc* d, size_t n) {
   for (size_t l = 0; l < k; ++l) {
     if (part[l].empty()) continue;
     TIDE_CHECK_CUDA(cudaStreamWaitEvent(lanes_[l], fork_, 0), "copy lane ", l, ": fork");
-    submit_copies(lanes_[l], part[l].data(), part[l].size());
+    submit_copies(lanes_[l], part[l].data(), part[l].size(), mode_);
     TIDE_CHECK_CUDA(cudaEventRecord(join_[l], lanes_[l]), "copy lane ", l, ": join");
     TIDE_CHECK_CUDA(cudaStreamWaitEvent(origin, join_[l], 0), "copy lane ", l, ": join");
   }
 }
 
-void submit_copies(cudaStream_t stream, const CopyDesc* d, size_t n, CopyLanes* lanes) {
+void submit_copies(cudaStream_t stream, const CopyDesc* d, size_t n, CopyLanes* lanes, Copy2D mode) {
   size_t total = 0;
   for (size_t i = 0; i < n; ++i) total += d[i].width * d[i].height;
   if (lanes && n >= 2 && total >= lanes->spread_bytes()) lanes->submit(stream, d, n);
-  else submit_copies(stream, d, n);
+  else submit_copies(stream, d, n, mode);
 }
 
 CopyLanes* CopyLaneTable::for_op(int rank, int stream, int device, size_t n, size_t bytes) {
   if (lanes_ <= 1 || n < 2 || bytes < spread_bytes_) return nullptr;
   auto& slot = table_[{rank, stream}];
-  if (!slot) slot = std::make_unique<CopyLanes>(device, lanes_, spread_bytes_);
+  if (!slot) slot = std::make_unique<CopyLanes>(device, lanes_, spread_bytes_, mode_);
   return slot.get();
 }
 

@@ -25,6 +25,9 @@
 #include <thread>
 #include <vector>
 
+#include "tide/cuda.h"
+#include "tide/exec_options.h"
+
 namespace tide::cuda {
 
 // ---- driver entry points ---------------------------------------------------------------------
@@ -38,10 +41,7 @@ struct DriverApi {
 const DriverApi& driver();  // resolved on first use; throws tide::Error when unavailable
 void check_cu(CUresult r, const char* what);
 
-// The multicast gate (ARCHITECTURE.md, Safety): true only when TIDE_ENABLE_MULTICAST=1 AND the
-// driver reports MULTICAST_SUPPORTED AND NCCL_NVLS_ENABLE != 0 (and set) AND
-// TORCH_SYMM_MEM_DISABLE_MULTICAST is unset. Querying the attribute is safe.
-bool multicast_allowed(int device);
+// multicast_allowed(device): the multicast gate, declared in tide/cuda.h.
 
 // ---- signals, credits, waits (stream memory operations) -------------------------------------
 struct WaitSpec {
@@ -66,13 +66,12 @@ struct CopyDesc {
 };
 // Eager: the 1-D copies go in one cudaMemcpyBatchAsync (CUDA 13 signature) with attributes
 // {srcAccessOrder = Stream, PreferOverlapWithCompute}; the 2-D copies in one cudaMemcpy3DBatchAsync
-// (depth 1, same attributes), or per copy through cudaMemcpy2DAsync with TIDE_COPY_2D=per_copy.
+// (depth 1, same attributes), or per copy through cudaMemcpy2DAsync with Copy2D::kPerCopy.
 // (A strided copy stays one descriptor: its rows as batched 1-D copies ran 2x slower on one H200,
-// the batch paying a fixed cost per descriptor, BENCHMARKS Run 15.) Under graph capture and on the
+// the batch paying a fixed cost per descriptor; BENCHMARKS.md.) Under graph capture and on the
 // default streams every copy is its own call (batches cannot be captured). Copies inside one call
 // are unordered with each other (callers never put dependent copies in one call).
-bool copy_2d_batched();  // TIDE_COPY_2D=batch (default) | per_copy, read at every call
-void submit_copies(cudaStream_t stream, const CopyDesc* d, size_t n);
+void submit_copies(cudaStream_t stream, const CopyDesc* d, size_t n, Copy2D mode = Copy2D::kBatch);
 bool stream_is_capturing(cudaStream_t stream);
 
 // ---- copy lanes --------------------------------------------------------------------------------
@@ -84,12 +83,10 @@ bool stream_is_capturing(cudaStream_t stream);
 // streams would queue one stream's copies behind another's and could deadlock on cross waits.
 // Copies go to the least-loaded lane, largest first; ops under the spread threshold stay on the
 // issuing stream (each lane costs two event calls on the host).
-int copy_lanes_default();            // TIDE_COPY_LANES (1..8), else 4
-size_t copy_spread_bytes_default();  // TIDE_COPY_SPREAD_BYTES (tests use 0), else 8 MiB
-
+// Lanes, the spread threshold and the 2-D copy mode are executor options (tide/exec_options.h).
 class CopyLanes {
  public:
-  CopyLanes(int device, int n, size_t spread_bytes = copy_spread_bytes_default());
+  CopyLanes(int device, int n, size_t spread_bytes, Copy2D mode = Copy2D::kBatch);
   ~CopyLanes();
   CopyLanes(const CopyLanes&) = delete;
   CopyLanes& operator=(const CopyLanes&) = delete;
@@ -102,44 +99,36 @@ class CopyLanes {
   void release() noexcept;
   int device_;
   size_t spread_bytes_;
+  Copy2D mode_;
   std::vector<cudaStream_t> lanes_;
   cudaEvent_t fork_ = nullptr;
   std::vector<cudaEvent_t> join_;
 };
 // submit_copies through `lanes` when there are any and the op moves >= lanes->spread_bytes().
-void submit_copies(cudaStream_t stream, const CopyDesc* d, size_t n, CopyLanes* lanes);
+void submit_copies(cudaStream_t stream, const CopyDesc* d, size_t n, CopyLanes* lanes, Copy2D mode);
 
 // Lanes per (rank, program stream), created by the first op that spreads (n >= 2 copies moving
 // >= the spread threshold), so an executor whose ops are all small creates no extra stream;
 // lanes <= 1 gives none.
 class CopyLaneTable {
  public:
-  explicit CopyLaneTable(int lanes = copy_lanes_default(), size_t spread_bytes = copy_spread_bytes_default())
-      : lanes_(lanes), spread_bytes_(spread_bytes) {}
+  CopyLaneTable(int lanes, size_t spread_bytes, Copy2D mode) : lanes_(lanes), spread_bytes_(spread_bytes), mode_(mode) {}
+  explicit CopyLaneTable(const ExecutorOptions& o)
+      : CopyLaneTable(o.copy_lanes, static_cast<size_t>(o.copy_spread_bytes), o.copy_2d) {}
   // The lanes for an op of `n` copies moving `bytes` from (rank, stream), or null: keep it on
   // its stream.
   CopyLanes* for_op(int rank, int stream, int device, size_t n, size_t bytes);
   int lanes() const { return lanes_; }
+  Copy2D mode() const { return mode_; }
 
  private:
   int lanes_;
   size_t spread_bytes_;
+  Copy2D mode_;
   std::map<std::pair<int, int>, std::unique_ptr<CopyLanes>> table_;
 };
 
-// ---- current device ------------------------------------------------------------------------------
-// Sets `device` for a scope and restores the caller's current device on exit (torch and JAX keep
-// their own notion of it). `who` prefixes the error when the device cannot be set.
-class DeviceGuard {
- public:
-  explicit DeviceGuard(int device, const char* who = "");
-  ~DeviceGuard();
-  DeviceGuard(const DeviceGuard&) = delete;
-  DeviceGuard& operator=(const DeviceGuard&) = delete;
-
- private:
-  int prev_ = -1;
-};
+// DeviceGuard (the current device for a scope): tide/cuda.h.
 
 // ---- internal stream pool --------------------------------------------------------------------
 // [Note: internal streams]

@@ -1,4 +1,4 @@
-// Native stack dump on a signal (debugging hangs on machines without gdb; tools/gpu/hang.sh).
+// Native stack dump on a signal (debugging hangs on machines without gdb; tools/gpu/hang.py).
 // install_stack_dump(sig): the thread the signal lands on (the main thread for a process-
 // directed signal it does not block) writes its backtrace to stderr, then forwards the signal
 // once to every registered thread (the watchdogs), which write theirs. Best effort: backtrace()

@@ -19,12 +19,12 @@
 //     between delivery and consumption is reported naming both ops).
 //   - Bounds: every BufRef is checked against its bound user buffer / arena region; user
 //     buffers of another rank are refused (the push rule).
-//   - TIDE_DEBUG=1 (read by exec_options_from_env(), not cached) traces every op per rank to
+//   - ExecutorOptions::trace (TIDE_DEBUG=1 through with_debug_env()) traces every op per rank to
 //     stderr.
-//   - Generated calls (Call::gen, [Note: generated programs] in program.h) run in threads mode
+//   - Generated calls (Call::generator, [Note: generated programs] in program.h) run in threads mode
 //     only: each stream emits its next step when its current one is done, so a rank holds one
 //     step per stream, not its program. Their timeouts name rank, stream and the op's position
-//     in its stream; producers come from ProgramGen::producer (no op tables to scan) and PUTs
+//     in its stream; producers come from ProgramGenerator::producer (no op tables to scan) and PUTs
 //     are not checksummed.
 #pragma once
 
@@ -36,7 +36,9 @@
 #include <utility>
 #include <vector>
 
+#include "tide/exec_options.h"
 #include "tide/program.h"
+#include "tide/program_set.h"
 
 namespace tide {
 
@@ -52,10 +54,8 @@ struct RankBindings {
   void bind(BufKind kind, int index, void* data, int64_t bytes);
 };
 
-struct ExecOptions {
-  double timeout_s = 30.0;
-  bool trace = false;   // TIDE_DEBUG=1
-  int workers = 0;      // threads mode: worker threads (0: min(ranks, 4))
+// What run_cpu / step_ranks take: the executor's options plus the run's own switches.
+struct CpuRunOptions : ExecutorOptions {
   bool processes = false;
   bool verify_agreement = true;  // host check that ranks agree on (group, seq, plan) order first
                                  // (off in tests: a disagreement must then time out, named)
@@ -68,7 +68,6 @@ struct ExecOptions {
   int64_t dead_op = 0;
   bool peers_remote = false;  // RankExecutor: peers' blocked waits are not visible (messages)
 };
-ExecOptions exec_options_from_env();
 
 class CpuArena {
  public:
@@ -104,7 +103,7 @@ class CpuArena {
 // Runs per_rank[r] (rank r's calls, in order) on `arena`. bindings[r] are rank r's user
 // buffers for every call of this run. Throws TimeoutError / Error (see the contract).
 void run_cpu(CpuArena& arena, const std::vector<std::vector<Call>>& per_rank,
-             std::vector<RankBindings>& bindings, const ExecOptions& opt);
+             std::vector<RankBindings>& bindings, const CpuRunOptions& opt);
 
 // ---------------------------------------------------------------------------------------------
 // Ranks as separate processes                                [csrc/exec/cpu/rank_executor.cc]
@@ -136,22 +135,22 @@ ArenaSpec arena_layout_from(const RegionTable& regions, int64_t limit, const cha
 class RankExecutor {
  public:
   RankExecutor(int rank, const Topology& topo, const std::vector<std::string>& segment_names,
-               int64_t segment_bytes, const RegionTable& regions, double timeout_s, bool fence = true);
+               int64_t segment_bytes, const RegionTable& regions, const ExecutorOptions& opt, bool fence = true);
   RankExecutor(int rank, const Topology& topo, const std::vector<uint8_t*>& segment_bases,
-               int64_t segment_bytes, const RegionTable& regions, double timeout_s, bool fence = true);
+               int64_t segment_bytes, const RegionTable& regions, const ExecutorOptions& opt, bool fence = true);
   ~RankExecutor();
   RankExecutor(const RankExecutor&) = delete;
   RankExecutor& operator=(const RankExecutor&) = delete;
 
   int rank() const { return rank_; }
   int world() const { return static_cast<int>(bases_.size()); }
+  void set_timeout(double timeout_s);  // later runs' deadline (a validated ExecutorOptions::timeout_s)
   uint8_t* segment(int r) const { return bases_.at(static_cast<size_t>(r)); }
-  // progs: one Program per rank (a program set); only progs[rank] runs. use_program_layout:
-  // take the region layout from progs[rank].arena (programs bound with bind_programs_to_arena)
-  // instead of the executor's `regions`.
+  // set: one Program per group rank; only this rank's runs. A set built with arena= (arena_bound)
+  // takes its region layout from its programs instead of the executor's `regions`.
   // ranks: a sub-group's global ranks (group rank i = (*ranks)[i]; nullptr: every rank).
-  void run(const std::vector<Program>& progs, int64_t seq, const RankBindings& bindings,
-           bool use_program_layout = false, const std::vector<int>* ranks = nullptr);
+  void run(const ProgramSet& set, int64_t seq, const RankBindings& bindings,
+           const std::vector<int>* ranks = nullptr);
 
  private:
   void init(const RegionTable& regions);
@@ -161,7 +160,7 @@ class RankExecutor {
   int rank_;
   Topology topo_;
   int64_t segment_bytes_;
-  double timeout_s_;
+  ExecutorOptions opt_;
   bool fence_;
   std::vector<uint8_t*> bases_;
   std::vector<bool> owned_;  // mapped here (munmap at destruction)

@@ -413,6 +413,9 @@ Plan make_plan(const GroupSignature& sig, const Topology& topo, const Options& o
 
 // Per-file builders composed by make_plan (declared here so each lives in its own file).
 void validate_inputs(const GroupSignature& sig, const Topology& topo, const Options& opt);
+// The signature's own checks (non-empty group, positive extents, addressable size at `world`
+// ranks); validate_inputs runs them too.
+void validate_signature(const GroupSignature& sig, int world);
 SolverResult solve(const GroupLayout& layout, const Topology& topo, const Options& opt,
                    const Calibration& cal);
 AgSchedule build_ag_schedule(const GroupLayout& layout, const GroupSignature& sig,

@@ -47,7 +47,9 @@
 // only (new enum values appended, new fields with defaults appended to structs). Change log:
 //   v1 — initial IR (BufKind, BufRef, CopyDesc, SumTerm, Op, Program, Expect, ArenaSpec).
 //        Op::deadline_s (per-wait deadline) added before first merge.
-//   v1+ — ProgramGen and Call::gen (programs generated while they run; CPU executor only).
+//   v1+ — ProgramGenerator and Call::generator (programs generated while they run; CPU executor only).
+//   v1+ — Program::sum_ctas / land_ctas: the CTA budgets of the program's SUM and LAND ops (the
+//        plan's solver, Eqs. 13-14, stamped by the RS builders; a session may override them).
 #pragma once
 
 #include <cstdint>
@@ -231,17 +233,19 @@ struct Program {
   // Bound user buffer sizes (bytes) by kind and index, so executors and the checker can bound
   // every access: user_buffer_bytes[kind][index + 1] (index -1 -> slot 0).
   std::vector<std::vector<int64_t>> user_buffer_bytes = std::vector<std::vector<int64_t>>(4);
+  int32_t sum_ctas = 0;               // CTA budget of every SUM op (0: the executor's default)
+  int32_t land_ctas = 0;              // CTA budget of every LAND op (0: the executor's default)
 };
 
 // [Note: generated programs] A program set too large to hold (e.g. TIDE-RS at 1024 x 8: ~50K
 // ops per rank) can be generated while it runs: the Program is then a header (streams, counters,
-// arena, user buffers; no ops, no expects) and a ProgramGen yields each stream's ops in steps,
+// arena, user buffers; no ops, no expects) and a ProgramGenerator yields each stream's ops in steps,
 // in stream order, exactly the ops the built program holds for that stream. Only the CPU
 // executor runs such calls (threads mode); the checker and the CUDA executor need built ops.
 // An op's index in messages is then its position in its stream.
-class ProgramGen {
+class ProgramGenerator {
  public:
-  virtual ~ProgramGen() = default;
+  virtual ~ProgramGenerator() = default;
   virtual int steps(int rank, int stream) const = 0;
   // Appends step `step` of `stream` of rank `rank`'s program to `out`.
   virtual void emit(int rank, int stream, int step, std::vector<Op>& out) const = 0;
@@ -258,7 +262,7 @@ class ProgramGen {
 struct Call {
   const Program* program = nullptr;
   int64_t seq = 1;
-  const ProgramGen* gen = nullptr;  // set: `program` is a header, its ops come from gen
+  const ProgramGenerator* generator = nullptr;  // set: `program` is a header, its ops come from it
 };
 
 // ---------------------------------------------------------------------------------------------

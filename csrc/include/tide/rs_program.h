@@ -79,9 +79,9 @@ int64_t rs_expert_inbox_bytes(const Plan& plan);  // 2 generations x 7 slots of 
 // land in T + 1 (one per wave, then the final record). build_rs_program concatenates exactly
 // these steps, so a generated program is the built one, op for op. Holds `plan` (shared). Not
 // for the expert lane (build_rs_expert_program; opt.expert_lane is ignored here, as there).
-class RsProgramGen final : public ProgramGen {
+class RsProgramGenerator final : public ProgramGenerator {
  public:
-  RsProgramGen(std::shared_ptr<const Plan> plan, const RsCallOptions& opt);
+  RsProgramGenerator(std::shared_ptr<const Plan> plan, const RsCallOptions& opt);
   // A rank's Program without ops and expects (counter_names off: no per-rank name table).
   Program header(int rank, bool counter_names = true) const;
   int steps(int rank, int stream) const override;

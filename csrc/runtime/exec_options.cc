@@ -1,0 +1,144 @@
+// Executor options and their debug overrides (contract in tide/exec_options.h). This file is the
+// only place TIDE's executors read the environment.
+#include "tide/exec_options.h"
+
+#include <cerrno>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <utility>
+#include <vector>
+
+#include "tide/errors.h"
+
+namespace tide {
+
+const char* cta_split_name(CtaSplit s) {
+  return s == CtaSplit::kTiles ? "tiles" : s == CtaSplit::kRanges ? "ranges" : "auto";
+}
+const char* full_grid_name(FullGrid g) { return g == FullGrid::kWave ? "wave" : "tiles"; }
+const char* copy_2d_name(Copy2D c) { return c == Copy2D::kPerCopy ? "per_copy" : "batch"; }
+
+void validate(const ExecutorOptions& o) {
+  TIDE_PLAN_CHECK(std::isfinite(o.timeout_s) && o.timeout_s > 0 && o.timeout_s <= 1e6,
+                  "ExecutorOptions.timeout_s: expected a finite number of seconds in (0, 1e6], got ", o.timeout_s);
+  TIDE_PLAN_CHECK(o.cast_ctas >= 1 && o.cast_ctas <= 4096, "ExecutorOptions.cast_ctas: expected 1..4096, got ",
+                  o.cast_ctas);
+  TIDE_PLAN_CHECK(o.zero_ctas >= 1 && o.zero_ctas <= 4096, "ExecutorOptions.zero_ctas: expected 1..4096, got ",
+                  o.zero_ctas);
+  TIDE_PLAN_CHECK(o.copy_lanes >= 1 && o.copy_lanes <= 8, "ExecutorOptions.copy_lanes: expected 1..8, got ",
+                  o.copy_lanes);
+  TIDE_PLAN_CHECK(o.copy_spread_bytes >= 0, "ExecutorOptions.copy_spread_bytes: expected >= 0, got ",
+                  o.copy_spread_bytes);
+  TIDE_PLAN_CHECK(o.workers >= 0 && o.workers <= 1024, "ExecutorOptions.workers: expected 0..1024, got ", o.workers);
+  TIDE_PLAN_CHECK(o.cta_split == CtaSplit::kAuto || o.cta_split == CtaSplit::kTiles || o.cta_split == CtaSplit::kRanges,
+                  "ExecutorOptions.cta_split: unknown value ", static_cast<int>(o.cta_split));
+  TIDE_PLAN_CHECK(o.full_grid == FullGrid::kTiles || o.full_grid == FullGrid::kWave,
+                  "ExecutorOptions.full_grid: unknown value ", static_cast<int>(o.full_grid));
+  TIDE_PLAN_CHECK(o.copy_2d == Copy2D::kBatch || o.copy_2d == Copy2D::kPerCopy,
+                  "ExecutorOptions.copy_2d: unknown value ", static_cast<int>(o.copy_2d));
+}
+
+namespace {
+
+int64_t parse_int(const std::string& v, const std::string& where) {
+  errno = 0;
+  char* end = nullptr;
+  const long long x = std::strtoll(v.c_str(), &end, 10);
+  TIDE_PLAN_CHECK(!v.empty() && end && *end == '\0' && errno == 0, where, ": '", v, "' is not an integer");
+  return x;
+}
+
+bool parse_bool(const std::string& v, const std::string& where) {
+  if (v == "1" || v == "true") return true;
+  TIDE_PLAN_CHECK(v == "0" || v == "false", where, ": expected 0/1 or false/true, got '", v, "'");
+  return false;
+}
+
+template <typename E>
+E parse_enum(const std::string& v, const std::string& where, const std::vector<std::pair<const char*, E>>& names) {
+  std::string known;
+  for (const auto& [n, e] : names) {
+    if (v == n) return e;
+    known += (known.empty() ? "" : ", ") + std::string(n);
+  }
+  throw PlanError(TIDE_STR_CAT(where, ": expected one of ", known, ", got '", v, "'"));
+}
+
+}  // namespace
+
+void set_option(ExecutorOptions& o, const std::string& name, const std::string& value, const std::string& where) {
+  const std::string w = TIDE_STR_CAT(where, ": ", name);
+  if (name == "timeout_s") {
+    char* end = nullptr;
+    o.timeout_s = std::strtod(value.c_str(), &end);
+    TIDE_PLAN_CHECK(!value.empty() && end && *end == '\0', w, ": '", value, "' is not a number");
+  } else if (name == "cast_ctas") {
+    o.cast_ctas = static_cast<int>(parse_int(value, w));
+  } else if (name == "zero_ctas") {
+    o.zero_ctas = static_cast<int>(parse_int(value, w));
+  } else if (name == "cta_split") {
+    o.cta_split = parse_enum<CtaSplit>(value, w, {{"auto", CtaSplit::kAuto}, {"tiles", CtaSplit::kTiles},
+                                                  {"ranges", CtaSplit::kRanges}});
+  } else if (name == "full_grid") {
+    o.full_grid = parse_enum<FullGrid>(value, w, {{"tiles", FullGrid::kTiles}, {"wave", FullGrid::kWave}});
+  } else if (name == "copy_lanes") {
+    o.copy_lanes = static_cast<int>(parse_int(value, w));
+  } else if (name == "copy_spread_bytes") {
+    o.copy_spread_bytes = parse_int(value, w);
+  } else if (name == "copy_2d") {
+    o.copy_2d = parse_enum<Copy2D>(value, w, {{"batch", Copy2D::kBatch}, {"per_copy", Copy2D::kPerCopy}});
+  } else if (name == "sync_every_call") {
+    o.sync_every_call = parse_bool(value, w);
+  } else if (name == "trace") {
+    o.trace = parse_bool(value, w);
+  } else if (name == "workers") {
+    o.workers = static_cast<int>(parse_int(value, w));
+  } else {
+    throw PlanError(TIDE_STR_CAT(where, ": unknown field '", name, "' (fields: timeout_s, cast_ctas, zero_ctas, "
+                                 "cta_split, full_grid, copy_lanes, copy_spread_bytes, copy_2d, sync_every_call, "
+                                 "trace, workers)"));
+  }
+}
+
+std::string describe(const ExecutorOptions& o) {
+  return TIDE_STR_CAT("timeout_s=", o.timeout_s, ",cast_ctas=", o.cast_ctas, ",zero_ctas=", o.zero_ctas,
+                      ",cta_split=", cta_split_name(o.cta_split), ",full_grid=", full_grid_name(o.full_grid),
+                      ",copy_lanes=", o.copy_lanes, ",copy_spread_bytes=", o.copy_spread_bytes,
+                      ",copy_2d=", copy_2d_name(o.copy_2d), ",sync_every_call=", o.sync_every_call ? 1 : 0,
+                      ",trace=", o.trace ? 1 : 0, ",workers=", o.workers);
+}
+
+double checked_timeout(double timeout_s) {
+  ExecutorOptions o;
+  o.timeout_s = timeout_s;
+  validate(o);
+  return timeout_s;
+}
+
+ExecutorOptions with_debug_env(ExecutorOptions o) {
+  if (const char* dbg = std::getenv("TIDE_DEBUG"); dbg && *dbg && std::strcmp(dbg, "0") != 0) o.trace = true;
+  const char* env = std::getenv("TIDE_EXEC_OPTIONS");
+  if (env == nullptr || *env == '\0') return o;
+  const std::string s(env);
+  size_t at = 0;
+  while (at <= s.size()) {
+    const size_t comma = s.find(',', at);
+    const std::string item = s.substr(at, comma == std::string::npos ? std::string::npos : comma - at);
+    at = comma == std::string::npos ? s.size() + 1 : comma + 1;
+    if (item.empty()) continue;
+    const size_t eq = item.find('=');
+    TIDE_PLAN_CHECK(eq != std::string::npos && eq > 0, "TIDE_EXEC_OPTIONS: '", item,
+                    "' is not field=value (e.g. TIDE_EXEC_OPTIONS=cta_split=ranges,copy_lanes=1)");
+    set_option(o, item.substr(0, eq), item.substr(eq + 1), "TIDE_EXEC_OPTIONS");
+  }
+  try {
+    validate(o);
+  } catch (const PlanError& e) {
+    throw PlanError(TIDE_STR_CAT("TIDE_EXEC_OPTIONS='", s, "': ", e.what()));
+  }
+  return o;
+}
+
+}  // namespace tide

@@ -1,0 +1,88 @@
+// The CPU executors behind the call runtime (contract in tide/session.h).
+#include <algorithm>
+
+#include "tide/errors.h"
+#include "tide/session.h"
+
+namespace tide {
+
+namespace {
+
+std::vector<int> identity(int n) {
+  std::vector<int> v(static_cast<size_t>(n));
+  for (int i = 0; i < n; ++i) v[static_cast<size_t>(i)] = i;
+  return v;
+}
+
+CpuRunOptions cpu_run_options(const ExecutorOptions& opt, bool processes) {
+  CpuRunOptions o;
+  static_cast<ExecutorOptions&>(o) = with_debug_env(opt);
+  validate(o);
+  o.processes = processes;
+  return o;
+}
+
+}  // namespace
+
+RankBindings to_rank_bindings(const RankBindingList& l) {
+  RankBindings b;
+  for (const Binding& x : l) {
+    TIDE_PLAN_CHECK(is_user_buffer(x.kind), "bindings: ", buf_kind_name(x.kind), " is an arena region, not a user "
+                    "buffer");
+    TIDE_PLAN_CHECK(x.bytes >= 0, "bindings: ", buf_kind_name(x.kind), "[", x.index, "] has negative size ", x.bytes);
+    b.bind(x.kind, x.kind == BufKind::kOut ? -1 : x.index, x.data, x.bytes);
+  }
+  return b;
+}
+
+CpuClusterExecutor::CpuClusterExecutor(int world, const ArenaSpec& spec, bool processes, const ExecutorOptions& opt)
+    : arena_(world, spec, processes), opt_(cpu_run_options(opt, processes)) {}
+
+std::vector<int> CpuClusterExecutor::local_ranks() const { return identity(arena_.world()); }
+
+void CpuClusterExecutor::run(const std::shared_ptr<const ProgramSet>& set, int64_t seq, const std::vector<int>& members,
+                             const std::vector<RankBindingList>& buffers, const std::vector<uintptr_t>& streams) {
+  TIDE_PLAN_CHECK(set != nullptr && !set->progs.empty(), "CpuClusterExecutor.run: empty program set");
+  const int n = arena_.world();
+  TIDE_PLAN_CHECK(members.empty() || members == identity(n), "CpuClusterExecutor.run: a virtual cluster runs "
+                  "every rank's program (no sub-groups)");
+  TIDE_PLAN_CHECK(static_cast<int>(set->progs.size()) == n, "CpuClusterExecutor.run: a program set of ",
+                  set->progs.size(), " programs for ", n, " ranks");
+  TIDE_PLAN_CHECK(static_cast<int>(buffers.size()) == n, "CpuClusterExecutor.run: ", buffers.size(),
+                  " buffer lists for ", n, " ranks");
+  TIDE_PLAN_CHECK(set->progs[0].arena.total == arena_.spec().total, "CpuClusterExecutor.run: the programs' arena "
+                  "layout (", set->progs[0].arena.total, " bytes) differs from this arena's (", arena_.spec().total, ")");
+  (void)streams;
+  std::vector<std::vector<Call>> per_rank(static_cast<size_t>(n));
+  std::vector<RankBindings> b(static_cast<size_t>(n));
+  for (int r = 0; r < n; ++r) {
+    per_rank[static_cast<size_t>(r)].push_back({&set->progs[static_cast<size_t>(r)], seq, set->generator.get()});
+    b[static_cast<size_t>(r)] = to_rank_bindings(buffers[static_cast<size_t>(r)]);
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  run_cpu(arena_, per_rank, b, opt_);
+}
+
+void CpuClusterExecutor::set_timeout(double timeout_s) {
+  const double t = checked_timeout(timeout_s);
+  std::lock_guard<std::mutex> lock(mu_);
+  opt_.timeout_s = t;
+}
+
+void CpuRankExecutor::set_timeout(double timeout_s) { ex_->set_timeout(timeout_s); }
+
+CpuRankExecutor::CpuRankExecutor(std::shared_ptr<RankExecutor> ex, RegionTable regions)
+    : ex_(std::move(ex)), regions_(std::move(regions)) {
+  TIDE_PLAN_CHECK(ex_ != nullptr, "CpuRankExecutor: no RankExecutor");
+}
+
+void CpuRankExecutor::run(const std::shared_ptr<const ProgramSet>& set, int64_t seq, const std::vector<int>& members,
+                          const std::vector<RankBindingList>& buffers, const std::vector<uintptr_t>& streams) {
+  TIDE_PLAN_CHECK(set != nullptr, "CpuRankExecutor.run: no program set");
+  TIDE_PLAN_CHECK(buffers.size() == 1, "CpuRankExecutor.run: one buffer list (this rank's), got ", buffers.size());
+  (void)streams;
+  const bool whole = members.empty() || members == identity(ex_->world());
+  ex_->run(*set, seq, to_rank_bindings(buffers[0]), whole ? nullptr : &members);
+}
+
+}  // namespace tide
