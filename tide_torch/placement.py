@@ -74,14 +74,14 @@ def assign(groups: list[TideGroup], use_ring: bool = True) -> dict[str, int]:
         sizes[name] = max((_plan_region_bytes(pl, name) for g in served
                            for pl in (g.plan, g.plan_fp32_grads) if pl is not None), default=0)
     # Counters: every group's ranges from one CounterSpace, in group order (the same on every
-    # rank), plus the executor's entry-fence slot at the end (tide/session.h).
+    # rank); the region also holds the executors' entry fence (tide/session.h).
     counters = tide._core.CounterSpace()
     for g in served:
         g.counter_bases = {"ag": counters.reserve(g.plan, "all_gather"),
                            "rs": counters.reserve(g.plan, "reduce_scatter")}
         if g.plan_fp32_grads is not None:
             g.counter_bases["rs32"] = counters.reserve(g.plan_fp32_grads, "reduce_scatter")
-    sizes["counters"] = 8 * (counters.used + 1)
+    sizes["counters"] = counters.region_bytes
     return sizes
 
 

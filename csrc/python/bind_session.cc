@@ -80,11 +80,12 @@ void bind_session(nb::module_& m) {
       .def(nb::init<>())
       .def("reserve", [](CounterSpace& c, const Plan& p, const std::string& kind) { return c.reserve(p, kind_from(kind)); },
            nb::arg("plan"), nb::arg("collective"))
-      .def_prop_ro("used", &CounterSpace::used);
+      .def_prop_ro("used", &CounterSpace::used)
+      .def_prop_ro("region_bytes", &CounterSpace::region_bytes,
+                   "Bytes of the arena's counters region: the reserved slots and the entry fence.");
 
   nb::class_<CallExecutor>(m, "CallExecutor", "An executor a GroupSession calls (CPU or CUDA, cluster or rank).")
       .def_prop_ro("world", &CallExecutor::world)
-      .def_prop_ro("local_ranks", &CallExecutor::local_ranks)
       .def_prop_ro("name", &CallExecutor::name)
       .def("synchronize", &CallExecutor::synchronize, nb::call_guard<nb::gil_scoped_release>())
       .def("set_timeout", &CallExecutor::set_timeout, nb::arg("timeout_s"), "The deadline of later calls' waits.");

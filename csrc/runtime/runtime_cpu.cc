@@ -8,12 +8,6 @@ namespace tide {
 
 namespace {
 
-std::vector<int> identity(int n) {
-  std::vector<int> v(static_cast<size_t>(n));
-  for (int i = 0; i < n; ++i) v[static_cast<size_t>(i)] = i;
-  return v;
-}
-
 CpuRunOptions cpu_run_options(const ExecutorOptions& opt, bool processes) {
   CpuRunOptions o;
   static_cast<ExecutorOptions&>(o) = with_debug_env(opt);
@@ -38,13 +32,11 @@ RankBindings to_rank_bindings(const RankBindingList& l) {
 CpuClusterExecutor::CpuClusterExecutor(int world, const ArenaSpec& spec, bool processes, const ExecutorOptions& opt)
     : arena_(world, spec, processes), opt_(cpu_run_options(opt, processes)) {}
 
-std::vector<int> CpuClusterExecutor::local_ranks() const { return identity(arena_.world()); }
-
 void CpuClusterExecutor::run(const std::shared_ptr<const ProgramSet>& set, int64_t seq, const std::vector<int>& members,
                              const std::vector<RankBindingList>& buffers, const std::vector<uintptr_t>& streams) {
   TIDE_PLAN_CHECK(set != nullptr && !set->progs.empty(), "CpuClusterExecutor.run: empty program set");
   const int n = arena_.world();
-  TIDE_PLAN_CHECK(members.empty() || members == identity(n), "CpuClusterExecutor.run: a virtual cluster runs "
+  TIDE_PLAN_CHECK(members.empty(), "CpuClusterExecutor.run: a virtual cluster runs "
                   "every rank's program (no sub-groups)");
   TIDE_PLAN_CHECK(static_cast<int>(set->progs.size()) == n, "CpuClusterExecutor.run: a program set of ",
                   set->progs.size(), " programs for ", n, " ranks");
@@ -81,8 +73,7 @@ void CpuRankExecutor::run(const std::shared_ptr<const ProgramSet>& set, int64_t 
   TIDE_PLAN_CHECK(set != nullptr, "CpuRankExecutor.run: no program set");
   TIDE_PLAN_CHECK(buffers.size() == 1, "CpuRankExecutor.run: one buffer list (this rank's), got ", buffers.size());
   (void)streams;
-  const bool whole = members.empty() || members == identity(ex_->world());
-  ex_->run(*set, seq, to_rank_bindings(buffers[0]), whole ? nullptr : &members);
+  ex_->run(*set, seq, to_rank_bindings(buffers[0]), members.empty() ? nullptr : &members);
 }
 
 }  // namespace tide

@@ -78,9 +78,14 @@ GroupSession::GroupSession(std::shared_ptr<const Plan> plan, std::shared_ptr<Cal
   } else {
     TIDE_PLAN_CHECK(static_cast<int>(placement_.members.size()) == N, "GroupPlacement.members: ",
                     placement_.members.size(), " ranks for a plan of ", N);
-    for (int m : placement_.members)
+    bool whole = N == executor_->world();
+    for (int i = 0; i < N; ++i) {
+      const int m = placement_.members[static_cast<size_t>(i)];
       TIDE_PLAN_CHECK(m >= 0 && m < executor_->world(), "GroupPlacement.members: rank ", m, " is outside [0, ",
                       executor_->world(), ")");
+      whole = whole && m == i;
+    }
+    if (whole) placement_.members.clear();  // the whole executor: no sub-group on the call path
   }
   if (const RegionTable* r = executor_->regions()) regions_ = *r;
   // Counter ranges: given (a shared arena), or laid out from 0 in `kinds` order (its own arena).

@@ -12,12 +12,6 @@ namespace {
 
 cudaStream_t as_stream(uintptr_t s) { return reinterpret_cast<cudaStream_t>(s); }
 
-std::vector<int> identity(int n) {
-  std::vector<int> v(static_cast<size_t>(n));
-  for (int i = 0; i < n; ++i) v[static_cast<size_t>(i)] = i;
-  return v;
-}
-
 }  // namespace
 
 RankBuffers to_rank_buffers(const RankBindingList& l) {
@@ -47,12 +41,10 @@ RankBuffers to_rank_buffers(const RankBindingList& l) {
 CudaClusterExecutor::CudaClusterExecutor(std::shared_ptr<fabric::Fabric> fabric, const ExecutorOptions& opt)
     : fabric_(std::move(fabric)), ex_(fabric_, opt) {}
 
-std::vector<int> CudaClusterExecutor::local_ranks() const { return identity(fabric_->world()); }
-
 void CudaClusterExecutor::run(const std::shared_ptr<const ProgramSet>& set, int64_t seq, const std::vector<int>& members,
                               const std::vector<RankBindingList>& buffers, const std::vector<uintptr_t>& streams) {
   const int n = fabric_->world();
-  TIDE_PLAN_CHECK(members.empty() || members == identity(n), "CudaClusterExecutor.run: an in-process executor runs "
+  TIDE_PLAN_CHECK(members.empty(), "CudaClusterExecutor.run: an in-process executor runs "
                   "every rank's program (no sub-groups)");
   TIDE_PLAN_CHECK(static_cast<int>(buffers.size()) == n, "CudaClusterExecutor.run: ", buffers.size(),
                   " buffer lists for ", n, " ranks");
@@ -73,9 +65,8 @@ void CudaRankCallExecutor::run(const std::shared_ptr<const ProgramSet>& set, int
                                const std::vector<uintptr_t>& streams) {
   TIDE_PLAN_CHECK(buffers.size() == 1, "CudaRankExecutor.run: one buffer list (this rank's), got ", buffers.size());
   TIDE_PLAN_CHECK(streams.size() <= 1, "CudaRankExecutor.run: one caller stream, got ", streams.size());
-  const bool whole = members.empty() || members == identity(ex_.world());
   ex_.run(set, seq, to_rank_buffers(buffers[0]), streams.empty() ? nullptr : as_stream(streams[0]),
-          whole ? nullptr : &members);
+          members.empty() ? nullptr : &members);
 }
 
 }  // namespace tide::cuda

@@ -21,7 +21,6 @@ class CudaClusterExecutor final : public CallExecutor {
  public:
   CudaClusterExecutor(std::shared_ptr<fabric::Fabric> fabric, const ExecutorOptions& opt);
   int world() const override { return fabric_->world(); }
-  std::vector<int> local_ranks() const override;
   void run(const std::shared_ptr<const ProgramSet>& set, int64_t seq, const std::vector<int>& members,
            const std::vector<RankBindingList>& buffers, const std::vector<uintptr_t>& streams) override;
   void synchronize() override { ex_.synchronize(); }
@@ -41,7 +40,6 @@ class CudaRankCallExecutor final : public CallExecutor {
   CudaRankCallExecutor(std::shared_ptr<fabric::Fabric> fabric, int rank, const Topology& topo, RegionTable regions,
                        const ExecutorOptions& opt, bool fence = true);
   int world() const override { return ex_.world(); }
-  std::vector<int> local_ranks() const override { return {ex_.rank()}; }
   const RegionTable* regions() const override { return regions_.empty() ? nullptr : &regions_; }
   void run(const std::shared_ptr<const ProgramSet>& set, int64_t seq, const std::vector<int>& members,
            const std::vector<RankBindingList>& buffers, const std::vector<uintptr_t>& streams) override;

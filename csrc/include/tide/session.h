@@ -60,14 +60,13 @@ class CallExecutor {
  public:
   virtual ~CallExecutor() = default;
   virtual int world() const = 0;  // ranks of the fabric / cluster
-  // The ranks whose buffers a call takes, in the order of run()'s `buffers`: every rank
-  // (cluster executors) or the executor's own (rank executors).
-  virtual std::vector<int> local_ranks() const = 0;
   // The arena layout the executor gives every group (a shared arena), or null: each program
   // set brings its own (the plan's layout; one session per arena).
   virtual const RegionTable* regions() const { return nullptr; }
-  // Runs (CPU) or enqueues (CUDA) call `seq` of `set` for the local ranks. members: the set's
-  // group ranks as executor ranks (empty: 0..N-1). streams: per local rank, the caller's stream
+  // Runs (CPU) or enqueues (CUDA) call `seq` of `set` for the local ranks (every rank for
+  // cluster executors, in `buffers` order; the executor's own for rank executors). members: the
+  // set's group ranks as executor ranks, only for a sub-group (empty: the whole executor; the
+  // session passes empty for 0..N-1). streams: per local rank, the caller's stream
   // (CUDA; empty: none). Throws PlanError / Error / TimeoutError naming rank, op and seq.
   virtual void run(const std::shared_ptr<const ProgramSet>& set, int64_t seq, const std::vector<int>& members,
                    const std::vector<RankBindingList>& buffers, const std::vector<uintptr_t>& streams) = 0;
@@ -91,6 +90,9 @@ class CounterSpace {
   // A fresh range for `kind`'s programs of `plan`; returns its first slot.
   int64_t reserve(const Plan& plan, CallKind kind);
   int64_t used() const { return used_; }  // slots reserved so far
+  // Bytes of the arena's counters region: every reserved slot, then the rank executors' entry
+  // fence, which is the region's last counter (docs/rank_executor.md).
+  int64_t region_bytes() const { return 8 * (used_ + 1); }
 
  private:
   int64_t used_ = 0;
@@ -120,7 +122,7 @@ struct GroupPlacement {
   // Every collective's first counter (shared arena: from the arena's CounterSpace; own arena:
   // leave at -1 and the session lays them out from 0).
   int64_t counter_base[kNumCallKinds] = {-1, -1, -1};
-  std::vector<int> members;        // the group's executor ranks (empty: 0..N-1)
+  std::vector<int> members;        // the group's executor ranks (empty, or 0..N-1: the whole executor)
 };
 
 class GroupSession {
@@ -172,7 +174,6 @@ class CpuClusterExecutor final : public CallExecutor {
  public:
   CpuClusterExecutor(int world, const ArenaSpec& spec, bool processes, const ExecutorOptions& opt);
   int world() const override { return arena_.world(); }
-  std::vector<int> local_ranks() const override;
   void run(const std::shared_ptr<const ProgramSet>& set, int64_t seq, const std::vector<int>& members,
            const std::vector<RankBindingList>& buffers, const std::vector<uintptr_t>& streams) override;
   std::string name() const override { return "cpu-cluster"; }
@@ -191,7 +192,6 @@ class CpuRankExecutor final : public CallExecutor {
  public:
   CpuRankExecutor(std::shared_ptr<RankExecutor> ex, RegionTable regions);
   int world() const override { return ex_->world(); }
-  std::vector<int> local_ranks() const override { return {ex_->rank()}; }
   const RegionTable* regions() const override { return regions_.empty() ? nullptr : &regions_; }
   void run(const std::shared_ptr<const ProgramSet>& set, int64_t seq, const std::vector<int>& members,
            const std::vector<RankBindingList>& buffers, const std::vector<uintptr_t>& streams) override;
