@@ -157,7 +157,7 @@ def test_layout_bench_reads_the_programs_tables(group):
     ops = layout.reduce_ops(_core, ps, 0)
     assert {o["kind"] for o in ops} == {"SUM", "LAND"}
     for o in ops:
-        n, _, fp32, runs, _, _, _ = o["table"]
+        n, _, fp32, runs, _, _, _, _ = o["table"]
         assert sum(ln for _, ln, _, _ in runs) == n
         src = layout.slot_sources(_core, o["table"], o["op"])
         for _, ln, slots, offs in runs:

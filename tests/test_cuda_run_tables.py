@@ -58,7 +58,7 @@ def test_run_tables_address_what_the_cpu_reads(M, L, expert, bank, accumulate):
             if not m:
                 continue
             op = int(m.group(1))
-            n, n_terms, mask, runs, pieces, level1, segments = _core.testing.run_table(ps, rank, op)
+            n, n_terms, mask, runs, pieces, level1, segments, slot_of = _core.testing.run_table(ps, rank, op)
             if m.group(2) == "SUM":
                 assert (level1 is not None) == _level1_shape(n_terms, mask, runs), (rank, op)
                 if level1 is not None:
@@ -85,6 +85,11 @@ def test_run_tables_address_what_the_cpu_reads(M, L, expert, bank, accumulate):
                             assert want[t].get(k) == (slots[t], offs[t] + (k - dst_off) * size), (rank, op, t, k)
                 pos += length
             assert pos == n
+            # The table's slot map names what each slot is, as the pieces say (slots above).
+            used = {sl for _, _, slots, _ in runs for sl in slots if sl >= 0}
+            assert set(slot_of) == used, (rank, op)
+            for sl, what in slot_of.items():
+                assert what == (("grad", sl) if sl < 256 else ("out",) if sl == 256 else ("arena", sl - 257))
             checked += 1
     assert checked > 0
     # Level-1 node partials with staged bytes at every element take kernels.cu's SUM (at M = 1,

@@ -193,11 +193,22 @@ void bind_cuda_exec(nb::module_& m, nb::module_& testing) {
       for (const auto& g : segs) rows.emplace_back(g.dst_off, g.len, g.src_off, g.param);
       segments = nb::cast(rows);
     }
-    return std::make_tuple(info.n, info.n_terms, info.fp32_terms, runs, pieces, level1, segments);
+    // What each slot of the table stands for, by the executors' slot convention (kernels.h).
+    nb::dict slot_of;
+    for (const auto& r : t)
+      for (int k = 0; k < info.n_terms; ++k) {
+        const int sl = r.slot[k];
+        if (sl < 0 || slot_of.contains(sl)) continue;
+        if (sl < cuda::kMaxGradPtrs) slot_of[nb::int_(sl)] = nb::make_tuple("grad", sl);
+        else if (sl == cuda::kSlotOut) slot_of[nb::int_(sl)] = nb::make_tuple("out");
+        else slot_of[nb::int_(sl)] = nb::make_tuple("arena", sl - cuda::kSlotArena0);
+      }
+    return std::make_tuple(info.n, info.n_terms, info.fp32_terms, runs, pieces, level1, segments, slot_of);
   }, nb::arg("programs"), nb::arg("rank"), nb::arg("op"),
      "The REDUCE run table of one SUM/LAND op as the executors build it: (n, n_terms, fp32 mask, [(dst_off, "
      "len, slots, byte offsets)], [(term, dst_elem, elems, src kind, src rank, src index, src offset, item "
-     "size)], level1, segments) where, when the executors run the op as kernels.cu's Level-1 SUM, level1 is "
+     "size)], level1, segments, slots) where slots maps each slot to what it stands for: ('grad', p) the "
+     "rank's gradient p, ('out',) its output, ('arena', r) group rank r's arena; and where, when the executors run the op as kernels.cu's Level-1 SUM, level1 is "
      "[(slot, byte offset of element 0)] per staged slice and segments its SUM segment table [(dst_off, len, "
      "src_off, param)] (cuda.sum_segments' rows), else both None. Host only.");
 }

@@ -142,9 +142,10 @@ std::shared_ptr<ProgramSet> GroupSession::build(CallKind kind, int bank, float a
   }
   bind_programs_to_arena(set->progs, b);
   set->arena_bound = b.regions != nullptr;
+  // The builders stamp the plan's C_sum / C_mc (Eqs. 13-14); only an explicit override restamps.
   for (Program& p : set->progs) {
-    p.sum_ctas = sum_ctas_;
-    p.land_ctas = land_ctas_;
+    if (opt_.sum_ctas > 0) p.sum_ctas = opt_.sum_ctas;
+    if (opt_.land_ctas > 0) p.land_ctas = opt_.land_ctas;
   }
   return set;
 }

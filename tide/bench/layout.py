@@ -229,7 +229,7 @@ def kernel_of(op, reduce=False):
     """(kernel, n_staged) for resident_ctas_per_sm of what an op runs on the CUDA executors
     (executor.h [Note: Level-1 SUM on kernels.cu's SUM]): kernels.cu's SUM when the core reports
     the Level-1 shape (unless `reduce`), else REDUCE with its bf16 or fp32 terms."""
-    _, n_terms, fp32, _, _, level1, _ = op["table"]
+    _, n_terms, fp32, _, _, level1, _, _ = op["table"]
     if level1 is not None and not reduce:
         return "sum", len(level1)
     return ("reduce_fp32" if fp32 == (1 << n_terms) - 1 else "reduce"), n_terms
@@ -242,26 +242,20 @@ def full_grid(core, ops, kind, n_sm, reduce=False):
 
 
 def slot_sources(core, table, op=-1):
-    """{slot: (source, item size, first byte, end byte)} of a run table: what each slot of the
-    table stands for, read off the op's term pieces (the piece of term t covering a run gives its
-    slot's buffer): ('grad', param) a gradient of the rank, ('out',) its output, ('arena', rank) a
-    rank's arena; the bytes span the op's reads at that slot."""
-    _, _, _, runs, pieces, _, _ = table
-    names = {v: k for k, v in dict(core.buf_kinds).items()}
-    ids = sorted({p[0] for p in pieces})  # term ids ascending: the operand order
-    terms = {t: [p for p in pieces if p[0] == t] for t in ids}
+    """{slot: (source, item size, first byte, end byte)} of a run table: what each slot stands for
+    (the core's answer, testing.run_table's slots: ('grad', param) a gradient of the rank,
+    ('out',) its output, ('arena', rank) a rank's arena) and the bytes the op reads there."""
+    _, _, fp32, runs, _, _, _, slot_of = table
     src = {}
-    for d0, ln, slots, offs in runs:
+    for _, ln, slots, offs in runs:
         for t, (slot, off) in enumerate(zip(slots, offs)):
             if slot < 0:
                 continue
-            p = next(p for p in terms[ids[t]] if p[1] <= d0 < p[1] + p[2])
-            kind = names[p[3]]
-            where = ("grad", p[5]) if kind == "grad" else ("out",) if kind == "out" else ("arena", p[4])
-            w, isz, lo, hi = src.get(slot, (where, p[7], off, off))
-            if w != where or isz != p[7]:
-                raise RuntimeError(f"op {op}: slot {slot} reads {where} and {w}")
-            src[slot] = (where, isz, min(lo, off), max(hi, off + ln * p[7]))
+            isz = 4 if fp32 >> t & 1 else 2
+            w, i, lo, hi = src.get(slot, (slot_of[slot], isz, off, off))
+            if i != isz:
+                raise RuntimeError(f"op {op}: slot {slot} is read as {i}- and {isz}-byte items")
+            src[slot] = (w, isz, min(lo, off), max(hi, off + ln * isz))
     return src
 
 
@@ -272,13 +266,13 @@ class ReduceOp:
     and the Level-1 operands are the core's (testing.run_table; cuda.reduce_runs and
     cuda.sum_segments pack them). This class only binds buffers to the table's slots, as issue()
     does with a call's buffers: each slot's source (a gradient of the rank, its output, or a
-    rank's arena) is read off the op's term pieces; a gradient slot takes `grads[index]` when given,
+    rank's arena) is the core's slot map (testing.run_table); a gradient slot takes `grads[index]` when given,
     every other slot a fresh device buffer spanning the bytes the op reads there (small random
     integers), placed so every operand keeps its offset modulo 4 KiB. Host tables stay untouched."""
 
     def __init__(self, torch, core, op, alpha=1.0, grads=None):
         self.core, self.kind, self.op = core, op["kind"], op["op"]
-        n, n_terms, fp32, runs, pieces, level1, _ = op["table"]
+        n, n_terms, fp32, runs, _, level1, _, _ = op["table"]
         self.n, self.n_terms, self.fp32, self.level1 = n, n_terms, fp32, level1
         self.alpha = alpha if self.kind == "LAND" else 1.0
         self.bytes = table_bytes(op["table"])
