@@ -82,17 +82,17 @@ int64_t run_session(GroupState& st, const GroupCall& call, const std::vector<uin
   return st.session->reduce_scatter(call.spec.scale, call.spec.accumulate, b, streams);
 }
 
-namespace {
-
-ExecutorOptions options_for(const GroupCall& call) {
+ExecutorOptions executor_options_for(const GroupCall& call) {
   ExecutorOptions o;
   o.timeout_s = static_cast<double>(call.timeout_ms) / 1000.0;
   return o;
 }
 
+namespace {
+
 GroupState& cpu_state(const GroupCall& call) {
   return group_state(call, nullptr, [&](const ArenaSpec& spec) {
-    return std::make_shared<CpuClusterExecutor>(call.plan->topo.world(), spec, false, options_for(call));
+    return std::make_shared<CpuClusterExecutor>(call.plan->topo.world(), spec, false, executor_options_for(call));
   });
 }
 

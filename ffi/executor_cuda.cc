@@ -50,9 +50,7 @@ std::vector<int> devices_of(const GroupCall& call) {
 GroupState& cuda_state(const GroupCall& call) {
   const std::vector<int> devices = devices_of(call);
   return group_state(call, &devices, [&](const ArenaSpec& spec) {
-    ExecutorOptions o;
-    o.timeout_s = static_cast<double>(call.timeout_ms) / 1000.0;
-    return make_cuda_cluster_executor(devices, spec.total, o);
+    return make_cuda_cluster_executor(devices, spec.total, executor_options_for(call));
   });
 }
 

@@ -116,6 +116,9 @@ struct GroupState {
 GroupState& group_state(const GroupCall& call, const std::vector<int>* devices,
                         const std::function<std::shared_ptr<CallExecutor>(const ArenaSpec&)>& make);
 int64_t run_session(GroupState& st, const GroupCall& call, const std::vector<uintptr_t>& streams);
+// The executor options of a group's executor: the call's timeout (tide_xla.init(timeout_s=)); the
+// executors apply TIDE_EXEC_OPTIONS themselves.
+ExecutorOptions executor_options_for(const GroupCall& call);
 
 // With call.spec.cuda both forward to ExecuteGroupCuda/CompleteRankCuda (executor_cuda.cc).
 void ExecuteGroup(const GroupCall& call);
