@@ -108,8 +108,10 @@ class VirtualCluster:
     """M x L ranks on one machine.
 
     `check`: run the static checker (I1-I4) on every new program set before its first use
-    (None: when the world has at most 64 ranks). `options`: ExecutorOptions (timeout_s and
-    workers are shorthands for its fields). `lean` (scale runs, e.g. 1024 x 8): reduce_scatter
+    (None: when the world has at most 64 ranks). `options`: ExecutorOptions (timeout_s, workers
+    and rails are shorthands for its fields). rails="two_sided": the programs are lowered to
+    SEND/RECV rendezvous groups between nodes ([Note: two-sided rails]) and other nodes are reached
+    only through the executor's rail (CPU: ranks as threads). `lean` (scale runs, e.g. 1024 x 8): reduce_scatter
     generates each rank's RS program while it runs (only the bank a call uses) instead of
     holding every rank's ops; the checker does not run on them. Threads mode only.
     backend="cuda" (tide/cluster_cuda.py): every rank on this process's GPU (`device`), or rank r
@@ -119,7 +121,8 @@ class VirtualCluster:
     def __init__(self, topo, backend: str = "cpu", ranks_as: str = "threads", *,
                  timeout_s: float | None = None, check: bool | None = None, workers: int | None = None,
                  lean: bool = False, options: ExecutorOptions | None = None, device: int = 0,
-                 devices=None, sum_ctas: int | None = None, land_ctas: int | None = None):
+                 devices=None, sum_ctas: int | None = None, land_ctas: int | None = None,
+                 rails: str | None = None):
         if topo is None or not hasattr(topo, "nodes") or not hasattr(topo, "gpus_per_node"):
             raise _core.PlanError(f"VirtualCluster.topo: expected a tide.Topology, got {topo!r}")
         if backend not in ("cpu", "cuda"):
@@ -130,10 +133,15 @@ class VirtualCluster:
             raise _core.PlanError("VirtualCluster.ranks_as: the CUDA backend runs every rank in this process")
         if lean and (ranks_as != "threads" or backend != "cpu"):
             raise _core.PlanError("VirtualCluster.lean: generated programs run on the CPU with ranks_as='threads'")
+        if (rails or options and options.rails) == "two_sided" and ranks_as != "threads":
+            raise _core.PlanError("VirtualCluster.rails: two-sided rails run with ranks_as='threads'")
         if lean and check:
             raise _core.PlanError("VirtualCluster.lean: the checker needs built programs (pass check=None or False)")
+        if rails is not None and rails not in ("one_sided", "two_sided"):
+            raise _core.PlanError(f"VirtualCluster.rails: expected 'one_sided' or 'two_sided', got {rails!r}")
         options = options or ExecutorOptions()
-        changes = {k: v for k, v in (("timeout_s", timeout_s), ("workers", workers)) if v is not None}
+        changes = {k: v for k, v in (("timeout_s", timeout_s), ("workers", workers), ("rails", rails))
+                   if v is not None}
         self.options = options.replace(**{k: (float(v) if k == "timeout_s" else v) for k, v in changes.items()})
         self.topo = topo
         self.backend = backend

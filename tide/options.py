@@ -26,6 +26,7 @@ class ExecutorOptions:
     sync_every_call: bool = False      # CUDA, debug: synchronise after every call
     trace: bool = False                # CPU: every executed op per rank to stderr
     workers: int = 0                   # CPU virtual cluster threads, 0..1024 (0: min(ranks, 4))
+    rails: str = "one_sided"           # other nodes: one_sided (by pointer) | two_sided (rail send/recv)
 
     def __post_init__(self) -> None:
         for f in fields(self):

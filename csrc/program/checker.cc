@@ -17,11 +17,14 @@
 // schedule-independent: a conflicting pair unordered here is unordered everywhere (I2/I3), and
 // in a race-free program every read sees the same writer, so provenance (I1) is exact too.
 #include <algorithm>
+#include <map>
 #include <memory>
+#include <set>
 #include <unordered_map>
 
 #include "program/shadow.h"
 #include "tide/program.h"
+#include "tide/program_index.h"
 
 namespace tide {
 
@@ -176,6 +179,7 @@ struct Checker {
   // ---- static checks ----------------------------------------------------------------------
   void structural() {
     N = static_cast<int>(calls.size());
+    rail_stream.assign(N, -1);
     for (int r = 0; r < N; ++r) {
       if (calls[r].size() != calls[0].size())
         error(TIDE_STR_CAT("I4 order: rank ", r, " issues ", calls[r].size(), " calls, rank 0 issues ", calls[0].size()));
@@ -223,16 +227,46 @@ struct Checker {
             if (b.rank != r && may_peer && op.kind != OpKind::kPut && !same_node)
               bad(TIDE_STR_CAT("reaches ", reg_name(b), " on another node without a rail PUT"));
           };
-          for (const auto& cd : op.copies) {
-            check_ref(cd.src, false, false);
-            check_ref(cd.dst, true, /*may_peer=*/true);  // local pushes, rail PUTs
-            if (op.kind == OpKind::kPut && cd.dst.rank != op.counter.rank && op.counter.index >= 0)
-              bad("a PUT's descriptors and its signal target different ranks");
+          const bool two_sided = pr.rails == Rails::kTwoSided;
+          const bool rail_op = op.kind == OpKind::kSend || op.kind == OpKind::kRecv;
+          if (rail_op) {
+            const int peer = rail_peer(op);
+            if (op.rail_group < 0) bad("a SEND/RECV outside a rail group");
+            if (peer < 0 || peer >= N || peer == r) { bad(TIDE_STR_CAT("rail peer ", peer, " is not another rank")); continue; }
+            if (rail_stream[r] < 0) rail_stream[r] = op.stream;
+            if (rail_stream[r] != op.stream) bad("SEND/RECV ops on two streams (a rank's rail transfers are one sequence)");
+            if (op.kind == OpKind::kSend && op.counter.index >= 0) bad("a SEND bumps a counter (its completion is an event)");
+            for (size_t d = 0; d < op.copies.size(); ++d) {
+              const CopyDesc& cd = op.copies[d];
+              if (cd.src.height != 1 || cd.dst.height != 1 || cd.src.width != cd.dst.width)
+                bad("rail descriptors are 1-D with equal source and destination widths");
+              const BufRef& own = op.kind == OpKind::kSend ? cd.src : cd.dst;
+              const BufRef& far = op.kind == OpKind::kSend ? cd.dst : cd.src;
+              check_ref(own, op.kind == OpKind::kRecv, false);
+              if (far.rank != peer) bad(TIDE_STR_CAT("a rail op's descriptors name ranks ", peer, " and ", far.rank));
+              const XferEnd e{r, static_cast<int>(c), static_cast<int>(i), static_cast<int>(d), op.rail_group};
+              if (op.kind == OpKind::kSend) rail_sends[{r, peer}].push_back(e);
+              else rail_recvs[{peer, r}].push_back(e);
+            }
+          } else {
+            for (const auto& cd : op.copies) {
+              check_ref(cd.src, false, false);
+              check_ref(cd.dst, true, /*may_peer=*/true);  // local pushes, rail PUTs
+              if (op.kind == OpKind::kPut && cd.dst.rank != op.counter.rank && op.counter.index >= 0)
+                bad("a PUT's descriptors and its signal target different ranks");
+              if (op.kind == OpKind::kPut && two_sided && cd.dst.rank / L != r / L)
+                bad(TIDE_STR_CAT("PUTs into ", reg_name(cd.dst), " on another node: a two-sided program reaches other "
+                                 "nodes only through SEND/RECV"));
+            }
           }
+          if ((op.kind == OpKind::kSignal || op.kind == OpKind::kCredit) && two_sided && op.counter.rank / L != r / L)
+            bad(TIDE_STR_CAT("bumps a counter of rank ", op.counter.rank, " on another node: a two-sided program reaches "
+                             "other nodes only through SEND/RECV"));
+          if (op.kind == OpKind::kRecv && op.counter.index >= 0 && op.counter.rank != r)
+            bad("a RECV bumps a counter of another rank (its arrival counter is its own)");
           for (const auto& t : op.terms) check_ref(t.src, false, op.kind == OpKind::kLand);
           if (op.kind == OpKind::kSum || op.kind == OpKind::kLand || op.kind == OpKind::kZero) check_ref(op.dst, true, false);
-          const bool produces = op.kind == OpKind::kSignal || op.kind == OpKind::kCredit ||
-                                op.kind == OpKind::kEventRecord || (op.kind == OpKind::kPut && op.counter.index >= 0);
+          const bool produces = op_produces(op);
           const bool waits = op.kind == OpKind::kWait || op.kind == OpKind::kEventWait;
           if (produces || waits) {
             if (op.counter.index < 0 || op.counter.index >= pr.num_counters || op.counter.rank < 0 || op.counter.rank >= N) {
@@ -266,6 +300,163 @@ struct Checker {
       }
     }
     for (auto& kv : counters) std::sort(kv.second.targets.begin(), kv.second.targets.end());
+    rail_match();
+  }
+
+  // ---- two-sided rails ([Note: two-sided rails] in program.h) -------------------------------
+  // The k-th SEND descriptor from s to t meets the k-th RECV descriptor on t from s (NCCL matches
+  // send/recv in order per peer pair); both name the same bytes, in calls of the same seq, and a
+  // rendezvous group meets exactly one group of each peer it exchanges with.
+  struct XferEnd { int rank, call, op, desc, group; };
+  struct Xfer {
+    XferEnd send, recv;
+    std::vector<std::tuple<int64_t, int64_t, Label>> data;  // what the SEND read
+    std::shared_ptr<VC> snap;                                // the sender's clock after reading
+    bool captured = false;
+  };
+  using GroupId = std::tuple<int, int, int>;  // rank, call, rail_group
+  struct GroupState { bool sent = false; };
+  std::map<std::pair<int, int>, std::vector<XferEnd>> rail_sends, rail_recvs;  // (sender, receiver)
+  std::vector<Xfer> xfers;
+  std::map<std::tuple<int, int, int>, std::vector<int>> xfers_of;  // (rank, call, op) -> transfers
+  std::map<GroupId, GroupState> posted;
+  std::vector<int> rail_stream;                                    // per rank, -1: no rail ops
+
+  const CopyDesc& desc_of(const XferEnd& e) const { return calls[e.rank][e.call].program->ops[e.op].copies[e.desc]; }
+  std::string end_name(const XferEnd& e) const {
+    const CopyDesc& cd = desc_of(e);
+    return TIDE_STR_CAT(where(OpId{e.rank, e.call, e.op}), " group ", e.group, " descriptor ", e.desc, " (", reg_name(cd.src),
+                        " +", cd.src.offset, " -> ", reg_name(cd.dst), " +", cd.dst.offset, ", ", cd.src.width, " bytes)");
+  }
+  static bool same_ref(const BufRef& a, const BufRef& b) {
+    return a.kind == b.kind && a.rank == b.rank && a.offset == b.offset && a.width == b.width;
+  }
+  void rail_match() {
+    std::set<std::pair<int, int>> pairs;
+    for (const auto& kv : rail_sends) pairs.insert(kv.first);
+    for (const auto& kv : rail_recvs) pairs.insert(kv.first);
+    std::map<GroupId, std::set<GroupId>> meets;
+    for (const auto& pq : pairs) {
+      const auto& S = rail_sends[pq];
+      const auto& R = rail_recvs[pq];
+      const size_t n = std::min(S.size(), R.size());
+      for (size_t k = 0; k < n; ++k) {
+        const CopyDesc& a = desc_of(S[k]);
+        const CopyDesc& b = desc_of(R[k]);
+        const std::string which = TIDE_STR_CAT("transfer #", k, " from rank ", pq.first, " to rank ", pq.second, ": ");
+        if (a.src.width != b.src.width) {
+          error(TIDE_STR_CAT("R rail size mismatch: ", which, end_name(S[k]), " carries ", a.src.width, " bytes, ",
+                             end_name(R[k]), " expects ", b.src.width));
+          continue;
+        }
+        if (!same_ref(a.src, b.src) || !same_ref(a.dst, b.dst) || calls[S[k].rank][S[k].call].seq != calls[R[k].rank][R[k].call].seq) {
+          error(TIDE_STR_CAT("R rail order: ", which, end_name(S[k]), " meets ", end_name(R[k]),
+                             " (rail groups issued in different orders on the two ranks)"));
+          continue;
+        }
+        xfers_of[{S[k].rank, S[k].call, S[k].op}].push_back(static_cast<int>(xfers.size()));
+        xfers_of[{R[k].rank, R[k].call, R[k].op}].push_back(static_cast<int>(xfers.size()));
+        const GroupId gs{S[k].rank, S[k].call, S[k].group}, gr{R[k].rank, R[k].call, R[k].group};
+        meets[gs].insert(gr);
+        meets[gr].insert(gs);
+        xfers.push_back(Xfer{S[k], R[k], {}, nullptr, false});
+      }
+      if (S.size() > n)
+        error(TIDE_STR_CAT("R rail dropped receive: rank ", pq.second, " posts ", R.size(), " receive(s) from rank ", pq.first,
+                           ", which sends ", S.size(), "; the first unmatched: ", end_name(S[n])));
+      if (R.size() > n)
+        error(TIDE_STR_CAT("R rail unmatched receive: rank ", pq.first, " sends ", S.size(), " transfer(s) to rank ",
+                           pq.second, ", which posts ", R.size(), " receive(s); the first unmatched: ", end_name(R[n])));
+    }
+    for (const auto& [g, others] : meets) {
+      std::map<int, std::vector<GroupId>> by_rank;
+      for (const GroupId& o : others) by_rank[std::get<0>(o)].push_back(o);
+      for (const auto& [peer, list] : by_rank)
+        if (list.size() > 1)
+          error(TIDE_STR_CAT("R rail group split: rank ", std::get<0>(g), " call seq ", calls[std::get<0>(g)][std::get<1>(g)].seq,
+                             " rail group ", std::get<2>(g), " meets ", list.size(), " groups of rank ", peer, " (groups ",
+                             std::get<2>(list[0]), " and ", std::get<2>(list[1]), "): a group split in two"));
+    }
+  }
+  static bool is_rail(const Op& op) { return op.kind == OpKind::kSend || op.kind == OpKind::kRecv; }
+  GroupId group_of(const XferEnd& e) const { return GroupId{e.rank, e.call, e.group}; }
+
+  // Runs the rendezvous group at list[pos] of rank r's call c (stream gid) once every peer group it
+  // meets is posted (sends read then) and every matched SEND has read (receives land then).
+  // Returns the ops it covers, 0 while blocked.
+  size_t step_group(int r, size_t c, const std::vector<int>& list, size_t pos, int gid) {
+    const Program& pr = *calls[r][c].program;
+    const int g = pr.ops[list[pos]].rail_group;
+    size_t end = pos;
+    while (end < list.size() && is_rail(pr.ops[list[end]]) && pr.ops[list[end]].rail_group == g) ++end;
+    GroupState& st = posted[GroupId{r, static_cast<int>(c), g}];
+    VC& v = vc[gid];
+    using Pieces = std::vector<std::tuple<int64_t, int64_t, Label>>;
+    if (!st.sent) {
+      for (size_t k = pos; k < end; ++k)
+        for (int x : xfers_of[{r, static_cast<int>(c), list[k]}]) {
+          const Xfer& xf = xfers[x];
+          const XferEnd& other = xf.send.rank == r && xf.send.call == static_cast<int>(c) && xf.send.op == list[k] ? xf.recv : xf.send;
+          if (!posted.count(group_of(other))) return 0;
+        }
+      for (size_t k = pos; k < end; ++k) {
+        const Op& op = pr.ops[list[k]];
+        if (op.kind != OpKind::kSend) continue;
+        ++v[gid];
+        ++rep.ops_simulated;
+        const Epoch ep{static_cast<uint32_t>(gid), v[gid], OpId{r, static_cast<int>(c), list[k]}};
+        for (int x : xfers_of[{r, static_cast<int>(c), list[k]}]) {
+          Xfer& xf = xfers[x];
+          const CopyDesc& cd = desc_of(xf.send);
+          if (released[r][c])
+            for (const auto& u : pr.user_inputs)
+              if (u.kind == cd.src.kind && u.rank == cd.src.rank && (u.index == cd.src.index || u.index < 0))
+                error(TIDE_STR_CAT("I2 release: ", where(ep.who), " reads ", reg_name(cd.src), " after release_event was recorded"));
+          Pieces pcs;
+          read(cd.src, pr.group, cd.src.offset, cd.src.width, ep, v, pr, &pcs);
+          xf.data = std::move(pcs);
+          xf.snap = std::make_shared<VC>(v);
+          xf.captured = true;
+        }
+      }
+      st.sent = true;
+    }
+    for (size_t k = pos; k < end; ++k)
+      if (pr.ops[list[k]].kind == OpKind::kRecv)
+        for (int x : xfers_of[{r, static_cast<int>(c), list[k]}])
+          if (!xfers[x].captured) return 0;
+    for (size_t k = pos; k < end; ++k) {
+      const Op& op = pr.ops[list[k]];
+      if (op.kind != OpKind::kRecv) continue;
+      for (int x : xfers_of[{r, static_cast<int>(c), list[k]}])
+        for (int i = 0; i < D; ++i) v[i] = std::max(v[i], (*xfers[x].snap)[i]);
+      ++v[gid];
+      ++rep.ops_simulated;
+      const Epoch ep{static_cast<uint32_t>(gid), v[gid], OpId{r, static_cast<int>(c), list[k]}};
+      for (int x : xfers_of[{r, static_cast<int>(c), list[k]}]) {
+        const CopyDesc& cd = desc_of(xfers[x].recv);
+        write(cd.dst, pr.group, cd.dst.offset, xfers[x].data, cd.dst.width, ep, v, pr, true);
+      }
+      if (op.counter.index >= 0) {
+        auto& cs = counters[ckey(pr.group, op.counter.rank, op.counter.index)];
+        produce(cs, cs.value + op.value, v);
+      }
+    }
+    return end - pos;
+  }
+  // Why the group at the head of a blocked stream cannot complete.
+  std::string group_blocker(int r, size_t c, int op_index) {
+    for (int x : xfers_of[{r, static_cast<int>(c), op_index}]) {
+      const Xfer& xf = xfers[x];
+      const bool mine_send = xf.send.rank == r && xf.send.call == static_cast<int>(c) && xf.send.op == op_index;
+      const XferEnd& other = mine_send ? xf.recv : xf.send;
+      if (!posted.count(group_of(other)))
+        return TIDE_STR_CAT("rank ", other.rank, "'s matching rail group ", other.group, " (call seq ",
+                            calls[other.rank][other.call].seq, ") is never posted");
+      if (!mine_send && !xf.captured)
+        return TIDE_STR_CAT("rank ", other.rank, "'s SEND (rail group ", other.group, ") never reads its bytes");
+    }
+    return "its peers' groups";
   }
 
   // ---- user model -------------------------------------------------------------------------
@@ -466,6 +657,14 @@ struct Checker {
           for (int i = 0; i < D; ++i) vc[gid][i] = std::max(vc[gid][i], vc[ug][i]);
         }
       }
+      if (is_rail(pr.ops[list[cu.pos]])) {
+        const size_t n = step_group(r, cu.call, list, cu.pos, gid);
+        if (n == 0) return progress;
+        cu.pos += n;
+        progress = true;
+        if (full()) return progress;
+        continue;
+      }
       if (!step_op(r, cu.call, list[cu.pos], gid)) return progress;
       ++cu.pos;
       progress = true;
@@ -523,6 +722,18 @@ struct Checker {
         if (s == 0 && !started[r][cu.call] && cu.pos == 0 && op.kind != OpKind::kWait && op.kind != OpKind::kEventWait) {
           error(TIDE_STR_CAT("I4 deadlock: rank ", r, " cannot start call seq ", calls[r][cu.call].seq,
                              ": the previous call never records its release_event"));
+          ++shown;
+          continue;
+        }
+        if (is_rail(op)) {
+          std::string why = "its peers' groups";
+          for (size_t k = cu.pos; k < list.size() && why == "its peers' groups"; ++k) {
+            const Op& o = pr.ops[list[k]];
+            if (!is_rail(o) || o.rail_group != op.rail_group) break;
+            why = group_blocker(r, cu.call, list[k]);
+          }
+          error(TIDE_STR_CAT("I4 deadlock: ", where(OpId{r, static_cast<int>(cu.call), list[cu.pos]}), " rail group ",
+                             op.rail_group, " never completes: ", why));
           ++shown;
           continue;
         }

@@ -17,6 +17,10 @@ const char* fault_kind_name(FaultKind k) {
     case FaultKind::kOtherPlan: return "other_plan";
     case FaultKind::kStalledPeer: return "stalled_peer";
     case FaultKind::kDeadPeer: return "dead_peer";
+    case FaultKind::kDropRecv: return "drop_recv";
+    case FaultKind::kSplitRailGroup: return "split_rail_group";
+    case FaultKind::kSwapRailGroups: return "swap_rail_groups";
+    case FaultKind::kRailSizeMismatch: return "rail_size_mismatch";
   }
   return "?";
 }
@@ -28,6 +32,15 @@ bool erase_first(Program& prog, Pred pred) {
   if (it == prog.ops.end()) return false;
   prog.ops.erase(it);
   return true;
+}
+bool is_rail(const Op& op) { return op.kind == OpKind::kSend || op.kind == OpKind::kRecv; }
+// [first, last) of the rail group whose first op is at `from` or later (ops of one group are adjacent).
+std::pair<size_t, size_t> next_group(const Program& p, size_t from) {
+  size_t a = from;
+  while (a < p.ops.size() && !is_rail(p.ops[a])) ++a;
+  size_t b = a;
+  while (b < p.ops.size() && is_rail(p.ops[b]) && p.ops[b].rail_group == p.ops[a].rail_group) ++b;
+  return {a, b};
 }
 bool is_stage_like(BufKind k) {
   return k == BufKind::kStage || k == BufKind::kStaging || k == BufKind::kOutbox || k == BufKind::kInbox;
@@ -69,6 +82,46 @@ bool inject_fault(std::vector<Program>& progs, FaultKind kind, int rank, OpTag t
     }
     case FaultKind::kSkipZero:
       return erase_first(p, [&](const Op& op) { return op.kind == OpKind::kZero && tag_ok(op); });
+    case FaultKind::kDropRecv:
+      return erase_first(p, [&](const Op& op) { return op.kind == OpKind::kRecv && tag_ok(op); });
+    case FaultKind::kSplitRailGroup: {
+      // The first group with two transfers to or from one peer: its later ops form a new group.
+      int fresh = 0;
+      for (const Op& op : p.ops) fresh = std::max(fresh, op.rail_group + 1);
+      for (size_t from = 0;;) {
+        const auto [a, b] = next_group(p, from);
+        if (a >= p.ops.size()) return false;
+        for (size_t i = a + 1; i < b; ++i)
+          if (rail_peer(p.ops[i]) == rail_peer(p.ops[a]) && tag_ok(p.ops[a])) {
+            for (size_t j = i; j < b; ++j) p.ops[j].rail_group = fresh;
+            return true;
+          }
+        from = b;
+      }
+    }
+    case FaultKind::kSwapRailGroups: {
+      // The first two groups swap places (the ops between them stay).
+      const auto [a0, b0] = next_group(p, 0);
+      if (a0 >= p.ops.size()) return false;
+      const auto [a1, b1] = next_group(p, b0);
+      if (a1 >= p.ops.size()) return false;
+      std::vector<Op> out(p.ops.begin(), p.ops.begin() + static_cast<std::ptrdiff_t>(a0));
+      out.insert(out.end(), p.ops.begin() + static_cast<std::ptrdiff_t>(a1), p.ops.begin() + static_cast<std::ptrdiff_t>(b1));
+      out.insert(out.end(), p.ops.begin() + static_cast<std::ptrdiff_t>(b0), p.ops.begin() + static_cast<std::ptrdiff_t>(a1));
+      out.insert(out.end(), p.ops.begin() + static_cast<std::ptrdiff_t>(a0), p.ops.begin() + static_cast<std::ptrdiff_t>(b0));
+      out.insert(out.end(), p.ops.begin() + static_cast<std::ptrdiff_t>(b1), p.ops.end());
+      p.ops = std::move(out);
+      return true;
+    }
+    case FaultKind::kRailSizeMismatch:
+      for (auto& op : p.ops)
+        if (op.kind == OpKind::kRecv && tag_ok(op) && !op.copies.empty() && op.copies[0].dst.width > 1) {
+          const int64_t less = std::min<int64_t>(16, op.copies[0].dst.width / 2);
+          op.copies[0].src.width -= less;
+          op.copies[0].dst.width -= less;
+          return true;
+        }
+      return false;
     case FaultKind::kReorderCalls:
     case FaultKind::kOtherPlan:
     case FaultKind::kStalledPeer:

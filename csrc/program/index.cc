@@ -9,7 +9,7 @@ namespace tide {
 
 bool op_produces(const Op& op) {
   return op.kind == OpKind::kSignal || op.kind == OpKind::kCredit || op.kind == OpKind::kEventRecord ||
-         (op.kind == OpKind::kPut && op.counter.index >= 0);
+         ((op.kind == OpKind::kPut || op.kind == OpKind::kRecv) && op.counter.index >= 0);
 }
 
 bool op_waits(const Op& op) { return op.kind == OpKind::kWait || op.kind == OpKind::kEventWait; }
@@ -83,9 +83,9 @@ ProgramIndex index_programs(const std::vector<Program>& progs, bool strict) {
         continue;
       }
       so[op.stream].push_back(static_cast<int>(i));
-      for (const auto& cd : op.copies) {
-        note(use, cd.src, false, r, i, n, strict);
-        note(use, cd.dst, true, r, i, n, strict);
+      for (const auto& cd : op.copies) {  // a SEND names the peer's landing, a RECV the peer's source
+        if (op.kind != OpKind::kRecv) note(use, cd.src, false, r, i, n, strict);
+        if (op.kind != OpKind::kSend) note(use, cd.dst, true, r, i, n, strict);
       }
       for (const auto& t : op.terms) note(use, t.src, false, r, i, n, strict);
       if (op.kind == OpKind::kSum || op.kind == OpKind::kLand || op.kind == OpKind::kZero)

@@ -26,6 +26,8 @@ const char* op_kind_name(OpKind k) {
     case OpKind::kEventRecord: return "EVENT_RECORD";
     case OpKind::kEventWait: return "EVENT_WAIT";
     case OpKind::kCredit: return "CREDIT";
+    case OpKind::kSend: return "SEND";
+    case OpKind::kRecv: return "RECV";
   }
   return "?";
 }

@@ -11,6 +11,7 @@
 
 #include "python/bind_common.h"
 #include "tide/program.h"
+#include "tide/program_index.h"
 
 namespace nb = nanobind;
 using namespace tide;
@@ -46,6 +47,7 @@ std::string describe_op(const Program& pr, int i) {
   std::string s = TIDE_STR_CAT(i, " ", op_kind_name(op.kind), " [", pr.streams[op.stream], "] tag=",
                                op_tag_name(op.tag));
   if (op.round >= 0) s += TIDE_STR_CAT(" round=", op.round);
+  if (op.rail_group >= 0) s += TIDE_STR_CAT(" rail_group=", op.rail_group);
   if (op.counter.index >= 0)
     s += TIDE_STR_CAT(" counter=", op.counter.index < static_cast<int>(pr.counter_names.size())
                                        ? pr.counter_names[op.counter.index] : "?",
@@ -78,9 +80,7 @@ void bind_program(nb::module_& m) {
         }
         for (const Program& pr : s.progs)
           for (const Op& op : pr.ops) {
-            const bool produces = op.kind == OpKind::kSignal || op.kind == OpKind::kCredit ||
-                                  op.kind == OpKind::kPut || op.kind == OpKind::kEventRecord;
-            if (produces && op.counter.rank == rank && op.counter.index == index)
+            if (op_produces(op) && op.counter.rank == rank && op.counter.index == index)
               return std::make_pair(pr.rank, static_cast<int>(op.stream));
           }
         return std::make_pair(-1, -1);
@@ -102,6 +102,15 @@ void bind_program(nb::module_& m) {
         return v;
       })
       .def_prop_ro("arena_bound", [](const ProgramSet& s) { return s.arena_bound; })
+      .def_prop_ro("rails", [](const ProgramSet& s) {
+        return std::string(rails_name(s.progs.empty() ? Rails::kOneSided : s.progs[0].rails));
+      })
+      .def("lowered", [](const ProgramSet& s) {
+        s.require_built("ProgramSet.lowered");
+        auto out = std::make_shared<ProgramSet>(s);
+        lower_two_sided(out->progs);
+        return out;
+      }, "A copy of this one-sided set in the two-sided rail form ([Note: two-sided rails]).")
       .def_prop_ro("num_counters", [](const ProgramSet& s) {  // counter_base included
         int n = 0;
         for (const auto& p : s.progs) n = std::max(n, p.num_counters);
@@ -173,7 +182,7 @@ void bind_program(nb::module_& m) {
   tags["RoundTail"] = static_cast<int>(OpTag::kRoundTail);
   m.attr("op_tags") = tags;
   nb::dict faults;
-  for (int k = 0; k <= static_cast<int>(FaultKind::kDeadPeer); ++k)
+  for (int k = 0; k <= static_cast<int>(FaultKind::kRailSizeMismatch); ++k)
     faults[fault_kind_name(static_cast<FaultKind>(k))] = k;
   m.attr("fault_kinds") = faults;
 }

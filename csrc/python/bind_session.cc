@@ -60,26 +60,29 @@ void bind_session(nb::module_& m) {
   }, nb::arg("collective"), nb::arg("sets"),
      "The checker as a session with check=True runs it on a new set (TIDE-RS: both banks, three calls); raises "
      "tide.Error 'TIDE static checker rejected ...'.");
-  m.def("program_counters", [](const Plan& plan, const std::string& kind) { return program_counters(plan, kind_from(kind)); },
-        nb::arg("plan"), nb::arg("collective"), "Counters the collective's programs of `plan` use.");
-  m.def("session_arena", [](const Plan& plan, const std::vector<std::string>& kinds) {
+  m.def("program_counters", [](const Plan& plan, const std::string& kind, const std::string& rails) {
+    return program_counters(plan, kind_from(kind), parse_rails(rails, "program_counters"));
+  }, nb::arg("plan"), nb::arg("collective"), nb::arg("rails") = "one_sided",
+     "Counters the collective's programs of `plan` use (rails='two_sided': lowered).");
+  m.def("session_arena", [](const Plan& plan, const std::vector<std::string>& kinds, const std::string& rails) {
     std::vector<CallKind> k;
     for (const auto& s : kinds) k.push_back(kind_from(s));
-    const ArenaSpec a = GroupSession::own_arena(plan, k);
+    const ArenaSpec a = GroupSession::own_arena(plan, k, parse_rails(rails, "session_arena"));
     nb::dict d;
     for (int i = 4; i < kNumBufKinds; ++i)
       if (a.offset[i] >= 0) d[buf_kind_name(static_cast<BufKind>(i))] = nb::make_tuple(a.offset[i], a.bytes[i]);
     d["counters"] = nb::make_tuple(a.counters_offset, a.counters_bytes);
     return nb::make_tuple(d, a.total);
-  }, nb::arg("plan"), nb::arg("collectives"),
+  }, nb::arg("plan"), nb::arg("collectives"), nb::arg("rails") = "one_sided",
      "The arena ({region: (offset, nbytes)}, total bytes) of a session with its own arena running `collectives`.");
 
   nb::class_<CounterSpace>(m, "CounterSpace",
                            "Counter slots shared by the groups of one arena: every group reserves its ranges in the "
                            "same order on every rank.")
       .def(nb::init<>())
-      .def("reserve", [](CounterSpace& c, const Plan& p, const std::string& kind) { return c.reserve(p, kind_from(kind)); },
-           nb::arg("plan"), nb::arg("collective"))
+      .def("reserve", [](CounterSpace& c, const Plan& p, const std::string& kind, const std::string& rails) {
+        return c.reserve(p, kind_from(kind), parse_rails(rails, "CounterSpace.reserve"));
+      }, nb::arg("plan"), nb::arg("collective"), nb::arg("rails") = "one_sided")
       .def_prop_ro("used", &CounterSpace::used)
       .def_prop_ro("region_bytes", &CounterSpace::region_bytes,
                    "Bytes of the arena's counters region: the reserved slots and the entry fence.");
@@ -87,6 +90,7 @@ void bind_session(nb::module_& m) {
   nb::class_<CallExecutor>(m, "CallExecutor", "An executor a GroupSession calls (CPU or CUDA, cluster or rank).")
       .def_prop_ro("world", &CallExecutor::world)
       .def_prop_ro("name", &CallExecutor::name)
+      .def_prop_ro("rails", [](const CallExecutor& e) { return std::string(rails_name(e.rails())); })
       .def("synchronize", &CallExecutor::synchronize, nb::call_guard<nb::gil_scoped_release>())
       .def("set_timeout", &CallExecutor::set_timeout, nb::arg("timeout_s"), "The deadline of later calls' waits.");
 
@@ -97,7 +101,8 @@ void bind_session(nb::module_& m) {
                           bool processes, nb::object options) {
         std::vector<CallKind> k;
         for (const auto& s : kinds) k.push_back(kind_from(s));
-        new (self) CpuClusterExecutor(world, GroupSession::own_arena(plan, k), processes, options_from_python(options));
+        const ExecutorOptions o = options_from_python(options);
+        new (self) CpuClusterExecutor(world, GroupSession::own_arena(plan, k, o.rails), processes, o);
       }, nb::arg("world"), nb::arg("plan"), nb::arg("collectives"), nb::arg("processes") = false,
          nb::arg("options") = nb::none(),
          "An arena laid out for a session of `plan` running `collectives` (GroupSession.own_arena).")

@@ -19,6 +19,7 @@ const char* cta_split_name(CtaSplit s) {
 }
 const char* full_grid_name(FullGrid g) { return g == FullGrid::kWave ? "wave" : "tiles"; }
 const char* copy_2d_name(Copy2D c) { return c == Copy2D::kPerCopy ? "per_copy" : "batch"; }
+const char* rails_name(Rails r) { return r == Rails::kTwoSided ? "two_sided" : "one_sided"; }
 
 void validate(const ExecutorOptions& o) {
   TIDE_PLAN_CHECK(std::isfinite(o.timeout_s) && o.timeout_s > 0 && o.timeout_s <= 1e6,
@@ -38,6 +39,8 @@ void validate(const ExecutorOptions& o) {
                   "ExecutorOptions.full_grid: unknown value ", static_cast<int>(o.full_grid));
   TIDE_PLAN_CHECK(o.copy_2d == Copy2D::kBatch || o.copy_2d == Copy2D::kPerCopy,
                   "ExecutorOptions.copy_2d: unknown value ", static_cast<int>(o.copy_2d));
+  TIDE_PLAN_CHECK(o.rails == Rails::kOneSided || o.rails == Rails::kTwoSided, "ExecutorOptions.rails: unknown value ",
+                  static_cast<int>(o.rails));
 }
 
 namespace {
@@ -68,6 +71,10 @@ E parse_enum(const std::string& v, const std::string& where, const std::vector<s
 
 }  // namespace
 
+Rails parse_rails(const std::string& name, const std::string& where) {
+  return parse_enum<Rails>(name, where, {{"one_sided", Rails::kOneSided}, {"two_sided", Rails::kTwoSided}});
+}
+
 void set_option(ExecutorOptions& o, const std::string& name, const std::string& value, const std::string& where) {
   const std::string w = TIDE_STR_CAT(where, ": ", name);
   if (name == "timeout_s") {
@@ -95,10 +102,12 @@ void set_option(ExecutorOptions& o, const std::string& name, const std::string& 
     o.trace = parse_bool(value, w);
   } else if (name == "workers") {
     o.workers = static_cast<int>(parse_int(value, w));
+  } else if (name == "rails") {
+    o.rails = parse_rails(value, w);
   } else {
     throw PlanError(TIDE_STR_CAT(where, ": unknown field '", name, "' (fields: timeout_s, cast_ctas, zero_ctas, "
                                  "cta_split, full_grid, copy_lanes, copy_spread_bytes, copy_2d, sync_every_call, "
-                                 "trace, workers)"));
+                                 "trace, workers, rails)"));
   }
 }
 
@@ -107,7 +116,7 @@ std::string describe(const ExecutorOptions& o) {
                       ",cta_split=", cta_split_name(o.cta_split), ",full_grid=", full_grid_name(o.full_grid),
                       ",copy_lanes=", o.copy_lanes, ",copy_spread_bytes=", o.copy_spread_bytes,
                       ",copy_2d=", copy_2d_name(o.copy_2d), ",sync_every_call=", o.sync_every_call ? 1 : 0,
-                      ",trace=", o.trace ? 1 : 0, ",workers=", o.workers);
+                      ",trace=", o.trace ? 1 : 0, ",workers=", o.workers, ",rails=", rails_name(o.rails));
 }
 
 double checked_timeout(double timeout_s) {

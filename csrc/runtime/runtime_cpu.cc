@@ -52,7 +52,17 @@ void CpuClusterExecutor::run(const std::shared_ptr<const ProgramSet>& set, int64
     b[static_cast<size_t>(r)] = to_rank_bindings(buffers[static_cast<size_t>(r)]);
   }
   std::lock_guard<std::mutex> lock(mu_);
-  run_cpu(arena_, per_rank, b, opt_);
+  if (opt_.rails == Rails::kOneSided) {
+    run_cpu(arena_, per_rank, b, opt_);
+    return;
+  }
+  // Two-sided: ranks of different nodes meet through a rail of their own for this run.
+  TIDE_PLAN_CHECK(!opt_.processes, "CpuClusterExecutor: two-sided rails (ExecutorOptions.rails) run with ranks as "
+                  "threads");
+  const std::shared_ptr<Rail> rail = make_local_rail();
+  CpuRunOptions o = opt_;
+  o.rail = rail.get();
+  run_cpu(arena_, per_rank, b, o);
 }
 
 void CpuClusterExecutor::set_timeout(double timeout_s) {

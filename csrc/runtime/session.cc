@@ -20,29 +20,39 @@ int rs_bank(int64_t seq) {
   return static_cast<int>((seq - 1) % 2);
 }
 
-int program_counters(const Plan& plan, CallKind kind) {
-  if (kind == CallKind::kAllGather) {
-    AgCallOptions o;
-    o.with_expects = false;
-    return build_ag_program(plan, o, 0).num_counters;
-  }
-  RsCallOptions o;
-  if (kind == CallKind::kReduceScatterExpert) {
-    o.expert_lane = true;
-    return build_rs_expert_program(plan, o, 0).num_counters;
-  }
-  // The header alone: no ops are built (the plan outlives the generator, hence no ownership).
-  const std::shared_ptr<const Plan> view(&plan, [](const Plan*) {});
-  return RsProgramGenerator(view, o).header(0, false).num_counters;
+namespace {
+
+// The one-sided program set of `kind` (rs->expert_lane set for the expert lane).
+std::vector<Program> build_programs(const Plan& plan, CallKind kind, const AgCallOptions* ag, const RsCallOptions* rs) {
+  return kind == CallKind::kAllGather ? build_ag_programs(plan, *ag) : build_rs_programs(plan, *rs);
 }
 
-int64_t CounterSpace::reserve(const Plan& plan, CallKind kind) {
+}  // namespace
+
+int program_counters(const Plan& plan, CallKind kind, Rails rails) {
+  AgCallOptions ag;
+  ag.with_expects = false;
+  RsCallOptions rs;
+  rs.expert_lane = kind == CallKind::kReduceScatterExpert;
+  if (rails == Rails::kTwoSided && plan.topo.nodes > 1) {  // the lowering's counters need every rank
+    std::vector<Program> progs = build_programs(plan, kind, &ag, &rs);
+    lower_two_sided(progs);
+    return progs[0].num_counters;
+  }
+  if (kind == CallKind::kAllGather) return build_ag_program(plan, ag, 0).num_counters;
+  if (kind == CallKind::kReduceScatterExpert) return build_rs_expert_program(plan, rs, 0).num_counters;
+  // The header alone: no ops are built (the plan outlives the generator, hence no ownership).
+  const std::shared_ptr<const Plan> view(&plan, [](const Plan*) {});
+  return RsProgramGenerator(view, rs).header(0, false).num_counters;
+}
+
+int64_t CounterSpace::reserve(const Plan& plan, CallKind kind, Rails rails) {
   const int64_t base = used_;
-  used_ += program_counters(plan, kind);
+  used_ += program_counters(plan, kind, rails);
   return base;
 }
 
-ArenaSpec GroupSession::own_arena(const Plan& plan, const std::vector<CallKind>& kinds) {
+ArenaSpec GroupSession::own_arena(const Plan& plan, const std::vector<CallKind>& kinds, Rails rails) {
   TIDE_PLAN_CHECK(!kinds.empty(), "GroupSession: a session runs at least one collective");
   const bool expert = std::find(kinds.begin(), kinds.end(), CallKind::kReduceScatterExpert) != kinds.end();
   if (expert) {
@@ -50,10 +60,16 @@ ArenaSpec GroupSession::own_arena(const Plan& plan, const std::vector<CallKind>&
                     "of its own");
     RsCallOptions o;
     o.expert_lane = true;
-    return build_rs_expert_program(plan, o, 0).arena;
+    ArenaSpec a = build_rs_expert_program(plan, o, 0).arena;
+    const int64_t need = 8ll * program_counters(plan, CallKind::kReduceScatterExpert, rails);
+    if (a.counters_bytes < need) {  // the lowering's counters: the region ends the arena
+      a.counters_bytes = need;
+      a.total = std::max(a.total, a.counters_offset + need);
+    }
+    return a;
   }
   int total = 0;
-  for (CallKind k : kinds) total += program_counters(plan, k);
+  for (CallKind k : kinds) total += program_counters(plan, k, rails);
   return arena_spec_for(plan, total);
 }
 
@@ -68,6 +84,9 @@ GroupSession::GroupSession(std::shared_ptr<const Plan> plan, std::shared_ptr<Cal
   TIDE_PLAN_CHECK(!placement_.kinds.empty(), "GroupPlacement.kinds: a session runs at least one collective");
   TIDE_PLAN_CHECK(!(opt_.generate_rs && opt_.check), "SessionOptions: the checker needs built programs "
                   "(generate_rs and check exclude each other)");
+  rails_ = executor_->rails();
+  TIDE_PLAN_CHECK(!(opt_.generate_rs && rails_ == Rails::kTwoSided), "SessionOptions.generate_rs: generated "
+                  "programs are one-sided (the executor's rails are two-sided)");
   sum_ctas_ = opt_.sum_ctas > 0 ? opt_.sum_ctas : plan_->solver.sum_ctas;
   land_ctas_ = opt_.land_ctas > 0 ? opt_.land_ctas : plan_->solver.land_ctas;
   const int N = plan_->topo.world();
@@ -96,7 +115,7 @@ GroupSession::GroupSession(std::shared_ptr<const Plan> plan, std::shared_ptr<Cal
       TIDE_PLAN_CHECK(regions_.empty(), "GroupPlacement.counter_base[", call_kind_name(k), "]: a group in a shared "
                       "arena needs a range from the arena's CounterSpace");
       base = next;
-      next += program_counters(*plan_, k);
+      next += program_counters(*plan_, k, rails_);
     }
   }
 }
@@ -137,9 +156,10 @@ std::shared_ptr<ProgramSet> GroupSession::build(CallKind kind, int bank, float a
       for (int r = 0; r < plan_->topo.world(); ++r) set->progs.push_back(generator->header(r, false));
       set->generator = generator;
     } else {
-      set->progs = build_rs_programs(*plan_, o);
+      set->progs = build_programs(*plan_, kind, nullptr, &o);
     }
   }
+  if (rails_ == Rails::kTwoSided) lower_two_sided(set->progs);
   bind_programs_to_arena(set->progs, b);
   set->arena_bound = b.regions != nullptr;
   // The builders stamp the plan's C_sum / C_mc (Eqs. 13-14); only an explicit override restamps.

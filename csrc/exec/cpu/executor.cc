@@ -11,8 +11,9 @@
 #include <thread>
 
 #include "exec/cpu/internal.h"
-#include "tide/numerics.h"
 #include "tide/exec_cpu.h"
+#include "tide/numerics.h"
+#include "tide/program_index.h"
 
 namespace tide {
 
@@ -43,6 +44,7 @@ struct StreamCursor {
   size_t wpos = 0;
   Clock::time_point blocked_since{};
   bool blocked = false;
+  uint64_t rail_ticket = 0;  // the posted rendezvous group at the head (0: none)
 };
 
 struct RankState {
@@ -109,6 +111,9 @@ struct Runner {
     if (!arena.has(b.kind))
       fail(1, TIDE_STR_CAT(op_name(rs, call, idx), ": uses arena region '", buf_kind_name(b.kind),
                            "', which the arena layout does not have"));
+    if (arena.base[static_cast<size_t>(b.rank)] == nullptr)
+      fail(1, TIDE_STR_CAT(op_name(rs, call, idx), ": touches ", buf_kind_name(b.kind), " of rank ", b.rank,
+                           ", whose arena is not mapped in this process (another node: only the rail reaches it)"));
     if (b.offset < 0 || b.end() > arena.region_bytes(b.kind))
       fail(1, TIDE_STR_CAT(op_name(rs, call, idx), ": ", buf_kind_name(b.kind), " of rank ", b.rank, " bytes [",
                            b.offset, ", ", b.end(), ") exceed the region (", arena.region_bytes(b.kind), ")"));
@@ -143,9 +148,7 @@ struct Runner {
       const Program& pr = *calls.front().program;
       for (size_t i = 0; i < pr.ops.size(); ++i) {
         const Op& op = pr.ops[i];
-        const bool produces = op.kind == OpKind::kSignal || op.kind == OpKind::kCredit ||
-                              op.kind == OpKind::kPut || op.kind == OpKind::kEventRecord;
-        if (produces && op.counter.rank == c.rank && op.counter.index == c.index)
+        if (op_produces(op) && op.counter.rank == c.rank && op.counter.index == c.index)
           return TIDE_STR_CAT("rank ", pr.rank, " op ", i, " ", op_kind_name(op.kind), " [", pr.streams[op.stream], "]");
       }
     }
@@ -161,9 +164,7 @@ struct Runner {
       if (calls.empty()) continue;
       const Program& pr = *calls.front().program;
       for (const Op& op : pr.ops) {
-        const bool produces = op.kind == OpKind::kSignal || op.kind == OpKind::kCredit ||
-                              op.kind == OpKind::kPut || op.kind == OpKind::kEventRecord;
-        if (produces && op.counter.rank == c.rank && op.counter.index == c.index) return pr.rank;
+        if (op_produces(op) && op.counter.rank == c.rank && op.counter.index == c.index) return pr.rank;
       }
     }
     return -1;
@@ -241,6 +242,65 @@ struct Runner {
     if (put_hash(srs, scall, op_idx, true) != rec->hash.load())
       fail(1, TIDE_STR_CAT("corruption: ", op_name(rs, call, idx), " finds the bytes delivered by rank ", src, " op ",
                            op_idx, " PUT (call seq ", scall.seq, ") changed before they were consumed"));
+  }
+
+  static bool is_rail(const Op& op) { return op.kind == OpKind::kSend || op.kind == OpKind::kRecv; }
+  int rail_rank(int r) const { return opt.rail_ranks ? (*opt.rail_ranks)[static_cast<size_t>(r)] : r; }
+
+  // The rendezvous group at the head of a stream ([Note: two-sided rails]): posted to the rail
+  // once, then polled. Returns the ops it covers once complete (its receives' counters bumped),
+  // 0 while it is pending.
+  size_t exec_group(RankState& rs, const Call& call, StreamCursor& cur, const std::vector<int>& list) {
+    const Program& pr = *call.program;
+    const int first = list[cur.pos];
+    const int g = pr.ops[first].rail_group;
+    size_t end = cur.pos;
+    while (end < list.size() && is_rail(pr.ops[list[end]]) && pr.ops[list[end]].rail_group == g) ++end;
+    if (opt.rail == nullptr)
+      fail(1, TIDE_STR_CAT(op_name(rs, call, first), ": a two-sided rail group, but this executor has no rail "
+                           "transport (ExecutorOptions.rails = 'two_sided' gives it one)"));
+    if (cur.rail_ticket == 0) {
+      std::vector<RailTransfer> sends, recvs;
+      for (size_t k = cur.pos; k < end; ++k) {
+        const Op& op = pr.ops[list[k]];
+        for (const auto& cd : op.copies) {
+          if (op.kind == OpKind::kSend)
+            sends.push_back({rail_rank(cd.dst.rank), resolve(rs, call, list[k], cd.src), cd.src.width});
+          else
+            recvs.push_back({rail_rank(cd.src.rank), resolve(rs, call, list[k], cd.dst), cd.dst.width});
+        }
+      }
+      if (opt.trace) std::fprintf(stderr, "[tide] %s (rail group %d)\n", op_name(rs, call, first).c_str(), g);
+      cur.rail_ticket = opt.rail->start(rail_rank(rs.rank), sends, recvs);
+    }
+    bool done = false;
+    try {
+      done = opt.rail->test(cur.rail_ticket);
+    } catch (const std::exception& e) {
+      cur.rail_ticket = 0;
+      fail(1, TIDE_STR_CAT(op_name(rs, call, first), ": rail group ", g, " failed: ", e.what()));
+    }
+    if (!done) return 0;
+    cur.rail_ticket = 0;
+    for (size_t k = cur.pos; k < end; ++k) {
+      const Op& op = pr.ops[list[k]];
+      if (op.kind == OpKind::kRecv && op.counter.index >= 0)
+        counter(rs, call, list[k], op.counter).fetch_add(static_cast<uint64_t>(op.value), std::memory_order_release);
+    }
+    return end - cur.pos;
+  }
+
+  // Who a pending group waits for (timeout messages).
+  std::string group_peers(const Call& call, const std::vector<int>& list, size_t pos) const {
+    const Program& pr = *call.program;
+    const int g = pr.ops[list[pos]].rail_group;
+    std::string s;
+    for (size_t k = pos; k < list.size() && is_rail(pr.ops[list[k]]) && pr.ops[list[k]].rail_group == g; ++k) {
+      const Op& op = pr.ops[list[k]];
+      s += TIDE_STR_CAT(s.empty() ? "" : ", ", op.kind == OpKind::kSend ? "SEND to rank " : "RECV from rank ",
+                        rail_rank(rail_peer(op)));
+    }
+    return s;
   }
 
   // Returns true when the op could run (and ran); false when its wait is unsatisfied.
@@ -386,6 +446,29 @@ struct Runner {
           rs.stall_until = now + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(opt.stall_s));
           return true;
         }
+        if (!call.generator && is_rail(*rs.cur)) {
+          const auto& list = rs.stream_ops[cur.call][s];
+          const size_t n = exec_group(rs, call, cur, list);
+          if (n == 0) {
+            if (!cur.blocked) {
+              cur.blocked = true;
+              cur.blocked_since = now;
+            } else if (std::chrono::duration<double>(now - cur.blocked_since).count() > opt.timeout_s) {
+              const std::string msg = TIDE_STR_CAT(
+                  "TIDE timeout after ", opt.timeout_s, " s: ", op_name(rs, call, idx), ": rail group ",
+                  rs.cur->rail_group, " (", group_peers(call, list, cur.pos), ") did not complete: a peer never "
+                  "posted the matching group (behind, stalled or dead); the rail is aborted");
+              opt.rail->abort(msg);
+              fail(2, msg);
+            }
+            break;
+          }
+          cur.blocked = false;
+          cur.pos += n;
+          rs.ops_done += static_cast<int64_t>(n);
+          progress = true;
+          continue;
+        }
         if (!exec(rs, call, idx)) {
           if (!cur.blocked) {
             cur.blocked = true;
@@ -508,6 +591,11 @@ void run_cpu(CpuArena& arena, const std::vector<std::vector<Call>>& per_rank,
     for (int s = 0; s < kMaxStreams; ++s) sh->blocked(r, s)->valid.store(0);
   const ArenaView view = arena.view();
 
+  for (int r = 0; r < N; ++r)
+    for (const auto& call : per_rank[r])
+      TIDE_PLAN_CHECK(call.program->rails == Rails::kOneSided || (!opt.processes && opt.rail != nullptr),
+                      "run_cpu: rank ", r, " runs a two-sided program, which needs a rail transport and ranks as "
+                      "threads (ExecutorOptions.rails = 'two_sided', processes=false)");
   if (!opt.processes) {
     const int W = std::max(1, std::min(N, opt.workers > 0 ? opt.workers : 4));
     std::vector<std::thread> threads;

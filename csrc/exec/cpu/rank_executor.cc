@@ -71,6 +71,12 @@ RankExecutor::RankExecutor(int rank, const Topology& topo, const std::vector<std
                   topo.gpus_per_node, ")");
   TIDE_PLAN_CHECK(segment_bytes > 0, "RankExecutor: segment_bytes must be positive, got ", segment_bytes);
   for (const auto& name : segment_names) {
+    if (name.empty()) {  // host isolation: another node's arena is not mapped here
+      TIDE_PLAN_CHECK(static_cast<int>(bases_.size()) != rank, "RankExecutor: rank ", rank, "'s own segment name is empty");
+      bases_.push_back(nullptr);
+      owned_.push_back(false);
+      continue;
+    }
     const int fd = shm_open(name.c_str(), O_RDWR, 0);
     if (fd < 0) {
       const int err = errno;
@@ -108,7 +114,8 @@ RankExecutor::RankExecutor(int rank, const Topology& topo, const std::vector<uin
   TIDE_PLAN_CHECK(static_cast<int>(segment_bases.size()) == topo.world(), "RankExecutor: ",
                   segment_bases.size(), " segments for ", topo.world(), " ranks");
   for (uint8_t* b : segment_bases) {
-    TIDE_PLAN_CHECK(b != nullptr, "RankExecutor: null segment address");
+    TIDE_PLAN_CHECK(b != nullptr || static_cast<int>(bases_.size()) != rank, "RankExecutor: rank ", rank,
+                    "'s own segment address is null");
     bases_.push_back(b);
     owned_.push_back(false);
   }
@@ -129,9 +136,14 @@ void RankExecutor::set_timeout(double timeout_s) {
   opt_.timeout_s = t;
 }
 
+void RankExecutor::set_rail(std::shared_ptr<Rail> rail) {
+  std::lock_guard<std::mutex> lock(mu_);
+  rail_ = std::move(rail);
+}
+
 void RankExecutor::unmap_all() {
   for (size_t i = 0; i < bases_.size(); ++i)
-    if (owned_[i]) munmap(bases_[i], static_cast<size_t>(segment_bytes_));
+    if (owned_[i] && bases_[i]) munmap(bases_[i], static_cast<size_t>(segment_bytes_));
   bases_.clear();
   owned_.clear();
 }
@@ -168,7 +180,11 @@ void RankExecutor::run(const ProgramSet& set, int64_t seq, const RankBindings& b
   TIDE_PLAN_CHECK(mine.topo.world() == N, "RankExecutor.run: the program is for ", mine.topo.world(),
                   " ranks, ranks= names ", N);
 
+  TIDE_PLAN_CHECK(mine.rails == opt_.rails, "RankExecutor.run: a ", rails_name(mine.rails), " program on an executor "
+                  "with ", rails_name(opt_.rails), " rails (ExecutorOptions.rails)");
   std::lock_guard<std::mutex> lock(mu_);  // one run at a time (the run-wide state is per executor)
+  TIDE_PLAN_CHECK(mine.rails == Rails::kOneSided || rail_ != nullptr, "RankExecutor.run: rank ", rank_,
+                  " runs a two-sided program but has no rail transport (set_rail)");
   ArenaView view;
   view.nranks = N;
   for (int g : members) view.base.push_back(bases_[static_cast<size_t>(g)]);
@@ -199,6 +215,8 @@ void RankExecutor::run(const ProgramSet& set, int64_t seq, const RankBindings& b
   static_cast<ExecutorOptions&>(opt) = opt_;
   opt.verify_agreement = false;
   opt.peers_remote = true;
+  opt.rail = rail_.get();
+  opt.rail_ranks = &members;
   step_ranks(view, per_rank, b, opt, me, me + 1);
   rethrow_shared(view.sh);
 }

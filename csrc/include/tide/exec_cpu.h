@@ -31,6 +31,7 @@
 #include <atomic>
 #include <cstdint>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <utility>
@@ -39,6 +40,7 @@
 #include "tide/exec_options.h"
 #include "tide/program.h"
 #include "tide/program_set.h"
+#include "tide/rail.h"
 
 namespace tide {
 
@@ -67,6 +69,10 @@ struct CpuRunOptions : ExecutorOptions {
   int dead_rank = -1;
   int64_t dead_op = 0;
   bool peers_remote = false;  // RankExecutor: peers' blocked waits are not visible (messages)
+  // Two-sided programs ([Note: two-sided rails]): the transport of their SEND/RECV groups, and the
+  // rail rank of each program rank (null: the same numbers).
+  Rail* rail = nullptr;
+  const std::vector<int>* rail_ranks = nullptr;
 };
 
 class CpuArena {
@@ -124,6 +130,9 @@ void run_cpu(CpuArena& arena, const std::vector<std::vector<Call>>& per_rank,
 //     naming the region). No canaries: the segments belong to the caller.
 //   - Sub-groups (HSDP shard groups): run(..., ranks) runs a program set built for a group of
 //     those global ranks (group rank i = ranks[i]), over their segments.
+//   - Host isolation: an empty segment name (or a zero address) leaves that rank's arena unmapped
+//     (a rank of another node); only two-sided programs (ExecutorOptions::rails = two_sided,
+//     set_rail) reach it, through the rail; any other access fails naming the rank.
 //   - fence (default on): groups share scratch regions, so each run first waits until every peer
 //     it writes into has started the same run number (see [Note: entry fence]); the last counter
 //     of region "counters" is the executor's. Every rank must issue the same sequence of runs.
@@ -145,6 +154,10 @@ class RankExecutor {
   int rank() const { return rank_; }
   int world() const { return static_cast<int>(bases_.size()); }
   void set_timeout(double timeout_s);  // later runs' deadline (a validated ExecutorOptions::timeout_s)
+  Rails rails() const { return opt_.rails; }
+  // The transport of two-sided programs' rail groups (ExecutorOptions::rails = two_sided); peers
+  // are this executor's ranks.
+  void set_rail(std::shared_ptr<Rail> rail);
   uint8_t* segment(int r) const { return bases_.at(static_cast<size_t>(r)); }
   // set: one Program per group rank; only this rank's runs. A set built with arena= (arena_bound)
   // takes its region layout from its programs instead of the executor's `regions`.
@@ -166,6 +179,7 @@ class RankExecutor {
   std::vector<bool> owned_;  // mapped here (munmap at destruction)
   ArenaSpec layout_;         // from `regions`; absent regions have offset -1
   std::vector<uint8_t> shared_mem_;  // this process's run-wide state (abort flag, first error)
+  std::shared_ptr<Rail> rail_;
   std::mutex mu_;
 };
 

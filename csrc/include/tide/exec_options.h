@@ -25,6 +25,11 @@ enum class CtaSplit : int8_t { kAuto = 0, kTiles = 1, kRanges = 2 };
 enum class FullGrid : int8_t { kTiles = 0, kWave = 1 };
 // Eager 2-D copies: one cudaMemcpy3DBatchAsync per op, or one cudaMemcpy2DAsync per copy.
 enum class Copy2D : int8_t { kBatch = 0, kPerCopy = 1 };
+// How an executor reaches other nodes ([Note: two-sided rails] in tide/program.h): one-sided, by
+// pointer into their arenas (PUT + SIGNAL; the virtual clusters, one host), or two-sided, through
+// the rail transport's send/recv only (programs lowered by lower_two_sided; another node's arena
+// is never mapped). Also the IR mark of a program (Program::rails).
+enum class Rails : uint8_t { kOneSided = 0, kTwoSided = 1 };
 
 struct ExecutorOptions {
   double timeout_s = 30.0;              // every wait's deadline (fail-stop), seconds, (0, 1e6]
@@ -40,6 +45,8 @@ struct ExecutorOptions {
   // CPU executor.
   bool trace = false;                   // every executed op per rank to stderr
   int workers = 0;                      // virtual cluster threads, 0..1024 (0: min(ranks, 4))
+  // Every executor.
+  Rails rails = Rails::kOneSided;       // how other nodes are reached (see Rails)
 };
 
 void validate(const ExecutorOptions& o);  // PlanError naming the field
@@ -57,5 +64,7 @@ std::string describe(const ExecutorOptions& o);
 const char* cta_split_name(CtaSplit s);  // "auto", "tiles", "ranges"
 const char* full_grid_name(FullGrid g);  // "tiles", "wave"
 const char* copy_2d_name(Copy2D c);      // "batch", "per_copy"
+const char* rails_name(Rails r);         // "one_sided", "two_sided"
+Rails parse_rails(const std::string& name, const std::string& where);  // PlanError naming `where`
 
 }  // namespace tide

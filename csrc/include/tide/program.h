@@ -50,12 +50,15 @@
 //   v1+ — ProgramGenerator and Call::generator (programs generated while they run; CPU executor only).
 //   v1+ — Program::sum_ctas / land_ctas: the CTA budgets of the program's SUM and LAND ops (the
 //        plan's solver, Eqs. 13-14, stamped by the RS builders; a session may override them).
+//   v1+ — two-sided rails: OpKind::kSend / kRecv, Op::rail_group, Program::rails and
+//        lower_two_sided() ([Note: two-sided rails]).
 #pragma once
 
 #include <cstdint>
 #include <string>
 #include <vector>
 
+#include "tide/exec_options.h"  // Rails
 #include "tide/plan.h"
 
 namespace tide {
@@ -137,7 +140,32 @@ enum class OpKind : uint8_t {
   kEventRecord = 8,  // own counter = max(counter, value + per_call*seq)
   kEventWait = 9,    // own counter >= value + per_call*seq
   kCredit = 10,      // like SIGNAL; marks a buffer-reuse credit (fault injection targets it)
+  kSend = 11,        // two-sided rail transfer out: copies (src own, dst the rail peer's arena where
+                     // the matching RECV lands them), ONE peer; member of group `rail_group`
+  kRecv = 12,        // two-sided rail transfer in: copies (src the peer's, as its SEND names them;
+                     // dst own arena), ONE peer; own counter += value once its group completed
 };
+// [Note: two-sided rails] A rank reaches the ranks of its own node by pointer (COPY, PUT, SIGNAL
+// into their arenas) and every other node only through its rail communicator, whose transport is
+// two-sided (NCCL send/recv, torch.distributed send/recv). lower_two_sided() rewrites a built
+// one-sided program set into that form (Program::rails = kTwoSided):
+//   - each cross-node PUT becomes a SEND on the sender and the matching RECV on the receiver, in a
+//     new stream "rail_p2p" on both; the PUT's stream records a local event where the PUT was
+//     and waits for the transfer's completion event right after (the PUT's stream order stays);
+//   - the RECV bumps the receiver's own arrival counter (its producer becomes the receiver's
+//     rail_p2p stream: every counter keeps one producer);
+//   - a cross-node SIGNAL/CREDIT (a credit or pace signal from a receiver to its sender) becomes
+//     the same op on a fresh local counter of the signalling rank, and the sender's waits on it
+//     move to the receiver's rail_p2p stream, just before the RECV of the transfer they guarded
+//     (the next PUT to that rank on the waiting stream): a two-sided receive is posted only once
+//     its buffer is free, so the sender needs no credit;
+//   - transfers are grouped by (round, tag, ordinal): group g of rank r holds r's SEND and RECV
+//     of that key (consecutive ops with rail_group = g, one ncclGroupStart/End), and every rank
+//     issues its groups in the same key order, so matched groups meet (the checker proves it:
+//     matching, sizes, order, rendezvous deadlock freedom).
+// A rendezvous group completes once every peer holding a matched transfer has posted its group;
+// a RECV's bytes are those the SEND read. Sends and receives are 1-D descriptors, matched in
+// order per (sender, receiver) pair: the k-th SEND descriptor with the k-th RECV descriptor.
 const char* op_kind_name(OpKind k);
 
 // What an op is for: lets traces, messages and fault injection name ops without string labels.
@@ -183,7 +211,10 @@ struct Op {
                                     // local ranks; an executor may use one multicast write
   int64_t target(int64_t seq) const { return value + per_call * seq; }
   double deadline_s = 0;            // WAIT/EVENT_WAIT: own deadline; 0 -> the executor's timeout
+  int32_t rail_group = -1;          // SEND/RECV: the rendezvous group ([Note: two-sided rails])
 };
+// The rail peer of a SEND (its descriptors' destination rank) or RECV (their source rank).
+int rail_peer(const Op& op);
 
 // What the user may read from a user_output / landing once done_event reaches seq: `region`
 // (1-D) holds the sum of `sources` (each a 1-D BufRef of the same call, with element dtypes),
@@ -213,6 +244,7 @@ ArenaSpec arena_spec_for(const Plan& plan, int num_counters);
 
 enum class Collective : uint8_t { kAllGather = 0, kReduceScatter = 1 };
 
+
 struct Program {
   int version = kProgramIrVersion;
   Collective collective = Collective::kAllGather;
@@ -235,6 +267,7 @@ struct Program {
   std::vector<std::vector<int64_t>> user_buffer_bytes = std::vector<std::vector<int64_t>>(4);
   int32_t sum_ctas = 0;               // CTA budget of every SUM op (0: the executor's default)
   int32_t land_ctas = 0;              // CTA budget of every LAND op (0: the executor's default)
+  Rails rails = Rails::kOneSided;     // kTwoSided: cross-node only through SEND/RECV (lower_two_sided)
 };
 
 // [Note: generated programs] A program set too large to hold (e.g. TIDE-RS at 1024 x 8: ~50K
@@ -290,6 +323,16 @@ struct AgProgramStats {
 AgProgramStats ag_program_stats(const Program& prog);
 
 // ---------------------------------------------------------------------------------------------
+// Two-sided rail lowering                                                [csrc/program/rails.cc]
+// ---------------------------------------------------------------------------------------------
+// Rewrites a one-sided program set (one Program per group rank, as built) into the two-sided form
+// of [Note: two-sided rails] and marks every program Rails::kTwoSided. Every program gets the same
+// streams and num_counters. A set without cross-node transfers (M = 1) only gets the mark. Throws
+// PlanError naming rank and op for a program it cannot lower (a cross-node COPY, a remote wait,
+// a cross-node wait that guards no rail transfer).
+void lower_two_sided(std::vector<Program>& progs);
+
+// ---------------------------------------------------------------------------------------------
 // Static checker (csrc/program/checker.cc): proves I1-I4 for one collective order.
 // ---------------------------------------------------------------------------------------------
 struct CheckReport {
@@ -307,7 +350,11 @@ struct CheckReport {
 //      including arena reuse across calls and writes into user_outputs before consumption;
 //   I4 calls in a different (group, seq, plan) order on some rank, a counter with several
 //      producing streams, or a deadlock (a wait whose producer never comes).
-// Structural rule violations (the push rule, out-of-bounds refs) are reported as well.
+//   R  two-sided rails: a SEND without its RECV (a dropped receive) or the reverse, a size
+//      mismatch, transfers matched out of order (groups issued in different orders), a rendezvous
+//      group meeting two groups of one peer (a group split in two); a rendezvous deadlock is I4.
+// Structural rule violations (the push rule, out-of-bounds refs; in a two-sided program any
+// cross-node access outside SEND/RECV) are reported as well.
 CheckReport check_programs(const std::vector<std::vector<Call>>& per_rank, int max_errors = 8);
 // Convenience: every rank runs `calls` calls of its program with seq 1..calls.
 CheckReport check_program_set(const std::vector<Program>& progs, int calls = 2);
@@ -325,6 +372,11 @@ enum class FaultKind : uint8_t {
   kOtherPlan = 6,      // one rank runs a program of a different plan (applied to a program set)
   kStalledPeer = 7,    // executor-level: a rank pauses (ExecFaults)
   kDeadPeer = 8,       // executor-level: a rank stops
+  // Two-sided programs (lower_two_sided):
+  kDropRecv = 9,       // remove a RECV (its SEND finds no receive)
+  kSplitRailGroup = 10,  // the first rail group with two transfers to one peer is issued as two
+  kSwapRailGroups = 11,  // two consecutive rail groups issued in the other order on one rank
+  kRailSizeMismatch = 12,  // a RECV expects fewer bytes than its SEND carries
 };
 const char* fault_kind_name(FaultKind k);
 // Mutates progs[rank] in place; returns false when the program has no op the fault applies to.

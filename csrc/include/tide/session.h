@@ -73,6 +73,9 @@ class CallExecutor {
   virtual void synchronize() {}
   // The deadline of later calls' waits (a validated ExecutorOptions::timeout_s).
   virtual void set_timeout(double timeout_s) = 0;
+  // How the executor reaches other nodes: a session lowers its programs to the two-sided rail
+  // form (lower_two_sided) for an executor with two-sided rails.
+  virtual Rails rails() const { return Rails::kOneSided; }
   virtual std::string name() const = 0;  // "cpu-cluster", "cpu-rank", "cuda-cluster", "cuda-rank"
 };
 
@@ -81,14 +84,15 @@ class CallExecutor {
 // "TIDE static checker rejected ..." naming the findings.
 void check_session_programs(CallKind kind, const std::vector<const ProgramSet*>& sets);
 
-// The counters every collective's programs of `plan` use (their num_counters).
-int program_counters(const Plan& plan, CallKind kind);
+// The counters every collective's programs of `plan` use (their num_counters; two-sided rails
+// add the lowering's local counters).
+int program_counters(const Plan& plan, CallKind kind, Rails rails = Rails::kOneSided);
 
 // Counter slots shared by the groups of one arena (see the contract).
 class CounterSpace {
  public:
   // A fresh range for `kind`'s programs of `plan`; returns its first slot.
-  int64_t reserve(const Plan& plan, CallKind kind);
+  int64_t reserve(const Plan& plan, CallKind kind, Rails rails = Rails::kOneSided);
   int64_t used() const { return used_; }  // slots reserved so far
   // Bytes of the arena's counters region: every reserved slot, then the rank executors' entry
   // fence, which is the region's last counter (docs/rank_executor.md).
@@ -138,7 +142,7 @@ class GroupSession {
   int land_ctas() const { return land_ctas_; }
   // The arena a cluster executor needs for a session with its own arena (the plan's layout, its
   // counters region holding every collective's range).
-  static ArenaSpec own_arena(const Plan& plan, const std::vector<CallKind>& kinds);
+  static ArenaSpec own_arena(const Plan& plan, const std::vector<CallKind>& kinds, Rails rails = Rails::kOneSided);
 
   // The program set call `seq` of `kind` runs, built and cached on first use.
   std::shared_ptr<const ProgramSet> programs(CallKind kind, int64_t seq, float alpha = 1.0f, bool accumulate = false);
@@ -161,6 +165,7 @@ class GroupSession {
   GroupPlacement placement_;
   SessionOptions opt_;
   int sum_ctas_ = 0, land_ctas_ = 0;
+  Rails rails_ = Rails::kOneSided;  // the executor's
   RegionTable regions_;            // copy of the executor's shared layout (when it has one)
   std::map<Key, std::shared_ptr<ProgramSet>> cache_;
   int64_t seq_[kNumCallKinds] = {0, 0, 0};
@@ -178,6 +183,7 @@ class CpuClusterExecutor final : public CallExecutor {
            const std::vector<RankBindingList>& buffers, const std::vector<uintptr_t>& streams) override;
   std::string name() const override { return "cpu-cluster"; }
   void set_timeout(double timeout_s) override;
+  Rails rails() const override { return opt_.rails; }  // two-sided: a LocalRail per run
   CpuArena& arena() { return arena_; }
   CpuRunOptions& run_options() { return opt_; }  // fault injection (tests), verify_agreement
 
@@ -197,6 +203,7 @@ class CpuRankExecutor final : public CallExecutor {
            const std::vector<RankBindingList>& buffers, const std::vector<uintptr_t>& streams) override;
   std::string name() const override { return "cpu-rank"; }
   void set_timeout(double timeout_s) override;
+  Rails rails() const override { return ex_->rails(); }
   RankExecutor& rank_executor() { return *ex_; }
 
  private:
