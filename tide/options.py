@@ -27,6 +27,8 @@ class ExecutorOptions:
     trace: bool = False                # CPU: every executed op per rank to stderr
     workers: int = 0                   # CPU virtual cluster threads, 0..1024 (0: min(ranks, 4))
     rails: str = "one_sided"           # other nodes: one_sided (by pointer) | two_sided (rail send/recv)
+    rail_ctas: int = 2                 # CUDA two-sided: SMs a rail group's NCCL kernel may take, 1..64
+    rail_channels_per_peer: int = 1    # CUDA two-sided: NCCL channels per rail peer, 1..32
 
     def __post_init__(self) -> None:
         for f in fields(self):

@@ -57,6 +57,7 @@ class ExecutorTransport:
         self._group_of = group_of
         self._world = topo.nodes * topo.gpus_per_node
         self._rank = rank
+        self.rank_executor = None  # CPU: the core's RankExecutor (tests inspect its mappings)
 
     def _streams(self) -> list | None:
         return None
@@ -122,15 +123,24 @@ TRANSPORTS = ("auto", "executor")
 
 
 def make_transport(arena: Any, peers: list[str], rank: int, topo: tide.Topology, group_of: Any,
-                   options: Any = None) -> ExecutorTransport:
-    """This rank's transport over `arena` (CPU: the peers' shared-memory names; CUDA: the arena's
-    fabric, its peers already open). `options`: tide.ExecutorOptions."""
+                   options: Any = None, rail: Any = None) -> ExecutorTransport:
+    """This rank's transport over `arena` (CPU: the peers' shared-memory names, "" for a rank whose
+    arena this rank must not map; CUDA: the arena's fabric, its peers already open). `options`:
+    tide.ExecutorOptions (its ``rails``: how other nodes are reached); `rail`: the CPU rail of
+    two-sided rails (tide_torch.rails.GlooRail)."""
     regions = {r.name: (r.offset, r.nbytes) for r in arena.regions.values()}
-    opts = (options or tide.ExecutorOptions()).as_dict()
+    options = options or tide.ExecutorOptions()
+    opts = options.as_dict()
     if arena.shm_name is not None:
         ex = tide._core.RankExecutor(rank, topo.nodes, topo.gpus_per_node, peers, arena.nbytes,
                                      regions=regions, options=opts)
-        return ExecutorTransport(tide._core.CpuRankExecutor(ex, regions), arena, rank, topo, group_of)
+        if options.rails == "two_sided":
+            if rail is None:
+                raise RuntimeError("tide_torch: two-sided rails on CPU need a rail (GlooRail)")
+            ex.set_rail(rail)
+        t = ExecutorTransport(tide._core.CpuRankExecutor(ex, regions), arena, rank, topo, group_of)
+        t.rank_executor = ex
+        return t
     if arena.fabric is None:
         raise RuntimeError(f"tide_torch: the {arena.device.type} arena has no fabric for TIDE's "
                            "CUDA executor")

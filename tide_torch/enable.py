@@ -12,13 +12,15 @@ import torch.nn as nn
 import tide
 from tide_torch import _patches, agreement, all_gather, comm, placement, reduce_scatter
 from tide_torch.arena import Arena, arena_nbytes, make_nccl_fabric, nccl_fabric_api_error
-from tide_torch.groups import (PLAN_OPTIONS, TideEnableError, TideGroup, find_groups,
-                               log_fallback, plan_group, resolve_topology)
+from tide_torch.groups import (PLAN_OPTIONS, TideEnableError, TideGroup, find_groups, host_identity,
+                               log_fallback, node_host_problem, plan_group, resolve_topology)
+from tide_torch.rails import GlooRail
 from tide_torch.runtime import Runtime, free_in_arena
 
 logger = logging.getLogger("tide_torch")
 
 MODES = ("in_place", "slot_reuse")
+RAILS = ("auto", "one_sided", "two_sided")
 FABRICS = ("auto", "ipc", "nccl")
 FABRIC_ENV = "TIDE_TORCH_FABRIC"
 
@@ -53,6 +55,12 @@ class TideHandle:
     @property
     def transport(self) -> str:
         return self._rt.transport.name if self._rt.transport is not None else "stock"
+
+    @property
+    def rails(self) -> str:
+        """How this rank reaches other nodes: ``"two_sided"`` (only its own node's arenas are
+        mapped; the rail carries the rest) or ``"one_sided"``."""
+        return self._rt.rails
 
     @property
     def fabric(self) -> str | None:
@@ -120,7 +128,8 @@ class TideHandle:
 
 def enable(model: nn.Module, *, mode: str = "in_place", topology: tide.Topology | None = None,
            transport: str = "auto", fabric: str = "auto", ring: bool = True,
-           executor_options: tide.ExecutorOptions | None = None, **options: int) -> TideHandle:
+           executor_options: tide.ExecutorOptions | None = None, rails: str = "auto",
+           **options: int) -> TideHandle:
     """Switches ``model``'s FSDP2 collectives to TIDE. Call after ``fully_shard`` and before (or
     between) training steps, on every rank.
 
@@ -140,7 +149,13 @@ def enable(model: nn.Module, *, mode: str = "in_place", topology: tide.Topology 
     ``ring``: share the two position-aware ring slots between resharding groups (default);
     ``False`` gives every group its own unsharded storage (needed when toggling
     ``set_reshard_after_backward`` during training). ``options``: planner knobs (``w_wave``,
-    ``k``, ``n_part``, ``n_stg``, ``chunk_bytes``, ``sum_ctas``, ``land_ctas``).
+    ``k``, ``n_part``, ``n_stg``, ``chunk_bytes``, ``sum_ctas``, ``land_ctas``). ``rails``: how a
+    rank reaches other nodes: ``"two_sided"`` (it maps only its own node's arenas; every byte to
+    another node is a send/recv on the rail: gloo on CPU), ``"one_sided"`` (every rank's arena by
+    pointer: all ranks on one host) or ``"auto"``: two-sided when the topology has more than one
+    node. Each rank's host (``NCCL_HOSTID`` or the hostname) is recorded: ranks of one topology
+    node on different hosts, or one-sided rails across hosts, keep stock collectives (one log line
+    per group) instead of failing later.
 
     Groups outside TIDE's contract keep stock collectives (one ``tide_torch`` log line each).
     Ranks agree on plans before anything changes; on any disagreement or local failure every rank
@@ -148,6 +163,8 @@ def enable(model: nn.Module, *, mode: str = "in_place", topology: tide.Topology 
     """
     if mode not in MODES:
         raise ValueError(f"tide_torch.enable: mode must be one of {MODES}, got {mode!r}")
+    if rails not in RAILS:
+        raise ValueError(f"tide_torch.enable: rails must be one of {RAILS}, got {rails!r}")
     if transport not in comm.TRANSPORTS:
         raise ValueError(f"tide_torch.enable: transport must be one of {comm.TRANSPORTS}, "
                          f"got {transport!r}")
@@ -164,7 +181,8 @@ def enable(model: nn.Module, *, mode: str = "in_place", topology: tide.Topology 
 
     record: dict[str, Any] = {"rank": rank, "error": None, "topology": None, "groups": [],
                               "capabilities": None, "shm": None, "ipc": None,
-                              "arena_bytes": 0, "nccl_id": None}
+                              "arena_bytes": 0, "nccl_id": None, "host": host_identity()}
+    rails_ = "one_sided"
     groups: list[TideGroup] = []
     arena: Arena | None = None
     topo: tide.Topology | None = None
@@ -174,6 +192,7 @@ def enable(model: nn.Module, *, mode: str = "in_place", topology: tide.Topology 
         _patches.require_supported_torch()
         groups = find_groups(model)
         topo = resolve_topology(topology, world)
+        rails_ = ("two_sided" if topo.nodes > 1 else "one_sided") if rails == "auto" else rails
         names = {id(p): n for n, p in model.named_parameters()}
         for g in groups:
             if id(g.pg.fsdp_params) in all_gather.REGISTRY:
@@ -197,8 +216,14 @@ def enable(model: nn.Module, *, mode: str = "in_place", topology: tide.Topology 
             for g in served:
                 g.fallback, g.plan, g.plan_fp32_grads = why, None, None
             served = []
+        if served and device.type == "cuda" and rails_ == "two_sided":
+            for g in served:
+                g.fallback, g.plan, g.plan_fp32_grads = (
+                    "two-sided rails (a topology of several nodes) are not in TIDE's CUDA executor "
+                    "yet", None, None)
+            served = []
         if served:
-            sizes = placement.assign(groups, use_ring=ring)
+            sizes = placement.assign(groups, use_ring=ring, rails=rails_)
             if fabric == "nccl":
                 # Built collectively after the verdict (a rank that failed here must not leave
                 # its peers inside NCCL's init): rank 0's unique id rides in the records.
@@ -217,7 +242,7 @@ def enable(model: nn.Module, *, mode: str = "in_place", topology: tide.Topology 
                           "cuda_executor": cuda_tide,
                           "cuda": _cuda_capabilities(device) if cuda_tide else None,
                           "transport": transport, "fabric": fabric if cuda_tide else None,
-                          "ring": ring},
+                          "ring": ring, "rails": rails_},
             shm=arena.shm_name if arena is not None else None,
             ipc=arena.ipc_handle() if arena is not None else None)
     except Exception as e:  # noqa: BLE001 - reported to every rank before raising
@@ -235,6 +260,18 @@ def enable(model: nn.Module, *, mode: str = "in_place", topology: tide.Topology 
             "tide_torch.enable(): TIDE stays off on every rank: " + "; ".join(problems))
 
     served = [g for g in groups if g.eligible]
+    hosts = [r["host"] for r in records]
+    why_hosts = node_host_problem(hosts, topo)
+    if why_hosts is None and rails_ == "one_sided" and len(set(hosts)) > 1:
+        why_hosts = (f"one-sided rails map every rank's arena, but the ranks are on {len(set(hosts))} hosts "
+                     "(rails='two_sided' reaches other hosts through the rail)")
+    if served and why_hosts is not None:  # the same verdict on every rank (same records)
+        for g in served:
+            g.fallback, g.plan, g.plan_fp32_grads = why_hosts, None, None
+        served = []
+        if arena is not None:
+            arena.close()
+            arena = None
     for g in groups:
         if not g.eligible:
             log_fallback(g)
@@ -244,7 +281,10 @@ def enable(model: nn.Module, *, mode: str = "in_place", topology: tide.Topology 
         # barrier after which every rank has mapped every peer's arena).
         err = None
         nccl = None
+        rail = None
         try:
+            if rails_ == "two_sided" and device.type == "cpu":
+                rail = GlooRail(dist.new_group(backend="gloo"))  # collective: first, on every rank
             if fabric == "nccl":  # every rank constructs it here, together
                 nccl = make_nccl_fabric(
                     rank, world, device, max(r["arena_bytes"] for r in records),
@@ -252,9 +292,14 @@ def enable(model: nn.Module, *, mode: str = "in_place", topology: tide.Topology 
                 arena = Arena(sizes, device, nccl=nccl, nbytes=nccl.arena_bytes)
             placement.bind(groups, arena)
             arena.open_peers([r["ipc"] for r in records])
+            L = topo.gpus_per_node
+            # Two-sided rails: only this node's arenas are mapped (other nodes: the rail).
+            peers = [r["shm"] if rails_ == "one_sided" or r["rank"] // L == rank // L else ""
+                     for r in records]
             transport_ = comm.make_transport(
-                arena, [r["shm"] for r in records], rank, topo,
-                group_of=lambda g: g.pg.mesh_info.shard_process_group, options=executor_options)
+                arena, peers, rank, topo,
+                group_of=lambda g: g.pg.mesh_info.shard_process_group,
+                options=(executor_options or tide.ExecutorOptions()).replace(rails=rails_), rail=rail)
         except Exception as e:  # noqa: BLE001 - reported to every rank before raising
             local_exc, err = e, f"{type(e).__name__}: {e}"
         after = agreement.exchange({"rank": rank, "error": err, "nccl": nccl is not None})
@@ -273,6 +318,7 @@ def enable(model: nn.Module, *, mode: str = "in_place", topology: tide.Topology 
                 "; ".join(f"rank {r} failed to map the peers' arenas: {e}" for r, e in failed))
         rt = Runtime(mode, groups, arena, device)
         rt.transport = transport_
+        rt.rails = rails_
         arena.close()  # unlink the names now: nothing can outlive the processes, even on a crash
         _patches.install(all_gather.foreach_all_gather, all_gather.foreach_all_gather_copy_out,
                          reduce_scatter.foreach_reduce_scatter_copy_in)

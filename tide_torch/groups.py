@@ -139,6 +139,34 @@ def resolve_topology(topology: tide.Topology | None, world: int) -> tide.Topolog
     return tide.Topology(nodes=world // gpn, gpus_per_node=gpn)
 
 
+def host_identity() -> str:
+    """The machine this process runs on (hostname and boot id): ranks whose arenas are mapped by
+    pointer (one topology node, or every rank with one-sided rails) must share it. Emulated hosts
+    (one ``NCCL_HOSTID`` per process on one machine) are still one machine here."""
+    import socket
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()}/{boot}"
+
+
+def node_host_problem(hosts: list[str], topo: tide.Topology) -> str | None:
+    """Why the ranks' hosts do not fit ``topo`` (a node's ranks on two hosts), or None."""
+    L = topo.gpus_per_node
+    for n in range(topo.nodes):
+        ranks = range(n * L, (n + 1) * L)
+        seen = {hosts[r] for r in ranks}
+        if len(seen) > 1:
+            a = ranks[0]
+            b = next(r for r in ranks if hosts[r] != hosts[a])
+            return (f"ranks {a} and {b} of topology node {n} ({topo}) are on hosts {hosts[a]!r} and "
+                    f"{hosts[b]!r}: a node's ranks must share a host (check LOCAL_WORLD_SIZE or the "
+                    "topology)")
+    return None
+
+
 def _group_topology(ranks: list[int], topo: tide.Topology) -> tide.Topology | None:
     """The shard group's own M x L, when its ranks are node-major on ``topo``; else None."""
     L = topo.gpus_per_node

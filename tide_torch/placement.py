@@ -26,9 +26,10 @@ def _reshards_after_forward(tg: TideGroup) -> bool:
     return tg.pg.post_forward_mesh_info is not None
 
 
-def assign(groups: list[TideGroup], use_ring: bool = True) -> dict[str, int]:
+def assign(groups: list[TideGroup], use_ring: bool = True, rails: str = "one_sided") -> dict[str, int]:
     """Assigns slots and byte offsets to eligible groups; returns the arena region sizes.
-    ``use_ring=False`` gives every group fixed storage (no slot sharing)."""
+    ``use_ring=False`` gives every group fixed storage (no slot sharing). ``rails``: the
+    executor's (two-sided programs hold the lowering's counters too)."""
     served = [g for g in groups if g.eligible]
     # Groups that stay unsharded after backward (gradient accumulation without resharding) are
     # live across the step boundary: never in the ring.
@@ -77,10 +78,10 @@ def assign(groups: list[TideGroup], use_ring: bool = True) -> dict[str, int]:
     # rank); the region also holds the executors' entry fence (tide/session.h).
     counters = tide._core.CounterSpace()
     for g in served:
-        g.counter_bases = {"ag": counters.reserve(g.plan, "all_gather"),
-                           "rs": counters.reserve(g.plan, "reduce_scatter")}
+        g.counter_bases = {"ag": counters.reserve(g.plan, "all_gather", rails=rails),
+                           "rs": counters.reserve(g.plan, "reduce_scatter", rails=rails)}
         if g.plan_fp32_grads is not None:
-            g.counter_bases["rs32"] = counters.reserve(g.plan_fp32_grads, "reduce_scatter")
+            g.counter_bases["rs32"] = counters.reserve(g.plan_fp32_grads, "reduce_scatter", rails=rails)
     sizes["counters"] = counters.region_bytes
     return sizes
 

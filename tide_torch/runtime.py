@@ -39,6 +39,7 @@ class Runtime:
         self.arena = arena
         self.device = device
         self.transport: Any = None
+        self.rails = "one_sided"  # the executor's (enable() sets it)
         self.stats: Counter = Counter(ag_tide=0, ag_stock=0, rs_tide=0, rs_stock=0,
                                             ag_early=0)
         self._owner: dict[str, Any] = {}

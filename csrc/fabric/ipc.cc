@@ -63,12 +63,14 @@ void IpcFabric::open_peers(const std::vector<std::string>& handles) {
   TIDE_PLAN_CHECK(static_cast<int>(handles.size()) == world_, "CudaIpcFabric.open_peers: ", handles.size(),
                   " handles for ", world_, " ranks");
   for (int r = 0; r < world_; ++r)
-    TIDE_PLAN_CHECK(r == rank_ || handles[static_cast<size_t>(r)].size() == kIpcHandleBytes,
+    TIDE_PLAN_CHECK(r == rank_ || handles[static_cast<size_t>(r)].empty() ||
+                        handles[static_cast<size_t>(r)].size() == kIpcHandleBytes,
                     "CudaIpcFabric.open_peers: handles[", r, "] has ", handles[static_cast<size_t>(r)].size(),
                     " bytes, a CUDA IPC handle has ", kIpcHandleBytes);
   TIDE_CHECK_CUDA(cudaSetDevice(device_), "device ", device_);
   for (int r = 0; r < world_; ++r) {
     if (r == rank_) continue;  // a process cannot open its own handle; arena(rank) is the base
+    if (handles[static_cast<size_t>(r)].empty()) continue;  // host isolation: another node's, never mapped
     cudaIpcMemHandle_t h{};
     std::memcpy(&h, handles[static_cast<size_t>(r)].data(), sizeof(h));
     void* p = nullptr;

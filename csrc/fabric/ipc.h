@@ -5,7 +5,8 @@
 //   - This process's rank allocates its arena with cudaMalloc on `device` (zeroed, so counters
 //     start at epoch 0) and exports it as a 64-byte cudaIpcMemHandle (handle()). Exchanging the
 //     handles is the caller's job (tide_torch: an all_gather of bytes; tests: a pipe).
-//   - open_peers(handles): handles[r] for every rank (the own entry is ignored); each peer's
+//   - open_peers(handles): handles[r] for every rank (the own entry is ignored; an empty one: a
+//     rank of another node, never mapped, reached only by the rail); each peer's
 //     arena is opened with cudaIpcOpenMemHandle(..., cudaIpcMemLazyEnablePeerAccess), which
 //     works for a peer on another GPU of the node and for another process on the same GPU. Until
 //     then arena(peer) is null and executors refuse to run.

@@ -46,6 +46,12 @@ struct Api {
   decltype(&::ncclCommWindowRegister) CommWindowRegister = nullptr;
   decltype(&::ncclCommWindowDeregister) CommWindowDeregister = nullptr;
   decltype(&::ncclAllReduce) AllReduce = nullptr;
+  decltype(&::ncclCommInitRankConfig) CommInitRankConfig = nullptr;
+  decltype(&::ncclSend) Send = nullptr;
+  decltype(&::ncclRecv) Recv = nullptr;
+  decltype(&::ncclGroupStart) GroupStart = nullptr;
+  decltype(&::ncclGroupEnd) GroupEnd = nullptr;
+  decltype(&::ncclCommGetAsyncError) CommGetAsyncError = nullptr;
   LsaTeam (*TeamLsa)(ncclComm_t) = nullptr;
   // >= 2.29 only (resolved when present):
   ncclResult_t (*GetLsaDevicePointer)(ncclWindow_t, size_t, int, void**) = nullptr;
@@ -122,6 +128,12 @@ const Api& api() {
   resolve(*a, "ncclCommWindowDeregister", &a->CommWindowDeregister, "2.27");
   resolve(*a, "ncclAllReduce", &a->AllReduce, "2.0");
   resolve(*a, "ncclTeamLsa", &a->TeamLsa, "2.28");
+  resolve(*a, "ncclCommInitRankConfig", &a->CommInitRankConfig, "2.14");
+  resolve(*a, "ncclSend", &a->Send, "2.7");
+  resolve(*a, "ncclRecv", &a->Recv, "2.7");
+  resolve(*a, "ncclGroupStart", &a->GroupStart, "2.0");
+  resolve(*a, "ncclGroupEnd", &a->GroupEnd, "2.0");
+  resolve(*a, "ncclCommGetAsyncError", &a->CommGetAsyncError, "2.4");
   a->GetLsaDevicePointer =
       reinterpret_cast<decltype(a->GetLsaDevicePointer)>(dlsym(a->lib, "ncclGetLsaDevicePointer"));
   a->PutSignal = dlsym(a->lib, "ncclPutSignal");
@@ -405,6 +417,127 @@ std::string NcclFabric::release(bool orderly) noexcept {
   local_ = nullptr;
   arena_.assign(arena_.size(), nullptr);
   return first;
+}
+
+// ---- NcclRail ([Note: NCCL rail] in nccl.h) ---------------------------------------------------
+NcclRail::NcclRail(int rank, int size, int device, const std::string& unique_id, int max_ctas, int channels_per_peer)
+    : rank_(rank), size_(size), device_(device), max_ctas_(max_ctas), channels_(channels_per_peer) {
+  TIDE_PLAN_CHECK(size >= 1 && rank >= 0 && rank < size, "NcclRail: rank ", rank, " is outside [0, ", size, ")");
+  TIDE_PLAN_CHECK(max_ctas >= 1 && max_ctas <= 64, "NcclRail.max_ctas: expected 1..64, got ", max_ctas);
+  TIDE_PLAN_CHECK(channels_per_peer >= 1 && channels_per_peer <= 32, "NcclRail.channels_per_peer: expected 1..32, got ",
+                  channels_per_peer);
+  TIDE_PLAN_CHECK(unique_id.size() == kNcclUniqueIdBytes, "NcclRail: unique_id has ", unique_id.size(), " bytes, an "
+                  "ncclUniqueId has ", kNcclUniqueIdBytes);
+  const char* nvls = std::getenv("NCCL_NVLS_ENABLE");
+  TIDE_PLAN_CHECK(!(nvls && std::strcmp(nvls, "0") != 0 && !cuda::multicast_allowed(device)),
+                  "NcclRail: NCCL_NVLS_ENABLE=", nvls ? nvls : "", " on a device whose multicast gate is closed: set "
+                  "NCCL_NVLS_ENABLE=0");
+  if (!nvls) setenv("NCCL_NVLS_ENABLE", "0", 0);  // the rail never needs multicast
+  const Api& a = checked_api();
+  const std::string who = TIDE_STR_CAT("NcclRail rank ", rank_, " of ", size_, " (device ", device_, "): ");
+  cuda::DeviceGuard guard(device_, "NcclRail: ");
+  ncclUniqueId id{};
+  std::memcpy(id.internal, unique_id.data(), sizeof(id.internal));
+  ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+  config.minCTAs = 1;
+  config.maxCTAs = max_ctas_;
+  config.nChannelsPerNetPeer = channels_;
+  config.commName = "tide-rail";
+  ncclComm_t comm = nullptr;
+  check_nccl(a, a.CommInitRankConfig(&comm, size_, id, rank_, &config), nullptr, who + "ncclCommInitRankConfig");
+  comm_ = comm;
+  if (size_ == 1) return;
+  // Pre-connect: one 8-byte exchange with every rail peer, each way, in one group.
+  cudaStream_t s = nullptr;
+  void* buf = nullptr;
+  try {
+    TIDE_CHECK_CUDA(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), who, "pre-connect stream");
+    TIDE_CHECK_CUDA(cudaMalloc(&buf, 16 * static_cast<size_t>(size_)), who, "pre-connect buffer");
+    std::vector<RailXfer> sends, recvs;
+    for (int p = 0; p < size_; ++p) {
+      if (p == rank_) continue;
+      sends.push_back({p, static_cast<char*>(buf) + 16 * p, 8});
+      recvs.push_back({p, static_cast<char*>(buf) + 16 * p + 8, 8});
+    }
+    enqueue(sends, recvs, s, "pre-connecting the rail peers");
+    TIDE_CHECK_CUDA(cudaStreamSynchronize(s), who, "pre-connecting the rail peers");
+  } catch (...) {
+    if (buf) cudaFree(buf);
+    if (s) cudaStreamDestroy(s);
+    a.CommAbort(static_cast<ncclComm_t>(comm_));
+    comm_ = nullptr;
+    throw;
+  }
+  cudaFree(buf);
+  cudaStreamDestroy(s);
+}
+
+void NcclRail::enqueue(const std::vector<RailXfer>& sends, const std::vector<RailXfer>& recvs, void* stream,
+                       const std::string& what) {
+  const Api& a = api();
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!aborted_.empty()) throw Error(TIDE_STR_CAT("NcclRail rank ", rank_, ": ", what, ": the rail was aborted (",
+                                                    aborted_, ")"));
+    TIDE_CHECK(comm_ != nullptr, "NcclRail rank ", rank_, ": ", what, ": the rail is closed");
+  }
+  auto comm = static_cast<ncclComm_t>(comm_);
+  auto s = static_cast<cudaStream_t>(stream);
+  const std::string who = TIDE_STR_CAT("NcclRail rank ", rank_, ": ", what, ": ");
+  check_nccl(a, a.GroupStart(), comm_, who + "ncclGroupStart");
+  ncclResult_t first = ncclSuccess;
+  std::string at;
+  for (const auto& x : sends) {
+    TIDE_CHECK(x.peer >= 0 && x.peer < size_ && x.peer != rank_, who, "send to rail rank ", x.peer);
+    const ncclResult_t r = a.Send(x.data, static_cast<size_t>(x.bytes), ncclUint8, x.peer, comm, s);
+    if (r != ncclSuccess && first == ncclSuccess) { first = r; at = TIDE_STR_CAT("ncclSend to rail rank ", x.peer); }
+  }
+  for (const auto& x : recvs) {
+    TIDE_CHECK(x.peer >= 0 && x.peer < size_ && x.peer != rank_, who, "receive from rail rank ", x.peer);
+    const ncclResult_t r = a.Recv(x.data, static_cast<size_t>(x.bytes), ncclUint8, x.peer, comm, s);
+    if (r != ncclSuccess && first == ncclSuccess) { first = r; at = TIDE_STR_CAT("ncclRecv from rail rank ", x.peer); }
+  }
+  const ncclResult_t end = a.GroupEnd();
+  check_nccl(a, first, comm_, who + at);
+  check_nccl(a, end, comm_, who + "ncclGroupEnd");
+}
+
+std::string NcclRail::async_error() {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!comm_) return aborted_;
+  const Api& a = api();
+  ncclResult_t r = ncclSuccess;
+  if (a.CommGetAsyncError(static_cast<ncclComm_t>(comm_), &r) != ncclSuccess) return "ncclCommGetAsyncError failed";
+  if (r == ncclSuccess || r == ncclInProgress) return "";
+  const char* last = a.GetLastError(static_cast<ncclComm_t>(comm_));
+  return TIDE_STR_CAT(a.GetErrorString(r), last && *last ? ": " : "", last ? last : "");
+}
+
+void NcclRail::abort(const std::string& why) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!aborted_.empty() || !comm_) return;
+  aborted_ = why.empty() ? "aborted" : why;
+  const Api& a = api();
+  a.CommAbort(static_cast<ncclComm_t>(comm_));
+  comm_ = nullptr;
+}
+
+void NcclRail::close() {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!comm_) return;
+  const Api& a = api();
+  cuda::DeviceGuard guard(device_, "NcclRail: ");
+  const ncclResult_t r = a.CommDestroy(static_cast<ncclComm_t>(comm_));
+  comm_ = nullptr;
+  if (r != ncclSuccess) throw Error(TIDE_STR_CAT("NcclRail rank ", rank_, ": ncclCommDestroy failed: ", a.GetErrorString(r)));
+}
+
+NcclRail::~NcclRail() {
+  try {
+    close();
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "tide: %s\n", e.what());
+  }
 }
 
 }  // namespace tide::fabric

@@ -30,6 +30,7 @@
 #pragma once
 
 #include <cstdint>
+#include <mutex>
 #include <string>
 #include <utility>
 #include <vector>
@@ -94,6 +95,49 @@ class NcclFabric : public Fabric {
   int lsa_size_ = 0, lsa_rank_ = -1, rail_size_ = 0, rail_rank_ = -1;
   std::string rail_put_path_;
   std::vector<std::pair<std::string, int64_t>> probe_;
+};
+
+// [Note: NCCL rail] The rail of one local index: the ranks of every node with that local index
+// (rail rank = node), on a communicator of their own (ncclCommInitRankConfig over a unique id the
+// face exchanges among them). Two-sided programs' rendezvous groups run on it
+// ([Note: two-sided rails] in tide/program.h): one ncclGroupStart / ncclSend+ncclRecv per
+// descriptor (bytes as ncclUint8) / ncclGroupEnd per group, enqueued on the executor's rail
+// stream after its stream waits (no host sync). NCCL's SM use is bounded by the communicator's
+// config (maxCTAs = max_ctas, nChannelsPerNetPeer = channels_per_peer). Construction is
+// collective over the rail and pre-connects every rail peer (one 8-byte exchange each way).
+// Fail-stop: abort() (ncclCommAbort) makes a stuck rail kernel exit; later enqueues throw.
+struct RailXfer {
+  int peer = -1;  // rail rank
+  void* data = nullptr;
+  int64_t bytes = 0;
+};
+
+class NcclRail {
+ public:
+  NcclRail(int rank, int size, int device, const std::string& unique_id, int max_ctas, int channels_per_peer);
+  ~NcclRail();
+  NcclRail(const NcclRail&) = delete;
+  NcclRail& operator=(const NcclRail&) = delete;
+
+  int rank() const { return rank_; }
+  int size() const { return size_; }
+  int device() const { return device_; }
+  int max_ctas() const { return max_ctas_; }
+  int channels_per_peer() const { return channels_; }
+  // One rendezvous group on `stream` (enqueue only). `what` names the group in errors.
+  void enqueue(const std::vector<RailXfer>& sends, const std::vector<RailXfer>& recvs, void* stream,
+               const std::string& what);
+  std::string async_error();             // ncclCommGetAsyncError, "" when none
+  void abort(const std::string& why);    // ncclCommAbort (thread-safe; once)
+  const std::string& aborted() const { return aborted_; }
+  void close();                          // ncclCommDestroy (every rail rank, after its last group)
+  bool closed() const { return comm_ == nullptr; }
+
+ private:
+  int rank_, size_, device_, max_ctas_, channels_;
+  void* comm_ = nullptr;  // ncclComm_t
+  std::string aborted_;
+  std::mutex mu_;
 };
 
 namespace detail {

@@ -134,6 +134,11 @@ void bind_cuda_exec(nb::module_& m, nb::module_& testing) {
            nb::arg("gpus_per_node"), nb::arg("regions") = nb::none(), nb::arg("timeout_s") = nb::none(),
            nb::arg("fence") = true, nb::arg("options") = nb::none())
 #endif
+#ifdef TIDE_WITH_NCCL
+      .def("set_rail", [](cuda::CudaRankCallExecutor& e, std::shared_ptr<fabric::NcclRail> rail) {
+        e.executor().set_rail(std::move(rail));
+      }, nb::arg("rail"), "The NcclRail of two-sided programs (options rails='two_sided').")
+#endif
       .def_prop_ro("rank", [](cuda::CudaRankCallExecutor& e) { return e.executor().rank(); })
       .def_prop_ro("cached_program_sets", [](cuda::CudaRankCallExecutor& e) { return e.executor().cached_program_sets(); })
       .def_prop_ro("runs_started", [](cuda::CudaRankCallExecutor& e) { return e.executor().runs_started(); })

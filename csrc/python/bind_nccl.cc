@@ -102,11 +102,35 @@ void bind_nccl(nb::module_& m) {
       .def("close", &NcclFabric::close, nb::call_guard<nb::gil_scoped_release>(),
            "Collective teardown: synchronise, deregister the window, ncclMemFree, destroy the rail comm and "
            "the comm. Every rank must call it (the destructor does, logging errors instead of raising).");
+
+  using tide::fabric::NcclRail;
+  nb::class_<NcclRail>(m, "NcclRail",
+                       "The rail of one local index ([Note: NCCL rail], fabric/nccl.h): an NCCL communicator of the "
+                       "ranks with that local index on every node (rail rank = node), on which two-sided programs' "
+                       "send/recv groups run. Construction is collective over the rail and pre-connects its peers.")
+      .def("__init__", [](NcclRail* self, int rank, int size, int device, const nb::bytes& unique_id, int max_ctas,
+                          int channels_per_peer) {
+        add_wheel_candidates();
+        const std::string id(unique_id.c_str(), unique_id.size());
+        nb::gil_scoped_release release;  // blocks until every rail rank has joined
+        new (self) NcclRail(rank, size, device, id, max_ctas, channels_per_peer);
+      }, nb::arg("rank"), nb::arg("size"), nb::arg("device"), nb::arg("unique_id"), nb::arg("max_ctas") = 2,
+         nb::arg("channels_per_peer") = 1)
+      .def_prop_ro("rank", &NcclRail::rank)
+      .def_prop_ro("size", &NcclRail::size)
+      .def_prop_ro("max_ctas", &NcclRail::max_ctas, "The SMs a rail group's kernel may take (ncclConfig_t.maxCTAs).")
+      .def_prop_ro("channels_per_peer", &NcclRail::channels_per_peer)
+      .def_prop_ro("aborted", [](const NcclRail& r) { return r.aborted(); }, "Why the rail was aborted ('' if not).")
+      .def("async_error", &NcclRail::async_error, "ncclCommGetAsyncError as text ('' when none).")
+      .def("abort", &NcclRail::abort, nb::arg("why"), nb::call_guard<nb::gil_scoped_release>())
+      .def_prop_ro("closed", &NcclRail::closed)
+      .def("close", &NcclRail::close, nb::call_guard<nb::gil_scoped_release>(),
+           "ncclCommDestroy: every rail rank, after its last group.");
 }
 #else
 void bind_nccl(nb::module_& m) {
   m.def("nccl_header_version", []() { return 0; }, "0: this build has no NCCL headers.");
-  for (const char* name : {"NcclFabric", "nccl_unique_id", "nccl_version", "nccl_library_path"}) {
+  for (const char* name : {"NcclFabric", "NcclRail", "nccl_unique_id", "nccl_version", "nccl_library_path"}) {
     const std::string msg = std::string(name) +
                             ": tide._core was built without NCCL headers (the nvidia.nccl Python package was not "
                             "found at configure time); pip install nvidia-nccl-cu13 and rebuild";

@@ -41,6 +41,9 @@ void validate(const ExecutorOptions& o) {
                   "ExecutorOptions.copy_2d: unknown value ", static_cast<int>(o.copy_2d));
   TIDE_PLAN_CHECK(o.rails == Rails::kOneSided || o.rails == Rails::kTwoSided, "ExecutorOptions.rails: unknown value ",
                   static_cast<int>(o.rails));
+  TIDE_PLAN_CHECK(o.rail_ctas >= 1 && o.rail_ctas <= 64, "ExecutorOptions.rail_ctas: expected 1..64, got ", o.rail_ctas);
+  TIDE_PLAN_CHECK(o.rail_channels_per_peer >= 1 && o.rail_channels_per_peer <= 32,
+                  "ExecutorOptions.rail_channels_per_peer: expected 1..32, got ", o.rail_channels_per_peer);
 }
 
 namespace {
@@ -104,10 +107,14 @@ void set_option(ExecutorOptions& o, const std::string& name, const std::string& 
     o.workers = static_cast<int>(parse_int(value, w));
   } else if (name == "rails") {
     o.rails = parse_rails(value, w);
+  } else if (name == "rail_ctas") {
+    o.rail_ctas = static_cast<int>(parse_int(value, w));
+  } else if (name == "rail_channels_per_peer") {
+    o.rail_channels_per_peer = static_cast<int>(parse_int(value, w));
   } else {
     throw PlanError(TIDE_STR_CAT(where, ": unknown field '", name, "' (fields: timeout_s, cast_ctas, zero_ctas, "
                                  "cta_split, full_grid, copy_lanes, copy_spread_bytes, copy_2d, sync_every_call, "
-                                 "trace, workers, rails)"));
+                                 "trace, workers, rails, rail_ctas, rail_channels_per_peer)"));
   }
 }
 
@@ -116,7 +123,8 @@ std::string describe(const ExecutorOptions& o) {
                       ",cta_split=", cta_split_name(o.cta_split), ",full_grid=", full_grid_name(o.full_grid),
                       ",copy_lanes=", o.copy_lanes, ",copy_spread_bytes=", o.copy_spread_bytes,
                       ",copy_2d=", copy_2d_name(o.copy_2d), ",sync_every_call=", o.sync_every_call ? 1 : 0,
-                      ",trace=", o.trace ? 1 : 0, ",workers=", o.workers, ",rails=", rails_name(o.rails));
+                      ",trace=", o.trace ? 1 : 0, ",workers=", o.workers, ",rails=", rails_name(o.rails),
+                      ",rail_ctas=", o.rail_ctas, ",rail_channels_per_peer=", o.rail_channels_per_peer);
 }
 
 double checked_timeout(double timeout_s) {

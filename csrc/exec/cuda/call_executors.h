@@ -46,6 +46,7 @@ class CudaRankCallExecutor final : public CallExecutor {
   void synchronize() override { ex_.synchronize(); }
   std::string name() const override { return "cuda-rank"; }
   void set_timeout(double timeout_s) override { ex_.set_timeout(timeout_s); }
+  Rails rails() const override { return ex_.rails(); }
   CudaRankExecutor& executor() { return ex_; }
 
  private:

@@ -18,9 +18,9 @@ bool is_wait(OpKind k) { return k == OpKind::kWait || k == OpKind::kEventWait; }
 // executor free of a link dependency on the builders).
 const char* kind_name(OpKind k) {
   static const char* n[] = {"COPY", "CAST", "SUM", "LAND", "ZERO", "PUT", "SIGNAL", "WAIT",
-                            "EVENT_RECORD", "EVENT_WAIT", "CREDIT"};
+                            "EVENT_RECORD", "EVENT_WAIT", "CREDIT", "SEND", "RECV"};
   const int i = static_cast<int>(k);
-  return i >= 0 && i < 11 ? n[i] : "?";
+  return i >= 0 && i < 13 ? n[i] : "?";
 }
 const char* buf_name(BufKind k) {
   static const char* n[] = {"shard", "landing", "grad", "out", "ring0", "ring1", "resident", "stage",
@@ -255,6 +255,68 @@ uint64_t bumped(const Op& op, int64_t seq, uint64_t cur) {
 bool bumps(OpKind k) {
   return k == OpKind::kPut || k == OpKind::kSignal || k == OpKind::kCredit || k == OpKind::kEventRecord;
 }
+bool is_rail(OpKind k) { return k == OpKind::kSend || k == OpKind::kRecv; }
+
+// The end of the rendezvous group starting at ops[k] (its SEND/RECV ops are adjacent).
+size_t group_end(const Program& p, const std::vector<int>& ops, size_t k) {
+  const int g = p.ops[static_cast<size_t>(ops[k])].rail_group;
+  size_t e = k;
+  while (e < ops.size() && is_rail(p.ops[static_cast<size_t>(ops[e])].kind) &&
+         p.ops[static_cast<size_t>(ops[e])].rail_group == g)
+    ++e;
+  return e;
+}
+
+// Local rank r's rendezvous group ops[k, end) on the rail ([Note: NCCL rail], fabric/nccl.h),
+// watched; then its receives' counter bumps on the same stream.
+void issue_group(const IssueContext& c, int r, const std::vector<int>& ops, size_t k, size_t end, int64_t seq) {
+  const Program& pr = prog(c, r);
+  const Op& first = pr.ops[static_cast<size_t>(ops[k])];
+  TIDE_CHECK(c.rail != nullptr && c.rail_gpus_per_node > 0, describe_op(c, r, ops[k], seq),
+             ": a two-sided rail group, but this executor has no rail (options rails='two_sided' and set_rail)");
+  const int L = c.rail_gpus_per_node, me = fabric_rank(c, r);
+  auto rail_rank = [&](int group_rank) {
+    const int f = fabric_rank(c, group_rank);
+    TIDE_CHECK(f % L == me % L, describe_op(c, r, ops[k], seq), ": rail peer rank ", f, " has local index ", f % L,
+               ", rank ", me, " has ", me % L, " (a rail connects one local index)");
+    return f / L;
+  };
+  std::vector<fabric::RailXfer> sends, recvs;
+  std::string peers;
+  for (size_t q = k; q < end; ++q) {
+    const Op& op = pr.ops[static_cast<size_t>(ops[q])];
+    for (const auto& cd : op.copies) {
+      TIDE_CHECK(cd.src.width == cd.dst.width && cd.src.height == 1 && cd.dst.height == 1,
+                 describe_op(c, r, ops[q], seq), ": rail descriptors are 1-D with equal widths");
+      if (op.kind == OpKind::kSend)
+        sends.push_back({rail_rank(cd.dst.rank), resolve(c, cd.src), cd.src.width});
+      else
+        recvs.push_back({rail_rank(cd.src.rank), resolve(c, cd.dst), cd.dst.width});
+    }
+    peers += TIDE_STR_CAT(peers.empty() ? "" : ", ", op.kind == OpKind::kSend ? "SEND to rank " : "RECV from rank ",
+                          fabric_rank(c, op.kind == OpKind::kSend ? op.copies.front().dst.rank
+                                                                  : op.copies.front().src.rank));
+  }
+  cudaStream_t s = (*c.streams)[static_cast<size_t>(r)][first.stream];
+  const std::string what = TIDE_STR_CAT(describe_op(c, r, ops[k], seq), ": rail group ", first.rail_group, " (", peers,
+                                        ")");
+#ifdef TIDE_WITH_NCCL
+  c.rail->enqueue(sends, recvs, s, what);
+  fabric::NcclRail* rail = c.rail;
+  const std::string late = what + " did not complete: a peer never posted its matching group (behind, stalled or "
+                           "dead); the rail communicator is aborted";
+  c.watchdog->watched_work(s, late, [rail, late] { rail->abort(late); });
+#else
+  throw Error(what + ": this build has no NCCL (the rail needs it)");
+#endif
+  for (size_t q = k; q < end; ++q) {
+    const Op& op = pr.ops[static_cast<size_t>(ops[q])];
+    if (op.kind != OpKind::kRecv || op.counter.index < 0) continue;
+    uint64_t& sh = shadow(c, op.counter);
+    sh += static_cast<uint64_t>(op.value);
+    signal(s, counter_address(c, op.counter.rank, op.counter.index), sh);
+  }
+}
 
 void issue(const IssueContext& c, int rank, int i, int64_t seq) {
   const Op& op = prog(c, rank).ops[static_cast<size_t>(i)];
@@ -414,6 +476,20 @@ void issue_call(const IssueContext& c, int64_t seq) {
         size_t& k = cur[static_cast<size_t>(r)][s];
         while (k < ops.size()) {
           const Op& op = p.ops[static_cast<size_t>(ops[k])];
+          if (is_rail(op.kind)) {  // a rendezvous group: issued whole (the GPU meets its peers)
+            const size_t end = group_end(p, ops, k);
+            if (local) {
+              issue_group(c, r, ops, k, end, seq);
+            } else {
+              for (size_t q = k; q < end; ++q) {
+                const Op& o = p.ops[static_cast<size_t>(ops[q])];
+                if (o.kind == OpKind::kRecv && o.counter.index >= 0) shadow(c, o.counter) += static_cast<uint64_t>(o.value);
+              }
+            }
+            k = end;
+            progress = true;
+            continue;
+          }
           if (is_wait(op.kind) && op.target(seq) > 0) {
             const int producer = t.producer[static_cast<size_t>(op.counter.rank)][static_cast<size_t>(op.counter.index)];
             const bool gated = !(trust_remote && producer >= 0 && !t.local[static_cast<size_t>(producer)]);

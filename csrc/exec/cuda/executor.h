@@ -44,6 +44,7 @@
 #include "exec/cuda/runtime.h"
 #include "fabric/fabric.h"
 #include "fabric/inprocess.h"
+#include "fabric/nccl.h"
 #include "tide/program.h"
 #include "tide/program_index.h"
 #include "tide/program_set.h"
@@ -146,6 +147,10 @@ struct IssueContext {
   const std::vector<RankBuffers>* buffers = nullptr;
   CopyLaneTable* lanes = nullptr;  // [Note: copy lanes]; null: every copy on its op's stream
   int dead_rank = -1;
+  // Two-sided programs ([Note: two-sided rails]): the rail of this rank's local index and the
+  // fabric's ranks per node (rail rank = fabric rank / rail_gpus_per_node).
+  fabric::NcclRail* rail = nullptr;
+  int rail_gpus_per_node = 0;
 };
 void issue_call(const IssueContext& c, int64_t seq);
 // "rank R op I (KIND, tag T[, round D][, counter NAME@rank Q >= V, produced by rank P]) seq S"

@@ -237,9 +237,15 @@ void CudaRankExecutor::run(const std::shared_ptr<const ProgramSet>& set, int64_t
   // Bad input stops here, before anything is enqueued (the executor stays usable).
   Entry& e = prepare(set, members);
   check_buffers(e, buffers);
+  const Program& mine = set->progs[static_cast<size_t>(e.me)];
+  TIDE_PLAN_CHECK(mine.rails == opt_.rails, "CudaRankExecutor.run: a ", rails_name(mine.rails), " program on an "
+                  "executor with ", rails_name(opt_.rails), " rails (ExecutorOptions.rails)");
+  TIDE_PLAN_CHECK(mine.rails == Rails::kOneSided || rail_ != nullptr, "CudaRankExecutor.run: rank ", rank_,
+                  " runs a two-sided program but has no rail (set_rail)");
+  const int L = topo_.gpus_per_node;
   for (int g : e.members)
-    TIDE_PLAN_CHECK(fabric_->arena(g) != nullptr, "CudaRankExecutor.run: rank ", g,
-                    "'s arena is not open in this process (call open_peers first)");
+    TIDE_PLAN_CHECK(fabric_->arena(g) != nullptr || (mine.rails == Rails::kTwoSided && g / L != rank_ / L),
+                    "CudaRankExecutor.run: rank ", g, "'s arena is not open in this process (call open_peers first)");
   const size_t N = e.members.size();
   const size_t ns = e.tables->stream_ops[static_cast<size_t>(e.me)].size();
   ensure_streams(ns);
@@ -257,6 +263,8 @@ void CudaRankExecutor::run(const std::shared_ptr<const ProgramSet>& set, int64_t
   c.streams = &streams;
   c.buffers = &bufs;
   c.lanes = &lanes_;
+  c.rail = rail_.get();
+  c.rail_gpus_per_node = topo_.gpus_per_node;
   auto join = [&](bool check) {
     // Every internal stream joins stream 0; the caller's stream waits for stream 0.
     auto ok = [&](cudaError_t r, const char* what) {
@@ -296,6 +304,15 @@ void CudaRankExecutor::run(const std::shared_ptr<const ProgramSet>& set, int64_t
     fail(ex.what());
     throw;
   }
+}
+
+void CudaRankExecutor::set_rail(std::shared_ptr<fabric::NcclRail> rail) {
+  std::lock_guard<std::mutex> lock(mu_);
+  TIDE_PLAN_CHECK(rail == nullptr || (rail->rank() == rank_ / topo_.gpus_per_node && rail->size() == topo_.nodes),
+                  "CudaRankExecutor.set_rail: rank ", rank_, " of ", topo_.nodes, "x", topo_.gpus_per_node,
+                  " needs rail rank ", rank_ / topo_.gpus_per_node, " of ", topo_.nodes, ", got ",
+                  rail ? rail->rank() : -1, " of ", rail ? rail->size() : -1);
+  rail_ = std::move(rail);
 }
 
 void CudaRankExecutor::synchronize() {

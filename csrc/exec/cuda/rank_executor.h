@@ -25,6 +25,9 @@
 //     every peer it writes into has started run #k. Every rank must issue the same run sequence.
 //   - One CudaRankExecutor per fabric: the entry fence counts this executor's runs. The caller's
 //     current device is left as it was.
+//   - Two-sided rails (ExecutorOptions::rails = two_sided, set_rail): only the arenas of this
+//     rank's topology node need be open in the fabric; SEND/RECV groups run on the rail's NCCL
+//     communicator from the rail_p2p stream, watched (a late group aborts the rail and raises).
 //   - Fail-stop: after any error the executor refuses further calls. Bad input (buffers too small
 //     or missing, regions absent, programs for another topology) is a PlanError/Error before
 //     anything is enqueued.
@@ -39,6 +42,7 @@
 
 #include "exec/cuda/executor.h"
 #include "fabric/fabric.h"
+#include "fabric/nccl.h"
 #include "tide/exec_cpu.h"
 #include "tide/program.h"
 #include "tide/program_set.h"
@@ -61,6 +65,10 @@ class CudaRankExecutor {
            cudaStream_t caller_stream, const std::vector<int>* ranks = nullptr);
   void synchronize();
   void set_timeout(double timeout_s);  // later waits' deadline
+  Rails rails() const { return opt_.rails; }
+  // The rail of two-sided programs ([Note: NCCL rail], fabric/nccl.h): this rank's local index,
+  // rail rank = rank / gpus_per_node.
+  void set_rail(std::shared_ptr<fabric::NcclRail> rail);
   int rank() const { return rank_; }
   int world() const { return fabric_->world(); }
   size_t cached_program_sets() const { return cache_.size(); }
@@ -75,6 +83,7 @@ class CudaRankExecutor {
   void ensure_streams(size_t n);
 
   std::shared_ptr<fabric::Fabric> fabric_;
+  std::shared_ptr<fabric::NcclRail> rail_;
   int rank_;
   Topology topo_;
   ArenaSpec layout_;

@@ -286,8 +286,23 @@ Watchdog::~Watchdog() {
 
 void Watchdog::watched_wait(cudaStream_t stream, const WaitSpec* specs, size_t n,
                             const std::string& what, double timeout_s) {
-  const double limit = timeout_s > 0 ? timeout_s : timeout_s_;
   wait_geq(stream, specs, n);
+  Entry e;
+  e.specs.assign(specs, specs + n);
+  e.what = what;
+  watch(stream, std::move(e), timeout_s > 0 ? timeout_s : timeout_s_);
+}
+
+void Watchdog::watched_work(cudaStream_t stream, const std::string& what, std::function<void()> on_timeout,
+                            double timeout_s) {
+  Entry e;
+  e.what = what;
+  e.on_timeout = std::move(on_timeout);
+  watch(stream, std::move(e), timeout_s > 0 ? timeout_s : timeout_s_);
+}
+
+void Watchdog::watch(cudaStream_t stream, Entry e, double limit) {
+  const std::string& what = e.what;
   // One watchdog may watch streams of several devices (an in-process executor over several
   // GPUs); the event must belong to the stream's device.
   int dev = 0;
@@ -306,10 +321,9 @@ void Watchdog::watched_wait(cudaStream_t stream, const WaitSpec* specs, size_t n
     TIDE_CHECK_CUDA(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming));
   }
   TIDE_CHECK_CUDA(cudaEventRecord(ev, stream), "watchdog event for ", what);
-  Entry e{ev, dev,
-          std::chrono::steady_clock::now() +
-              std::chrono::microseconds(static_cast<int64_t>(limit * 1e6)),
-          std::vector<WaitSpec>(specs, specs + n), what};
+  e.done = ev;
+  e.device = dev;
+  e.deadline = std::chrono::steady_clock::now() + std::chrono::microseconds(static_cast<int64_t>(limit * 1e6));
   {
     std::lock_guard<std::mutex> g(mu_);
     entries_.push_back(std::move(e));
@@ -318,6 +332,7 @@ void Watchdog::watched_wait(cudaStream_t stream, const WaitSpec* specs, size_t n
 }
 
 void Watchdog::release(const Entry& e) {
+  if (e.on_timeout) e.on_timeout();
   for (const auto& s : e.specs) {
     // Fail-stop release: satisfy the stuck wait so the stream drains (values stay monotone:
     // the counter is below s.value while the wait is stuck).

@@ -18,6 +18,7 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -174,6 +175,11 @@ class Watchdog {
   // Returns immediately.
   void watched_wait(cudaStream_t stream, const WaitSpec* specs, size_t n, const std::string& what,
                     double timeout_s = 0);
+  // Watch the work enqueued on `stream` so far (an event after it): past the deadline it is
+  // reported like a stuck wait and `on_timeout` runs once on the watchdog's thread (a rail group:
+  // abort the rail communicator so its kernel exits).
+  void watched_work(cudaStream_t stream, const std::string& what, std::function<void()> on_timeout,
+                    double timeout_s = 0);
   // Block until every watched wait has completed or been released; throws TimeoutError then.
   void drain();
   // Throws TimeoutError if a wait was overdue.
@@ -188,7 +194,9 @@ class Watchdog {
     std::chrono::steady_clock::time_point deadline;
     std::vector<WaitSpec> specs;
     std::string what;
+    std::function<void()> on_timeout;  // watched_work
   };
+  void watch(cudaStream_t stream, Entry e, double limit);
   void loop();
   void release(const Entry& e);
 

@@ -47,6 +47,9 @@ struct ExecutorOptions {
   int workers = 0;                      // virtual cluster threads, 0..1024 (0: min(ranks, 4))
   // Every executor.
   Rails rails = Rails::kOneSided;       // how other nodes are reached (see Rails)
+  // Two-sided rails on CUDA: the NCCL rail communicator's config ([Note: NCCL rail]).
+  int rail_ctas = 2;                    // maxCTAs: SMs a rail group's kernel may take, 1..64
+  int rail_channels_per_peer = 1;       // nChannelsPerNetPeer, 1..32
 };
 
 void validate(const ExecutorOptions& o);  // PlanError naming the field
