@@ -172,7 +172,10 @@ def assert_same(model: nn.Module, stock: nn.Module, what: str) -> None:
 
 
 def _entry(rank: int, world: int, init_file: str, fn: Callable, args: tuple,
-           backend: str = "gloo", cuda_devices: tuple[int, ...] | None = None) -> None:
+           backend: str = "gloo", cuda_devices: tuple[int, ...] | None = None,
+           env: dict[str, str] | None = None) -> None:
+    for k, v in (env or {}).items():  # per rank ("{rank}" substituted), before any NCCL init
+        os.environ[k] = v.format(rank=rank)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
     kwargs = {}
@@ -203,14 +206,16 @@ def _start_method() -> str:
 
 
 def spawn(fn: Callable, *args: Any, world: int = 4, backend: str = "gloo",
-          cuda_devices: tuple[int, ...] | None = None, start_method: str | None = None) -> None:
+          cuda_devices: tuple[int, ...] | None = None, start_method: str | None = None,
+          env: dict[str, str] | None = None) -> None:
     """Runs fn(rank, world, *args) on ``world`` ranks (gloo by default); re-raises the first
-    failure. ``cuda_devices[r]``: rank r's GPU (set before the process group starts)."""
+    failure. ``cuda_devices[r]``: rank r's GPU (set before the process group starts); ``env``:
+    variables each rank sets first ("{rank}" in a value is its rank, e.g. NCCL_HOSTID)."""
     fd, init_file = tempfile.mkstemp(prefix="tide_torch_pg_")
     os.close(fd)
     os.unlink(init_file)
     try:
-        mp.start_processes(_entry, args=(world, init_file, fn, args, backend, cuda_devices),
+        mp.start_processes(_entry, args=(world, init_file, fn, args, backend, cuda_devices, env),
                            nprocs=world, join=True,
                            start_method=start_method or _start_method())
     finally:

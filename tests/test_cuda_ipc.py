@@ -99,6 +99,8 @@ def _calls_raw(rank, cfg, fab, ex, plan, conn):
                                  counter_base=0)
     rs = {b: _core.build_rs_programs(plan, bank=b, alpha=ALPHA, accumulate=False, arena=regions,
                                      counter_base=RS_BASE) for b in (0, 1)}
+    if cfg["rails"]:  # the two-sided form ([Note: two-sided rails]): other nodes only over the NCCL rail
+        ag, rs = ag.lowered(), {b: ps.lowered() for b, ps in rs.items()}
     out_ptr = _core.cuda.malloc(lay.E * 4)
     grad_ptrs = [_core.cuda.malloc(lay.params[p].D * lay.params[p].K * 2) for p in range(lay.P)]
     shard_ptrs = []
@@ -206,13 +208,24 @@ def _rank_main(rank, cfg, conn):
     _core.cuda.install_stack_dump(signal.SIGUSR2)           # and native stacks
     try:
         M, L = cfg["M"], cfg["L"]
+        rails = cfg["rails"]
+        if rails:  # emulated hosts: one NCCL_HOSTID per process, NCCL's network transport on loopback
+            os.environ.update(RAIL_ENV, NCCL_HOSTID=f"tide-emulated-host-{rank}")
         _, plan = _plan(2, 1, False) if cfg["mode"] == "hsdp" else _plan(M, L, cfg["cast"])
         fab = _core.cuda.IpcFabric(rank, M * L, cfg["devices"][rank], cfg["nbytes"])
-        conn.send(("handle", fab.handle()))
-        fab.open_peers(conn.recv())
-        assert fab.peers_open and all(fab.peer_arena_ptr(r) for r in range(M * L))
+        rail_id = _core.cuda.nccl_unique_id() if rails and rank < L else None  # node 0 makes each rail's id
+        conn.send(("handle", (fab.handle(), rail_id)))
+        handles, rail_ids = conn.recv()
+        if rails:  # host isolation: only this node's arenas are opened
+            handles = [h if r // L == rank // L else b"" for r, h in enumerate(handles)]
+        fab.open_peers(handles)
+        assert fab.peers_open and all(bool(fab.peer_arena_ptr(r)) == (not rails or r // L == rank // L)
+                                      for r in range(M * L))
         ex = _core.cuda.RankExecutor(fab, rank, M, L, regions=cfg["regions"], timeout_s=cfg["timeout_s"],
-                                    fence=cfg["fence"])
+                                    fence=cfg["fence"], options={"rails": "two_sided"} if rails else None)
+        if rails:
+            rail = _core.cuda.NcclRail(rank // L, M, cfg["devices"][rank], rail_ids[rank % L], max_ctas=2)
+            ex.set_rail(rail)
         conn.send(("open", None))
         conn.recv()  # every rank has opened every arena
         if rank != cfg["dead"]:
@@ -227,6 +240,8 @@ def _rank_main(rank, cfg, conn):
                     ex.run(_core.build_ag_programs(plan, arena=cfg["regions"]), CALLS + 1)
         conn.send(("done", None))
         conn.recv()  # teardown barrier: peers may still touch this arena until they are done
+        if rails and rank != cfg["dead"] and not rail.aborted:
+            rail.close()
         del ex, fab
     except BaseException:  # noqa: BLE001 - report to the parent
         conn.send(("error", traceback.format_exc()))
@@ -255,13 +270,18 @@ def reaped(procs):
             if p.is_alive():
                 p.kill()
 
-def _run_world(M, L, *, spread=False, cast=False, dead=-1, timeout_s=10.0, fence=True, mode="raw"):
+# NCCL's network transport between emulated hosts on one GPU (never NVLS / multicast).
+RAIL_ENV = dict(NCCL_P2P_DISABLE="1", NCCL_SHM_DISABLE="1", NCCL_SOCKET_IFNAME="lo", NCCL_NVLS_ENABLE="0",
+                TORCH_SYMM_MEM_DISABLE_MULTICAST="1")
+
+
+def _run_world(M, L, *, spread=False, cast=False, dead=-1, timeout_s=10.0, fence=True, mode="raw", rails=False):
     N = M * L
     _, plan = _plan(2, 1, False) if mode == "hsdp" else _plan(M, L, cast)
     regions, nbytes = _layout(plan)
     seed = int.from_bytes(os.urandom(4), "little") % 100000  # fresh inputs every run
     cfg = dict(M=M, L=L, cast=cast, dead=dead, timeout_s=timeout_s, fence=fence, mode=mode, seed=seed,
-               regions=regions, nbytes=nbytes, devices=_devices(N, spread))
+               regions=regions, nbytes=nbytes, devices=_devices(N, spread), rails=rails)
     ctx = mp.get_context("spawn")  # fresh CUDA contexts: never fork a process that may hold one
     pipes = [ctx.Pipe() for _ in range(N)]
     procs = [ctx.Process(target=_rank_main, args=(r, cfg, pipes[r][1]), daemon=True) for r in range(N)]
@@ -299,9 +319,10 @@ def _run_world(M, L, *, spread=False, cast=False, dead=-1, timeout_s=10.0, fence
 
     with reaped(procs):
         handles = expect("handle")
-        assert all(len(h) == 64 for h in handles.values())
+        assert all(len(h) == 64 for h, _ in handles.values())
+        rail_ids = [handles[r][1] for r in range(L)] if rails else None
         for c in conns:
-            c.send([handles[r] for r in range(N)])
+            c.send(([handles[r][0] for r in range(N)], rail_ids))
         expect("open")
         for c in conns:
             c.send("go")
@@ -393,3 +414,24 @@ def test_peer_that_never_runs_is_a_timeout_naming_rank_op_seq(fence):
     # Before kernels were loaded eagerly ([Note: eager kernel loading]), rank 0 reaching its RS
     # while a WAIT was parked hung in its first kernel launch (kernels.h [Note: eager kernel loading]).
     assert (named_dead >= 1) if fence else (named_dead == 0), named_dead
+
+
+@pytest.mark.parametrize("M,L", [(2, 1), (2, 2)])
+def test_two_sided_rails_over_nccl_match_the_virtual_cluster(M, L):
+    """Emulated hosts on one GPU: local peers by CUDA IPC, other nodes only over the NCCL rail
+    (NET/Socket on loopback); landings and outputs bit-equal to the CPU VirtualCluster."""
+    cfg, got = _run_world(M, L, rails=True, timeout_s=30.0)
+    _check_bitwise(M, L, cfg, got)
+
+
+def test_two_sided_rails_dead_peer_fails_every_survivor():
+    timeout_s = 3.0
+    t0 = time.monotonic()
+    cfg, got = _run_world(2, 2, dead=3, timeout_s=timeout_s, rails=True)
+    for r in range(3):
+        timeouts = [v for tag, v in got[r] if tag == "timeout"]
+        assert len(timeouts) == 1, (r, got[r])
+        msg, waited = timeouts[0]
+        assert waited < timeout_s + 10, f"rank {r} waited {waited:.1f} s"
+        assert re.search(r"rank \d", msg) and "seq" in msg, msg
+    assert time.monotonic() - t0 < 120

@@ -477,3 +477,46 @@ def test_nccl_arena_calls():
     assert opened == [[b"a", b"b"]]
     ipc.close_fabric()
     assert fabric.closes == 1 and ipc.closed
+
+
+# ---- (d) 2 emulated hosts x 2 ranks on one GPU: two-sided rails over NCCL ------------------------
+# One NCCL_HOSTID per process: NCCL takes every rank for a host of its own and carries the stock
+# process group and TIDE's rail over its network transport (NET/Socket on loopback); a node's two
+# ranks reach each other's arenas by CUDA IPC (same GPU). Never NVLS / multicast.
+EMULATED_HOSTS = dict(NCCL_HOSTID="tide-emulated-host-{rank}", NCCL_P2P_DISABLE="1", NCCL_SHM_DISABLE="1",
+                      NCCL_SOCKET_IFNAME="lo", NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1",
+                      NCCL_DEBUG="INFO", NCCL_DEBUG_SUBSYS="INIT,NET",
+                      NCCL_DEBUG_FILE="{log_dir}/nccl.{rank}.%p.log")
+
+
+def _emulated_hosts_2x2(rank, world, log_dir):
+    import tide_torch
+    _deterministic()
+    device = torch.device("cuda", 0)
+    topo = tide.Topology(nodes=2, gpus_per_node=2)
+    mesh = mesh_1d("cuda")
+    data = batches(STEPS, same_on_all_ranks=True)
+    stock = build(mesh=mesh, device=device)
+    stock_losses = train(stock, data, device=device)
+    ref = local_shards(stock)
+    for mode in MODES:
+        model = build(mesh=mesh, device=device)
+        handle = tide_torch.enable(model, mode=mode, topology=topo)
+        assert handle.rails == "two_sided" and handle.transport == "tide-cuda-executor", (handle.rails,
+                                                                                         handle.transport)
+        fab = handle._rt.arena.fabric  # host isolation: only this node's arenas are mapped
+        assert all(bool(fab.peer_arena_ptr(r)) == (r // 2 == rank // 2) for r in range(world) if r != rank)
+        losses = train(model, data, device=device)
+        _check_tide_run(handle, model, ref, losses, stock_losses, f"emulated 2x2 {mode}")
+        handle.disable()
+
+
+@pytest.mark.gpu
+@needs_cuda_tide
+def test_emulated_hosts_2x2_rails(tmp_path):
+    env = {k: v.replace("{log_dir}", str(tmp_path)) for k, v in EMULATED_HOSTS.items()}
+    spawn(_emulated_hosts_2x2, str(tmp_path), world=4, backend="nccl", cuda_devices=(0, 0, 0, 0),
+          start_method="spawn", env=env)
+    logs = "".join(p.read_text(errors="replace") for p in tmp_path.glob("nccl.*.log"))
+    assert "tide-rail" in logs or "NET/Socket" in logs, logs[-2000:]
+    assert "NET/Socket" in logs, "the rail's traffic does not go over NCCL's socket transport"

@@ -151,7 +151,7 @@ class Arena:
         Only the CUDA-IPC fabric needs it (the NCCL fabric maps its LSA peers itself)."""
         if self.fabric_kind != "ipc":
             return
-        missing = [r for r, h in enumerate(handles) if h is None]
+        missing = [r for r, h in enumerate(handles) if h is None]  # b"": another node's, not mapped
         if missing:
             raise RuntimeError(f"tide_torch: ranks {missing} have no CUDA-IPC arena handle")
         self.fabric.open_peers(list(handles))

@@ -146,4 +146,8 @@ def make_transport(arena: Any, peers: list[str], rank: int, topo: tide.Topology,
                            "CUDA executor")
     ex = tide._core.cuda.RankExecutor(arena.fabric, rank, topo.nodes, topo.gpus_per_node,
                                       regions=regions, options=opts)
+    if options.rails == "two_sided":
+        if rail is None:
+            raise RuntimeError("tide_torch: two-sided rails on CUDA need an NcclRail")
+        ex.set_rail(rail)
     return CudaExecutorTransport(ex, arena, rank, topo, group_of)

@@ -119,6 +119,9 @@ class TideHandle:
             self._rt.arena.close()
             # NCCL fabric: every rank is here, after the barrier above (its teardown is collective).
             self._rt.arena.close_fabric()
+            close = getattr(self._rt.rail, "close", None)  # the NCCL rail: after the barrier above
+            if close is not None:
+                close()
 
     def __repr__(self) -> str:
         served = sum(g.eligible for g in self._groups)
@@ -181,7 +184,7 @@ def enable(model: nn.Module, *, mode: str = "in_place", topology: tide.Topology 
 
     record: dict[str, Any] = {"rank": rank, "error": None, "topology": None, "groups": [],
                               "capabilities": None, "shm": None, "ipc": None,
-                              "arena_bytes": 0, "nccl_id": None, "host": host_identity()}
+                              "arena_bytes": 0, "nccl_id": None, "host": host_identity(), "rail_id": None}
     rails_ = "one_sided"
     groups: list[TideGroup] = []
     arena: Arena | None = None
@@ -216,11 +219,11 @@ def enable(model: nn.Module, *, mode: str = "in_place", topology: tide.Topology 
             for g in served:
                 g.fallback, g.plan, g.plan_fp32_grads = why, None, None
             served = []
-        if served and device.type == "cuda" and rails_ == "two_sided":
+        if served and device.type == "cuda" and rails_ == "two_sided" and fabric == "nccl":
             for g in served:
                 g.fallback, g.plan, g.plan_fp32_grads = (
-                    "two-sided rails (a topology of several nodes) are not in TIDE's CUDA executor "
-                    "yet", None, None)
+                    "fabric='nccl' maps its LSA team, not one topology node: two-sided rails run on "
+                    "fabric='ipc' (a node's peers by CUDA IPC, other nodes over the NCCL rail)", None, None)
             served = []
         if served:
             sizes = placement.assign(groups, use_ring=ring, rails=rails_)
@@ -234,6 +237,8 @@ def enable(model: nn.Module, *, mode: str = "in_place", topology: tide.Topology 
                     tide._core.cuda.nccl_version()  # loads libnccl here: a missing one fails now
             else:
                 arena = Arena(sizes, device, rank=rank, world=world, fabric=cuda_tide)
+            if device.type == "cuda" and rails_ == "two_sided" and rank < topo.gpus_per_node:
+                record["rail_id"] = tide._core.cuda.nccl_unique_id()  # node 0 makes its local index's
         record.update(
             topology=(topo.nodes, topo.gpus_per_node),
             groups=[(g.fqn, g.status) for g in groups],
@@ -283,23 +288,28 @@ def enable(model: nn.Module, *, mode: str = "in_place", topology: tide.Topology 
         nccl = None
         rail = None
         try:
+            opts = (executor_options or tide.ExecutorOptions()).replace(rails=rails_)
             if rails_ == "two_sided" and device.type == "cpu":
                 rail = GlooRail(dist.new_group(backend="gloo"))  # collective: first, on every rank
+            elif rails_ == "two_sided":  # collective over the ranks of this local index
+                L = topo.gpus_per_node
+                index = device.index if device.index is not None else torch.cuda.current_device()
+                rail = tide._core.cuda.NcclRail(rank // L, topo.nodes, index, records[rank % L]["rail_id"],
+                                                max_ctas=opts.rail_ctas,
+                                                channels_per_peer=opts.rail_channels_per_peer)
             if fabric == "nccl":  # every rank constructs it here, together
                 nccl = make_nccl_fabric(
                     rank, world, device, max(r["arena_bytes"] for r in records),
                     next(r["nccl_id"] for r in records if r["rank"] == 0), topo.gpus_per_node)
                 arena = Arena(sizes, device, nccl=nccl, nbytes=nccl.arena_bytes)
             placement.bind(groups, arena)
-            arena.open_peers([r["ipc"] for r in records])
             L = topo.gpus_per_node
             # Two-sided rails: only this node's arenas are mapped (other nodes: the rail).
-            peers = [r["shm"] if rails_ == "one_sided" or r["rank"] // L == rank // L else ""
-                     for r in records]
+            mine = [rails_ == "one_sided" or r["rank"] // L == rank // L for r in records]
+            arena.open_peers([r["ipc"] if m else b"" for r, m in zip(records, mine)])
             transport_ = comm.make_transport(
-                arena, peers, rank, topo,
-                group_of=lambda g: g.pg.mesh_info.shard_process_group,
-                options=(executor_options or tide.ExecutorOptions()).replace(rails=rails_), rail=rail)
+                arena, [r["shm"] if m else "" for r, m in zip(records, mine)], rank, topo,
+                group_of=lambda g: g.pg.mesh_info.shard_process_group, options=opts, rail=rail)
         except Exception as e:  # noqa: BLE001 - reported to every rank before raising
             local_exc, err = e, f"{type(e).__name__}: {e}"
         after = agreement.exchange({"rank": rank, "error": err, "nccl": nccl is not None})
@@ -318,7 +328,7 @@ def enable(model: nn.Module, *, mode: str = "in_place", topology: tide.Topology 
                 "; ".join(f"rank {r} failed to map the peers' arenas: {e}" for r, e in failed))
         rt = Runtime(mode, groups, arena, device)
         rt.transport = transport_
-        rt.rails = rails_
+        rt.rails, rt.rail = rails_, rail
         arena.close()  # unlink the names now: nothing can outlive the processes, even on a crash
         _patches.install(all_gather.foreach_all_gather, all_gather.foreach_all_gather_copy_out,
                          reduce_scatter.foreach_reduce_scatter_copy_in)

@@ -40,6 +40,7 @@ class Runtime:
         self.device = device
         self.transport: Any = None
         self.rails = "one_sided"  # the executor's (enable() sets it)
+        self.rail: Any = None      # two-sided: GlooRail (CPU) or tide._core.cuda.NcclRail
         self.stats: Counter = Counter(ag_tide=0, ag_stock=0, rs_tide=0, rs_stock=0,
                                             ag_early=0)
         self._owner: dict[str, Any] = {}

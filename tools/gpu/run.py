@@ -287,6 +287,12 @@ def stage_table(c: Ctx) -> dict:
             pytest("cuda_executor_regression", "-q", "-rs", "-x", "-m", "gpu", "tests/test_cuda_executor.py", limit=300),
             pytest("nogpu_surface", "-q", "-rs", "-x", "tests/test_cuda_backend_nogpu.py", limit=60)],
               "CudaRankExecutor over the CUDA-IPC fabric (spread-over-GPU cases need 2 GPUs), then regressions"),
+        Stage("rails", 240, [
+            pytest("rails_ipc", "-q", "-rs", "-x", "-m", "gpu", "tests/test_cuda_ipc.py", "-k", "two_sided", limit=200),
+            pytest("rails_torch", "-q", "-rs", "-x", "-m", "gpu",
+                   "tests/test_torch_gpu.py::test_emulated_hosts_2x2_rails", limit=200)],
+              "two-sided rails on emulated hosts (one NCCL_HOSTID per process, NET/Socket on loopback): the CUDA "
+              "rank executor's AG/RS vs the CPU VirtualCluster, a dead peer, tide_torch 2 x 2 vs stock FSDP2"),
         Stage("nccl", 150, [
             Step("diag", [py, "-c", core + ', "nccl headers", _core.cuda.nccl_header_version()); '
                           'print("nccl", _core.cuda.nccl_version(), _core.cuda.nccl_library_path())'], 60, kind="info"),
