@@ -99,7 +99,7 @@ def _calls_raw(rank, cfg, fab, ex, plan, conn):
                                  counter_base=0)
     rs = {b: _core.build_rs_programs(plan, bank=b, alpha=ALPHA, accumulate=False, arena=regions,
                                      counter_base=RS_BASE) for b in (0, 1)}
-    if cfg["rails"]:  # the two-sided form ([Note: two-sided rails]): other nodes only over the NCCL rail
+    if cfg.get("rails"):  # the two-sided form ([Note: two-sided rails]): other nodes only over the NCCL rail
         ag, rs = ag.lowered(), {b: ps.lowered() for b, ps in rs.items()}
     out_ptr = _core.cuda.malloc(lay.E * 4)
     grad_ptrs = [_core.cuda.malloc(lay.params[p].D * lay.params[p].K * 2) for p in range(lay.P)]

@@ -302,7 +302,7 @@ void issue_group(const IssueContext& c, int r, const std::vector<int>& ops, size
                                         ")");
 #ifdef TIDE_WITH_NCCL
   c.rail->enqueue(sends, recvs, s, what);
-  fabric::NcclRail* rail = c.rail;
+  std::shared_ptr<fabric::NcclRail> rail = c.rail;
   const std::string late = what + " did not complete: a peer never posted its matching group (behind, stalled or "
                            "dead); the rail communicator is aborted";
   c.watchdog->watched_work(s, late, [rail, late] { rail->abort(late); });

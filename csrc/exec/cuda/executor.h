@@ -149,7 +149,7 @@ struct IssueContext {
   int dead_rank = -1;
   // Two-sided programs ([Note: two-sided rails]): the rail of this rank's local index and the
   // fabric's ranks per node (rail rank = fabric rank / rail_gpus_per_node).
-  fabric::NcclRail* rail = nullptr;
+  std::shared_ptr<fabric::NcclRail> rail;
   int rail_gpus_per_node = 0;
 };
 void issue_call(const IssueContext& c, int64_t seq);

@@ -263,7 +263,7 @@ void CudaRankExecutor::run(const std::shared_ptr<const ProgramSet>& set, int64_t
   c.streams = &streams;
   c.buffers = &bufs;
   c.lanes = &lanes_;
-  c.rail = rail_.get();
+  c.rail = rail_;
   c.rail_gpus_per_node = topo_.gpus_per_node;
   auto join = [&](bool check) {
     // Every internal stream joins stream 0; the caller's stream waits for stream 0.

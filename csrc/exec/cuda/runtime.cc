@@ -332,7 +332,6 @@ void Watchdog::watch(cudaStream_t stream, Entry e, double limit) {
 }
 
 void Watchdog::release(const Entry& e) {
-  if (e.on_timeout) e.on_timeout();
   for (const auto& s : e.specs) {
     // Fail-stop release: satisfy the stuck wait so the stream drains (values stay monotone:
     // the counter is below s.value while the wait is stuck).
@@ -352,6 +351,7 @@ void Watchdog::loop() {
       continue;
     }
     const auto now = std::chrono::steady_clock::now();
+    std::vector<std::function<void()>> late_work;  // run after every overdue wait is released
     for (size_t i = 0; i < entries_.size();) {
       const cudaError_t q = cudaEventQuery(entries_[i].done);
       if (q == cudaSuccess) {
@@ -368,10 +368,16 @@ void Watchdog::loop() {
           error_ = TIDE_STR_CAT("timeout: ", entries_[i].what,
                                 " never saw its producer (fail-stop)");
         release(entries_[i]);
+        if (entries_[i].on_timeout) late_work.push_back(std::move(entries_[i].on_timeout));
+        entries_[i].on_timeout = nullptr;
         entries_[i].deadline = now + std::chrono::hours(24);  // released once
       }
       ++i;
     }
+    // [Note: late work] An overdue rail group's abort (ncclCommAbort) may wait for its stream,
+    // which may sit behind a stuck wait this loop releases: it runs on a thread of its own, after
+    // the rescue writes of this pass, so neither waits for the other.
+    for (auto& f : late_work) std::thread(std::move(f)).detach();
     cv_.notify_all();
     cv_.wait_for(lk, std::chrono::microseconds(200));
   }
