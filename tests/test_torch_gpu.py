@@ -24,6 +24,7 @@ Each GPU case runs with deterministic algorithms, so stock and TIDE compute iden
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 import torch
@@ -508,7 +509,31 @@ def _emulated_hosts_2x2(rank, world, log_dir):
         assert all(bool(fab.peer_arena_ptr(r)) == (r // 2 == rank // 2) for r in range(world) if r != rank)
         losses = train(model, data, device=device)
         _check_tide_run(handle, model, ref, losses, stock_losses, f"emulated 2x2 {mode}")
+        if mode == "in_place":
+            _report_rail_cost(handle, model, stock, data, device, rank)
         handle.disable()
+
+
+def _step_ms(model, data, device, reps=3):
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    train(model, data[:reps], device=device)
+    torch.cuda.synchronize()
+    return 1e3 * (time.perf_counter() - t0) / reps
+
+
+def _report_rail_cost(handle, model, stock, data, device, rank):
+    """Rank 0 prints one 'rails:' line: step time of TIDE and stock on the emulated cluster (socket
+    bound: overheads, not bandwidth) and the rail kernels' time and SM*ms in one TIDE step."""
+    tide_ms, stock_ms = _step_ms(model, data, device), _step_ms(stock, data, device)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        train(model, data[:1], device=device)
+        torch.cuda.synchronize()
+    rail_us = sum(e.device_time for e in prof.events() if e.name.startswith("ncclDevKernel"))
+    ctas = handle._rt.rail.max_ctas
+    if rank == 0:
+        print(f"rails: emulated 2x2 step tide {tide_ms:.1f} ms stock {stock_ms:.1f} ms; rail kernels "
+              f"{rail_us / 1e3:.2f} ms per step on <= {ctas} SMs = {ctas * rail_us / 1e3:.2f} SM*ms", flush=True)
 
 
 @pytest.mark.gpu
