@@ -446,6 +446,13 @@ NcclRail::NcclRail(int rank, int size, int device, const std::string& unique_id,
   ncclComm_t comm = nullptr;
   check_nccl(a, a.CommInitRankConfig(&comm, size_, id, rank_, &config), nullptr, who + "ncclCommInitRankConfig");
   comm_ = comm;
+  static std::once_flag logged;  // once per process: which transfer path the rails take
+  std::call_once(logged, [&a, this] {
+    std::fprintf(stderr, "tide: rails use ncclSend/ncclRecv kernels (at most %d SMs per group): NCCL %s %s\n",
+                 max_ctas_, version_str(a.version).c_str(),
+                 a.PutSignal && a.WaitSignal ? "has host RMA (ncclPutSignal), which TIDE's rails do not use yet"
+                                             : "has no host RMA (ncclPutSignal/ncclWaitSignal need >= 2.29)");
+  });
   if (size_ == 1) return;
   // Pre-connect: one 8-byte exchange with every rail peer, each way, in one group.
   cudaStream_t s = nullptr;
