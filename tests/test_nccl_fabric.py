@@ -85,7 +85,9 @@ def test_no_gpu_is_a_clear_error():
 # nvidia.nccl wheel hidden and TIDE_NCCL_LIBRARY pointing at a fake library.
 REQUIRED = ["ncclGetUniqueId", "ncclCommInitRank", "ncclCommDestroy", "ncclCommAbort", "ncclCommSplit",
             "ncclCommCount", "ncclCommUserRank", "ncclGetErrorString", "ncclGetLastError", "ncclMemAlloc",
-            "ncclMemFree", "ncclCommWindowRegister", "ncclCommWindowDeregister", "ncclAllReduce", "ncclTeamLsa"]
+            "ncclMemFree", "ncclCommWindowRegister", "ncclCommWindowDeregister", "ncclAllReduce", "ncclTeamLsa",
+            "ncclCommInitRankConfig", "ncclSend", "ncclRecv", "ncclGroupStart", "ncclGroupEnd",
+            "ncclCommGetAsyncError"]
 
 
 def _fake_nccl(tmp_path, version, omit=()):

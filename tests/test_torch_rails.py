@@ -87,3 +87,41 @@ def test_rails_4x1():
 
 def test_hsdp_shard_groups_across_nodes():
     spawn(_hsdp_across_nodes)
+
+
+def _hosts_that_cannot_be_served(rank, world):
+    import sys
+
+    import tide_torch
+    enable_mod = sys.modules["tide_torch.enable"]  # the module (tide_torch.enable is the function)
+    mesh = mesh_1d()
+    data = batches(2, same_on_all_ranks=True)
+    stock = build(mesh=mesh)
+    train(stock, data)
+    enable_mod.host_identity = lambda: f"host-{rank // 2}"  # two hosts of two ranks each
+    try:
+        # One topology node over both hosts: its ranks cannot map each other's arenas.
+        model = build(mesh=mesh)
+        handle = tide_torch.enable(model, topology=tide.Topology(1, 4))
+        assert handle.fallbacks and not handle.plans, handle.fallbacks
+        assert all("topology node 0" in why and "host" in why for why in handle.fallbacks.values())
+        train(model, data)  # stock collectives: the same bits
+        assert_same(model, stock, "fallback on a node split over hosts")
+        handle.disable()
+        # One-sided rails across hosts: refused the same way; two-sided serves it.
+        model = build(mesh=mesh)
+        handle = tide_torch.enable(model, topology=tide.Topology(2, 2), rails="one_sided")
+        assert handle.fallbacks and all("one-sided rails" in w for w in handle.fallbacks.values())
+        handle.disable()
+        model = build(mesh=mesh)
+        handle = tide_torch.enable(model, topology=tide.Topology(2, 2))
+        assert not handle.fallbacks and handle.rails == "two_sided"
+        train(model, data)
+        assert_same(model, stock, "two hosts, two-sided")
+        handle.disable()
+    finally:
+        enable_mod.host_identity = sys.modules["tide_torch.groups"].host_identity
+
+
+def test_hosts_recorded_at_enable_decide_what_is_served():
+    spawn(_hosts_that_cannot_be_served)

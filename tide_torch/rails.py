@@ -49,19 +49,7 @@ class GlooRail:
     def start(self, rank: int, sends: list, recvs: list) -> int:
         if self._aborted:
             raise RuntimeError(f"gloo rail: aborted ({self._aborted})")
-        works = []
-        for peer, address, nbytes in sends:
-            tag = self._sent.get(peer, 0)
-            self._sent[peer] = tag + 1
-            buf = _bytes_at(address, nbytes)
-            works.append((dist.isend(buf, dst=peer, group=self._group, tag=tag), buf,
-                          f"send of {nbytes} bytes to rank {peer}"))
-        for peer, address, nbytes in recvs:
-            tag = self._received.get(peer, 0)
-            self._received[peer] = tag + 1
-            buf = _bytes_at(address, nbytes)
-            works.append((dist.irecv(buf, src=peer, group=self._group, tag=tag), buf,
-                          f"receive of {nbytes} bytes from rank {peer}"))
+        works = [self._post(True, *x) for x in sends] + [self._post(False, *x) for x in recvs]
         self._next += 1
         ticket = self._next
         state = [False, None]
@@ -70,6 +58,18 @@ class GlooRail:
         threading.Thread(target=self._wait, args=(works, state), daemon=True,
                          name=f"tide-gloo-rail-{ticket}").start()
         return ticket
+
+    def _post(self, send: bool, peer: int, address: int, nbytes: int) -> tuple:
+        """isend / irecv of one transfer, tagged with its ordinal for this (direction, peer)."""
+        counts = self._sent if send else self._received
+        tag = counts.get(peer, 0)
+        counts[peer] = tag + 1
+        buf = _bytes_at(address, nbytes)
+        if send:
+            return (dist.isend(buf, dst=peer, group=self._group, tag=tag), buf,
+                    f"send of {nbytes} bytes to rank {peer}")
+        return (dist.irecv(buf, src=peer, group=self._group, tag=tag), buf,
+                f"receive of {nbytes} bytes from rank {peer}")
 
     def _wait(self, works: list, state: list) -> None:
         error = None
