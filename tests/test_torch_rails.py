@@ -4,6 +4,8 @@ rail, and training is bitwise equal to stock FSDP2 on exact-sum data (both modes
 shard groups that span the nodes); one-sided rails stay available on one host."""
 from __future__ import annotations
 
+import re
+
 import torch
 
 import tide
@@ -125,3 +127,34 @@ def _hosts_that_cannot_be_served(rank, world):
 
 def test_hosts_recorded_at_enable_decide_what_is_served():
     spawn(_hosts_that_cannot_be_served)
+
+
+def _a_peer_that_stops(rank, world):
+    import os
+    import time
+
+    import tide_torch
+    mesh = mesh_1d()
+    data = batches(1, same_on_all_ranks=True)
+    model = build(mesh=mesh)
+    handle = tide_torch.enable(model, topology=tide.Topology(2, 2),
+                               executor_options=tide.ExecutorOptions(timeout_s=2.0))
+    assert handle.rails == "two_sided"
+    if rank == 3:  # stops before its first collective (dead as far as its peers can tell)
+        time.sleep(8)
+        os._exit(0)
+    t0 = time.monotonic()
+    try:
+        train(model, data)
+    except tide.TimeoutError as e:
+        waited = time.monotonic() - t0
+        msg = str(e)
+        assert waited < 2.0 + 4, waited
+        assert re.search(r"rank \d .*call seq 1", msg), msg
+        assert "rail group" in msg or "waits for counter" in msg or "entry fence" in msg, msg
+        os._exit(0)  # fail-stop: the process ends (gloo transfers to the dead peer stay posted)
+    raise AssertionError(f"rank {rank}: training went on without rank 3")
+
+
+def test_a_peer_that_stops_fails_every_survivor_within_the_timeout():
+    spawn(_a_peer_that_stops)
