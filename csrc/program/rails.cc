@@ -80,7 +80,7 @@ Op counter_op(OpKind kind, uint8_t stream, const Op& like, int rank, int32_t cou
 
 }  // namespace
 
-void lower_two_sided(std::vector<Program>& progs, bool merge_runs) {
+void lower_two_sided(std::vector<Program>& progs) {
   const int N = static_cast<int>(progs.size());
   if (N == 0) return;
   const Topology topo = progs[0].topo;
@@ -150,8 +150,7 @@ void lower_two_sided(std::vector<Program>& progs, bool merge_runs) {
           // [Note: one group per adjacent run] PUTs that follow each other on a stream to one peer
           // in one round (a round's head and tail) form one group: a group completes as a whole.
           auto run = prev_op < 0 ? put_of.end() : put_of.find({t, static_cast<int>(prev_op)});
-          if (merge_runs && run != put_of.end() && puts[run->second].peer == peer &&
-              pr.ops[prev_op].round == op.round) {
+          if (run != put_of.end() && puts[run->second].peer == peer && pr.ops[prev_op].round == op.round) {
             p.key = puts[run->second].key;
             p.joined = true;
           } else {

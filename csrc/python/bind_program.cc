@@ -105,14 +105,12 @@ void bind_program(nb::module_& m) {
       .def_prop_ro("rails", [](const ProgramSet& s) {
         return std::string(rails_name(s.progs.empty() ? Rails::kOneSided : s.progs[0].rails));
       })
-      .def("lowered", [](const ProgramSet& s, bool merge_runs) {
+      .def("lowered", [](const ProgramSet& s) {
         s.require_built("ProgramSet.lowered");
         auto out = std::make_shared<ProgramSet>(s);
-        lower_two_sided(out->progs, merge_runs);
+        lower_two_sided(out->progs);
         return out;
-      }, nb::arg("merge_runs") = true,
-         "A copy of this one-sided set in the two-sided rail form ([Note: two-sided rails]); merge_runs=False "
-         "(benches): one rendezvous group per PUT.")
+      }, "A copy of this one-sided set in the two-sided rail form ([Note: two-sided rails]).")
       .def_prop_ro("num_counters", [](const ProgramSet& s) {  // counter_base included
         int n = 0;
         for (const auto& p : s.progs) n = std::max(n, p.num_counters);

@@ -291,10 +291,7 @@ def stage_table(c: Ctx) -> dict:
             pytest("rails_ipc", "-q", "-rs", "-x", "-m", "gpu", "tests/test_cuda_ipc.py", "-k", "two_sided", limit=200),
             pytest("rails_torch", "-q", "-s", "-rs", "-x", "-m", "gpu",
                    "tests/test_torch_gpu.py::test_emulated_hosts_2x2_rails", limit=200,
-                   show=grep_lines(r"^rails:|passed|failed", 6)),
-            Step("rails_ab", [py, "tools/gpu/rails_ab.py"], 150, detail=grep_last(r"^rails_ab:"),
-                 show=grep_lines(r"^rails_ab:", 4)),
-            ],
+                   show=grep_lines(r"^rails:|passed|failed", 6))],
               "two-sided rails on emulated hosts (one NCCL_HOSTID per process, NET/Socket on loopback): the CUDA "
               "rank executor's AG/RS vs the CPU VirtualCluster, a dead peer, tide_torch 2 x 2 vs stock FSDP2"),
         Stage("nccl", 150, [

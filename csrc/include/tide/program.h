@@ -330,8 +330,7 @@ AgProgramStats ag_program_stats(const Program& prog);
 // streams and num_counters. A set without cross-node transfers (M = 1) only gets the mark. Throws
 // PlanError naming rank and op for a program it cannot lower (a cross-node COPY, a remote wait,
 // a cross-node wait that guards no rail transfer).
-// merge_runs = false (benches only): one group per PUT instead of one per adjacent run.
-void lower_two_sided(std::vector<Program>& progs, bool merge_runs = true);
+void lower_two_sided(std::vector<Program>& progs);
 
 // ---------------------------------------------------------------------------------------------
 // Static checker (csrc/program/checker.cc): proves I1-I4 for one collective order.
