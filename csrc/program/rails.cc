@@ -13,10 +13,8 @@
 //                                    s to t on the waiting stream (the transfer it guarded)
 //     pre/post count the cross-node PUTs of their stream (K per call: the j-th has target
 //     j + 1 - K + K*seq), so they are seq-independent like every counter.
-//   - Group key = (round, tag, ordinal among the sender's PUTs with that round and tag), shared by
-//     the PUTs that follow it on its stream to the same peer in the same round ([Note: one group per
-//     adjacent run]); every rank issues its groups in ascending key order, which each sender's
-//     stream order must agree with.
+//   - Group key = (round, tag, ordinal among the sender's PUTs with that round and tag); every rank
+//     issues its groups in ascending key order, which each sender's stream order must agree with.
 #include <algorithm>
 #include <map>
 #include <tuple>
@@ -48,7 +46,6 @@ struct PutInfo {
   Key key;
   std::vector<Guard> guards;  // waits moved to the receiver
   bool empty = false;         // no data: the receiver bumps the counter itself at the key's place
-  bool joined = false;        // continues the previous PUT's group (same stream, peer and round)
 };
 
 std::vector<CopyDesc> rows_of(const Op& op) {  // 1-D descriptors (a 2-D copy row by row)
@@ -106,12 +103,8 @@ void lower_two_sided(std::vector<Program>& progs) {
   for (int t = 0; t < N; ++t) {
     const Program& pr = progs[t];
     std::map<std::tuple<int32_t, uint16_t>, int> ordinal;
-    std::map<uint8_t, size_t> prev_in_stream;  // stream -> its previous op
     for (size_t i = 0; i < pr.ops.size(); ++i) {
       const Op& op = pr.ops[i];
-      auto prev = prev_in_stream.find(op.stream);
-      const std::ptrdiff_t prev_op = prev == prev_in_stream.end() ? -1 : static_cast<std::ptrdiff_t>(prev->second);
-      prev_in_stream[op.stream] = i;
       switch (op.kind) {
         case OpKind::kSignal:
         case OpKind::kCredit:
@@ -141,22 +134,14 @@ void lower_two_sided(std::vector<Program>& progs) {
           if (!cross(t, peer)) break;
           TIDE_PLAN_CHECK(op.counter.index < 0 || op.counter.rank == peer, where(t, i),
                           ": a PUT's signal and its descriptors target different ranks");
+          put_of[{t, static_cast<int>(i)}] = puts.size();
           PutInfo p;
           p.rank = t;
           p.op = static_cast<int>(i);
           p.peer = peer;
           p.stream = op.stream;
           p.empty = op.copies.empty();
-          // [Note: one group per adjacent run] PUTs that follow each other on a stream to one peer
-          // in one round (a round's head and tail) form one group: a group completes as a whole.
-          auto run = prev_op < 0 ? put_of.end() : put_of.find({t, static_cast<int>(prev_op)});
-          if (run != put_of.end() && puts[run->second].peer == peer && pr.ops[prev_op].round == op.round) {
-            p.key = puts[run->second].key;
-            p.joined = true;
-          } else {
-            p.key = Key{op.round, static_cast<uint16_t>(op.tag), ordinal[{op.round, static_cast<uint16_t>(op.tag)}]++};
-          }
-          put_of[{t, static_cast<int>(i)}] = puts.size();
+          p.key = Key{op.round, static_cast<uint16_t>(op.tag), ordinal[{op.round, static_cast<uint16_t>(op.tag)}]++};
           puts.push_back(p);
           break;
         }
@@ -203,32 +188,23 @@ void lower_two_sided(std::vector<Program>& progs) {
   for (const auto& p : puts) group_of[p.key] = 0;
   int g = 0;
   for (auto& kv : group_of) kv.second = g++;
-  std::vector<std::map<Key, std::vector<size_t>>> outgoing(N), incoming(N);
+  std::vector<std::map<Key, size_t>> outgoing(N), incoming(N);
   std::vector<std::map<uint8_t, int>> per_stream(N);  // stream -> cross-node PUTs per call
   std::vector<std::map<uint8_t, Key>> last_key(N);
   for (size_t x = 0; x < puts.size(); ++x) {
     PutInfo& p = puts[x];
     auto lk = last_key[p.rank].find(p.stream);
-    TIDE_PLAN_CHECK(lk == last_key[p.rank].end() || lk->second < p.key || (p.joined && lk->second == p.key),
-                    where(p.rank, static_cast<size_t>(p.op)),
+    TIDE_PLAN_CHECK(lk == last_key[p.rank].end() || lk->second < p.key, where(p.rank, static_cast<size_t>(p.op)),
                     ": its rail transfers are not in (round, tag) order on their stream: not lowerable");
     last_key[p.rank][p.stream] = p.key;
     if (!p.empty) p.ordinal_in_stream = per_stream[p.rank][p.stream]++;
-    outgoing[p.rank][p.key].push_back(x);
-    auto& in = incoming[p.peer][p.key];
-    TIDE_PLAN_CHECK(in.empty() || puts[in.front()].rank == p.rank, where(p.rank, static_cast<size_t>(p.op)), ": rank ",
-                    p.peer, " receives two transfers of round ", std::get<0>(p.key), " tag ",
+    outgoing[p.rank][p.key] = x;
+    TIDE_PLAN_CHECK(!incoming[p.peer].count(p.key), where(p.rank, static_cast<size_t>(p.op)), ": rank ", p.peer,
+                    " receives two transfers of round ", std::get<0>(p.key), " tag ",
                     op_tag_name(static_cast<OpTag>(std::get<1>(p.key))), " #", std::get<2>(p.key), " (ranks ",
-                    in.empty() ? -1 : puts[in.front()].rank, " and ", p.rank, ")");
-    in.push_back(x);
+                    puts[incoming[p.peer].count(p.key) ? incoming[p.peer][p.key] : x].rank, " and ", p.rank, ")");
+    incoming[p.peer][p.key] = x;
   }
-
-  // The last PUT with data of a group's run on its sender (null: none).
-  auto last_send = [&](const std::vector<size_t>& run) -> const PutInfo* {
-    for (size_t k = run.size(); k-- > 0;)
-      if (!puts[run[k]].empty) return &puts[run[k]];
-    return nullptr;
-  };
 
   // Pass D: rewrite every rank.
   const uint8_t rail = static_cast<uint8_t>(progs[0].streams.size());
@@ -266,59 +242,55 @@ void lower_two_sided(std::vector<Program>& progs) {
       const int K = per_stream[r].at(p.stream);
       const auto [pre, post] = prepost[r].at(p.stream);
       out.push_back(counter_op(OpKind::kEventRecord, op.stream, op, r, pre, p.ordinal_in_stream + 1 - K, K));
-      if (last_send(outgoing[r].at(p.key)) == &p)  // the group completes as a whole
-        out.push_back(counter_op(OpKind::kEventWait, op.stream, op, r, post, p.ordinal_in_stream + 1 - K, K));
+      out.push_back(counter_op(OpKind::kEventWait, op.stream, op, r, post, p.ordinal_in_stream + 1 - K, K));
     }
     // The rail_p2p stream: groups in key order.
     for (const auto& [key, gid] : group_of) {
       auto o = outgoing[r].find(key);
       auto in = incoming[r].find(key);
-      const std::vector<size_t> none;
-      const std::vector<size_t>& outs = o == outgoing[r].end() ? none : o->second;
-      const std::vector<size_t>& ins = in == incoming[r].end() ? none : in->second;
-      if (outs.empty() && ins.empty()) continue;
-      for (size_t x : ins)
-        for (const Guard& gd : puts[x].guards) {
-          Op w = counter_op(OpKind::kWait, rail, progs[puts[x].rank].ops[puts[x].op], r, gd.counter, gd.value,
-                            gd.per_call);
+      if (o == outgoing[r].end() && in == incoming[r].end()) continue;
+      if (in != incoming[r].end()) {
+        const PutInfo& p = puts[in->second];
+        for (const Guard& gd : p.guards) {
+          Op w = counter_op(OpKind::kWait, rail, progs[p.rank].ops[p.op], r, gd.counter, gd.value, gd.per_call);
           w.tag = OpTag::kCreditWait;
           w.deadline_s = gd.deadline_s;
           out.push_back(w);
         }
-      const PutInfo* last = last_send(outs);
-      const int K = last ? per_stream[r].at(last->stream) : 0;
-      if (last)
-        out.push_back(counter_op(OpKind::kEventWait, rail, pr.ops[last->op], r, prepost[r].at(last->stream).first,
-                                 last->ordinal_in_stream + 1 - K, K));
-      for (size_t x : outs) {
-        if (puts[x].empty) continue;
-        const Op& put = pr.ops[puts[x].op];
-        Op snd = put;
-        snd.kind = OpKind::kSend;
-        snd.stream = rail;
-        snd.copies = rows_of(put);
-        snd.counter = CounterRef{};
-        snd.value = 0;
-        snd.rail_group = gid;
-        out.push_back(std::move(snd));
       }
-      for (size_t x : ins) {
-        if (puts[x].empty) continue;
-        Op v = progs[puts[x].rank].ops[puts[x].op];
+      const PutInfo* send = o != outgoing[r].end() && !puts[o->second].empty ? &puts[o->second] : nullptr;
+      int K = 0;
+      if (send) {
+        K = per_stream[r].at(send->stream);
+        const Op& put = pr.ops[send->op];
+        out.push_back(counter_op(OpKind::kEventWait, rail, put, r, prepost[r].at(send->stream).first,
+                                 send->ordinal_in_stream + 1 - K, K));
+        Op s = put;
+        s.kind = OpKind::kSend;
+        s.stream = rail;
+        s.copies = rows_of(put);
+        s.counter = CounterRef{};
+        s.value = 0;
+        s.rail_group = gid;
+        out.push_back(std::move(s));
+      }
+      if (in != incoming[r].end() && puts[in->second].empty) {
+        const PutInfo& p = puts[in->second];
+        const Op& put = progs[p.rank].ops[p.op];
+        out.push_back(counter_op(OpKind::kSignal, rail, put, r, put.counter.index, put.value, 0));
+      } else if (in != incoming[r].end()) {
+        const PutInfo& p = puts[in->second];
+        const Op& put = progs[p.rank].ops[p.op];
+        Op v = put;
         v.kind = OpKind::kRecv;
         v.stream = rail;
-        v.copies = rows_of(v);
+        v.copies = rows_of(put);
         v.rail_group = gid;
         out.push_back(std::move(v));
       }
-      for (size_t x : ins) {  // data-less PUTs: bumped once the group (the data before them) landed
-        if (!puts[x].empty) continue;
-        const Op& put = progs[puts[x].rank].ops[puts[x].op];
-        out.push_back(counter_op(OpKind::kSignal, rail, put, r, put.counter.index, put.value, 0));
-      }
-      if (last)
-        out.push_back(counter_op(OpKind::kEventRecord, rail, pr.ops[last->op], r, prepost[r].at(last->stream).second,
-                                 last->ordinal_in_stream + 1 - K, K));
+      if (send)
+        out.push_back(counter_op(OpKind::kEventRecord, rail, pr.ops[send->op], r, prepost[r].at(send->stream).second,
+                                 send->ordinal_in_stream + 1 - K, K));
     }
   }
   for (int r = 0; r < N; ++r) {
