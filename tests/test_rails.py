@@ -208,6 +208,8 @@ def test_rails_option_is_validated_by_name():
         tide.ExecutorOptions(rails="rdma")
     with pytest.raises(tide.PlanError, match="ranks_as='threads'"):
         tide.VirtualCluster(tide.Topology(2, 1), ranks_as="processes", rails="two_sided")
+    with pytest.raises(tide.PlanError, match="CPU backend"):
+        tide.VirtualCluster(tide.Topology(2, 1), backend="cuda", rails="two_sided")
     assert tide.ExecutorOptions(rails="two_sided").rails == "two_sided"
 
 

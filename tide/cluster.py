@@ -133,8 +133,9 @@ class VirtualCluster:
             raise _core.PlanError("VirtualCluster.ranks_as: the CUDA backend runs every rank in this process")
         if lean and (ranks_as != "threads" or backend != "cpu"):
             raise _core.PlanError("VirtualCluster.lean: generated programs run on the CPU with ranks_as='threads'")
-        if (rails or options and options.rails) == "two_sided" and ranks_as != "threads":
-            raise _core.PlanError("VirtualCluster.rails: two-sided rails run with ranks_as='threads'")
+        if (rails or options and options.rails) == "two_sided" and (ranks_as != "threads" or backend != "cpu"):
+            raise _core.PlanError("VirtualCluster.rails: two-sided rails run on the CPU backend with "
+                                  "ranks_as='threads' (the CUDA virtual cluster reaches every rank by pointer)")
         if lean and check:
             raise _core.PlanError("VirtualCluster.lean: the checker needs built programs (pass check=None or False)")
         if rails is not None and rails not in ("one_sided", "two_sided"):

@@ -38,8 +38,17 @@ RankBuffers to_rank_buffers(const RankBindingList& l) {
   return b;
 }
 
+namespace {
+const ExecutorOptions& one_sided(const ExecutorOptions& opt) {
+  TIDE_PLAN_CHECK(opt.rails == Rails::kOneSided, "ExecutorOptions.rails: the CUDA cluster executor reaches every "
+                  "rank of its in-process fabric by pointer (one-sided); two-sided rails run on the CPU virtual "
+                  "cluster or the CUDA rank executor (an NcclRail)");
+  return opt;
+}
+}  // namespace
+
 CudaClusterExecutor::CudaClusterExecutor(std::shared_ptr<fabric::Fabric> fabric, const ExecutorOptions& opt)
-    : fabric_(std::move(fabric)), ex_(fabric_, opt) {}
+    : fabric_(std::move(fabric)), ex_(fabric_, one_sided(opt)) {}
 
 void CudaClusterExecutor::run(const std::shared_ptr<const ProgramSet>& set, int64_t seq, const std::vector<int>& members,
                               const std::vector<RankBindingList>& buffers, const std::vector<uintptr_t>& streams) {
