@@ -162,6 +162,21 @@ void check_nccl(const Api& a, ncclResult_t r, void* comm, const std::string& wha
 }
 
 
+// Safety, for every communicator TIDE creates: NCCL binds multicast (NVLS) when it is on. A
+// non-zero NCCL_NVLS_ENABLE is refused unless the multicast gate is open (TIDE_ENABLE_MULTICAST=1
+// AND a multicast-capable GPU AND TORCH_SYMM_MEM_DISABLE_MULTICAST unset); unset, it is set to 0.
+// Returns the gate's verdict for `device`. The one place the NCCL layer reads NCCL_NVLS_ENABLE.
+bool nvls_off_unless_gated(int device, const char* who) {
+  const char* nvls = std::getenv("NCCL_NVLS_ENABLE");
+  const bool nvls_on = nvls && std::strcmp(nvls, "0") != 0;
+  const bool multicast = cuda::multicast_allowed(device);  // reads the gate's own variables
+  TIDE_PLAN_CHECK(!nvls_on || multicast, who, ": NCCL_NVLS_ENABLE=", nvls ? nvls : "", " but the multicast gate is "
+                  "closed (it opens only with TIDE_ENABLE_MULTICAST=1 on a multicast-capable GPU and "
+                  "TORCH_SYMM_MEM_DISABLE_MULTICAST unset): set NCCL_NVLS_ENABLE=0");
+  if (!nvls) setenv("NCCL_NVLS_ENABLE", "0", 0);  // no window registration or comm binds multicast
+  return multicast;
+}
+
 struct CudaFree {
   void operator()(void* p) const { cudaFree(p); }
 };
@@ -203,26 +218,13 @@ NcclFabric::NcclFabric(int rank, int world, int device, int64_t arena_bytes, con
   TIDE_PLAN_CHECK(gpus_per_node >= 1 && world % gpus_per_node == 0, "NcclFabric: gpus_per_node ", gpus_per_node,
                   " does not divide world ", world);
   const Api& a = checked_api();
-  // Safety: NCCL binds multicast to symmetric windows when NVLS is on. Refuse a non-zero
-  // NCCL_NVLS_ENABLE unless the multicast gate is open (TIDE_ENABLE_MULTICAST=1 AND a
-  // multicast-capable GPU AND TORCH_SYMM_MEM_DISABLE_MULTICAST unset); unset, it is set to 0.
-  const char* nvls = std::getenv("NCCL_NVLS_ENABLE");
-  const bool nvls_on = nvls && std::strcmp(nvls, "0") != 0;
-  const char* gate = std::getenv("TIDE_ENABLE_MULTICAST");
-  const std::string closed_msg = TIDE_STR_CAT(
-      "NcclFabric: NCCL_NVLS_ENABLE=", nvls ? nvls : "", " but the multicast gate is closed (it opens only with "
-      "TIDE_ENABLE_MULTICAST=1 on a multicast-capable GPU and TORCH_SYMM_MEM_DISABLE_MULTICAST unset): set "
-      "NCCL_NVLS_ENABLE=0");
-  TIDE_PLAN_CHECK(!nvls_on || (gate && std::strcmp(gate, "1") == 0), closed_msg);
+  const bool multicast = nvls_off_unless_gated(device, "NcclFabric");  // a closed gate touches no device
   int n = 0;
   if (cudaGetDeviceCount(&n) != cudaSuccess) {
     cudaGetLastError();
     n = 0;
   }
   TIDE_PLAN_CHECK(device < n, "NcclFabric: device ", device, " is not a usable CUDA device (", n, " visible)");
-  const bool multicast = cuda::multicast_allowed(device);
-  TIDE_PLAN_CHECK(!nvls_on || multicast, closed_msg);
-  if (!nvls) setenv("NCCL_NVLS_ENABLE", "0", 0);  // window registration must bind no multicast
   arena_.assign(static_cast<size_t>(world), nullptr);
   const std::string who = TIDE_STR_CAT("NcclFabric rank ", rank_, " (device ", device_, "): ");
   cuda::DeviceGuard guard(device_, "NcclFabric: ");
@@ -428,11 +430,7 @@ NcclRail::NcclRail(int rank, int size, int device, const std::string& unique_id,
                   channels_per_peer);
   TIDE_PLAN_CHECK(unique_id.size() == kNcclUniqueIdBytes, "NcclRail: unique_id has ", unique_id.size(), " bytes, an "
                   "ncclUniqueId has ", kNcclUniqueIdBytes);
-  const char* nvls = std::getenv("NCCL_NVLS_ENABLE");
-  TIDE_PLAN_CHECK(!(nvls && std::strcmp(nvls, "0") != 0 && !cuda::multicast_allowed(device)),
-                  "NcclRail: NCCL_NVLS_ENABLE=", nvls ? nvls : "", " on a device whose multicast gate is closed: set "
-                  "NCCL_NVLS_ENABLE=0");
-  if (!nvls) setenv("NCCL_NVLS_ENABLE", "0", 0);  // the rail never needs multicast
+  nvls_off_unless_gated(device, "NcclRail");
   const Api& a = checked_api();
   const std::string who = TIDE_STR_CAT("NcclRail rank ", rank_, " of ", size_, " (device ", device_, "): ");
   cuda::DeviceGuard guard(device_, "NcclRail: ");

@@ -378,7 +378,6 @@ struct Checker {
                              std::get<2>(list[0]), " and ", std::get<2>(list[1]), "): a group split in two"));
     }
   }
-  static bool is_rail(const Op& op) { return op.kind == OpKind::kSend || op.kind == OpKind::kRecv; }
   GroupId group_of(const XferEnd& e) const { return GroupId{e.rank, e.call, e.group}; }
 
   // Runs the rendezvous group at list[pos] of rank r's call c (stream gid) once every peer group it
@@ -387,8 +386,7 @@ struct Checker {
   size_t step_group(int r, size_t c, const std::vector<int>& list, size_t pos, int gid) {
     const Program& pr = *calls[r][c].program;
     const int g = pr.ops[list[pos]].rail_group;
-    size_t end = pos;
-    while (end < list.size() && is_rail(pr.ops[list[end]]) && pr.ops[list[end]].rail_group == g) ++end;
+    const size_t end = rail_group_end(pr, list, pos);
     GroupState& st = posted[GroupId{r, static_cast<int>(c), g}];
     VC& v = vc[gid];
     using Pieces = std::vector<std::tuple<int64_t, int64_t, Label>>;
@@ -657,7 +655,7 @@ struct Checker {
           for (int i = 0; i < D; ++i) vc[gid][i] = std::max(vc[gid][i], vc[ug][i]);
         }
       }
-      if (is_rail(pr.ops[list[cu.pos]])) {
+      if (is_rail_op(pr.ops[list[cu.pos]])) {
         const size_t n = step_group(r, cu.call, list, cu.pos, gid);
         if (n == 0) return progress;
         cu.pos += n;
@@ -725,13 +723,10 @@ struct Checker {
           ++shown;
           continue;
         }
-        if (is_rail(op)) {
+        if (is_rail_op(op)) {
           std::string why = "its peers' groups";
-          for (size_t k = cu.pos; k < list.size() && why == "its peers' groups"; ++k) {
-            const Op& o = pr.ops[list[k]];
-            if (!is_rail(o) || o.rail_group != op.rail_group) break;
+          for (size_t k = cu.pos, e = rail_group_end(pr, list, cu.pos); k < e && why == "its peers' groups"; ++k)
             why = group_blocker(r, cu.call, list[k]);
-          }
           error(TIDE_STR_CAT("I4 deadlock: ", where(OpId{r, static_cast<int>(cu.call), list[cu.pos]}), " rail group ",
                              op.rail_group, " never completes: ", why));
           ++shown;

@@ -33,13 +33,12 @@ bool erase_first(Program& prog, Pred pred) {
   prog.ops.erase(it);
   return true;
 }
-bool is_rail(const Op& op) { return op.kind == OpKind::kSend || op.kind == OpKind::kRecv; }
 // [first, last) of the rail group whose first op is at `from` or later (ops of one group are adjacent).
 std::pair<size_t, size_t> next_group(const Program& p, size_t from) {
   size_t a = from;
-  while (a < p.ops.size() && !is_rail(p.ops[a])) ++a;
+  while (a < p.ops.size() && !is_rail_op(p.ops[a])) ++a;
   size_t b = a;
-  while (b < p.ops.size() && is_rail(p.ops[b]) && p.ops[b].rail_group == p.ops[a].rail_group) ++b;
+  while (b < p.ops.size() && is_rail_op(p.ops[b]) && p.ops[b].rail_group == p.ops[a].rail_group) ++b;
   return {a, b};
 }
 bool is_stage_like(BufKind k) {

@@ -29,6 +29,15 @@ int rail_peer(const Op& op) {
   return op.kind == OpKind::kRecv ? op.copies.front().src.rank : op.copies.front().dst.rank;
 }
 
+size_t rail_group_end(const Program& pr, const std::vector<int>& stream_ops, size_t k) {
+  const int g = pr.ops[static_cast<size_t>(stream_ops[k])].rail_group;
+  size_t e = k;
+  while (e < stream_ops.size() && is_rail_op(pr.ops[static_cast<size_t>(stream_ops[e])]) &&
+         pr.ops[static_cast<size_t>(stream_ops[e])].rail_group == g)
+    ++e;
+  return e;
+}
+
 namespace {
 
 using Key = std::tuple<int32_t, uint16_t, int32_t>;  // round, tag, ordinal

@@ -244,7 +244,6 @@ struct Runner {
                            op_idx, " PUT (call seq ", scall.seq, ") changed before they were consumed"));
   }
 
-  static bool is_rail(const Op& op) { return op.kind == OpKind::kSend || op.kind == OpKind::kRecv; }
   int rail_rank(int r) const { return opt.rail_ranks ? (*opt.rail_ranks)[static_cast<size_t>(r)] : r; }
 
   // The rendezvous group at the head of a stream ([Note: two-sided rails]): posted to the rail
@@ -254,8 +253,7 @@ struct Runner {
     const Program& pr = *call.program;
     const int first = list[cur.pos];
     const int g = pr.ops[first].rail_group;
-    size_t end = cur.pos;
-    while (end < list.size() && is_rail(pr.ops[list[end]]) && pr.ops[list[end]].rail_group == g) ++end;
+    const size_t end = rail_group_end(pr, list, cur.pos);
     if (opt.rail == nullptr)
       fail(1, TIDE_STR_CAT(op_name(rs, call, first), ": a two-sided rail group, but this executor has no rail "
                            "transport (ExecutorOptions.rails = 'two_sided' gives it one)"));
@@ -293,9 +291,8 @@ struct Runner {
   // Who a pending group waits for (timeout messages).
   std::string group_peers(const Call& call, const std::vector<int>& list, size_t pos) const {
     const Program& pr = *call.program;
-    const int g = pr.ops[list[pos]].rail_group;
     std::string s;
-    for (size_t k = pos; k < list.size() && is_rail(pr.ops[list[k]]) && pr.ops[list[k]].rail_group == g; ++k) {
+    for (size_t k = pos, e = rail_group_end(pr, list, pos); k < e; ++k) {
       const Op& op = pr.ops[list[k]];
       s += TIDE_STR_CAT(s.empty() ? "" : ", ", op.kind == OpKind::kSend ? "SEND to rank " : "RECV from rank ",
                         rail_rank(rail_peer(op)));
@@ -446,7 +443,7 @@ struct Runner {
           rs.stall_until = now + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(opt.stall_s));
           return true;
         }
-        if (!call.generator && is_rail(*rs.cur)) {
+        if (!call.generator && is_rail_op(*rs.cur)) {
           const auto& list = rs.stream_ops[cur.call][s];
           const size_t n = exec_group(rs, call, cur, list);
           if (n == 0) {

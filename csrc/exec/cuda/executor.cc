@@ -255,18 +255,6 @@ uint64_t bumped(const Op& op, int64_t seq, uint64_t cur) {
 bool bumps(OpKind k) {
   return k == OpKind::kPut || k == OpKind::kSignal || k == OpKind::kCredit || k == OpKind::kEventRecord;
 }
-bool is_rail(OpKind k) { return k == OpKind::kSend || k == OpKind::kRecv; }
-
-// The end of the rendezvous group starting at ops[k] (its SEND/RECV ops are adjacent).
-size_t group_end(const Program& p, const std::vector<int>& ops, size_t k) {
-  const int g = p.ops[static_cast<size_t>(ops[k])].rail_group;
-  size_t e = k;
-  while (e < ops.size() && is_rail(p.ops[static_cast<size_t>(ops[e])].kind) &&
-         p.ops[static_cast<size_t>(ops[e])].rail_group == g)
-    ++e;
-  return e;
-}
-
 // Local rank r's rendezvous group ops[k, end) on the rail ([Note: NCCL rail], fabric/nccl.h),
 // watched; then its receives' counter bumps on the same stream.
 void issue_group(const IssueContext& c, int r, const std::vector<int>& ops, size_t k, size_t end, int64_t seq) {
@@ -294,8 +282,7 @@ void issue_group(const IssueContext& c, int r, const std::vector<int>& ops, size
         recvs.push_back({rail_rank(cd.src.rank), resolve(c, cd.dst), cd.dst.width});
     }
     peers += TIDE_STR_CAT(peers.empty() ? "" : ", ", op.kind == OpKind::kSend ? "SEND to rank " : "RECV from rank ",
-                          fabric_rank(c, op.kind == OpKind::kSend ? op.copies.front().dst.rank
-                                                                  : op.copies.front().src.rank));
+                          fabric_rank(c, rail_peer(op)));
   }
   cudaStream_t s = (*c.streams)[static_cast<size_t>(r)][first.stream];
   const std::string what = TIDE_STR_CAT(describe_op(c, r, ops[k], seq), ": rail group ", first.rail_group, " (", peers,
@@ -476,8 +463,8 @@ void issue_call(const IssueContext& c, int64_t seq) {
         size_t& k = cur[static_cast<size_t>(r)][s];
         while (k < ops.size()) {
           const Op& op = p.ops[static_cast<size_t>(ops[k])];
-          if (is_rail(op.kind)) {  // a rendezvous group: issued whole (the GPU meets its peers)
-            const size_t end = group_end(p, ops, k);
+          if (is_rail_op(op)) {  // a rendezvous group: issued whole (the GPU meets its peers)
+            const size_t end = rail_group_end(p, ops, k);
             if (local) {
               issue_group(c, r, ops, k, end, seq);
             } else {

@@ -215,6 +215,7 @@ struct Op {
 };
 // The rail peer of a SEND (its descriptors' destination rank) or RECV (their source rank).
 int rail_peer(const Op& op);
+inline bool is_rail_op(const Op& op) { return op.kind == OpKind::kSend || op.kind == OpKind::kRecv; }
 
 // What the user may read from a user_output / landing once done_event reaches seq: `region`
 // (1-D) holds the sum of `sources` (each a 1-D BufRef of the same call, with element dtypes),
@@ -269,6 +270,10 @@ struct Program {
   int32_t land_ctas = 0;              // CTA budget of every LAND op (0: the executor's default)
   Rails rails = Rails::kOneSided;     // kTwoSided: cross-node only through SEND/RECV (lower_two_sided)
 };
+
+// The end of the rendezvous group whose first op is pr.ops[stream_ops[k]] (a group's SEND/RECV ops
+// are adjacent on their stream): what the checker and every executor take as one group.
+size_t rail_group_end(const Program& pr, const std::vector<int>& stream_ops, size_t k);
 
 // [Note: generated programs] A program set too large to hold (e.g. TIDE-RS at 1024 x 8: ~50K
 // ops per rank) can be generated while it runs: the Program is then a header (streams, counters,
