@@ -133,3 +133,77 @@ def test_demo(capsys):
     rc, out, _ = _run(capsys, "demo")
     assert rc == 0 and "llama3.1-70b / block" in out and "llama3.1-70b / largest" in out
     assert "M=8 nodes x L=8 GPUs (N=64)" in out
+
+
+# ---- the memory table: TIDE vs FSDP2 per topology ----------------------------------------------
+
+_SHAPES = {"w": [1000, 64], "b": [1000]}
+_ROW = re.compile(r"^\s+(\d+) x (\d+) (\w+)\s+([0-9.]+)\s+([0-9.]+)\s+([0-9.]+)\s+([0-9.]+)\s+"
+                  r"([0-9.]+)\s+([0-9.]+)\s+([0-9.]+)\s+([0-9./]+)$", re.M)
+
+
+def _plan_table(capsys, tmp_path, *extra):
+    f = tmp_path / "g.json"
+    f.write_text(json.dumps(_SHAPES))
+    argv = ["plan", "--shapes", str(f), *extra]
+    rc, out, _ = _run(capsys, *argv)
+    rc_json, out_json, _ = _run(capsys, *argv, "--json")
+    assert rc == 0 and rc_json == 0
+    return out, json.loads(out_json)
+
+
+def _expect(M, L, mode, **opts):
+    p = tide.plan(tide.GroupSignature.from_json(_SHAPES), tide.Topology(M, L), mode=mode, **opts)
+    return p.memory(), p.layout.S_fp32
+
+
+def test_memory_table_rows_are_plan_memory(capsys, tmp_path):
+    out, d = _plan_table(capsys, tmp_path, "--nodes", "3", "--gpus-per-node", "4", "--n-stg", "3")
+    rows = d["memory_by_topology"]
+    assert [(r["nodes"], r["mode"]) for r in rows] == [
+        (M, mode) for M in (1, 2, 3, 4, 8) for mode in ("in_place", "slot_reuse")]
+    assert "live bytes during a layer's backward: TIDE vs FSDP2" in out
+    shown = {(int(m[1]), m[3]): m for m in _ROW.finditer(out)}
+    assert set(shown) == {(r["nodes"], r["mode"]) for r in rows}
+    for r in rows:
+        mem, block = _expect(r["nodes"], 4, r["mode"], n_stg=3)
+        assert r["gpus_per_node"] == 4 and "error" not in r
+        assert r["tide_live_bytes"] == mem["live_tide_bytes"]
+        assert r["tide_live_ns"] == mem["live_tide_ns"]
+        assert r["fsdp2_live_bytes"] == mem["live_fsdp2_bytes"]
+        assert r["fsdp2_live_ns"] == mem["live_fsdp2_ns"]
+        assert r["ratio"] == mem["live_tide_bytes"] / mem["live_fsdp2_bytes"]
+        assert r["block_bytes"] == block and r["rs_scratch_bytes"] == mem["area_rs_bytes"]
+        assert r["rs_scratch_blocks"] == mem["area_rs_bytes"] / block
+        for k in ("staging", "inbox", "outbox", "spare"):
+            assert r[f"{k}_bytes"] == mem[f"{k}_bytes"]
+            assert r[f"{k}_blocks"] == mem[f"{k}_bytes"] / block
+        m = shown[(r["nodes"], r["mode"])]
+        assert int(m[2]) == 4
+        assert float(m[5]) == round(mem["live_tide_ns"], 3)
+        assert float(m[7]) == round(mem["live_fsdp2_ns"], 3)
+        assert float(m[8]) == round(r["ratio"], 3)
+        assert float(m[10]) == pytest.approx(r["rs_scratch_blocks"], abs=0.005)
+        parts = [float(x) for x in m[11].split("/")]
+        assert parts == pytest.approx([r[f"{k}_blocks"] for k in
+                                       ("staging", "inbox", "outbox", "spare")], abs=0.005)
+    here = next(r for r in rows if r["nodes"] == 3 and r["mode"] == "in_place")
+    assert here["tide_live_bytes"] == d["memory"]["live_tide_bytes"]
+    assert here["rs_scratch_bytes"] == d["memory"]["area_rs_bytes"]
+    assert here["block_bytes"] == d["layout"]["S_fp32"]
+
+
+def test_memory_table_names_a_failing_topology(capsys, tmp_path):
+    opts = ("--nodes", "3", "--gpus-per-node", "7", "--w-wave", "2")
+    out, d = _plan_table(capsys, tmp_path, *opts)
+    with pytest.raises(tide.PlanError) as e:
+        _expect(8, 7, "in_place", w_wave=2)
+    reason = str(e.value)
+    failed = [r for r in d["memory_by_topology"] if "error" in r]
+    assert [(r["nodes"], r["mode"]) for r in failed] == [(8, "in_place"), (8, "slot_reuse")]
+    assert failed[0]["error"] == reason
+    assert f"8 x 7 in_place   plan fails: {reason}" in out
+    ok = [r for r in d["memory_by_topology"] if "error" not in r]
+    assert {r["nodes"] for r in ok} == {1, 2, 3, 4}
+    assert all(r["tide_live_bytes"] == _expect(r["nodes"], 7, r["mode"], w_wave=2)[0]
+               ["live_tide_bytes"] for r in ok)

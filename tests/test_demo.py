@@ -194,3 +194,20 @@ def test_demo_training_on_the_gpus():
         assert all(c["calls"] == 0 for c in res["runs"][name]["copy_ops"].values()), name
     if res["world"] > 1:  # at world 1 FSDP2 itself skips the all-gather and its copies
         assert all(c["calls"] > 0 for c in res["runs"]["stock"]["copy_ops"].values())
+
+
+def test_demo_memory_table_is_the_plans_memory(capsys):
+    topo = tide.Topology(2, 2)
+    rows = demo.removals(topo)["memory_by_topology"]
+    out = capsys.readouterr().out
+    assert "live bytes during a layer's backward: TIDE vs FSDP2" in out
+    assert [(r["nodes"], r["gpus_per_node"], r["mode"]) for r in rows] == [
+        (M, 2, mode) for M in (1, 2) for mode in ("in_place", "slot_reuse")]
+    for r in rows:
+        p = tide.plan(demo.small_llama_block(), tide.Topology(r["nodes"], 2), mode=r["mode"])
+        mem = p.memory()
+        assert r["tide_live_bytes"] == mem["live_tide_bytes"]
+        assert r["fsdp2_live_bytes"] == mem["live_fsdp2_bytes"]
+        assert r["rs_scratch_blocks"] == mem["area_rs_bytes"] / p.layout.S_fp32
+        assert f"{r['nodes']} x 2 {r['mode']:<10} " in out
+        assert f"{mem['live_tide_ns']:.3f}" in out

@@ -5,7 +5,8 @@ import argparse
 import json
 import sys
 
-from tide.report import format_plan, plan_dict
+from tide.report import (TABLE_NODES, format_memory_table, format_plan, memory_by_topology,
+                         plan_dict)
 
 
 def _add_plan_args(ap: argparse.ArgumentParser) -> None:
@@ -88,6 +89,11 @@ def _format_validate_all(res: dict, L: int, max_nodes: int) -> str:
     return "\n".join(lines)
 
 
+def _plan_options(args: argparse.Namespace) -> dict[str, int]:
+    return dict(w_wave=args.w_wave, k=args.k, n_part=args.n_part, n_stg=args.n_stg,
+                chunk_bytes=args.chunk_bytes, sum_ctas=args.sum_ctas, land_ctas=args.land_ctas)
+
+
 def _cmd_plan(args: argparse.Namespace) -> int:
     import tide
     from tide import _core
@@ -102,17 +108,16 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         return 0 if res["n_part_ok"] else 1
     try:
         title, sig = _signature(args)
-        p = tide.plan(sig, tide.Topology(args.nodes, args.gpus_per_node), mode=args.mode,
-                      w_wave=args.w_wave, k=args.k, n_part=args.n_part, n_stg=args.n_stg,
-                      chunk_bytes=args.chunk_bytes, sum_ctas=args.sum_ctas,
-                      land_ctas=args.land_ctas)
+        opts = _plan_options(args)
+        p = tide.plan(sig, tide.Topology(args.nodes, args.gpus_per_node), mode=args.mode, **opts)
     except (ValueError, OSError) as e:  # tide.PlanError is a ValueError
         print(f"tide plan: error: {e}", file=sys.stderr)
         return 2
+    rows = memory_by_topology(sig, args.gpus_per_node, TABLE_NODES + (args.nodes,), **opts)
     if args.json:
-        print(json.dumps(dict(group=title, **plan_dict(p)), indent=1))
+        print(json.dumps(dict(group=title, **plan_dict(p), memory_by_topology=rows), indent=1))
     else:
-        print(format_plan(p, title))
+        print(format_plan(p, title) + "\n\n" + format_memory_table(rows))
     return 0
 
 

@@ -7,7 +7,8 @@
    removed (FSDP2's layout copies counted by torch.profiler, their bytes, per-call buffers vs
    TIDE's arena). CPU: 2 nodes x 2 as gloo processes; with GPUs: one rank per GPU
    (``tide_torch/demo_train.py``, imported only when it trains, so ``tide`` itself never imports torch);
-3. what TIDE removes per call and the memory model, then the planner's view of Llama-3.1-70B.
+3. what TIDE removes per call and the memory model (TIDE's and FSDP2's live bytes for the block
+   at 1 x L and M x L), then the planner's view of Llama-3.1-70B.
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import numpy as np
 
 import tide
 from tide import _core
+from tide.report import format_memory_table, memory_by_topology
 
 try:
     import ml_dtypes
@@ -150,6 +152,8 @@ def removals(topo: tide.Topology | None = None) -> dict:
     print(f"  programs checked statically (I1-I4) before their first run; "
           f"plan hash {plan.hash:#018x} (what ranks compare to agree on a plan)")
     res["b_pack"], res["area_rs"] = lay.B_pack, mem["area_rs_bytes"]
+    res["memory_by_topology"] = memory_by_topology(sig, topo.gpus_per_node, (1, topo.nodes))
+    print("\n  " + format_memory_table(res["memory_by_topology"]).replace("\n", "\n  "))
     return res
 
 

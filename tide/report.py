@@ -1,5 +1,10 @@
 """The plan as text and data: `format_plan` (what `tide plan` and `tide demo` print) and
-`plan_dict` (`tide plan --json`). Reads only the plan object; imports no framework."""
+`plan_dict` (`tide plan --json`). Reads only the plan object; imports no framework.
+
+`memory_by_topology` plans one signature on several topologies (M x L, both modes, the same
+options) and returns TIDE's and FSDP2's live bytes per rank as rows; `format_memory_table` prints
+those rows (`tide plan` and `tide demo`). A topology whose plan fails is a row with its
+PlanError's reason."""
 from __future__ import annotations
 
 from typing import Any
@@ -95,3 +100,72 @@ def format_plan(p, title: str, max_params: int = 12) -> str:
     for r in mem["arena"]:
         out.append(f"  {r['name']:<10} {r['offset']:>14} {r['bytes']:>14}")
     return "\n".join(out)
+
+
+MODES = ("in_place", "slot_reuse")
+TABLE_NODES = (1, 2, 4, 8)
+_RS_PARTS = ("staging", "inbox", "outbox", "spare")
+
+
+def memory_row(p) -> dict[str, Any]:
+    """TIDE vs FSDP2 live bytes of one plan; RS scratch also in output-sized blocks (S_fp32)."""
+    mem, block = p.memory(), p.layout.S_fp32
+    row = dict(nodes=p.nodes, gpus_per_node=p.gpus_per_node, mode=p.mode,
+               tide_live_bytes=mem["live_tide_bytes"], tide_live_ns=mem["live_tide_ns"],
+               fsdp2_live_bytes=mem["live_fsdp2_bytes"], fsdp2_live_ns=mem["live_fsdp2_ns"],
+               ratio=mem["live_tide_bytes"] / mem["live_fsdp2_bytes"],
+               block_bytes=block, rs_scratch_bytes=mem["area_rs_bytes"],
+               rs_scratch_blocks=mem["area_rs_bytes"] / block)
+    for k in _RS_PARTS:
+        row[f"{k}_bytes"], row[f"{k}_blocks"] = mem[f"{k}_bytes"], mem[f"{k}_bytes"] / block
+    return row
+
+
+def memory_by_topology(sig, gpus_per_node: int, nodes: tuple[int, ...] = TABLE_NODES,
+                       **options: int) -> list[dict[str, Any]]:
+    """One row per (M, mode) for M in `nodes` at L = `gpus_per_node`; options as tide.plan's."""
+    from tide.plan import PlanError, Topology, plan
+
+    rows = []
+    for M in sorted(set(nodes)):
+        for mode in MODES:
+            try:
+                rows.append(memory_row(plan(sig, Topology(M, gpus_per_node), mode=mode, **options)))
+            except PlanError as e:
+                rows.append(dict(nodes=M, gpus_per_node=gpus_per_node, mode=mode, error=str(e)))
+    return rows
+
+
+def _num(x: float) -> str:
+    return f"{round(x)}" if abs(x - round(x)) < 1e-9 else f"{x:.2f}"
+
+
+def _unit(rows: list[dict[str, Any]]) -> tuple[str, int]:
+    """GiB, or MiB/KiB/B when every byte count in the table is smaller."""
+    top = max((r["fsdp2_live_bytes"] for r in rows if "error" not in r), default=0)
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if top >= scale:
+            return unit, scale
+    return "B", 1
+
+
+def _table_line(r: dict[str, Any], scale: int) -> str:
+    head = f"  {str(r['nodes']) + ' x ' + str(r['gpus_per_node']):>8} {r['mode']:<10}"
+    if "error" in r:
+        return f"{head} plan fails: {r['error']}"
+    parts = "/".join(_num(r[f"{k}_blocks"]) for k in _RS_PARTS)
+    return (f"{head} {r['tide_live_bytes'] / scale:>9.3f} {r['tide_live_ns']:>7.3f} "
+            f"{r['fsdp2_live_bytes'] / scale:>9.3f} {r['fsdp2_live_ns']:>7.3f} {r['ratio']:>6.3f} "
+            f"{r['rs_scratch_bytes'] / scale:>9.3f} {_num(r['rs_scratch_blocks']):>7}  {parts}")
+
+
+def format_memory_table(rows: list[dict[str, Any]]) -> str:
+    """The rows of `memory_by_topology` as a table: GiB (a smaller unit when the whole group is
+    smaller), NS, and the RS scratch in blocks of S_fp32 bytes."""
+    unit, scale = _unit(rows)
+    out = ["live bytes during a layer's backward: TIDE vs FSDP2 (per rank; block = the "
+           "rank's fp32 RS output, S_fp32)",
+           f"  {'M x L':>8} {'mode':<10} {'TIDE ' + unit:>9} {'NS':>7} {'FSDP2 ' + unit:>9} "
+           f"{'NS':>7} {'ratio':>6} {'RS ' + unit:>9} {'blocks':>7}  "
+           f"staging/inbox/outbox/spare (blocks)"]
+    return "\n".join(out + [_table_line(r, scale) for r in rows])
