@@ -146,7 +146,9 @@ def test_level1_sums_of_the_70b_group_take_the_sum_kernel(M, L):
     plan = tide.plan(models.signature("llama3.1-70b", "block"), tide.Topology(M, L))
     ps = _core.build_rs_programs(plan, bank=0, alpha=0.5, accumulate=False, expert_lane=False)
     sums = [int(m.group(1)) for line in ps.describe(0) if (m := re.match(r"(\d+) SUM ", line))]
-    assert len(sums) == M
+    rs = plan.rs_schedule
+    per_unit = 1 if rs.direct or rs.n_chunks == 1 else L  # chunked Level 2: one SUM per block row
+    assert len(sums) == rs.n_part * M * rs.n_chunks * per_unit
     for op in sums:
         level1 = _core.testing.run_table(ps, 0, op)[5]
         assert level1 is not None and len(level1) == L - 1

@@ -29,7 +29,7 @@ OK = [(64, 8)]
     (G(shapes=OK), T(2, 4), {"w_wave": 5}, r"Options\.w_wave: W_wave = 5 exceeds L = 4"),
     (G(shapes=OK), T(2, 4), {"w_wave": -1}, r"Options\.w_wave"),
     (G(shapes=OK), T(2, 4), {"k": -1}, r"Options\.k"),
-    (G(shapes=OK), T(2, 4), {"n_part": 0}, r"Options\.n_part"),
+    (G(shapes=OK), T(2, 4), {"n_part": -1}, r"Options\.n_part"),
     (G(shapes=OK), T(2, 4), {"n_stg": 0}, r"Options\.n_stg"),
     (G(shapes=OK), T(2, 4), {"k": 1.5}, r"Options\.k: 1\.5 is not an integer"),
     (G(shapes=OK), T(2, 4), {"nonsense": 1}, r"options: unknown option\(s\) nonsense"),

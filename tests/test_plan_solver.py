@@ -53,7 +53,7 @@ def test_land_ctas_eq14_tail_bound():
     assert _plan(GROUP_32MIB, 64, 8).solver["land_ctas"] == 1
     assert _plan(GROUP_32MIB, 2, 8).solver["land_ctas"] == 4
     # A slower landing CTA raises the need: M = 8, BW_land = 5 GB/s -> min(18, ceil(27.1)) = 18.
-    s = _plan(GROUP_32MIB, 8, 8, calibration={"bw_land": 5e9}).solver
+    s = _plan(GROUP_32MIB, 8, 8, calibration={"bw_land": 5e9}, n_part=1).solver
     assert s["land_ctas"] == 18
 
 

@@ -15,7 +15,7 @@ h = n // 2  # output elements per rank
 
 def reduce_spec(skip_credit=False):
     """Rank r pushes the peer's half of its bf16 gradient into the peer's staging, signals; the
-    owner SUMs (peer term, then own) into its inbox, zeroes `out`, LANDs with alpha 0.5."""
+    owner SUMs (peer term, then own) into an arena block (ring1: a one-node plan lays out no inbox), zeroes `out`, LANDs with alpha 0.5."""
     ranks = []
     for r in range(2):
         q = 1 - r
@@ -24,14 +24,14 @@ def reduce_spec(skip_credit=False):
             dict(kind="COPY", stream=0, copies=[(("grad", r, 0, 2 * h * q, 2 * h), ("staging", q, -1, 0, 2 * h))]),
             dict(kind="SIGNAL", stream=0, counter=(q, 0), value=1),
             dict(kind="WAIT", stream=0, counter=(r, 0), value=0, per_call=1),
-            dict(kind="SUM", stream=0, dst=("inbox", r, 0, 0, 4 * h),
+            dict(kind="SUM", stream=0, dst=("ring1", r, 0, 0, 4 * h),
                  terms=[(("staging", r, -1, 0, 2 * h), "bfloat16", 0, h, 0),
                         (("grad", r, 0, 2 * h * r, 2 * h), "bfloat16", 0, h, 1)]),
             dict(kind="EVENT_RECORD", stream=0, counter=(r, 1), value=0, per_call=1),  # release
             dict(kind="CREDIT", stream=0, counter=(q, 3), value=1),
             dict(kind="ZERO", stream=0, dst=("out", r, -1, 0, 4 * h)),
             dict(kind="LAND", stream=0, dst=("out", r, -1, 0, 4 * h), alpha=0.5, accumulate=True,
-                 terms=[(("inbox", r, 0, 0, 4 * h), "float32", 0, h, 0)]),
+                 terms=[(("ring1", r, 0, 0, 4 * h), "float32", 0, h, 0)]),
             dict(kind="EVENT_RECORD", stream=0, counter=(r, 2), value=0, per_call=1),  # done
         ]
         if skip_credit:

@@ -204,3 +204,30 @@ def test_random_plans_checked_and_exact(M, L, wi, k, n_part, mode, chunk, n_stg,
     outs2 = vc.reduce_scatter(plan, grads, scale=2.0, accumulate=prev)  # the other bank
     for a, b, ref in zip(outs, outs2, reference(plan, grads, alpha=2.0, prev=prev, dtype=np.float32)):
         assert np.array_equal(a, ref) and np.array_equal(b, ref)
+
+
+def test_one_node_direct_sums_are_chunk_invariant_and_exact():
+    """One node ([Note: direct Level 1]): the Level-1 SUM writes the output with alpha and
+    accumulate folded in. Chunk sizes and staging slots change no bit; integer data with an
+    exact scale reduce to the plain fp32 result, accumulate adds the previous output."""
+    M, L = 1, 4
+    shapes = group(M, L)
+    grads = random_grads(shapes, L, np.dtype(np.float32), seed=11)
+    base = None
+    for kw in ({}, {"chunk_bytes": 8}, {"chunk_bytes": 64, "n_stg": 1}, {"n_stg": 3}):
+        plan, outs = run(M, L, grads, scale=0.25, **kw)
+        assert plan.rs_schedule.direct
+        bits = [o.view(np.uint32).copy() for o in outs]
+        if base is None:
+            base = bits
+        for a, b in zip(base, bits):
+            assert np.array_equal(a, b), kw
+    ints = random_grads(shapes, L, BF16, seed=12, kind="int")
+    plan, outs = run(M, L, ints, scale=0.5, chunk_bytes=16)
+    for out, ref in zip(outs, reference(plan, ints, alpha=0.5)):
+        assert np.array_equal(out.astype(np.float64), ref)
+    prev = [np.full(plan.layout.E, 3.0, np.float32) for _ in range(L)]
+    vc = tide.VirtualCluster(tide.Topology(M, L), check=True)
+    outs = vc.reduce_scatter(plan, ints, scale=0.5, accumulate=[p.copy() for p in prev])
+    for out, ref in zip(outs, reference(plan, ints, alpha=0.5, prev=prev)):
+        assert np.array_equal(out.astype(np.float64), ref)

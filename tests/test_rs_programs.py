@@ -20,7 +20,8 @@ def shapes_for(M, L, n_part=1):
 
 
 def make(M, L, mode="in_place", **kw):
-    n_part = kw.get("n_part", 1)
+    kw.setdefault("n_part", 1)  # the grid names its pass counts (the planner's choice: test_plan_memory)
+    n_part = kw["n_part"]
     return tide.plan(tide.GroupSignature(shapes=shapes_for(M, L, n_part)), tide.Topology(M, L), mode, **kw)
 
 
@@ -71,7 +72,10 @@ def test_measured_counts_equal_the_planner():
             if r < L:
                 worst = max(worst, st["l1_descriptors"])
             assert st["puts"] == rs.n_part * (M - 1)
-            assert st["sums"] == rs.n_part * M * rs.n_chunks * (1 if rs.n_chunks == 1 else L)
+            # one SUM per unit unchunked, else one per block row of each chunk holding live columns
+            owned = [rs.subslices[ps * L + (r % L + c % M) % L] for ps in range(rs.n_part) for c in range(1, M + 1)]
+            live = sum(1 for sub in owned for ch in range(rs.n_chunks) if ch * rs.E_chunk < sub.length)
+            assert st["sums"] == (rs.n_part * M if rs.n_chunks == 1 else L * live)
             assert st["lands"] == sum(1 for w in rs.waves_info for s in range(L)
                                       if rs.subslices[w["pass"] * L + s].length > 0)
             assert st["zeros"] == sum(bin(w["zero_mask"][r % L]).count("1") for w in rs.waves_info)
@@ -111,6 +115,13 @@ FAULTS = [
     ("bank fence dropped", "drop_fence", TAGS["BankWait"], (2, 8, "in_place", {}), None),
     ("outbox reused early", "drop_fence", TAGS["OutboxWait"], (10, 4, "slot_reuse", {"w_wave": 2, "k": 1}), None),
     ("spare reused early", "drop_fence", TAGS["SpareWait"], (3, 4, "in_place", {"n_part": 2}), None),
+    # one node ([Note: direct Level 1]), chunked staging reused through n_stg slots
+    ("direct: staging reused early", "early_reuse", TAGS["Push"], (1, 4, "in_place", {"chunk_bytes": 16}), None),
+    ("direct: staging credit dropped", "drop_credit", TAGS["StagingFree"], (1, 4, "in_place", {"chunk_bytes": 16}), None),
+    ("direct: push wait dropped", "drop_wait", TAGS["PushWait"], (1, 4, "in_place", {"chunk_bytes": 16}), None),
+    ("direct: staging wait dropped", "drop_wait", TAGS["StagingWait"], (1, 4, "in_place", {"chunk_bytes": 16, "n_stg": 1}), (0,)),
+    ("direct: pushes not joined before release", "drop_fence", TAGS["Pushed"], (1, 4, "in_place", {"chunk_bytes": 16}), None),
+    ("direct: push stream starts before the call", "drop_fence", TAGS["PushStart"], (1, 4, "in_place", {"chunk_bytes": 16}), None),
 ]
 
 
@@ -121,7 +132,7 @@ def test_rs_faults_are_detected(name, kind, tag, cfg, ranks):
     for rank in ranks or (0, M * L - 1):
         detected, errors = _run_faulty(plan, kind, tag, rank)
         assert detected, f"{name} on rank {rank} went unnoticed"
-        assert any(("I1" in e) or ("I3" in e) or ("I4" in e) for e in errors), errors
+        assert any(("I1" in e) or ("I2" in e) or ("I3" in e) or ("I4" in e) for e in errors), errors
 
 
 def test_skipped_zeroing_corrupts_the_executor_result_too():
@@ -162,7 +173,7 @@ def test_rs_staging_stays_flat_while_fsdp2_packing_grows(capsys):
         sig = tide.GroupSignature(shapes=[(N * E_target // 64, 64)])  # E = 4096 per rank
         measured = {}
         for mode in ("in_place", "slot_reuse"):
-            plan = tide.plan(sig, tide.Topology(M, L), mode, k=2, chunk_bytes=1024)
+            plan = tide.plan(sig, tide.Topology(M, L), mode, k=2, chunk_bytes=1024, n_part=1)
             assert plan.layout.E == E_target
             ps = _core.build_rs_programs(plan)
             arena = _core.CpuArena(N, ps, False)
@@ -182,7 +193,8 @@ def test_rs_staging_stays_flat_while_fsdp2_packing_grows(capsys):
 
 
 @pytest.mark.parametrize("M,L,mode,kw", [(2, 8, "in_place", {}), (9, 4, "slot_reuse", {"k": 2, "n_part": 2}),
-                                         (3, 4, "in_place", {"chunk_bytes": 16})])
+                                         (3, 4, "in_place", {"chunk_bytes": 16}),
+                                         (1, 8, "in_place", {"chunk_bytes": 64}), (1, 8, "slot_reuse", {})])
 def test_arena_bytes_measured_by_the_executor(M, L, mode, kw):
     """The executor allocates what the plan says: with the planner's memory model merged,
     bytes per rank equal plan.memory()'s arena; the RS regions always cover what the RS
@@ -199,7 +211,9 @@ def test_arena_bytes_measured_by_the_executor(M, L, mode, kw):
     rs = plan.rs_schedule
     assert need["outbox"] == 2 * rs.n_out * rs.block_bytes
     assert need["inbox"] == rs.n_par * L * rs.block_bytes
-    assert need["spare"] == 2 * rs.block_bytes
+    assert need["spare"] == 2 * rs.n_spare * rs.block_bytes
+    if M == 1:  # [Note: direct Level 1]: staging only
+        assert rs.direct and need["outbox"] == need["inbox"] == need["spare"] == 0 and need["staging"] > 0
     assert need["staging"] == rs.n_stg * rs.stg_slot_bytes
     for k in need:
         assert measured[k] >= need[k], k
@@ -245,3 +259,33 @@ def test_rs_bank_follows_algorithm_1():
     assert [rs_bank(s) for s in (1, 2, 3, 4)] == [0, 1, 0, 1]
     with pytest.raises(tide.PlanError, match="seq=0"):
         rs_bank(0)
+
+
+def test_early_staging_reuse_corrupts_the_executor_result_too():
+    """One node, chunked staging over one slot: with the pushers' staging waits dropped, a stalled
+    owner's slot is overwritten by the next chunk before its SUM reads it; the executor's output
+    is then wrong (and the checker rejects the set: test_rs_faults_are_detected)."""
+    import ml_dtypes
+    M, L = 1, 4
+    plan = make(M, L, chunk_bytes=16, n_stg=1)
+    assert plan.rs_schedule.n_chunks > 2
+    shapes = shapes_for(M, L)
+    rng = np.random.default_rng(5)
+    grads = [[rng.integers(-4, 4, size=s).astype(ml_dtypes.bfloat16) for s in shapes] for _ in range(L)]
+    good = tide.VirtualCluster(tide.Topology(M, L), check=False).reduce_scatter(plan, grads)
+    bad = {b: _core.build_rs_programs(plan, bank=b) for b in (0, 1)}
+    for ps in bad.values():
+        for r in range(1, L):
+            while ps.inject_fault(FAULT["drop_wait"], r, TAGS["StagingWait"]):
+                pass
+    vc = tide.VirtualCluster(tide.Topology(M, L), check=False, timeout_s=5.0)
+    first_sum = next(i for i, op in enumerate(bad[0].describe(0)) if " SUM " in op)
+    vc.faults = dict(stall_rank=0, stall_op=first_sum, stall_s=0.3)
+    outs = [np.zeros(plan.layout.E, np.float32) for _ in range(L)]
+    binds = [[(_core.buf_kinds["grad"], p, np.ascontiguousarray(grads[r][p]).reshape(-1).view(np.uint8))
+              for p in range(3)] + [(_core.buf_kinds["out"], -1, outs[r].view(np.uint8))] for r in range(L)]
+    vc.reduce_scatter(plan, grads)  # seq 1: arena and counters
+    arena = vc.rs_arena(plan)
+    seq = vc.session(plan, "reduce_scatter")[0].calls("reduce_scatter") + 1
+    arena.run([[(bad[rs_bank(seq)], seq)] for _ in range(L)], binds)
+    assert not np.array_equal(good[0], outs[0])

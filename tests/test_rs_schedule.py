@@ -9,6 +9,7 @@ from tide import _core
 
 def make(shapes, M, L, **kw):
     grad = kw.pop("grad_dtype", "bfloat16")
+    kw.setdefault("n_part", 1)  # one-pass geometry unless a test names its passes
     return tide.plan(tide.GroupSignature(shapes=shapes, grad_dtype=grad), tide.Topology(M, L), **kw)
 
 
@@ -19,11 +20,15 @@ def test_segments_partition_the_output(shapes, M, L, n_part):
     p = make(shapes, M, L, n_part=n_part)
     rs, lay = p.rs_schedule, p.layout
     assert rs.E_sub % 4 == 0 and rs.E_sub >= -(-rs.E_stg // L) and rs.E_stg % 4 == 0
-    assert rs.block_bytes == 4 * L * rs.E_sub
-    assert rs.stg_slot_bytes == (L - 1) * L * rs.E_chunk * rs.b_grad
+    if M == 1:  # [Note: direct Level 1]: one span, the whole output; no blocks
+        assert rs.direct and rs.block_bytes == 0 and len(rs.subslices) == 1 and rs.E_span == lay.E
+        assert rs.stg_slot_bytes == (L - 1) * rs.E_chunk * rs.b_grad
+    else:
+        assert rs.block_bytes == 4 * L * rs.E_sub
+        assert rs.stg_slot_bytes == (L - 1) * L * rs.E_chunk * rs.b_grad
     covered = np.zeros(lay.E, dtype=np.int32)
     for sub in rs.subslices:
-        assert sub.length <= rs.E_sub
+        assert sub.length <= rs.E_span
         col = 0
         for seg in rs.segments[sub.seg_begin:sub.seg_end]:
             pl = lay.params[seg.param]
@@ -58,7 +63,7 @@ def apply_pushes(p, rank, grads):
     ([(37, 3), (5,), (64, 2)], 3, 4, 1, 0),    # padding on the last ranks, params cross sub-slices
     ([(37, 3), (5,), (64, 2)], 3, 4, 2, 0),
     ([(100, 5), (9, 9)], 2, 8, 1, 16),         # chunked staging
-    ([(24, 4)], 1, 4, 1, 0),
+    ([(24, 4)], 2, 4, 1, 0),
 ])
 def test_level1_pushes_stage_exactly_the_owner_inputs(shapes, M, L, n_part, chunk):
     """Every staged element equals the pusher's gradient row of the destination rank, rows past
@@ -148,6 +153,33 @@ def test_sizes_and_passes():
     assert rs.n_spare == 1 and rs.d_rem == 2
     p2 = make([(1000, 3), (17,)], 3, 4, n_part=2)
     assert p2.rs_schedule.E_stg == 128 and p2.rs_schedule.E_sub == 32 and p2.rs_schedule.n_spare == 1
-    tiny = make([(4,)], 1, 2, n_part=4).rs_schedule  # passes 1..3 hold no live elements
-    assert [s.length for s in tiny.subslices] == [2, 0] + [0] * 6
+    tiny = make([(4,)], 2, 2, n_part=4).rs_schedule  # passes 1..3 hold no live elements
+    assert [s.length for s in tiny.subslices] == [1, 0] + [0] * 6
     assert make([(64, 8)], 2, 4, grad_dtype="float32").rs_schedule.b_grad == 4
+
+
+@pytest.mark.parametrize("shapes,L,chunk", [([(37, 3), (5,), (64, 2)], 4, 0), ([(100, 5), (9, 9)], 8, 16)])
+def test_direct_pushes_stage_exactly_the_owner_rows(shapes, L, chunk):
+    """One node ([Note: direct Level 1]): rank i pushes owner j exactly j's valid rows of every
+    parameter, chunk by chunk, one 1-D piece per segment, and nothing to itself."""
+    p = make(shapes, 1, L, chunk_bytes=chunk)
+    rs, lay = p.rs_schedule, p.layout
+    assert rs.direct and rs.E_span == lay.E and rs.n_chunks == -(-lay.E // rs.E_chunk)
+    rng = np.random.default_rng(1)
+    for i in range(L):
+        grads = [rng.standard_normal(tuple(s)) for s in shapes]
+        got = {}
+        for cp in _core.rs_level1_copies(p, i):
+            assert cp["height"] == 1 and cp["owner"] != i
+            row = got.setdefault(cp["owner"], np.full(lay.E, np.nan))
+            src = grads[cp["param"]].reshape(-1)
+            s0, d0, w = cp["src_offset"] // 2, cp["dst_offset"] // 2 + cp["chunk"] * rs.E_chunk, cp["width"] // 2
+            assert np.isnan(row[d0:d0 + w]).all()
+            row[d0:d0 + w] = src[s0:s0 + w]
+        assert sorted(got) == [j for j in range(L) if j != i]
+        for j, row in got.items():
+            want = np.full(lay.E, np.nan)
+            for q, pl in enumerate(lay.params):
+                v = lay.valid_rows(q, j) * pl.K
+                want[pl.o32:pl.o32 + v] = grads[q].reshape(-1)[j * pl.e:j * pl.e + v]
+            np.testing.assert_array_equal(row, want)

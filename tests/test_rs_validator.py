@@ -59,7 +59,7 @@ def test_app_d_example_m9_l8_w3_is_rejected_with_reason():
 
 
 @settings(max_examples=150, deadline=None)
-@given(M=st.integers(1, 200), L=st.sampled_from([1, 2, 4, 8]), wi=st.integers(0, 3),
+@given(M=st.integers(2, 200), L=st.sampled_from([1, 2, 4, 8]), wi=st.integers(0, 3),  # M = 1: no Level 2
        n_part=st.integers(1, 4), k=st.integers(1, 8), mode=st.sampled_from(["in_place", "slot_reuse"]))
 def test_latin_square_collision_freedom(M, L, wi, n_part, k, mode):
     """Prop. 4.1 for every divisor width: for each wave and sub-slice s the contributors land on
@@ -84,7 +84,7 @@ def test_latin_square_collision_freedom(M, L, wi, n_part, k, mode):
 
 
 @settings(max_examples=60, deadline=None)
-@given(M=st.integers(1, 40), L=st.sampled_from([2, 4, 8]), w_wave=st.integers(1, 8),
+@given(M=st.integers(2, 40), L=st.sampled_from([2, 4, 8]), w_wave=st.integers(1, 8),  # M = 1: no Level 2
        n_part=st.integers(1, 4))
 def test_stale_block_zeroing_sets(M, L, w_wave, n_part):
     """Replaying the planner's zero masks over three calls, each starting from unknown inbox
@@ -122,7 +122,7 @@ def test_validator_catches_corrupt_schedules(fault, needle):
 
 
 def test_zero_sets_example():
-    p = tide.plan(tide.GroupSignature(shapes=[(4096, 4)]), tide.Topology(10, 8), w_wave=4)
+    p = tide.plan(tide.GroupSignature(shapes=[(4096, 4)]), tide.Topology(10, 8), w_wave=4, n_part=1)
     w0, w1, w2 = p.rs_schedule.waves_info
     assert (w0["gen"], w1["gen"], w2["gen"]) == (0, 1, 0)
     for j in range(8):
@@ -132,5 +132,5 @@ def test_zero_sets_example():
         assert w1["zero_mask"][j] == 0xFF & ~w1["write_mask"][j]
         assert bin(w0["write_mask"][j]).count("1") == 4 and bin(w2["write_mask"][j]).count("1") == 2
     # full waves zero nothing
-    full = tide.plan(tide.GroupSignature(shapes=[(4096, 4)]), tide.Topology(20, 8)).rs_schedule.waves_info
+    full = tide.plan(tide.GroupSignature(shapes=[(4096, 4)]), tide.Topology(20, 8), n_part=1).rs_schedule.waves_info
     assert full[0]["zero_mask"] == [0] * 8 and full[1]["zero_mask"] == [0] * 8

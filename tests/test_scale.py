@@ -92,7 +92,8 @@ def test_lean_timeout_names_rank_op_and_stream():
     vc.faults = dict(dead_rank=1, dead_op=0)
     grads = [[np.zeros(s, np.float32) for s in [(9, 4), (3,), (37, 5)]] for _ in range(4)]
     with pytest.raises(tide.TimeoutError, match=r"rank \d .*call seq 1.*op \d+ \w+ \[stream (read|rail|land)\].*"
-                                                r"producer: rank \d \[(read|rail|land)\] \(generated program\).*root: rank 1 is not blocked"):
+                                                r"producer: rank \d \[(read|rail|land|push)\] \(generated program\)"
+                                                r".*(root: rank 1 is not blocked|wait chain: rank \d)"):
         vc.reduce_scatter(plan, grads)
 
 

@@ -19,9 +19,9 @@ PlanError = _core.PlanError
 _INT_OPTIONS = {
     "w_wave": 0,        # W_wave, contributors per wave (0 -> L)
     "k": 0,             # max concurrent rail transfers per round (0 -> solver)
-    "n_part": 1,        # sub-slice passes per reduce-scatter
+    "n_part": 0,        # sub-slice passes per reduce-scatter (0 -> planner)
     "n_stg": 2,         # local bf16 staging slots
-    "chunk_bytes": 0,   # RS staging chunk (0 -> whole sub-slice)
+    "chunk_bytes": 0,   # RS staging chunk (0 -> planner: n_stg slots within one output block)
     "sum_ctas": 0,      # C_sum (0 -> solver, Eq. 13)
     "land_ctas": 0,     # C_mc (0 -> solver, Eq. 14)
     "ag_head_bytes": 8 << 20,

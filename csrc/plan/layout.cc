@@ -84,7 +84,7 @@ void validate_inputs(const GroupSignature& sig, const Topology& topo, const Opti
   TIDE_PLAN_CHECK(opt.w_wave <= L, "Options.w_wave: W_wave = ", opt.w_wave,
                   " exceeds L = ", L, " (a wave's partials must fit one NVSwitch reduction)");
   TIDE_PLAN_CHECK(opt.k >= 0, "Options.k: must be >= 1 (0 = solver), got ", opt.k);
-  TIDE_PLAN_CHECK(opt.n_part >= 1, "Options.n_part: must be >= 1, got ", opt.n_part);
+  TIDE_PLAN_CHECK(opt.n_part >= 0, "Options.n_part: must be >= 1 (0 = planner), got ", opt.n_part);
   TIDE_PLAN_CHECK(opt.n_stg >= 1, "Options.n_stg: must be >= 1, got ", opt.n_stg);
   TIDE_PLAN_CHECK(opt.chunk_bytes >= 0, "Options.chunk_bytes: must be >= 0, got ", opt.chunk_bytes);
   TIDE_PLAN_CHECK(opt.sum_ctas >= 0, "Options.sum_ctas: must be >= 0, got ", opt.sum_ctas);

@@ -29,7 +29,6 @@ MemoryModel build_memory(const Plan& plan) {
   const RsSchedule& rs = plan.rs;
   const int M = plan.topo.nodes, L = plan.topo.gpus_per_node, N = plan.topo.world();
   const int b_ag = dtype_size(plan.sig.ag_dtype);
-  const int b_grad = dtype_size(plan.sig.grad_dtype);
   const int n_stg = plan.opt.n_stg;
   MemoryModel mm;
   mm.ns_bytes = g.unsharded_bytes();
@@ -37,16 +36,17 @@ MemoryModel build_memory(const Plan& plan) {
   const double ns = static_cast<double>(mm.ns_bytes);
 
   // Terms of Eq. 10 as laid out. One staging slot holds, for each of the L-1 local peers, the
-  // L rows of one sub-slice in the gradient dtype; a fixed chunk (Options.chunk_bytes) caps each
-  // staged row piece, which is how "fixed-size chunks lower In-Place to 0.56 NS".
-  int64_t row_piece = rs.E_sub * b_grad;
-  if (plan.opt.chunk_bytes > 0) row_piece = std::min(row_piece, plan.opt.chunk_bytes);
-  mm.staging_slot_bytes = static_cast<int64_t>(L - 1) * L * row_piece;
+  // rows of one chunk in the gradient dtype: L rows of a sub-slice's chunk, or one row of the
+  // output's chunk when one node has no Level 2 ([Note: direct Level 1]); the planner's chunk keeps
+  // the n_stg slots within one output block, which is how "fixed-size chunks lower In-Place to
+  // 0.56 NS". A direct schedule has no inbox, outbox or spare.
+  mm.staging_slot_bytes = rs.stg_slot_bytes;
   mm.staging_bytes = n_stg * mm.staging_slot_bytes;
   mm.inbox_bytes = static_cast<int64_t>(rs.n_par) * L * rs.block_bytes;
   mm.outbox_bytes = 2ll * rs.n_out * rs.block_bytes;
-  mm.spare_bytes = 2 * rs.block_bytes;
+  mm.spare_bytes = 2ll * rs.n_spare * rs.block_bytes;
   mm.area_rs_bytes = mm.staging_bytes + mm.inbox_bytes + mm.outbox_bytes + mm.spare_bytes;
+  TIDE_CHECK(mm.area_rs_bytes == rs_scratch_bytes(rs), "memory model and schedule disagree on RS scratch");
   mm.area_rs_ns = mm.area_rs_bytes / ns;
 
   // Closed forms, in units of S_fp32 (the block size), converted to NS with
@@ -57,14 +57,20 @@ MemoryModel build_memory(const Plan& plan) {
   //   Eq. 11: n_out = M-1 -> (2M + 8 n_par + 8) S_fp32 = (1/2 + (2 n_par + 2)/M) NS at L = 8.
   //   Eq. 12: n_out = 2k  -> (4k + 8 n_par + 10) S_fp32 = (2k + 4 n_par + 5)/(2M) NS at L = 8.
   const double sfp32_per_ns = 4.0 / (static_cast<double>(N) * b_ag);
+  // Staging term: the paper's n_stg*L*b_grad/4 S_fp32 for whole-sub-slice staging (a slot <=
+  // L*b_grad/4 S_fp32); chunked (the planner's chunk: about one block), the slots as laid out.
+  const bool chunked = rs.direct || rs.n_chunks > 1 || rs.n_part > 1;
+  const double staging_blocks = chunked ? static_cast<double>(mm.staging_bytes) / g.S_fp32
+                                        : n_stg * L * dtype_size(plan.sig.grad_dtype) / 4.0;
   auto bound_ns = [&](double n_out) {
-    return (n_stg * L * b_grad / 4.0 + static_cast<double>(L) * rs.n_par + 2.0 * n_out + 2.0) *
+    if (rs.direct) return staging_blocks * sfp32_per_ns;
+    const double per_block = 1.0 / rs.n_part;  // a pass's block is 1/n_part of S_fp32
+    return (staging_blocks + (static_cast<double>(L) * rs.n_par + 2.0 * n_out + 2.0) * per_block) *
            sfp32_per_ns;
   };
   mm.area_rs_bound_ns = bound_ns(rs.n_out);
-  mm.area_inplace_bound_ns = bound_ns(std::max(M - 1, 0));
-  mm.area_slot_bound_ns = bound_ns(2.0 * rs.k);
-
+  mm.area_inplace_bound_ns = bound_ns(rs.direct ? 0 : std::max({M - 1, rs.n_out}));
+  mm.area_slot_bound_ns = bound_ns(rs.direct ? 0 : 2.0 * rs.k);
   // Live bytes during a layer's backward. FSDP2: this layer's unsharded parameters, the
   // prefetched AG output and the previous layer's packed fp32 RS input (B_pack = 2 NS for bf16).
   // TIDE: two ring slots and the receive stage replace the first two ((2 + 1/L) NS, exactly

@@ -14,19 +14,22 @@ int64_t ceil_div(int64_t x, int64_t a) { return (x + a - 1) / a; }
 
 // Segment table: the parameter pieces of every (pass, sub-slice). Parameters are contiguous in
 // the per-rank output (o32_p ascending), so one sweep per sub-slice suffices.
+// A direct schedule has one span, the whole output: subslices[0] = [0, E).
 void build_segments(RsSchedule& rs, const GroupLayout& layout, int64_t E) {
   rs.segments.clear();
   rs.subslices.clear();
   size_t first_param = 0;
+  const int spans = rs.direct ? 1 : rs.L;
   for (int pass = 0; pass < rs.n_part; ++pass) {
     first_param = 0;
-    for (int s = 0; s < rs.L; ++s) {
+    for (int s = 0; s < spans; ++s) {
       RsSubslice sub;
       sub.pass = pass;
       sub.s = s;
-      const int64_t cap_end = std::min(E, (s + 1) * rs.E_subslice);
-      sub.out_begin = std::min(cap_end, s * rs.E_subslice + pass * rs.E_sub);
-      const int64_t end = std::min(cap_end, sub.out_begin + rs.E_sub);
+      const int64_t cap = rs.direct ? E : rs.E_subslice;
+      const int64_t cap_end = std::min(E, (s + 1) * cap);
+      sub.out_begin = std::min(cap_end, s * cap + pass * rs.E_sub);
+      const int64_t end = std::min(cap_end, sub.out_begin + (rs.direct ? E : rs.E_sub));
       sub.length = end - sub.out_begin;
       sub.seg_begin = static_cast<int>(rs.segments.size());
       while (first_param < layout.params.size() &&
@@ -58,9 +61,39 @@ void build_segments(RsSchedule& rs, const GroupLayout& layout, int64_t E) {
 // rows, one short tail the final padded row, and rows wholly past D_p are never copied: the sum
 // treats them as zero (valid extents), which is what FSDP2's zero padding contributes.
 // for_each_level1_copy_of: the pushes of one unit (c, pass, owner j, chunk) of `rank`.
+// Direct (M = 1): the push of `rank` to owner j is j's own rows, one 1-D piece per segment.
+template <typename F>
+void for_each_direct_copy_of(const GroupLayout& layout, const RsSchedule& rs, int j, int chunk, F&& f) {
+  const int64_t b = rs.b_grad;
+  const RsSubslice& sub = rs.subslices[0];
+  const int64_t col0 = chunk * rs.E_chunk, col1 = col0 + rs.E_chunk;
+  for (int si = sub.seg_begin; si < sub.seg_end; ++si) {
+    const RsSegment& seg = rs.segments[si];
+    const int64_t x0 = std::max(col0, seg.sub_offset);
+    const int64_t x1 = std::min(col1, seg.sub_offset + seg.length);
+    if (x0 >= x1) continue;
+    const ParamLayout& pl = layout.params[seg.param];
+    const int64_t po = seg.param_offset + (x0 - seg.sub_offset);
+    const int64_t w = std::min(x1 - x0, layout.valid_rows(seg.param, j) * pl.K - po);
+    if (w <= 0) continue;
+    RsL1Copy cp;
+    cp.c = 1; cp.t = 0; cp.owner = j; cp.pass = 0; cp.s = 0; cp.chunk = chunk;
+    cp.copy.param = seg.param;
+    cp.copy.src_pitch = pl.e * b;
+    cp.copy.dst_pitch = rs.E_chunk * b;
+    cp.copy.src_offset = (static_cast<int64_t>(j) * pl.e + po) * b;
+    cp.copy.dst_offset = (x0 - col0) * b;
+    cp.copy.width = w * b;
+    cp.copy.height = 1;
+    cp.tail = w < x1 - x0;
+    f(cp);
+  }
+}
+
 template <typename F>
 void for_each_level1_copy_of(const GroupLayout& layout, const RsSchedule& rs, int rank, int c, int pass,
                              int j, int chunk, F&& f) {
+  if (rs.direct) return for_each_direct_copy_of(layout, rs, j, chunk, f);
   const int M = rs.M, L = rs.L;
   const int n = rank / L;
   const int64_t b = rs.b_grad;
@@ -110,7 +143,7 @@ template <typename F>
 void for_each_level1_copy(const GroupLayout& layout, const RsSchedule& rs, int rank, F&& f) {
   const int M = rs.M, L = rs.L;
   const int i = rank % L;
-  for (int c = 1; c <= M; ++c)
+  for (int c = rs.direct ? M : 1; c <= M; ++c)
     for (int pass = 0; pass < rs.n_part; ++pass)
       for (int j = 0; j < L; ++j) {
         if (j == i) continue;  // the owner reads its own contribution in place
@@ -204,41 +237,71 @@ void rs_level1_unit_copies(const GroupLayout& layout, const RsSchedule& rs, int 
                           [&](const RsL1Copy& cp) { out.push_back(cp); });
 }
 
-RsSchedule build_rs_schedule(const GroupLayout& layout, const Topology& topo, const Options& opt) {
+int64_t rs_scratch_bytes(const RsSchedule& rs) {
+  return rs.n_stg * rs.stg_slot_bytes + 2ll * rs.n_out * rs.block_bytes +
+         static_cast<int64_t>(rs.n_par) * rs.L * rs.block_bytes + 2ll * rs.n_spare * rs.block_bytes;
+}
+
+RsSchedule size_rs_schedule(const GroupLayout& layout, const Topology& topo, const Options& opt) {
   RsSchedule rs;
   const int M = topo.nodes, L = topo.gpus_per_node;
   const int w_wave = opt.w_wave ? opt.w_wave : L;
   TIDE_PLAN_CHECK(opt.k >= 1, "Options.k: the RS round width must be resolved to >= 1, got ", opt.k);
-  build_rs_waves(rs, M, L, w_wave, opt.n_part);
-  build_rs_rounds(rs, opt.k, opt.mode);
+  TIDE_PLAN_CHECK(opt.n_part >= 1, "Options.n_part: the pass count must be resolved to >= 1, got ", opt.n_part);
+  rs.direct = M == 1;  // [Note: direct Level 1]
+  if (rs.direct) {
+    rs.M = M; rs.L = L; rs.w_wave = w_wave; rs.n_part = 1; rs.waves = 0; rs.n_par = 0; rs.n_spare = 0;
+    rs.k = opt.k; rs.mode = opt.mode; rs.n_out = 0; rs.d_rem = 0;
+  } else {
+    build_rs_waves(rs, M, L, w_wave, opt.n_part);
+    build_rs_rounds(rs, opt.k, opt.mode);
+  }
 
   const int64_t E = layout.E;
   rs.b_grad = static_cast<int>(layout.S_grad / std::max<int64_t>(1, E));
   // Passes split every sub-slice column-wise, so an element keeps its sub-slice s (hence its
   // owner and Latin-square position) for any n_part: passes change no operand grouping.
   rs.E_subslice = round_up(ceil_div(E, L), kSubsliceAlignElems);
-  rs.E_sub = round_up(ceil_div(rs.E_subslice, opt.n_part), kSubsliceAlignElems);
+  rs.E_sub = round_up(ceil_div(rs.E_subslice, rs.n_part), kSubsliceAlignElems);
   rs.E_stg = static_cast<int64_t>(L) * rs.E_sub;
   // A tiny group may leave later passes without live elements; they still run (zero blocks,
   // no landings), which keeps the plan valid for any n_part.
-  rs.block_bytes = 4 * static_cast<int64_t>(L) * rs.E_sub;
-  rs.E_chunk = rs.E_sub;
-  if (opt.chunk_bytes > 0) {
-    // Never above chunk_bytes (the memory model sizes staging rows by min(E_sub*b, chunk_bytes));
-    // vector aligned when at least one vector fits.
-    const int64_t elems = std::max<int64_t>(1, opt.chunk_bytes / rs.b_grad);
-    rs.E_chunk = std::min(rs.E_sub, elems >= kSubsliceAlignElems ? elems / kSubsliceAlignElems * kSubsliceAlignElems : elems);
-  }
-  rs.n_chunks = static_cast<int>(ceil_div(rs.E_sub, rs.E_chunk));
+  rs.block_bytes = rs.direct ? 0 : 4 * static_cast<int64_t>(L) * rs.E_sub;
+  rs.E_span = rs.direct ? std::max<int64_t>(E, 1) : rs.E_sub;
+  rs.stg_rows = rs.direct ? 1 : L;
   rs.n_stg = opt.n_stg;
-  rs.stg_slot_bytes = static_cast<int64_t>(L - 1) * L * rs.E_chunk * rs.b_grad;
+  int64_t chunk_bytes = opt.chunk_bytes;
+  if (chunk_bytes == 0 && L > 1) {
+    // The planner's chunk: n_stg slots of (L-1) peer areas of stg_rows rows within S_fp32.
+    const int64_t per_piece = layout.S_fp32 / (static_cast<int64_t>(rs.n_stg) * (L - 1) * rs.stg_rows);
+    chunk_bytes = std::max(kMinChunkBytes, per_piece);
+  }
+  rs.E_chunk = rs.E_span;
+  if (chunk_bytes > 0) {
+    // Never above chunk_bytes (the memory model sizes staging rows by min(E_span*b, chunk_bytes));
+    // vector aligned when at least one vector fits; chunks balanced over the span.
+    const int64_t elems = std::max<int64_t>(1, chunk_bytes / rs.b_grad);
+    const int64_t cap = std::min(rs.E_span, elems >= kSubsliceAlignElems ? elems / kSubsliceAlignElems * kSubsliceAlignElems : elems);
+    const int64_t n = ceil_div(rs.E_span, cap);
+    const int64_t balanced = round_up(ceil_div(rs.E_span, n), kSubsliceAlignElems);
+    rs.E_chunk = balanced <= cap ? balanced : cap;
+  }
+  rs.n_chunks = static_cast<int>(ceil_div(rs.E_span, rs.E_chunk));
+  rs.stg_slot_bytes = static_cast<int64_t>(L - 1) * rs.stg_rows * rs.E_chunk * rs.b_grad;
+  return rs;
+}
+
+RsSchedule build_rs_schedule(const GroupLayout& layout, const Topology& topo, const Options& opt) {
+  RsSchedule rs = size_rs_schedule(layout, topo, opt);
+  const int M = rs.M, L = rs.L;
+  const int64_t E = layout.E;
   build_segments(rs, layout, E);
 
   // Descriptor counts: the worst local rank; every node pushes to the same set of destination
   // nodes, so node 0's ranks cover every (t, owner) pattern up to the rotation by c.
   const int64_t P = layout.P;
   rs.l1_coalesced_formula = static_cast<int64_t>(L - 1) * P * M;
-  rs.l1_flat_descriptors_per_rank = rs.l1_coalesced_formula * L;
+  rs.l1_flat_descriptors_per_rank = rs.l1_coalesced_formula * (rs.direct ? 1 : L);
   for (int l = 0; l < L; ++l) {
     int64_t all = 0, tails = 0;
     for_each_level1_copy(layout, rs, l, [&](const RsL1Copy& c) {

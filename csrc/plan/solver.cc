@@ -35,8 +35,15 @@ SolverResult solve(const GroupLayout& layout, const Topology& topo, const Option
   // L staged slices (L*b_grad bytes per 4 output bytes) and writes one fp32 partial, and the sum
   // CTAs together must keep up with one rail. L = 8, bf16: ceil(1.5 * 5 * 47.5/99) = ceil(3.60) = 4.
   const double b_grad = static_cast<double>(layout.S_grad) / layout.E;  // gradient itemsize
+  // One node has no rail to keep pace with; the read deadline (§4.1) is then the pushes: the
+  // sums keep up with the L-1 peers' copy-engine pushes into the owner, (L-1) b_grad/4 staged
+  // bytes per output byte at BW_push (L = 8, bf16: ceil(1.5 * 5 * (360/3.5) / 99) = 8). A
+  // single rank (L = 1) has no pushes: its one sum is the whole call, so it gets the fabric
+  // ceiling's worth of CTAs.
+  const double out_rate = M > 1 ? cal.bw_nic
+                          : L > 1 ? cal.bw_push / ((L - 1) * b_grad / 4.0) : cal.bw_cap;
   r.sum_ctas = std::max(
-      1, static_cast<int>(std::ceil(cal.gamma_skew * (L * b_grad / 4.0 + 1.0) * cal.bw_nic /
+      1, static_cast<int>(std::ceil(cal.gamma_skew * (L * b_grad / 4.0 + 1.0) * out_rate /
                                     cal.bw_sum - 1e-9)));
 
   // Eq. 14, read as C_mc = min(floor(BW_cap/BW_land), ceil((S_fp32/n_part) /

@@ -177,6 +177,11 @@ void validate_rs(const RsSchedule& rs, const Topology& topo, const Options& opt)
   TIDE_PLAN_CHECK(rs.M == topo.nodes && rs.L == topo.gpus_per_node,
                   "RS schedule built for M=", rs.M, ", L=", rs.L, " used on M=", topo.nodes,
                   ", L=", topo.gpus_per_node);
+  if (rs.direct) {  // [Note: direct Level 1]: no waves or rounds to check
+    TIDE_PLAN_CHECK(rs.wave_list.empty() && rs.rounds.empty() && rs.n_out == 0 && rs.n_par == 0,
+                    "a direct (one-node) RS schedule has Level-2 state");
+    return;
+  }
   std::string why = check_rs_waves(rs);
   if (why.empty()) why = check_rs_rounds(rs);
   if (!why.empty()) throw PlanError(why);

@@ -3,14 +3,21 @@
 //
 // [Note: RS counters] Every counter has one producing (rank, stream) and counts monotonically
 // over calls, so a wait for "the n-th use in call seq" is value + per_call*seq:
-//   pushed_from[i]   on owner, by pusher i's read stream: +1 per Level-1 unit (pass, c, chunk)
+//   pushed_from[i]   on owner, by pusher i's push stream: +1 per Level-1 unit (pass, c, chunk)
 //   stg_free_from[j] on pusher, by owner j's read stream (CREDIT): +1 per unit consumed
 //   ready_from[j]    on every local rank, by local rank j's rail stream: +1 per wave
 //   landed_from[l]   on every local rank, by local rank l's land stream: +1 per wave
 //   credit_from[t]   on contributor (n, j), by (t, j)'s rail stream (CREDIT): +1 per pass
 //   arrival_from[c]  on destination (t, j), by its contributor c's PUT: +1 per pass
 //   events (own): read_progress (per (pass, c) summed), sent (per remote block J sent),
-//   spare_copied (per pass), rail_done, release (read completion), done (outputs consumable).
+//   spare_copied (per pass), rail_done, release (read completion), done (outputs consumable),
+//   start (the call reached the caller's stream), pushed (the push stream's last push read).
+// [Note: push and sum streams] A rank's Level-1 pushes run on their own stream ("push"), its
+// sums on "read" (the caller's stream): the owner's SUM of unit u overlaps the peers' pushes of
+// unit u + 1 into the next staging slot, bounded by stg_free credits (§4.1: "device-side counters
+// prevent a chunk from being overwritten before the owner finishes reading it"). The push stream
+// starts after the caller's stream reached the call (start) and the read completion (release)
+// waits for its last push (pushed): both streams read the user's gradients.
 // Staging slot and outbox block indices restart every call, so the previous user of a slot
 // may lie in the previous call: targets below account for that explicitly.
 #include "tide/rs_program.h"
@@ -23,6 +30,7 @@ namespace tide {
 namespace {
 
 enum Stream : uint8_t { kRead = 0, kRail = 1, kLandStream = 2 };
+constexpr uint8_t kPushLevel2 = 3;  // the push stream's index with Level 2; 1 when direct
 
 struct Ctx {
   const Plan& plan;
@@ -49,14 +57,17 @@ struct Ctx {
   int ev_release() const { return ev_progress() + 3; }
   int ev_done() const { return ev_progress() + 4; }
   int ev_spare() const { return ev_progress() + 5; }
-  int num_counters() const { return ev_progress() + 6; }
+  int ev_start() const { return ev_progress() + 6; }
+  int ev_pushed() const { return ev_progress() + 7; }
+  int num_counters() const { return ev_progress() + 8; }
+  uint8_t push_stream() const { return rs.direct ? 1 : kPushLevel2; }
 
   int rank_of(int node, int local) const { return node * L + local; }
 
   // Arena offsets.
   int64_t staging_off(int slot, int peer_area) const {
     return slot * rs.stg_slot_bytes +
-           static_cast<int64_t>(peer_area) * L * rs.E_chunk * b;
+           static_cast<int64_t>(peer_area) * rs.stg_rows * rs.E_chunk * b;
   }
   int64_t outbox_off(int x) const { return (static_cast<int64_t>(opt.bank) * rs.n_out + x) * rs.block_bytes; }
   int64_t inbox_off(int gen, int s) const { return (static_cast<int64_t>(gen) * L + s) * rs.block_bytes; }
@@ -116,12 +127,11 @@ std::pair<int64_t, int64_t> staging_free_target(const Ctx& x, int64_t u) {
   return {prev + 1 - 2 * U, U};
 }
 
-// Level-1 unit (pass, c, chunk): push my contribution to every other owner, then sum my own
-// sub-slice as owner into `dst_kind` (outbox block or spare).
-void level1_unit(Ctx& x, int pass, int c, int chunk, std::vector<RsL1Copy>& mine, BufKind dst_kind,
-                 int dst_index, int64_t dst_block_off) {
+// Level-1 unit (pass, c, chunk), pusher side (push stream): my contribution to every other owner.
+void level1_push(Ctx& x, int pass, int c, int chunk, std::vector<RsL1Copy>& mine) {
   const RsSchedule& rs = x.rs;
   const int L = x.L, M = x.M, me = x.me;
+  const uint8_t ps = x.push_stream();
   const int64_t u = x.unit_index(pass, c, chunk);
   const int slot = static_cast<int>(u % rs.n_stg);
   const int t = (x.n + c) % M;
@@ -129,11 +139,11 @@ void level1_unit(Ctx& x, int pass, int c, int chunk, std::vector<RsL1Copy>& mine
   for (int j = 0; j < L; ++j) {
     if (j == me) continue;
     const auto tgt = staging_free_target(x, u);
-    x.wait(kRead, rs_tag::kStagingWait, x.rank, x.stg_free_from(j), tgt.first, tgt.second);
-    Op& op = x.emit(OpKind::kCopy, kRead, rs_tag::kPush, static_cast<int32_t>(u));
+    x.wait(ps, rs_tag::kStagingWait, x.rank, x.stg_free_from(j), tgt.first, tgt.second);
+    Op& op = x.emit(OpKind::kCopy, ps, rs_tag::kPush, static_cast<int32_t>(u));
     const int area = me < j ? me : me - 1;
     const int owner = x.rank_of(x.n, j);
-    const int s_j = subslice_of(j, c, M, L);
+    const int s_j = rs.direct ? 0 : subslice_of(j, c, M, L);
     mine.clear();
     rs_level1_unit_copies(x.lay, rs, x.rank, c, pass, j, chunk, mine);
     for (const RsL1Copy& cp : mine) {
@@ -145,60 +155,106 @@ void level1_unit(Ctx& x, int pass, int c, int chunk, std::vector<RsL1Copy>& mine
                     cp.copy.width, cp.copy.height, cp.copy.dst_pitch);
       op.copies.push_back(d);
     }
-    x.bump(OpKind::kSignal, kRead, rs_tag::kPushSignal, owner, x.pushed_from(me));
+    x.bump(OpKind::kSignal, ps, rs_tag::kPushSignal, owner, x.pushed_from(me));
   }
-  // Owner: wait for the L-1 pushes, then sum staged contributions in local-rank order, then own.
+}
+
+// The SUM terms of one destination row piece: the L-1 staged slices in local-rank order, then
+// the own gradient (read in place), all over `v` elements at dst_elem.
+void sum_terms(const Ctx& x, Op& op, int slot, int64_t staged_elem, const BufRef& own_src, int64_t dst_elem,
+               int64_t v) {
+  int term = 0;
+  for (int i = 0; i < x.L; ++i) {
+    if (i == x.me) continue;
+    const int area = i < x.me ? i : i - 1;
+    SumTerm st;
+    st.src = x.ref(BufKind::kStaging, x.rank, slot, x.staging_off(slot, area) + staged_elem * x.b, v * x.b);
+    st.dtype = x.gdt;
+    st.dst_elem = dst_elem;
+    st.elems = v;
+    st.term = term++;
+    op.terms.push_back(st);
+  }
+  SumTerm own;
+  own.src = own_src;
+  own.dtype = x.gdt;
+  own.dst_elem = dst_elem;
+  own.elems = v;
+  own.term = term;
+  op.terms.push_back(own);
+}
+
+// Level-1 unit, owner side (read stream): wait for the L-1 pushes, sum staged contributions in
+// local-rank order, then own, into `dst_kind` (outbox block or spare; the output when direct,
+// with alpha and accumulate), then credit the slot back to the pushers.
+void level1_sum(Ctx& x, int pass, int c, int chunk, BufKind dst_kind, int dst_index, int64_t dst_block_off) {
+  const RsSchedule& rs = x.rs;
+  const int L = x.L, M = x.M, me = x.me;
+  const int64_t u = x.unit_index(pass, c, chunk);
+  const int slot = static_cast<int>(u % rs.n_stg);
+  const int t = (x.n + c) % M;
   for (int i = 0; i < L; ++i)
     if (i != me) x.wait(kRead, rs_tag::kPushWait, x.rank, x.pushed_from(i), u + 1 - x.units, x.units);
-  const int s = subslice_of(me, c, M, L);
-  const RsSubslice& sub = rs.subslice(pass, s);
+  const int s = rs.direct ? 0 : subslice_of(me, c, M, L);
+  const RsSubslice& sub = rs.direct ? rs.subslices[0] : rs.subslice(pass, s);
   const int64_t col0 = chunk * rs.E_chunk;
-  const int64_t cols = std::min(rs.E_chunk, rs.E_sub - col0);
-  // With one chunk a SUM writes the whole block (1-D, element l*E_sub + col); with several,
-  // one SUM per block row covers that row's chunk columns (element col - col0).
-  const bool whole = rs.n_chunks == 1;
-  std::vector<size_t> sums;  // op indices: emit() may reallocate prog.ops
-  for (int l = 0; l < (whole ? 1 : L); ++l) {
+  const int64_t cols = std::min(rs.E_chunk, rs.E_span - col0);
+  if (rs.direct) {  // [Note: direct Level 1]: one SUM per chunk into the output's columns
+    const int64_t live = std::min(cols, x.lay.E - col0);
     Op& op = x.emit(OpKind::kSum, kRead, rs_tag::kSum, static_cast<int32_t>(u));
-    op.dst = whole ? x.ref(dst_kind, x.rank, dst_index, dst_block_off, rs.block_bytes)
-                   : x.ref(dst_kind, x.rank, dst_index,
-                           dst_block_off + (l * rs.E_sub + col0) * 4, cols * 4);
-    sums.push_back(x.out->size() - 1);
-  }
-  for (int si = sub.seg_begin; si < sub.seg_end; ++si) {
-    const RsSegment& seg = rs.segments[si];
-    const int64_t x0 = std::max(col0, seg.sub_offset);
-    const int64_t x1 = std::min(col0 + cols, seg.sub_offset + seg.length);
-    if (x0 >= x1) continue;
-    const ParamLayout& pl = x.lay.params[seg.param];
-    const int64_t po = seg.param_offset + (x0 - seg.sub_offset);
-    for (int l = 0; l < L; ++l) {
-      const int r = x.rank_of(t, l);
-      const int64_t v = std::min(x1 - x0, x.valid_elems(seg.param, r) - po);
+    op.dst = x.ref(BufKind::kOut, x.rank, -1, col0 * 4, std::max<int64_t>(live, 0) * 4);
+    op.alpha = x.opt.alpha;
+    op.accumulate = x.opt.accumulate;
+    for (int si = sub.seg_begin; si < sub.seg_end; ++si) {
+      const RsSegment& seg = rs.segments[si];
+      const int64_t x0 = std::max(col0, seg.sub_offset);
+      const int64_t x1 = std::min(col0 + cols, seg.sub_offset + seg.length);
+      if (x0 >= x1) continue;
+      const ParamLayout& pl = x.lay.params[seg.param];
+      const int64_t po = seg.param_offset + (x0 - seg.sub_offset);
+      const int64_t v = std::min(x1 - x0, x.valid_elems(seg.param, x.rank) - po);
       if (v <= 0) continue;
-      Op& op = (*x.out)[sums[whole ? 0 : l]];
-      const int64_t dst_elem = whole ? l * rs.E_sub + x0 : x0 - col0;
-      int term = 0;
-      for (int i = 0; i < L; ++i) {
-        if (i == me) continue;
-        const int area = i < me ? i : i - 1;
-        SumTerm st;
-        st.src = x.ref(BufKind::kStaging, x.rank, slot,
-                       x.staging_off(slot, area) + (l * rs.E_chunk + x0 - col0) * x.b, v * x.b);
-        st.dtype = x.gdt;
-        st.dst_elem = dst_elem;
-        st.elems = v;
-        st.term = term++;
-        op.terms.push_back(st);
+      sum_terms(x, op, slot, x0 - col0,
+                x.ref(BufKind::kGrad, x.rank, seg.param, (static_cast<int64_t>(x.rank) * pl.e + po) * x.b, v * x.b),
+                x0 - col0, v);
+    }
+    if (op.dst.width == 0) x.out->pop_back();  // a chunk past the output's end has nothing to write
+  } else {
+    // With one chunk a SUM writes the whole block (1-D, element l*E_sub + col); with several,
+    // one SUM per block row covers that row's chunk columns (element col - col0).
+    // A row SUM covers only the sub-slice's live columns (a shorter last sub-slice leaves the
+    // row's tail unread by every LAND), so its run table stays of the Level-1 shape.
+    const bool whole = rs.n_chunks == 1;
+    const int64_t live = std::min(cols, sub.length - col0);
+    if (!whole && live <= 0) {  // a chunk past the live columns: nothing to sum or land
+      for (int i = 0; i < L; ++i)
+        if (i != me) x.bump(OpKind::kCredit, kRead, rs_tag::kStagingFree, x.rank_of(x.n, i), x.stg_free_from(me));
+      return;
+    }
+    std::vector<size_t> sums;  // op indices: emit() may reallocate prog.ops
+    for (int l = 0; l < (whole ? 1 : L); ++l) {
+      Op& op = x.emit(OpKind::kSum, kRead, rs_tag::kSum, static_cast<int32_t>(u));
+      op.dst = whole ? x.ref(dst_kind, x.rank, dst_index, dst_block_off, rs.block_bytes)
+                     : x.ref(dst_kind, x.rank, dst_index,
+                             dst_block_off + (l * rs.E_sub + col0) * 4, live * 4);
+      sums.push_back(x.out->size() - 1);
+    }
+    for (int si = sub.seg_begin; si < sub.seg_end; ++si) {
+      const RsSegment& seg = rs.segments[si];
+      const int64_t x0 = std::max(col0, seg.sub_offset);
+      const int64_t x1 = std::min(col0 + cols, seg.sub_offset + seg.length);
+      if (x0 >= x1) continue;
+      const ParamLayout& pl = x.lay.params[seg.param];
+      const int64_t po = seg.param_offset + (x0 - seg.sub_offset);
+      for (int l = 0; l < L; ++l) {
+        const int r = x.rank_of(t, l);
+        const int64_t v = std::min(x1 - x0, x.valid_elems(seg.param, r) - po);
+        if (v <= 0) continue;
+        Op& op = (*x.out)[sums[whole ? 0 : l]];
+        sum_terms(x, op, slot, l * rs.E_chunk + x0 - col0,
+                  x.ref(BufKind::kGrad, x.rank, seg.param, (static_cast<int64_t>(r) * pl.e + po) * x.b, v * x.b),
+                  whole ? l * rs.E_sub + x0 : x0 - col0, v);
       }
-      SumTerm own;
-      own.src = x.ref(BufKind::kGrad, x.rank, seg.param,
-                      (static_cast<int64_t>(r) * pl.e + po) * x.b, v * x.b);
-      own.dtype = x.gdt;
-      own.dst_elem = dst_elem;
-      own.elems = v;
-      own.term = term;
-      op.terms.push_back(own);
     }
   }
   for (int i = 0; i < L; ++i)
@@ -251,7 +307,9 @@ Program RsProgramGenerator::header(int rank, bool counter_names) const {
   prog.topo = plan.topo;
   prog.plan_hash = plan.hash;
   prog.group = opt.group;
-  prog.streams = {"read", "rail", "land"};
+  // [Note: push and sum streams]; a direct schedule has no rail or land stream.
+  prog.streams = plan.rs.direct ? std::vector<std::string>{"read", "push"}
+                                : std::vector<std::string>{"read", "rail", "land", "push"};
   prog.sum_ctas = plan.solver.sum_ctas;    // C_sum, Eq. 13
   prog.land_ctas = plan.solver.land_ctas;  // C_mc, Eq. 14
   prog.num_counters = x.num_counters();
@@ -274,6 +332,8 @@ Program RsProgramGenerator::header(int rank, bool counter_names) const {
     prog.counter_names[x.ev_release()] = "release";
     prog.counter_names[x.ev_done()] = "done";
     prog.counter_names[x.ev_spare()] = "spare_copied";
+    prog.counter_names[x.ev_start()] = "start";
+    prog.counter_names[x.ev_pushed()] = "pushed";
   }
   const RsArenaNeeds need = rs_arena_needs(plan);
   const auto region = [&](BufKind k) { return prog.arena.bytes[static_cast<int>(k)]; };
@@ -299,8 +359,11 @@ Program RsProgramGenerator::header(int rank, bool counter_names) const {
 int RsProgramGenerator::steps(int, int stream) const {
   const RsSchedule& rs = plan_->rs;
   const int T = static_cast<int>(rs.wave_list.size());
-  // read: bank wait, one step per (pass, position), release; rail/land: one step per wave, final record.
-  return stream == kRead ? rs.n_part * rs.M + 2 : stream == kRail || stream == kLandStream ? T + 1 : 0;
+  // read and push: start, one step per (pass, position), release / pushed; rail/land: one step
+  // per wave, final record. Direct: read and push only, one step for all chunks.
+  const int units = rs.direct ? 1 : rs.n_part * rs.M;
+  if (stream == kRead || stream == (rs.direct ? 1 : kPushLevel2)) return units + 2;
+  return !rs.direct && (stream == kRail || stream == kLandStream) ? T + 1 : 0;
 }
 
 void RsProgramGenerator::emit(int rank, int stream, int step, std::vector<Op>& out) const {
@@ -313,18 +376,43 @@ void RsProgramGenerator::emit(int rank, int stream, int step, std::vector<Op>& o
   const int64_t D = rs.d_rem;
   TIDE_CHECK(step >= 0 && step < steps(rank, stream), "RsProgramGenerator::emit: rank ", rank, " stream ",
              stream, " has no step ", step);
-  if (stream == kRead) {
-    // ---- read stream: Level 1 (Algorithm 1 lines 1-7; later sums follow the sends) --------
-    if (step == 0) {  // bank b was last used by call e-2: its sends and spare copies must be done
-      x.wait(kRead, rs_tag::kBankWait, rank, x.ev_rail_done(), -2, 1, true);
+  const int last = rs.direct ? 2 : static_cast<int>(PM) + 1;
+  std::vector<RsL1Copy> mine;
+  if (stream == x.push_stream()) {
+    // ---- push stream: Level-1 pushes ([Note: push and sum streams]) ------------------------
+    const uint8_t ps = x.push_stream();
+    if (step == 0) {  // the caller's stream reached this call: its gradients are written
+      x.wait(ps, rs_tag::kPushStart, rank, x.ev_start(), 0, 1, true);
       return;
     }
-    if (step == PM + 1) {
+    if (step == last) {
+      x.record(ps, rs_tag::kPushed, x.ev_pushed(), 0, 1);
+      return;
+    }
+    const int pass = rs.direct ? 0 : (step - 1) / M;
+    const int c = rs.direct ? M : x.c_at((step - 1) % M);
+    for (int chunk = 0; chunk < rs.n_chunks; ++chunk) level1_push(x, pass, c, chunk, mine);
+    return;
+  }
+  if (stream == kRead) {
+    // ---- read stream: Level 1 (Algorithm 1 lines 1-7; later sums follow the sends) --------
+    if (step == 0) {
+      x.record(kRead, rs_tag::kPushStart, x.ev_start(), 0, 1);
+      // bank b was last used by call e-2: its sends and spare copies must be done
+      if (!rs.direct) x.wait(kRead, rs_tag::kBankWait, rank, x.ev_rail_done(), -2, 1, true);
+      return;
+    }
+    if (step == last) {
+      x.wait(kRead, rs_tag::kPushed, rank, x.ev_pushed(), 0, 1, true);
       x.record(kRead, OpTag::kRelease, x.ev_release(), 0, 1);
+      if (rs.direct) x.record(kRead, OpTag::kComplete, x.ev_done(), 0, 1);
+      return;
+    }
+    if (rs.direct) {  // [Note: direct Level 1]
+      for (int chunk = 0; chunk < rs.n_chunks; ++chunk) level1_sum(x, 0, M, chunk, BufKind::kOut, -1, 0);
       return;
     }
     const int pass = (step - 1) / M, pos = (step - 1) % M;
-    std::vector<RsL1Copy> mine;
     const int c = x.c_at(pos);
     BufKind kind = BufKind::kSpare;
     int index = opt.bank;
@@ -339,8 +427,7 @@ void RsProgramGenerator::emit(int rank, int stream, int step, std::vector<Op>& o
       if (J >= rs.n_out)  // partial outbox: block J mod n_out is free once J - n_out is sent
         x.wait(kRead, rs_tag::kOutboxWait, rank, x.ev_sent(), J - rs.n_out + 1 - D, D, true);
     }
-    for (int chunk = 0; chunk < rs.n_chunks; ++chunk)
-      level1_unit(x, pass, c, chunk, mine, kind, index, off);
+    for (int chunk = 0; chunk < rs.n_chunks; ++chunk) level1_sum(x, pass, c, chunk, kind, index, off);
     x.record(kRead, rs_tag::kProgress, x.ev_progress(), x.read_pos(pass, c) + 1 - PM, PM);
     return;
   }
@@ -443,8 +530,13 @@ int RsProgramGenerator::producer(const CounterRef& c, int* stream) const {
   const int L = x.L, M = x.M, n = x.n, me = x.me, i = c.index;
   if (i < 0 || i >= x.num_counters()) return -1;
   const auto at = [&](int node, int local, int s) { *stream = s; return x.rank_of(node, local); };
-  if (i < L) return at(n, i, kRead);                                      // pushed_from[i]
+  const bool direct = x.rs.direct;
+  if (i < L) return at(n, i, x.push_stream());                            // pushed_from[i]
   if (i < 2 * L) return at(n, i - L, kRead);                              // stg_free_from[j]
+  if (i == x.ev_progress() || i == x.ev_release() || i == x.ev_start()) return at(n, me, kRead);
+  if (i == x.ev_pushed()) return at(n, me, x.push_stream());
+  if (i == x.ev_done()) return at(n, me, direct ? kRead : kLandStream);
+  if (direct) return -1;                                                  // no Level-2 counters
   if (i < 3 * L) return at(n, i - 2 * L, kRail);                          // ready_from[j]
   if (i < 4 * L) return at(n, i - 3 * L, kLandStream);                    // landed_from[l]
   if (i < 4 * L + M) return at(i - 4 * L, me, kRail);                     // credit_from[t]
@@ -452,8 +544,6 @@ int RsProgramGenerator::producer(const CounterRef& c, int* stream) const {
     const int cc = i - 4 * L - M + 1;
     return cc < M ? at(((n - cc) % M + M) % M, me, kRail) : -1;
   }
-  if (i == x.ev_progress() || i == x.ev_release()) return at(n, me, kRead);
-  if (i == x.ev_done()) return at(n, me, kLandStream);
   return at(n, me, kRail);  // sent, rail_done, spare_copied
 }
 
@@ -488,7 +578,7 @@ Program build_rs_program(const Plan& plan, const RsCallOptions& opt, int rank) {
     }
   }
 
-  for (int stream = kRead; stream <= kLandStream; ++stream)
+  for (int stream = 0; stream < static_cast<int>(prog.streams.size()); ++stream)
     for (int step = 0, n = generator.steps(rank, stream); step < n; ++step) generator.emit(rank, stream, step, prog.ops);
   return prog;
 }

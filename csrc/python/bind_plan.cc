@@ -50,6 +50,10 @@ nb::dict rs_dict(const RsSchedule& rs) {
   d["E_stg"] = rs.E_stg;
   d["E_sub"] = rs.E_sub;
   d["block_bytes"] = rs.block_bytes;
+  d["direct"] = rs.direct;
+  d["E_span"] = rs.E_span;
+  d["E_chunk"] = rs.E_chunk;
+  d["n_chunks"] = rs.n_chunks;
   d["l1_descriptors_per_rank"] = rs.l1_descriptors_per_rank;
   d["l1_flat_descriptors_per_rank"] = rs.l1_flat_descriptors_per_rank;
   return d;
@@ -173,6 +177,8 @@ void bind_plan(nb::module_& m) {
       .def_prop_ro("options", &options_dict, "Resolved options (every 0 = auto filled in).")
       .def_prop_ro("ag", [](const Plan& p) { return ag_dict(p.ag); }, "TIDE-AG schedule fields.")
       .def_prop_ro("rs", [](const Plan& p) { return rs_dict(p.rs); }, "TIDE-RS schedule fields.")
+      .def_prop_ro("rs_sizing", [](const Plan& p) { return p.rs_sizing; },
+                   "Why the planner chose the RS pass count and staging chunk.")
       .def_prop_ro("solver", [](const Plan& p) { return solver_dict(p.solver); },
                    "Sizing-solver choices (Eqs. 13-14, App. G).")
       .def("memory", &memory_dict,
@@ -217,13 +223,14 @@ void bind_plan(nb::module_& m) {
           else if (kname == "gamma_skew") cal.gamma_skew = nb::cast<double>(value);
           else if (kname == "eta_tail") cal.eta_tail = nb::cast<double>(value);
           else if (kname == "k_max") cal.k_max = nb::cast<int>(value);
+          else if (kname == "bw_push") cal.bw_push = nb::cast<double>(value);
           else throw PlanError(TIDE_STR_CAT("calibration: unknown field '", kname, "'"));
         }
         return make_plan(sig, topo, opt, cal);
       },
       nb::arg("shapes"), nb::arg("names"), nb::arg("ag_dtype"), nb::arg("grad_dtype"),
       nb::arg("shard_dtype"), nb::arg("nodes"), nb::arg("gpus_per_node"), nb::arg("mode"),
-      nb::arg("w_wave") = 0, nb::arg("k") = 0, nb::arg("n_part") = 1, nb::arg("n_stg") = 2,
+      nb::arg("w_wave") = 0, nb::arg("k") = 0, nb::arg("n_part") = 0, nb::arg("n_stg") = 2,
       nb::arg("chunk_bytes") = 0, nb::arg("sum_ctas") = 0, nb::arg("land_ctas") = 0,
       nb::arg("ag_head_bytes") = Options().ag_head_bytes, nb::arg("calibration") = nb::dict());
 
@@ -252,7 +259,7 @@ void bind_plan(nb::module_& m) {
     nb::dict d;
     d["bw_nic"] = c.bw_nic; d["bw_sum"] = c.bw_sum; d["bw_land"] = c.bw_land;
     d["bw_cap"] = c.bw_cap; d["t_rnd"] = c.t_rnd; d["gamma_skew"] = c.gamma_skew;
-    d["eta_tail"] = c.eta_tail; d["k_max"] = c.k_max;
+    d["eta_tail"] = c.eta_tail; d["k_max"] = c.k_max; d["bw_push"] = c.bw_push;
     return d;
   });
 }

@@ -49,7 +49,7 @@ void bind_rs_types(nb::module_& m) {
       .def_ro("E_stg", &RsSchedule::E_stg).def_ro("E_sub", &RsSchedule::E_sub)
       .def_ro("E_subslice", &RsSchedule::E_subslice)
       .def_ro("block_bytes", &RsSchedule::block_bytes).def_ro("E_chunk", &RsSchedule::E_chunk)
-      .def_ro("n_chunks", &RsSchedule::n_chunks).def_ro("n_stg", &RsSchedule::n_stg)
+      .def_ro("n_chunks", &RsSchedule::n_chunks).def_ro("direct", &RsSchedule::direct).def_ro("E_span", &RsSchedule::E_span).def_ro("stg_rows", &RsSchedule::stg_rows).def_ro("n_stg", &RsSchedule::n_stg)
       .def_ro("b_grad", &RsSchedule::b_grad).def_ro("stg_slot_bytes", &RsSchedule::stg_slot_bytes)
       .def_ro("n_spare", &RsSchedule::n_spare).def_ro("d_rem", &RsSchedule::d_rem)
       .def_ro("l1_descriptors_per_rank", &RsSchedule::l1_descriptors_per_rank)
@@ -173,11 +173,12 @@ void bind_rs(nb::module_& m) {
       nb::arg("op"), nb::arg("world"), nb::arg("premul") = 1.0, nb::arg("predivide") = 1.0,
       nb::arg("postdivide") = 1.0, "FSDP2's reduce op and divide factors folded into one alpha.");
   nb::dict tags;
-  for (int t = 100; t <= 121; ++t) {
+  for (int t = 100; t <= 123; ++t) {
     static const char* names[] = {"BankWait", "StagingWait", "Push", "PushSignal", "PushWait",
                                   "Sum", "StagingFree", "Progress", "OutboxWait", "GenWait",
                                   "Zero", "InboxCredit", "SumWait", "Put", "Sent", "SpareCopy",
-                                  "Ready", "ReadyWait", "Land", "Landed", "RailDone", "SpareWait"};
+                                  "Ready", "ReadyWait", "Land", "Landed", "RailDone", "SpareWait",
+                                  "PushStart", "Pushed"};
     tags[names[t - 100]] = t;
   }
   m.attr("rs_op_tags") = tags;

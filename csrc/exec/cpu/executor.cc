@@ -378,10 +378,8 @@ struct Runner {
         uint8_t* d = resolve(rs, call, idx, op.dst);
         for (int64_t i = 0; i < n; ++i) {
           float v = acc[static_cast<size_t>(i)];
-          if (op.kind == OpKind::kLand) {
-            v = op.alpha * v;
-            if (op.accumulate) { float o; std::memcpy(&o, d + 4 * i, 4); v = o + v; }
-          }
+          if (op.kind == OpKind::kLand || op.alpha != 1.0f) v = op.alpha * v;  // a SUM: only alpha != 1
+          if (op.accumulate) { float o; std::memcpy(&o, d + 4 * i, 4); v = o + v; }
           std::memcpy(d + 4 * i, &v, 4);
         }
         break;

@@ -375,6 +375,9 @@ void issue(const IssueContext& c, int rank, int i, int64_t seq) {
         sa.segs = c.tables->d_segs + l1.seg_offset;
         sa.n_segs = l1.n_segs;
         for (int p = 0; p < kMaxGradPtrs; ++p) sa.grad[p] = static_cast<const uint16_t*>(a.base[p]);
+        sa.scale = op.alpha != 1.0f;
+        sa.accumulate = op.accumulate ? 1 : 0;
+        sa.alpha = op.alpha;
         launch_sum(sa, sum_ctas, knobs, s);
         break;
       }
@@ -382,7 +385,7 @@ void issue(const IssueContext& c, int rank, int i, int64_t seq) {
       a.n_runs = ro.n_runs;
       a.n_terms = ro.n_terms;
       a.fp32_terms = ro.fp32_terms;
-      a.land = op.kind == OpKind::kLand;
+      a.land = op.kind == OpKind::kLand || op.alpha != 1.0f || op.accumulate;  // a direct SUM: as LAND
       a.accumulate = op.accumulate ? 1 : 0;
       a.alpha = op.alpha;
       launch_reduce(a, op.kind == OpKind::kSum ? sum_ctas : land_ctas, knobs, s);

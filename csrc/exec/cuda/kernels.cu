@@ -64,6 +64,20 @@ __device__ __forceinline__ void add8(float (&acc)[kVec], const uint4& v) {
     acc[2 * i + 1] = __fadd_rn(acc[2 * i + 1], bf16_hi(w[i]));
   }
 }
+// A direct Level-1 SUM's alpha and accumulate (SumArgs), on the 8 sums about to go to d[0..1].
+__device__ __forceinline__ void finish8(const SumArgs& a, float (&acc)[kVec], const float4* d) {
+  float old[kVec] = {};
+  if (a.accumulate) {
+    const float4 o0 = d[0], o1 = d[1];
+    old[0] = o0.x; old[1] = o0.y; old[2] = o0.z; old[3] = o0.w;
+    old[4] = o1.x; old[5] = o1.y; old[6] = o1.z; old[7] = o1.w;
+  }
+#pragma unroll
+  for (int i = 0; i < kVec; ++i) {
+    if (a.scale) acc[i] = __fmul_rn(a.alpha, acc[i]);
+    if (a.accumulate) acc[i] = __fadd_rn(old[i], acc[i]);
+  }
+}
 __device__ __forceinline__ void set8(float (&acc)[kVec], const uint4& v) {
   const uint32_t w[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
@@ -128,6 +142,7 @@ __device__ __forceinline__ void sum_piece(const SumArgs& a, int64_t begin, int64
               set8(acc, o[u]);
             }
             float4* d = dp + 2 * u * kSumThreads;
+            if (a.scale | a.accumulate) finish8(a, acc, d);
             d[0] = make_float4(acc[0], acc[1], acc[2], acc[3]);
             d[1] = make_float4(acc[4], acc[5], acc[6], acc[7]);
           }
@@ -149,6 +164,8 @@ __device__ __forceinline__ void sum_piece(const SumArgs& a, int64_t begin, int64
       } else {
         acc = x;
       }
+      if (a.scale) acc = __fmul_rn(a.alpha, acc);
+      if (a.accumulate) acc = __fadd_rn(a.dst[k], acc);
       a.dst[k] = acc;
     }
   }

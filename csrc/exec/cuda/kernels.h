@@ -54,6 +54,11 @@ struct SumArgs {
   int n_segs = 0;
   const SumSegment* segs = nullptr;                // device table (uploaded at registration)
   const uint16_t* grad[kMaxGradPtrs] = {};         // per-parameter bf16 gradient base pointers
+  // A direct Level-1 SUM into the output ([Note: direct Level 1], plan.h) folds alpha and
+  // accumulate in as LAND does: v = alpha * t (only when scale), dst = accumulate ? dst + v : v.
+  int scale = 0;
+  int accumulate = 0;
+  float alpha = 1.0f;
 };
 
 // ---- ZERO: stale inbox blocks -----------------------------------------------------------------

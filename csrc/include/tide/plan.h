@@ -80,9 +80,9 @@ struct Options {
   Mode mode = Mode::kInPlace;
   int w_wave = 0;        // W_wave, contributors per wave; 0 -> L
   int k = 0;             // max concurrent rail transfers per round; 0 -> solver
-  int n_part = 1;        // sub-slice passes per reduce-scatter
+  int n_part = 0;        // sub-slice passes per reduce-scatter; 0 -> planner (rs_sizing)
   int n_stg = 2;         // local bf16 staging slots
-  int64_t chunk_bytes = 0;  // RS staging chunk (bytes of one staged row piece); 0 -> whole sub-slice
+  int64_t chunk_bytes = 0;  // RS staging chunk (bytes of one staged row piece); 0 -> planner
   int sum_ctas = 0;      // C_sum; 0 -> solver
   int land_ctas = 0;     // C_mc; 0 -> solver
   int64_t ag_head_bytes = 8ll << 20;  // total head bytes of a paced AG round (head/tail split)
@@ -251,6 +251,12 @@ struct RsL1Copy {
 };
 
 struct RsSchedule {
+  // [Note: direct Level 1] With one node (M = 1) there is no Level 2: every local rank owns its
+  // own output, the L-1 peers push its rows chunk by chunk into its staging, and its Level-1 SUM
+  // writes the fp32 output directly (alpha and accumulate folded in). No waves, rounds, outbox,
+  // inbox or spare; a chunk then spans the whole output (E_span = E) instead of a sub-slice.
+  bool direct = false;
+  int64_t E_span = 0;   // columns one Level-1 unit's chunks cover: E_sub, or E when direct
   int w_wave = 0;       // W_wave (resolved)
   int waves = 0;        // W = ceil(M / W_wave), waves per pass
   int n_par = 0;        // inbox buffer generations: 1 for a single wave, else 2
@@ -266,7 +272,8 @@ struct RsSchedule {
   int n_chunks = 1;         // chunks per sub-slice, ceil(E_sub / E_chunk)
   int n_stg = 2;            // staging slots
   int b_grad = 2;           // gradient item size
-  int64_t stg_slot_bytes = 0;  // one staging slot: (L-1) * L * E_chunk * b_grad
+  int64_t stg_slot_bytes = 0;  // one staging slot: (L-1) * rows * E_chunk * b_grad (rows: L, 1 direct)
+  int stg_rows = 0;            // staged rows per peer area: L (one per destination rank), 1 direct
   int n_spare = 1;          // own-node spare blocks per bank (passes reuse it in turn)
   int64_t d_rem = 0;        // remote destination blocks per call, n_part*(M-1)
   int64_t l1_descriptors_per_rank = 0;       // coalesced Level-1 copies per call, with tails (max
@@ -373,6 +380,7 @@ struct Calibration {
   double gamma_skew = 1.5;
   double eta_tail = 0.05;
   int k_max = 4;
+  double bw_push = 360e9;    // B/s copy-engine pushes arriving at one GPU from its L-1 peers
 };
 
 // The solver's choices; a nonzero Options field overrides the matching choice (flagged below),
@@ -405,6 +413,7 @@ struct Plan {
   RsSchedule rs;
   MemoryModel memory;
   SolverResult solver;
+  std::string rs_sizing;  // why the planner chose this pass count and chunk (tide plan prints it)
   uint64_t hash = 0;
 };
 
@@ -421,6 +430,16 @@ SolverResult solve(const GroupLayout& layout, const Topology& topo, const Option
 AgSchedule build_ag_schedule(const GroupLayout& layout, const GroupSignature& sig,
                              const Topology& topo, const Options& opt);
 RsSchedule build_rs_schedule(const GroupLayout& layout, const Topology& topo, const Options& opt);
+// The schedule's sizes only (waves, rounds, n_out, E_sub, blocks, chunks): no segment table or
+// descriptor counts. What the planner compares candidate pass counts and chunks with.
+RsSchedule size_rs_schedule(const GroupLayout& layout, const Topology& topo, const Options& opt);
+// RS scratch bytes (staging + outbox + inbox + spare) a sized schedule lays out.
+int64_t rs_scratch_bytes(const RsSchedule& rs);
+// The planner's staging chunk (Options.chunk_bytes = 0): the largest whole-vector chunk whose
+// n_stg slots fit in one output-sized block S_fp32, never below kMinChunkBytes per staged piece.
+constexpr int64_t kMinChunkBytes = 256 << 10;
+constexpr double kRsScratchBlocks = 21.0;  // RS scratch ceiling in output-sized blocks (Fig. 10b)
+constexpr int kMaxAutoPasses = 4;
 void validate_rs(const RsSchedule& rs, const Topology& topo, const Options& opt);  // PlanError
 MemoryModel build_memory(const Plan& plan);
 

@@ -52,6 +52,7 @@
 //        plan's solver, Eqs. 13-14, stamped by the RS builders; a session may override them).
 //   v1+ — two-sided rails: OpKind::kSend / kRecv, Op::rail_group, Program::rails and
 //        lower_two_sided() ([Note: two-sided rails]).
+//   v1+ — SUM honours alpha and accumulate (as LAND) when alpha != 1 or accumulate is set.
 #pragma once
 
 #include <cstdint>
@@ -131,7 +132,9 @@ struct CounterRef {
 enum class OpKind : uint8_t {
   kCopy = 0,         // batch of CopyDesc (any may target a local peer's arena)
   kCast = 1,         // batch of CopyDesc, fp32 -> bf16
-  kSum = 2,          // dst (fp32) = sum over terms in order (valid extents)
+  kSum = 2,          // dst (fp32) = sum over terms in order (valid extents); with alpha != 1 or
+                     // accumulate, as LAND: [accumulate ? dst : 0] + alpha * sum (a direct
+                     // Level-1 SUM into the output, [Note: direct Level 1] in plan.h)
   kLand = 3,         // dst (fp32 out) = [accumulate ? dst : 0] + alpha * sum over terms in order
   kZero = 4,         // zero dst (stale blocks)
   kPut = 5,          // batch of CopyDesc to ONE rail peer's arena, then counter += value there
@@ -205,8 +208,8 @@ struct Op {
   CounterRef counter;               // PUT, SIGNAL, CREDIT, WAIT, EVENT_RECORD, EVENT_WAIT
   int64_t value = 0;                // increment (PUT/SIGNAL/CREDIT) or target base (WAIT/EVENT)
   int64_t per_call = 0;             // target/record slope in seq
-  float alpha = 1.0f;               // LAND
-  bool accumulate = false;          // LAND
+  float alpha = 1.0f;               // LAND, and a SUM into the output
+  bool accumulate = false;          // LAND, and a SUM into the output
   bool multicast = false;           // COPY: descriptors form identical-offset groups to all L
                                     // local ranks; an executor may use one multicast write
   int64_t target(int64_t seq) const { return value + per_call * seq; }

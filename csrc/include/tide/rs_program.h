@@ -51,6 +51,8 @@ constexpr OpTag kLand = static_cast<OpTag>(118);        // land: inbox blocks ->
 constexpr OpTag kLanded = static_cast<OpTag>(119);      // land: tell local GPUs gen is read
 constexpr OpTag kRailDone = static_cast<OpTag>(120);    // rail: call's network phase done
 constexpr OpTag kSpareWait = static_cast<OpTag>(121);   // read: previous pass's spare copied out
+constexpr OpTag kPushStart = static_cast<OpTag>(122);   // read/push: the call reached the caller's stream
+constexpr OpTag kPushed = static_cast<OpTag>(123);      // push/read: the push stream's last push read
 }  // namespace rs_tag
 
 // Reduction folding (FSDP2): alpha = premul * (op == AVG ? 1/world : 1) / (pre * post).
