@@ -66,6 +66,11 @@ def format_plan(p, title: str, max_params: int = 12) -> str:
             f"  E_sub {rs['E_sub']} elements, block {_fmt_bytes(rs['block_bytes'])}; Level-1 "
             f"descriptors per rank: {rs['l1_descriptors_per_rank']} coalesced, "
             f"{rs['l1_flat_descriptors_per_rank']} flat",
+            *(["  one node: direct Level 1 (the SUM writes the output; no outbox, inbox, spare or LAND)"]
+              if rs.get("direct") else []),
+            f"  staging chunk {rs['E_chunk']} elements x {rs['n_chunks']} per "
+            f"{'output' if rs.get('direct') else 'sub-slice'}",
+            f"  sizing: {p.rs_sizing}",
             "", "Sizing solver (Eqs. 13-14, App. G)"]
     given = lambda key: "given" if sv[f"{key}_given"] else "solver"  # noqa: E731
     out.append(f"  k = {sv['k']} ({given('k')}), C_sum = {sv['sum_ctas']} ({given('sum_ctas')}), "
