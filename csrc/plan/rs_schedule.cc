@@ -61,45 +61,17 @@ void build_segments(RsSchedule& rs, const GroupLayout& layout, int64_t E) {
 // rows, one short tail the final padded row, and rows wholly past D_p are never copied: the sum
 // treats them as zero (valid extents), which is what FSDP2's zero padding contributes.
 // for_each_level1_copy_of: the pushes of one unit (c, pass, owner j, chunk) of `rank`.
-// Direct (M = 1): the push of `rank` to owner j is j's own rows, one 1-D piece per segment.
-template <typename F>
-void for_each_direct_copy_of(const GroupLayout& layout, const RsSchedule& rs, int j, int chunk, F&& f) {
-  const int64_t b = rs.b_grad;
-  const RsSubslice& sub = rs.subslices[0];
-  const int64_t col0 = chunk * rs.E_chunk, col1 = col0 + rs.E_chunk;
-  for (int si = sub.seg_begin; si < sub.seg_end; ++si) {
-    const RsSegment& seg = rs.segments[si];
-    const int64_t x0 = std::max(col0, seg.sub_offset);
-    const int64_t x1 = std::min(col1, seg.sub_offset + seg.length);
-    if (x0 >= x1) continue;
-    const ParamLayout& pl = layout.params[seg.param];
-    const int64_t po = seg.param_offset + (x0 - seg.sub_offset);
-    const int64_t w = std::min(x1 - x0, layout.valid_rows(seg.param, j) * pl.K - po);
-    if (w <= 0) continue;
-    RsL1Copy cp;
-    cp.c = 1; cp.t = 0; cp.owner = j; cp.pass = 0; cp.s = 0; cp.chunk = chunk;
-    cp.copy.param = seg.param;
-    cp.copy.src_pitch = pl.e * b;
-    cp.copy.dst_pitch = rs.E_chunk * b;
-    cp.copy.src_offset = (static_cast<int64_t>(j) * pl.e + po) * b;
-    cp.copy.dst_offset = (x0 - col0) * b;
-    cp.copy.width = w * b;
-    cp.copy.height = 1;
-    cp.tail = w < x1 - x0;
-    f(cp);
-  }
-}
-
 template <typename F>
 void for_each_level1_copy_of(const GroupLayout& layout, const RsSchedule& rs, int rank, int c, int pass,
                              int j, int chunk, F&& f) {
-  if (rs.direct) return for_each_direct_copy_of(layout, rs, j, chunk, f);
-  const int M = rs.M, L = rs.L;
-  const int n = rank / L;
+  // Direct (M = 1): the destination rows are owner j's own, one row per segment piece.
+  const int M = rs.M, L = rs.rows_for_dest();
+  const int n = rank / rs.L;
   const int64_t b = rs.b_grad;
   const int t = (n + c) % M;
-  const int s = subslice_of(j, c, M, L);
-  const RsSubslice& sub = rs.subslice(pass, s);
+  const int s = rs.direct ? 0 : subslice_of(j, c, M, rs.L);
+  const RsSubslice& sub = rs.direct ? rs.subslices[0] : rs.subslice(pass, s);
+  const int first = rs.direct ? j : t * rs.L;  // rank of destination row 0
   const int64_t col0 = chunk * rs.E_chunk, col1 = col0 + rs.E_chunk;
   for (int si = sub.seg_begin; si < sub.seg_end; ++si) {
     const RsSegment& seg = rs.segments[si];
@@ -110,7 +82,7 @@ void for_each_level1_copy_of(const GroupLayout& layout, const RsSchedule& rs, in
     const int64_t po = seg.param_offset + (x0 - seg.sub_offset);
     const int64_t w = x1 - x0;
     int l_full = 0;
-    while (l_full < L && layout.valid_rows(seg.param, t * L + l_full) * pl.K >= po + w)
+    while (l_full < L && layout.valid_rows(seg.param, first + l_full) * pl.K >= po + w)
       ++l_full;
     RsL1Copy cp;
     cp.c = c; cp.t = t; cp.owner = j; cp.pass = pass; cp.s = s; cp.chunk = chunk;
@@ -118,7 +90,7 @@ void for_each_level1_copy_of(const GroupLayout& layout, const RsSchedule& rs, in
     cp.copy.src_pitch = pl.e * b;
     cp.copy.dst_pitch = rs.E_chunk * b;
     if (l_full > 0) {
-      cp.copy.src_offset = (static_cast<int64_t>(t) * L * pl.e + po) * b;
+      cp.copy.src_offset = (static_cast<int64_t>(first) * pl.e + po) * b;
       cp.copy.dst_offset = (x0 - col0) * b;
       cp.copy.width = w * b;
       cp.copy.height = l_full;
@@ -126,9 +98,9 @@ void for_each_level1_copy_of(const GroupLayout& layout, const RsSchedule& rs, in
       f(cp);
     }
     if (l_full < L) {
-      const int64_t valid = layout.valid_rows(seg.param, t * L + l_full) * pl.K;
+      const int64_t valid = layout.valid_rows(seg.param, first + l_full) * pl.K;
       if (valid > po) {
-        cp.copy.src_offset = ((static_cast<int64_t>(t) * L + l_full) * pl.e + po) * b;
+        cp.copy.src_offset = ((static_cast<int64_t>(first) + l_full) * pl.e + po) * b;
         cp.copy.dst_offset = (l_full * rs.E_chunk + x0 - col0) * b;
         cp.copy.width = (valid - po) * b;
         cp.copy.height = 1;

@@ -184,6 +184,24 @@ void sum_terms(const Ctx& x, Op& op, int slot, int64_t staged_elem, const BufRef
   op.terms.push_back(own);
 }
 
+// Calls f(param, x0, x1, po) for each segment piece of `sub` inside chunk columns
+// [col0, col0 + cols): columns [x0, x1) of the span, po the element offset inside the param's shard.
+template <typename F>
+void for_chunk_pieces(const Ctx& x, const RsSubslice& sub, int64_t col0, int64_t cols, F&& f) {
+  for (int si = sub.seg_begin; si < sub.seg_end; ++si) {
+    const RsSegment& seg = x.rs.segments[si];
+    const int64_t x0 = std::max(col0, seg.sub_offset);
+    const int64_t x1 = std::min(col0 + cols, seg.sub_offset + seg.length);
+    if (x0 < x1) f(seg.param, x0, x1, seg.param_offset + (x0 - seg.sub_offset));
+  }
+}
+
+// The owner read its staging slot: credit it back to every pusher.
+void credit_slot(Ctx& x) {
+  for (int i = 0; i < x.L; ++i)
+    if (i != x.me) x.bump(OpKind::kCredit, kRead, rs_tag::kStagingFree, x.rank_of(x.n, i), x.stg_free_from(x.me));
+}
+
 // Level-1 unit, owner side (read stream): wait for the L-1 pushes, sum staged contributions in
 // local-rank order, then own, into `dst_kind` (outbox block or spare; the output when direct,
 // with alpha and accumulate), then credit the slot back to the pushers.
@@ -205,19 +223,12 @@ void level1_sum(Ctx& x, int pass, int c, int chunk, BufKind dst_kind, int dst_in
     op.dst = x.ref(BufKind::kOut, x.rank, -1, col0 * 4, std::max<int64_t>(live, 0) * 4);
     op.alpha = x.opt.alpha;
     op.accumulate = x.opt.accumulate;
-    for (int si = sub.seg_begin; si < sub.seg_end; ++si) {
-      const RsSegment& seg = rs.segments[si];
-      const int64_t x0 = std::max(col0, seg.sub_offset);
-      const int64_t x1 = std::min(col0 + cols, seg.sub_offset + seg.length);
-      if (x0 >= x1) continue;
-      const ParamLayout& pl = x.lay.params[seg.param];
-      const int64_t po = seg.param_offset + (x0 - seg.sub_offset);
-      const int64_t v = std::min(x1 - x0, x.valid_elems(seg.param, x.rank) - po);
-      if (v <= 0) continue;
-      sum_terms(x, op, slot, x0 - col0,
-                x.ref(BufKind::kGrad, x.rank, seg.param, (static_cast<int64_t>(x.rank) * pl.e + po) * x.b, v * x.b),
-                x0 - col0, v);
-    }
+    for_chunk_pieces(x, sub, col0, cols, [&](int p, int64_t x0, int64_t x1, int64_t po) {
+      const int64_t v = std::min(x1 - x0, x.valid_elems(p, x.rank) - po);
+      if (v <= 0) return;
+      const int64_t own = (static_cast<int64_t>(x.rank) * x.lay.params[p].e + po) * x.b;
+      sum_terms(x, op, slot, x0 - col0, x.ref(BufKind::kGrad, x.rank, p, own, v * x.b), x0 - col0, v);
+    });
     if (op.dst.width == 0) x.out->pop_back();  // a chunk past the output's end has nothing to write
   } else {
     // With one chunk a SUM writes the whole block (1-D, element l*E_sub + col); with several,
@@ -226,11 +237,7 @@ void level1_sum(Ctx& x, int pass, int c, int chunk, BufKind dst_kind, int dst_in
     // row's tail unread by every LAND), so its run table stays of the Level-1 shape.
     const bool whole = rs.n_chunks == 1;
     const int64_t live = std::min(cols, sub.length - col0);
-    if (!whole && live <= 0) {  // a chunk past the live columns: nothing to sum or land
-      for (int i = 0; i < L; ++i)
-        if (i != me) x.bump(OpKind::kCredit, kRead, rs_tag::kStagingFree, x.rank_of(x.n, i), x.stg_free_from(me));
-      return;
-    }
+    if (!whole && live <= 0) return credit_slot(x);  // a chunk past the live columns: nothing to sum
     std::vector<size_t> sums;  // op indices: emit() may reallocate prog.ops
     for (int l = 0; l < (whole ? 1 : L); ++l) {
       Op& op = x.emit(OpKind::kSum, kRead, rs_tag::kSum, static_cast<int32_t>(u));
@@ -239,26 +246,18 @@ void level1_sum(Ctx& x, int pass, int c, int chunk, BufKind dst_kind, int dst_in
                              dst_block_off + (l * rs.E_sub + col0) * 4, live * 4);
       sums.push_back(x.out->size() - 1);
     }
-    for (int si = sub.seg_begin; si < sub.seg_end; ++si) {
-      const RsSegment& seg = rs.segments[si];
-      const int64_t x0 = std::max(col0, seg.sub_offset);
-      const int64_t x1 = std::min(col0 + cols, seg.sub_offset + seg.length);
-      if (x0 >= x1) continue;
-      const ParamLayout& pl = x.lay.params[seg.param];
-      const int64_t po = seg.param_offset + (x0 - seg.sub_offset);
+    for_chunk_pieces(x, sub, col0, cols, [&](int p, int64_t x0, int64_t x1, int64_t po) {
       for (int l = 0; l < L; ++l) {
         const int r = x.rank_of(t, l);
-        const int64_t v = std::min(x1 - x0, x.valid_elems(seg.param, r) - po);
+        const int64_t v = std::min(x1 - x0, x.valid_elems(p, r) - po);
         if (v <= 0) continue;
-        Op& op = (*x.out)[sums[whole ? 0 : l]];
-        sum_terms(x, op, slot, l * rs.E_chunk + x0 - col0,
-                  x.ref(BufKind::kGrad, x.rank, seg.param, (static_cast<int64_t>(r) * pl.e + po) * x.b, v * x.b),
-                  whole ? l * rs.E_sub + x0 : x0 - col0, v);
+        const int64_t own = (static_cast<int64_t>(r) * x.lay.params[p].e + po) * x.b;
+        sum_terms(x, (*x.out)[sums[whole ? 0 : l]], slot, l * rs.E_chunk + x0 - col0,
+                  x.ref(BufKind::kGrad, x.rank, p, own, v * x.b), whole ? l * rs.E_sub + x0 : x0 - col0, v);
       }
-    }
+    });
   }
-  for (int i = 0; i < L; ++i)
-    if (i != me) x.bump(OpKind::kCredit, kRead, rs_tag::kStagingFree, x.rank_of(x.n, i), x.stg_free_from(me));
+  credit_slot(x);
 }
 
 }  // namespace

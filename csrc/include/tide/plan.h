@@ -289,6 +289,7 @@ struct RsSchedule {
   int M = 0, L = 0;  // topology the schedule was built for
 
   const RsSubslice& subslice(int pass, int s) const { return subslices[pass * L + s]; }
+  int rows_for_dest() const { return direct ? 1 : L; }  // destination rows one Level-1 push covers
 };
 
 // The static shape of a schedule, without a parameter group (validate_all enumerates these):
