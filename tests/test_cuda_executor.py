@@ -290,8 +290,8 @@ def test_sum_and_land_launch_with_the_plan_budgets(M, L, plan_ctas, override):
     got = []
     grids = _launch_grids(lambda: got.append(gpu.reduce_scatter(plan, dev, poison=True)))
     n_sum, n_land = _sum_land_ops(plan)
-    assert n_sum and n_land
-    assert sorted({g for _, g in grids}) == sorted({want_sum, want_land}), grids
+    assert n_sum and (n_land > 0) == (M > 1)  # one node: the Level-1 SUM writes the output, no LAND
+    assert sorted({g for _, g in grids}) == sorted({want_sum, want_land} if n_land else {want_sum}), grids
     assert sum(g == want_sum for _, g in grids) == n_sum, grids
     assert sum(g == want_land for _, g in grids) == n_land, grids
     assert all(g == want_sum for name, g in grids if "sum_kernel" in name), grids

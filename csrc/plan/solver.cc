@@ -38,10 +38,11 @@ SolverResult solve(const GroupLayout& layout, const Topology& topo, const Option
   // One node has no rail to keep pace with; the read deadline (§4.1) is then the pushes: the
   // sums keep up with the L-1 peers' copy-engine pushes into the owner, (L-1) b_grad/4 staged
   // bytes per output byte at BW_push (L = 8, bf16: ceil(1.5 * 5 * (360/3.5) / 99) = 8). A
-  // single rank (L = 1) has no pushes: its one sum is the whole call, so it gets the fabric
-  // ceiling's worth of CTAs.
+  // single rank (L = 1) has no pushes: its one sum (FSDP2's _chunk_cat, at HBM speed) is the
+  // whole call, so it gets the CTAs that read and write at BW_hbm.
   const double out_rate = M > 1 ? cal.bw_nic
-                          : L > 1 ? cal.bw_push / ((L - 1) * b_grad / 4.0) : cal.bw_cap;
+                          : L > 1 ? cal.bw_push / ((L - 1) * b_grad / 4.0)
+                                  : cal.bw_hbm / (L * b_grad / 4.0 + 1.0) / cal.gamma_skew;
   r.sum_ctas = std::max(
       1, static_cast<int>(std::ceil(cal.gamma_skew * (L * b_grad / 4.0 + 1.0) * out_rate /
                                     cal.bw_sum - 1e-9)));

@@ -224,6 +224,7 @@ void bind_plan(nb::module_& m) {
           else if (kname == "eta_tail") cal.eta_tail = nb::cast<double>(value);
           else if (kname == "k_max") cal.k_max = nb::cast<int>(value);
           else if (kname == "bw_push") cal.bw_push = nb::cast<double>(value);
+          else if (kname == "bw_hbm") cal.bw_hbm = nb::cast<double>(value);
           else throw PlanError(TIDE_STR_CAT("calibration: unknown field '", kname, "'"));
         }
         return make_plan(sig, topo, opt, cal);
@@ -259,7 +260,7 @@ void bind_plan(nb::module_& m) {
     nb::dict d;
     d["bw_nic"] = c.bw_nic; d["bw_sum"] = c.bw_sum; d["bw_land"] = c.bw_land;
     d["bw_cap"] = c.bw_cap; d["t_rnd"] = c.t_rnd; d["gamma_skew"] = c.gamma_skew;
-    d["eta_tail"] = c.eta_tail; d["k_max"] = c.k_max; d["bw_push"] = c.bw_push;
+    d["eta_tail"] = c.eta_tail; d["k_max"] = c.k_max; d["bw_push"] = c.bw_push; d["bw_hbm"] = c.bw_hbm;
     return d;
   });
 }

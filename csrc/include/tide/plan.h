@@ -382,6 +382,7 @@ struct Calibration {
   double eta_tail = 0.05;
   int k_max = 4;
   double bw_push = 360e9;    // B/s copy-engine pushes arriving at one GPU from its L-1 peers
+  double bw_hbm = 4.0e12;    // B/s device memory read + write (a single rank's sum, H200 ~4.2)
 };
 
 // The solver's choices; a nonzero Options field overrides the matching choice (flagged below),
