@@ -165,9 +165,9 @@ void check_nccl(const Api& a, ncclResult_t r, void* comm, const std::string& wha
 // Safety, for every communicator TIDE creates: NCCL binds multicast (NVLS) when it is on. A
 // non-zero NCCL_NVLS_ENABLE is refused unless the multicast gate is open (TIDE_ENABLE_MULTICAST=1
 // AND a multicast-capable GPU AND TORCH_SYMM_MEM_DISABLE_MULTICAST unset); unset, it is set to 0.
-// Returns the gate's verdict for `device`. The one place the NCCL layer reads NCCL_NVLS_ENABLE.
+// Returns the gate's verdict for `device`. NCCL_NVLS_ENABLE comes from cuda::nccl_nvls_setting().
 bool nvls_off_unless_gated(int device, const char* who) {
-  const char* nvls = std::getenv("NCCL_NVLS_ENABLE");
+  const char* nvls = cuda::nccl_nvls_setting();  // the gate's one read of the environment
   const bool nvls_on = nvls && std::strcmp(nvls, "0") != 0;
   const bool multicast = cuda::multicast_allowed(device);  // reads the gate's own variables
   TIDE_PLAN_CHECK(!nvls_on || multicast, who, ": NCCL_NVLS_ENABLE=", nvls ? nvls : "", " but the multicast gate is "

@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
+#include <string>
 
 #include "tide/errors.h"
 
@@ -49,12 +50,33 @@ void check_cu(CUresult r, const char* what) {
   throw ::tide::Error(TIDE_STR_CAT("CUDA driver error ", name, " (", static_cast<int>(r), ") in ", what));
 }
 
+namespace {
+// The multicast gate's environment, read once per process (the one place it is read).
+struct GateEnv {
+  bool enable = false, symm_disabled = false;
+  std::string nvls;
+  bool nvls_set = false;
+};
+const GateEnv& gate_env() {
+  static const GateEnv env = [] {
+    GateEnv e;
+    const char* enable = std::getenv("TIDE_ENABLE_MULTICAST");
+    e.enable = enable && std::strcmp(enable, "1") == 0;
+    if (const char* nvls = std::getenv("NCCL_NVLS_ENABLE")) e.nvls = nvls, e.nvls_set = true;
+    e.symm_disabled = std::getenv("TORCH_SYMM_MEM_DISABLE_MULTICAST") != nullptr;
+    return e;
+  }();
+  return env;
+}
+}  // namespace
+
+const char* nccl_nvls_setting() { return gate_env().nvls_set ? gate_env().nvls.c_str() : nullptr; }
+
 bool multicast_allowed(int device) {
-  const char* enable = std::getenv("TIDE_ENABLE_MULTICAST");
-  if (!enable || std::strcmp(enable, "1") != 0) return false;
-  const char* nvls = std::getenv("NCCL_NVLS_ENABLE");
-  if (!nvls || std::strcmp(nvls, "0") == 0) return false;
-  if (std::getenv("TORCH_SYMM_MEM_DISABLE_MULTICAST") != nullptr) return false;
+  const GateEnv& env = gate_env();
+  if (!env.enable) return false;
+  if (!env.nvls_set || env.nvls == "0") return false;
+  if (env.symm_disabled) return false;
   int supported = 0;
   check_cu(driver().device_get_attribute(&supported, CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED,
                                          static_cast<CUdevice>(device)),

@@ -41,6 +41,9 @@ namespace tide::cuda {
 // driver reports MULTICAST_SUPPORTED AND NCCL_NVLS_ENABLE != 0 (and set) AND
 // TORCH_SYMM_MEM_DISABLE_MULTICAST is unset. Querying the attribute is safe.
 bool multicast_allowed(int device);
+// NCCL_NVLS_ENABLE as the process had it when TIDE first looked (nullptr: unset); the multicast
+// gate and the NCCL layer's NVLS guard share this one read.
+const char* nccl_nvls_setting();
 
 // Sets `device` for a scope and restores the caller's current device on exit (torch and JAX keep
 // their own notion of it). `who` prefixes the error when the device cannot be set.
