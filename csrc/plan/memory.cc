@@ -24,6 +24,14 @@ bool MemoryModel::has_region(const std::string& name) const {
   return false;
 }
 
+int64_t live_bytes_besides_rs(const Plan& plan) {
+  const GroupLayout& g = plan.layout;
+  const bool in_place = plan.opt.mode == Mode::kInPlace;
+  return 2 * g.unsharded_bytes() + plan.ag.stage_bytes + (in_place ? static_cast<int64_t>(g.N) * g.S_grad : 0);
+}
+
+int64_t live_fsdp2_bytes(const GroupLayout& g) { return 2 * g.unsharded_bytes() + g.B_pack; }
+
 MemoryModel build_memory(const Plan& plan) {
   const GroupLayout& g = plan.layout;
   const RsSchedule& rs = plan.rs;
@@ -80,12 +88,12 @@ MemoryModel build_memory(const Plan& plan) {
   mm.ring_bytes = 2 * mm.ns_bytes;
   mm.stage_bytes = plan.ag.stage_bytes;
   mm.prev_grad_bytes = in_place ? static_cast<int64_t>(N) * g.S_grad : 0;
-  mm.live_tide_bytes = mm.ring_bytes + mm.stage_bytes + mm.area_rs_bytes + mm.prev_grad_bytes;
+  mm.live_tide_bytes = live_bytes_besides_rs(plan) + mm.area_rs_bytes;
   mm.live_tide_ns = mm.live_tide_bytes / ns;
   mm.live_tide_bound_ns = 2.0 + 1.0 / L +
                           (in_place ? mm.area_inplace_bound_ns : mm.area_slot_bound_ns) +
                           mm.prev_grad_bytes / ns;
-  mm.live_fsdp2_bytes = 2 * mm.ns_bytes + g.B_pack;
+  mm.live_fsdp2_bytes = live_fsdp2_bytes(g);
   mm.live_fsdp2_ns = mm.live_fsdp2_bytes / ns;
 
   // Arena: fixed region order, each offset 4 KiB aligned.

@@ -27,11 +27,8 @@ int choose_passes(const Plan& plan, std::string* why) {
   }
   const GroupLayout& g = plan.layout;
   const double ns = static_cast<double>(g.unsharded_bytes());
-  const int64_t fsdp2 = 2 * g.unsharded_bytes() + g.B_pack;
-  // The memory model's live bytes (memory.cc) without the RS scratch: ring slots, the AG stage
-  // and, In-Place, the previous layer's gradients.
-  const int64_t fixed = 2 * g.unsharded_bytes() + plan.ag.stage_bytes +
-                        (plan.opt.mode == Mode::kInPlace ? static_cast<int64_t>(g.N) * g.S_grad : 0);
+  const int64_t fsdp2 = live_fsdp2_bytes(g);
+  const int64_t fixed = live_bytes_besides_rs(plan);  // the memory model's, without the RS scratch
   int64_t scratch[kMaxAutoPasses + 1] = {};
   int pick = 0, within = 0, best = 1;
   for (int n = 1; n <= kMaxAutoPasses; ++n) {

@@ -444,5 +444,10 @@ constexpr double kRsScratchBlocks = 21.0;  // RS scratch ceiling in output-sized
 constexpr int kMaxAutoPasses = 4;
 void validate_rs(const RsSchedule& rs, const Topology& topo, const Options& opt);  // PlanError
 MemoryModel build_memory(const Plan& plan);
+// The memory model's live bytes during a layer's backward, less the RS scratch (ring slots, AG
+// stage, In-Place's previous gradients), and FSDP2's (2 NS + B_pack): what build_memory and the
+// planner's pass count both use. Needs plan.layout, plan.ag and plan.opt.mode.
+int64_t live_bytes_besides_rs(const Plan& plan);
+int64_t live_fsdp2_bytes(const GroupLayout& layout);
 
 }  // namespace tide
