@@ -220,7 +220,7 @@ void level1_sum(Ctx& x, int pass, int c, int chunk, BufKind dst_kind, int dst_in
   if (rs.direct) {  // [Note: direct Level 1]: one SUM per chunk into the output's columns
     const int64_t live = std::min(cols, x.lay.E - col0);
     Op& op = x.emit(OpKind::kSum, kRead, rs_tag::kSum, static_cast<int32_t>(u));
-    op.dst = x.ref(BufKind::kOut, x.rank, -1, col0 * 4, std::max<int64_t>(live, 0) * 4);
+    op.dst = x.ref(BufKind::kOut, x.rank, -1, col0 * 4, live * 4);  // every chunk holds live columns
     op.alpha = x.opt.alpha;
     op.accumulate = x.opt.accumulate;
     for_chunk_pieces(x, sub, col0, cols, [&](int p, int64_t x0, int64_t x1, int64_t po) {
@@ -229,7 +229,6 @@ void level1_sum(Ctx& x, int pass, int c, int chunk, BufKind dst_kind, int dst_in
       const int64_t own = (static_cast<int64_t>(x.rank) * x.lay.params[p].e + po) * x.b;
       sum_terms(x, op, slot, x0 - col0, x.ref(BufKind::kGrad, x.rank, p, own, v * x.b), x0 - col0, v);
     });
-    if (op.dst.width == 0) x.out->pop_back();  // a chunk past the output's end has nothing to write
   } else {
     // With one chunk a SUM writes the whole block (1-D, element l*E_sub + col); with several,
     // one SUM per block row covers that row's chunk columns (element col - col0).
