@@ -296,8 +296,8 @@ struct RsSchedule {
 // waves, generations, write/zero masks (build_rs_waves), rounds and outbox depth (build_rs_rounds).
 void build_rs_waves(RsSchedule& rs, int M, int L, int w_wave, int n_part);
 void build_rs_rounds(RsSchedule& rs, int k, Mode mode);
-// Level-1 pushes of one rank for one call (all passes), in issue order: step c, sub-slice, chunk,
-// segment. Their count is what l1_descriptors_per_rank reports for the worst rank.
+// Level-1 pushes of one rank i for one call (all passes): step c, pass, owner (i+1, i+2, ... mod
+// L), chunk, segment. Their count is what l1_descriptors_per_rank reports for the worst rank.
 std::vector<RsL1Copy> rs_level1_copies(const GroupLayout& layout, const RsSchedule& rs, int rank);
 // The pushes of one Level-1 unit (c, pass, owner, chunk) of `rank`, in issue order, appended to
 // `out` (the same copies rs_level1_copies lists for that unit).
