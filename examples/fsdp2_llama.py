@@ -11,7 +11,8 @@ time, peak memory and loss for each.
 
 Every run uses the same seed, data and MixedPrecisionPolicy(bf16, fp32). Step time is the median
 over the steps after ``--warmup`` (each step ends with torch.cuda.synchronize). Peak memory is
-torch.cuda.max_memory_allocated (reset between runs) plus, for TIDE, the arena: on the CUDA-IPC
+torch.cuda.max_memory_allocated (reset between runs, counted above what the run found allocated,
+so that an earlier variant's leftovers do not count) plus, for TIDE, the arena: on the CUDA-IPC
 fabric it is a cudaMalloc outside torch's allocator and holds the unsharded parameters that
 stock FSDP2 allocates through it. On CPU the table shows the process's peak RSS (not reset
 between runs) and the JSON has null.
@@ -114,6 +115,9 @@ def run(args, device: torch.device, variant: str) -> tuple[dict, dict]:
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     cuda = device.type == "cuda"
+    # What an earlier variant left allocated in this process is not this run's: peaks are counted
+    # above it (on the 1b model about one fp32 copy of the parameters outlives `del model`).
+    base = torch.cuda.memory_allocated(device) if cuda else 0
     torch.manual_seed(0)
     model = Llama(args.vocab, args.dim, args.layers, args.heads, args.kv_heads,
                   args.hidden).to(device)
@@ -138,21 +142,32 @@ def run(args, device: torch.device, variant: str) -> tuple[dict, dict]:
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
     times, losses = [], []
+    phases = {}  # --phases: the largest peak of each step phase over the steps (CUDA)
+
+    def phase(name):
+        if cuda and args.phases:
+            torch.cuda.synchronize(device)
+            phases[name] = max(phases.get(name, 0), torch.cuda.max_memory_allocated(device) - base)
+            torch.cuda.reset_peak_memory_stats(device)
+
     for tokens in data:
         t0 = time.perf_counter()
         logits = model(tokens[:, :-1])
         loss = F.cross_entropy(logits.float().reshape(-1, args.vocab), tokens[:, 1:].reshape(-1))
         del logits
+        phase("forward")
         loss.backward()
+        phase("backward")
         opt.step()
         opt.zero_grad()
+        phase("optimizer")
         if cuda:
             torch.cuda.synchronize(device)
         times.append(time.perf_counter() - t0)
         losses.append(loss.item())
     arena = handle.memory()["arena_bytes"] if handle else 0
     if cuda:
-        peak = torch.cuda.max_memory_allocated(device)
+        peak = max([torch.cuda.max_memory_allocated(device) - base] + list(phases.values()))
         if handle is not None and handle.transport == "tide-cuda-executor":
             peak += arena  # the fabric's cudaMalloc / ncclMemAlloc, outside torch's allocator
     else:
@@ -163,7 +178,7 @@ def run(args, device: torch.device, variant: str) -> tuple[dict, dict]:
              "final_loss": losses[-1], "losses": losses,
              # printed, not in the JSON:
              "arena_bytes": arena, "transport": handle.transport if handle else "stock",
-             "fallbacks": handle.fallbacks if handle else {},
+             "fallbacks": handle.fallbacks if handle else {}, "phases": phases,
              "served": f"{len(handle.plans)}/{len(handle.groups)}" if handle else "-"}
     shards = {n: p.to_local().detach().float().cpu() for n, p in model.named_parameters()}
     if handle is not None:
@@ -205,6 +220,9 @@ def main_worker(rank: int, world: int, init: str, args) -> None:
                       f"{s['peak_bytes'] / 2**20:9.1f} MiB  loss {s['final_loss']:.5f}  "
                       f"arena {s['arena_bytes'] / 2**20:8.2f} MiB  groups {s['served']}  "
                       f"[{s['transport']}]")
+                if s["phases"]:
+                    print(f"  {s['name']} peak by phase (torch's allocator, MiB): " + ", ".join(
+                        f"{k} {v / 2**20:.1f}" for k, v in s["phases"].items()))
                 if s["fallbacks"]:
                     print(f"  {s['name']} stock fallbacks: {s['fallbacks']}")
             if "stock" in shards:
@@ -246,6 +264,8 @@ def main() -> None:
         ap.add_argument(f"--{k.replace('_', '-')}", type=int, default=None,
                         help=f"override the size preset's {k}")
     ap.add_argument("--json", default=None, help="write the results (rank 0) to this path")
+    ap.add_argument("--phases", action="store_true",
+                    help="CUDA: also print each step phase's peak (forward, backward, optimizer)")
     args = ap.parse_args()
     for k, v in SIZES[args.size].items():
         if getattr(args, k) is None:
