@@ -31,6 +31,17 @@ KIND = dict(_core.buf_kinds)
 AG, RS, RS_EXPERT = "all_gather", "reduce_scatter", "reduce_scatter_expert"
 
 
+
+def _first_inexact(a: np.ndarray, y) -> str:
+    """' (first at element i: v)' for the first element of `a` that `y` (a's values cast to the
+    plan's dtype) does not hold exactly; '' when y is None (no real cast, e.g. complex)."""
+    if y is None:
+        return ""
+    fa, fy = a.astype(np.float64).reshape(-1), y.astype(np.float64).reshape(-1)
+    diff = np.flatnonzero(~((fa == fy) | (np.isnan(fa) & np.isnan(fy))))
+    return f" (first at element {int(diff[0])}: {float(fa[diff[0]])!r} would become {float(fy[diff[0]])!r})" \
+        if diff.size else ""
+
 class _CpuBackend:
     """Arrays and arenas of the CPU virtual cluster (numpy; the CpuClusterExecutor's arena)."""
 
@@ -46,15 +57,25 @@ class _CpuBackend:
                                         options=self.vc.options.as_dict())
 
     @staticmethod
-    def _flat(x, dtype_name: str) -> np.ndarray:
-        return np.ascontiguousarray(np.asarray(x), dtype=_DTYPES[dtype_name]).reshape(-1)
+    def _flat(x, dtype_name: str, what: str = "input") -> np.ndarray:
+        a = np.asarray(x)
+        want = _DTYPES[dtype_name]
+        if a.dtype != want:
+            y = np.ascontiguousarray(a, dtype=want) if a.dtype.kind in "biuf" else None
+            if y is None or not np.array_equal(y.astype(np.float64), a.astype(np.float64), equal_nan=True):
+                bad = _first_inexact(a, y)
+                raise _core.PlanError(f"{what}: dtype {a.dtype}, the plan's is {dtype_name}, and its values are "
+                                      f"not all exactly {dtype_name}{bad}: convert it yourself (TIDE never "
+                                      "rounds an input)")
+            a = y
+        return np.ascontiguousarray(a).reshape(-1)
 
     def binding(self, kind: str, index: int, a: np.ndarray) -> tuple:
         self.keep.append(a)
         return (KIND[kind], index, a.ctypes.data, a.nbytes)
 
-    def flat(self, x, dtype_name: str, r: int) -> np.ndarray:
-        return self._flat(x, dtype_name)
+    def flat(self, x, dtype_name: str, r: int, what: str = "input") -> np.ndarray:
+        return self._flat(x, dtype_name, what)
 
     @staticmethod
     def pad(x: np.ndarray, n: int) -> np.ndarray:
@@ -67,7 +88,7 @@ class _CpuBackend:
     def out(self, n: int, r: int, init, poison: bool) -> np.ndarray:
         if init is None:
             return np.full(n, np.nan if poison else 0.0, dtype=np.float32)
-        return np.array(init, dtype=np.float32, copy=True).reshape(-1)
+        return self._flat(init, "float32", f"reduce_scatter: accumulate[{r}]").copy()
 
     @staticmethod
     def size(a) -> int:
@@ -266,7 +287,7 @@ class VirtualCluster:
         for r in range(N):
             if len(shards[r]) != lay.P:
                 raise _core.PlanError(f"all_gather: shards[{r}] has {len(shards[r])} tensors, the group has {lay.P}")
-            padded = [self._shard(shards[r][p], lay.params[p], shard_name, r, p) for p in range(lay.P)]
+            padded = [self._shard(shards[r][p], lay, shard_name, r, p) for p in range(lay.P)]
             if resident:  # in-place adoption: the shard lives in the arena's resident region
                 for p in range(lay.P):
                     b.write_region(ex, r, "resident", lay.params[p].o, padded[p])
@@ -287,12 +308,15 @@ class VirtualCluster:
                         for p, pl in enumerate(lay.params)])
         return out
 
-    def _shard(self, x, pl, dtype_name: str, r: int, p: int):
-        x = self._b.flat(x, dtype_name, r)
-        n = self._b.size(x)
-        if n > pl.e or (n % pl.K if pl.K else 0):
-            raise _core.PlanError(f"all_gather: shards[{r}][{p}] has {n} elements, expected at most "
-                                  f"{pl.e} (R_p={pl.R} rows of {pl.K})")
+    def _shard(self, x, lay, dtype_name: str, r: int, p: int):
+        """Rank r's shard of parameter p: its valid rows (below D_p) or all R_p rows (padded)."""
+        pl = lay.params[p]
+        x = self._b.flat(x, dtype_name, r, f"all_gather: shards[{r}][{p}]")
+        n, valid = self._b.size(x), lay.valid_rows(p, r) * pl.K
+        if n not in (valid, pl.e):
+            padded = f" or {pl.e} (R_p={pl.R} padded rows)" if valid != pl.e else ""
+            raise _core.PlanError(f"all_gather: shards[{r}][{p}] has {n} elements, expected {valid} (rank {r}'s "
+                                  f"{lay.valid_rows(p, r)} rows of {pl.K}){padded}")
         return self._b.pad(x, pl.e)
 
     def reduce_scatter(self, plan, grads, scale: float = 1.0, accumulate=None, *, poison: bool = False):
@@ -321,7 +345,7 @@ class VirtualCluster:
                 raise _core.PlanError(f"reduce_scatter: grads[{r}] has {len(grads[r])} tensors, the group has {lay.P}")
             row = []
             for p in range(lay.P):
-                g = b.flat(grads[r][p], grad_name, r)
+                g = b.flat(grads[r][p], grad_name, r, f"reduce_scatter: grads[{r}][{p}]")
                 if b.size(g) != lay.params[p].D * lay.params[p].K:
                     raise _core.PlanError(f"reduce_scatter: grads[{r}][{p}] has {b.size(g)} elements, "
                                           f"expected shape {tuple(shapes[p])}")

@@ -57,7 +57,7 @@ class CudaBackend:
         off, nbytes = regions[kind]
         return fabric.arena_ptr(r) + off, nbytes
 
-    def _as_cuda(self, x, dtype, device: int):
+    def _as_cuda(self, x, dtype, device: int, what: str = "input"):
         torch = _torch()
         if not isinstance(x, torch.Tensor):
             try:
@@ -69,7 +69,16 @@ class CudaBackend:
                     x = torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
                 else:
                     x = torch.from_numpy(np.ascontiguousarray(a))
-        return x.to(device=f"cuda:{device}", dtype=dtype).contiguous().reshape(-1)
+        x = x.to(device=f"cuda:{device}")
+        if x.dtype != dtype:  # a lossless conversion only: TIDE never rounds an input
+            y = x.to(dtype) if not (x.is_complex() or x.dtype == torch.bool) else None
+            if y is None or not torch.equal(torch.nan_to_num(y.double(), nan=0.5),
+                                            torch.nan_to_num(x.double(), nan=0.5)):
+                name = str(dtype).replace("torch.", "")
+                raise _core.PlanError(f"{what}: dtype {x.dtype}, the plan's is {name}, and its values are not all "
+                                      f"exactly {name}: convert it yourself (TIDE never rounds an input)")
+            x = y
+        return x.contiguous().reshape(-1)
 
     def _dtype(self, name: str):
         return getattr(_torch(), _TORCH_DTYPES[name])
@@ -78,8 +87,8 @@ class CudaBackend:
         self.keep.append(t)
         return (KIND[kind], index, t.data_ptr(), t.numel() * t.element_size())
 
-    def flat(self, x, dtype_name: str, r: int):
-        return self._as_cuda(x, self._dtype(dtype_name), self.device_of(r))
+    def flat(self, x, dtype_name: str, r: int, what: str = "input"):
+        return self._as_cuda(x, self._dtype(dtype_name), self.device_of(r), what)
 
     @staticmethod
     def pad(x, n: int):
@@ -95,7 +104,7 @@ class CudaBackend:
         if init is None:
             return torch.full((n,), float("nan") if poison else 0.0, dtype=torch.float32,
                               device=f"cuda:{self.device_of(r)}")
-        return self._as_cuda(init, torch.float32, self.device_of(r)).clone()
+        return self._as_cuda(init, torch.float32, self.device_of(r), f"reduce_scatter: accumulate[{r}]").clone()
 
     @staticmethod
     def size(t) -> int:
