@@ -1,5 +1,9 @@
 // CPU executor: steps every rank's streams over the shared arena (threads or processes).
 #include <sys/mman.h>
+#ifdef __linux__
+#include <sys/prctl.h>
+#endif
+#include <csignal>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -636,12 +640,20 @@ void run_cpu(CpuArena& arena, const std::vector<std::vector<Call>>& per_rank,
     std::vector<pid_t> pids;
     std::fflush(stderr);
     std::fflush(stdout);
+    const pid_t parent = getpid();
     for (int w = 0; w < nproc; ++w) {
       const int lo = static_cast<int>(static_cast<int64_t>(N) * w / nproc);
       const int hi = static_cast<int>(static_cast<int64_t>(N) * (w + 1) / nproc);
       const pid_t pid = fork();
       if (pid < 0) { sh->abort.store(1); break; }
       if (pid == 0) {
+        // A rank process dies with the process that forked it (a kill -9 of the parent must not
+        // leave ranks spinning on a shared arena): the death signal, then the check for a parent
+        // that was gone before it was armed.
+#ifdef __linux__
+        prctl(PR_SET_PDEATHSIG, SIGKILL);
+#endif
+        if (getppid() != parent) _exit(4);
         int code = 0;
         try {
           step_ranks(view, per_rank, bindings, opt, lo, hi);

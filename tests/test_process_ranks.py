@@ -1,0 +1,89 @@
+"""Rank processes of a VirtualCluster (ranks_as="processes") die with the process that forked them.
+
+A parent killed with SIGKILL while its ranks wait inside a call (a stalled peer, a long deadline)
+must not leave them spinning on the shared arena: every rank process is gone at once (the test
+allows 5 s). The test fails without the parent-death signal (checked).
+"""
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+CHILD = textwrap.dedent("""
+    import sys, numpy as np, tide
+    topo = tide.Topology(1, 4)
+    plan = tide.plan(tide.GroupSignature(shapes=[[64, 8]], names=["w"]), topo)
+    vc = tide.VirtualCluster(topo, ranks_as="processes", timeout_s=60.0)
+    vc.faults = dict(stall_rank=2, stall_op=1, stall_s=60.0)  # the call blocks for a minute
+    shards = [[np.zeros((16, 8), np.float32)] for _ in range(4)]
+    print("calling", flush=True)
+    vc.all_gather(plan, shards)
+""")
+
+
+HELPERS_SRC = '''
+def _children(pid):
+    out = []
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                fields = Path(f"/proc/{d}/stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid:
+                out.append(int(d))
+    return out
+
+
+def _alive(pid):
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state not in ("Z", "X")  # a zombie has exited (its reaper may be slow)
+'''
+
+
+DRIVER = textwrap.dedent("""
+    # The driver is a child subreaper (prctl PR_SET_CHILD_SUBREAPER): the ranks of the CHILD it
+    # kills are reparented to it, not to an init that may reap or kill orphans on its own.
+    import ctypes, os, signal, subprocess, sys, time
+    from pathlib import Path
+    ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0)
+    HELPERS
+    p = subprocess.Popen([sys.executable, "-c", sys.argv[1]], stdout=subprocess.PIPE, text=True)
+    assert p.stdout.readline().strip() == "calling"
+    deadline, kids = time.time() + 20, []
+    while time.time() < deadline and len(kids) < 4:
+        time.sleep(0.2)
+        kids = [k for k in _children(p.pid) if _alive(k)]
+    os.kill(p.pid, signal.SIGKILL)
+    p.wait()
+    deadline = time.time() + 5
+    while time.time() < deadline and any(_alive(k) for k in kids):
+        time.sleep(0.1)
+    left = [k for k in kids if _alive(k)]
+    for k in left:
+        os.kill(k, signal.SIGKILL)
+    for k in kids:
+        try:
+            os.waitpid(k, 0)
+        except ChildProcessError:
+            pass
+    print("ranks", len(kids), "left", left, flush=True)
+""")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the parent-death signal is Linux's")
+def test_rank_processes_die_with_their_parent():
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    driver = DRIVER.replace("HELPERS", HELPERS_SRC)
+    out = subprocess.run([sys.executable, "-c", driver, CHILD], env=env, capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "ranks 4 left []", out.stdout + out.stderr[-2000:]
