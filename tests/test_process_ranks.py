@@ -1,8 +1,10 @@
-"""Rank processes of a VirtualCluster (ranks_as="processes") die with the process that forked them.
+"""A VirtualCluster's blocked call stops on Ctrl-C, and its rank processes die with their parent.
 
 A parent killed with SIGKILL while its ranks wait inside a call (a stalled peer, a long deadline)
 must not leave them spinning on the shared arena: every rank process is gone at once (the test
-allows 5 s). The test fails without the parent-death signal (checked).
+allows 5 s). The test fails without the parent-death signal (checked). Ctrl-C during a call blocked on a dead
+peer (deadline 60 s) raises KeyboardInterrupt at once in both rank modes, and the next call on that
+cluster is refused at once, naming the earlier failure.
 """
 import os
 import subprocess
@@ -87,3 +89,51 @@ def test_rank_processes_die_with_their_parent():
                          timeout=60)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().splitlines()[-1] == "ranks 4 left []", out.stdout + out.stderr[-2000:]
+
+
+INTERRUPTED = textwrap.dedent("""
+    import sys, time, numpy as np, tide
+    topo = tide.Topology(1, 4)
+    plan = tide.plan(tide.GroupSignature(shapes=[[64, 8]], names=["w"]), topo)
+    vc = tide.VirtualCluster(topo, ranks_as=sys.argv[1], timeout_s=60.0)
+    shards = [[(np.arange(128, dtype=np.float32).reshape(16, 8) % 17) + r] for r in range(4)]
+    vc.faults = dict(dead_rank=2, dead_op=1)  # its peers wait for it until the deadline
+    print("calling", flush=True)
+    t = time.time()
+    try:
+        vc.all_gather(plan, shards)
+    except KeyboardInterrupt:
+        print(f"KeyboardInterrupt after {time.time() - t:.2f} s", flush=True)
+    vc.faults = {}
+    try:  # the next call on the same cluster
+        out = vc.all_gather(plan, shards)
+        ok = all(np.array_equal(out[r][0].astype(np.float32), np.concatenate([s[0] for s in shards]))
+                 for r in range(4))
+        print("next call:", "exact" if ok else "WRONG", flush=True)
+    except Exception as e:  # noqa: BLE001 - reported to the test
+        print("next call:", type(e).__name__, str(e)[:300], flush=True)
+""")
+
+
+@pytest.mark.parametrize("ranks_as", ["threads", "processes"])
+def test_ctrl_c_stops_a_blocked_call_at_once(ranks_as):
+    import signal
+    import time
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    p = subprocess.Popen([sys.executable, "-c", INTERRUPTED, ranks_as], env=env, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout.readline().strip() == "calling"
+        time.sleep(1.0)
+        os.kill(p.pid, signal.SIGINT)
+        out, err = p.communicate(timeout=15)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    lines = out.strip().splitlines()  # after "calling"
+    assert len(lines) == 2 and lines[0].startswith("KeyboardInterrupt after"), out + err[-2000:]
+    assert float(lines[0].split()[2]) < 3.0, lines[0]  # the deadline was 60 s
+    # The interrupted call left the arena mid-call: the next one is refused at once, saying why.
+    assert lines[1].startswith("next call: Error") and "an earlier call failed" in lines[1], lines[1]
+    assert "interrupted" in lines[1] and "seq 2" in lines[1], lines[1]

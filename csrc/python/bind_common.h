@@ -22,4 +22,13 @@ RankBindingList bindings_from_python(const nanobind::handle& items, const char* 
 ExecutorOptions options_from_python(const nanobind::handle& opts);
 // The same with the `timeout_s=` shorthand of the executors' constructors (None: options' own).
 ExecutorOptions options_from_python(const nanobind::handle& opts, const nanobind::handle& timeout_s);
+// CpuRunOptions.interrupted for a call made with the GIL released: takes the GIL and runs
+// Python's pending signal handlers; true when one raised (Ctrl-C: KeyboardInterrupt, left set
+// for the Interrupted translator in module.cc).
+inline std::function<bool()> python_interrupt_check() {
+  return [] {
+    nanobind::gil_scoped_acquire gil;
+    return PyErr_CheckSignals() != 0;
+  };
+}
 }  // namespace tide

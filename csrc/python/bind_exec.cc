@@ -82,6 +82,7 @@ void bind_exec(nb::module_& m) {
         validate(o);
         o.stall_rank = stall_rank; o.stall_op = stall_op; o.stall_s = stall_s;
         o.dead_rank = dead_rank; o.dead_op = dead_op; o.verify_agreement = verify_agreement;
+        o.interrupted = python_interrupt_check();
         nb::gil_scoped_release release;
         run_cpu(a, per_rank, b, o);
       }, nb::arg("calls"), nb::arg("bindings"), nb::arg("timeout_s") = 30.0, nb::arg("workers") = 0,

@@ -103,6 +103,7 @@ void bind_session(nb::module_& m) {
         for (const auto& s : kinds) k.push_back(kind_from(s));
         const ExecutorOptions o = options_from_python(options);
         new (self) CpuClusterExecutor(world, GroupSession::own_arena(plan, k, o.rails), processes, o);
+        self->run_options().interrupted = python_interrupt_check();  // Ctrl-C reaches a blocked call
       }, nb::arg("world"), nb::arg("plan"), nb::arg("collectives"), nb::arg("processes") = false,
          nb::arg("options") = nb::none(),
          "An arena laid out for a session of `plan` running `collectives` (GroupSession.own_arena).")

@@ -24,6 +24,15 @@ NB_MODULE(_core, m) {
   static nb::exception<tide::PlanError> plan_error(m, "PlanError", PyExc_ValueError);
   // tide.TimeoutError: a wait passed its deadline (fail-stop); the message names rank/op/seq.
   static nb::exception<tide::TimeoutError> timeout_error(m, "TimeoutError", PyExc_TimeoutError);
+  // tide::Interrupted: the KeyboardInterrupt that PyErr_CheckSignals set while the call waited
+  // (bind_common.h interrupt_check) propagates as itself.
+  nb::register_exception_translator([](const std::exception_ptr& p, void*) {
+    try {
+      std::rethrow_exception(p);
+    } catch (const tide::Interrupted& e) {
+      if (!PyErr_Occurred()) PyErr_SetString(PyExc_KeyboardInterrupt, e.what());
+    }
+  });
 #ifdef TIDE_WITH_CUDA
   m.attr("built_with_cuda") = true;
 #else

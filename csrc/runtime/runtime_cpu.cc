@@ -52,6 +52,20 @@ void CpuClusterExecutor::run(const std::shared_ptr<const ProgramSet>& set, int64
     b[static_cast<size_t>(r)] = to_rank_bindings(buffers[static_cast<size_t>(r)]);
   }
   std::lock_guard<std::mutex> lock(mu_);
+  if (!failed_.empty())
+    throw Error(TIDE_STR_CAT("CpuClusterExecutor: call seq ", seq, " refused: an earlier call failed and left the "
+                             "arena mid-call (", failed_, "); create a new VirtualCluster"));
+  try {
+    run_locked(per_rank, b);
+  } catch (const PlanError&) {
+    throw;  // refused before any rank ran: the arena is as it was
+  } catch (const std::exception& e) {
+    failed_ = e.what();
+    throw;
+  }
+}
+
+void CpuClusterExecutor::run_locked(std::vector<std::vector<Call>>& per_rank, std::vector<RankBindings>& b) {
   if (opt_.rails == Rails::kOneSided) {
     run_cpu(arena_, per_rank, b, opt_);
     return;

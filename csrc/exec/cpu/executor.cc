@@ -12,6 +12,8 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <condition_variable>
+#include <mutex>
 #include <thread>
 
 #include "exec/cpu/internal.h"
@@ -546,10 +548,30 @@ struct Runner {
 
 }  // namespace
 
+// [Note: interrupting a call] The calling thread polls opt.interrupted (Python's signal check)
+// while the ranks run. On true it claims the call's error (so no rank's later timeout replaces
+// it), raises the arena's abort flag, which every rank's step loop reads (threads and forked
+// processes alike: it lives in the shared arena), and the call throws Interrupted once the ranks
+// have stopped; a rank process that does not stop within a second is killed.
+constexpr int kInterrupted = 3;  // Shared::error_kind of an interrupted call
+bool poll_interrupt(CpuArena::Shared* sh, const CpuRunOptions& opt, bool& interrupted) {
+  if (interrupted || !opt.interrupted || !opt.interrupted()) return interrupted;
+  int expected = 0;
+  if (sh->claimed.compare_exchange_strong(expected, 1)) {
+    std::snprintf(sh->message, sizeof(sh->message), "%s",
+                  "interrupted: the caller stopped the call while its ranks ran (every rank stopped; "
+                  "the call's outputs are undefined)");
+    sh->error_kind.store(kInterrupted);
+  }
+  sh->abort.store(1);
+  return interrupted = true;
+}
+
 void rethrow_shared(CpuArena::Shared* sh) {
   if (!sh->claimed.load()) return;
   std::string msg(sh->message);
   if (sh->error_kind.load() == 2) throw TimeoutError(msg);
+  if (sh->error_kind.load() == kInterrupted) throw Interrupted(msg);
   throw Error(msg);
 }
 
@@ -598,12 +620,26 @@ void run_cpu(CpuArena& arena, const std::vector<std::vector<Call>>& per_rank,
   if (!opt.processes) {
     const int W = std::max(1, std::min(N, opt.workers > 0 ? opt.workers : 4));
     std::vector<std::thread> threads;
+    int running = W;  // under done_mu; the last worker out wakes the polling caller
+    std::mutex done_mu;
+    std::condition_variable done_cv;
     for (int w = 0; w < W; ++w) {
       const int lo = static_cast<int>(static_cast<int64_t>(N) * w / W);
       const int hi = static_cast<int>(static_cast<int64_t>(N) * (w + 1) / W);
       threads.emplace_back([&, lo, hi] {
         try { step_ranks(view, per_rank, bindings, opt, lo, hi); } catch (const std::exception&) { /* recorded in Shared */ }
+        std::lock_guard<std::mutex> lk(done_mu);
+        if (--running == 0) done_cv.notify_all();
       });
+    }
+    bool interrupted = false;  // [Note: interrupting a call]
+    if (opt.interrupted) {
+      std::unique_lock<std::mutex> lk(done_mu);
+      while (!done_cv.wait_for(lk, std::chrono::milliseconds(20), [&] { return running == 0; })) {
+        lk.unlock();
+        poll_interrupt(sh, opt, interrupted);
+        lk.lock();
+      }
     }
     for (auto& t : threads) t.join();
   } else {
@@ -665,12 +701,24 @@ void run_cpu(CpuArena& arena, const std::vector<std::vector<Call>>& per_rank,
       pids.push_back(pid);
     }
     std::string died;
-    for (size_t i = 0; i < pids.size(); ++i) {
-      int status = 0;
-      waitpid(pids[i], &status, 0);
-      if (WIFSIGNALED(status) && died.empty())
-        died = TIDE_STR_CAT("rank process ", i, " killed by signal ", WTERMSIG(status));
+    std::vector<int> status(pids.size(), 0);
+    std::vector<bool> reaped(pids.size(), false);
+    bool interrupted = false;  // [Note: interrupting a call]
+    auto since = std::chrono::steady_clock::now();
+    for (size_t left = pids.size(), tick = 0; left > 0; ++tick) {
+      for (size_t i = 0; i < pids.size(); ++i)
+        if (!reaped[i] && waitpid(pids[i], &status[i], WNOHANG) == pids[i]) reaped[i] = true, --left;
+      if (left == 0) break;
+      std::this_thread::sleep_for(std::chrono::milliseconds(2));
+      if (!interrupted && tick % 10 == 9 && poll_interrupt(sh, opt, interrupted))  // every ~20 ms
+        since = std::chrono::steady_clock::now();
+      if (interrupted && std::chrono::steady_clock::now() - since > std::chrono::seconds(1))
+        for (size_t i = 0; i < pids.size(); ++i)
+          if (!reaped[i]) kill(pids[i], SIGKILL);  // a rank that did not see the abort (e.g. asleep)
     }
+    for (size_t i = 0; i < pids.size() && !interrupted; ++i)
+      if (WIFSIGNALED(status[i]) && died.empty())
+        died = TIDE_STR_CAT("rank process ", i, " killed by signal ", WTERMSIG(status[i]));
     for (auto& b : bounces) {
       std::memcpy(b.orig, b.shared, static_cast<size_t>(b.bytes));
       munmap(b.shared, static_cast<size_t>(std::max<int64_t>(1, b.bytes)));

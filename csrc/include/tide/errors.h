@@ -6,6 +6,8 @@
 //   PlanError   — bad input or an unsupported configuration, found before any data moves. The
 //                 message names the field, parameter, rank or op at fault.
 //   TimeoutError — a wait passed its deadline (fail-stop); the message names rank, op, sequence.
+//   Interrupted — the caller asked a blocked call to stop (Ctrl-C: the faces raise
+//                 KeyboardInterrupt); the ranks were stopped, the call's outputs are undefined.
 //   Error       — everything else (a CUDA/NCCL failure, detected corruption).
 #pragma once
 
@@ -26,6 +28,9 @@ struct PlanError : Error {
   using Error::Error;
 };
 struct TimeoutError : Error {
+  using Error::Error;
+};
+struct Interrupted : Error {
   using Error::Error;
 };
 

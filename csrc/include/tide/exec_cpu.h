@@ -30,6 +30,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -73,6 +74,9 @@ struct CpuRunOptions : ExecutorOptions {
   // rail rank of each program rank (null: the same numbers).
   Rail* rail = nullptr;
   const std::vector<int>* rail_ranks = nullptr;
+  // Polled by the calling thread about every 20 ms while the ranks run (the faces pass Python's
+  // signal check): true stops every rank and the call throws Interrupted.
+  std::function<bool()> interrupted;
 };
 
 class CpuArena {

@@ -188,9 +188,13 @@ class CpuClusterExecutor final : public CallExecutor {
   CpuRunOptions& run_options() { return opt_; }  // fault injection (tests), verify_agreement
 
  private:
+  void run_locked(std::vector<std::vector<Call>>& per_rank, std::vector<RankBindings>& b);
   CpuArena arena_;
   CpuRunOptions opt_;
   std::mutex mu_;
+  // A call that failed after its ranks started (timeout, dead peer, interrupt, corruption)
+  // leaves the arena's counters mid-call: every later call is refused at once with this.
+  std::string failed_;
 };
 
 // One rank of a job whose ranks are processes, over every rank's shared-memory segment.
