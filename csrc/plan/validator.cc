@@ -191,7 +191,6 @@ ValidateAllResult validate_all(int L, int max_nodes) {
   TIDE_PLAN_CHECK(L >= 1 && L <= kMaxGpusPerNode, "--gpus-per-node: must be in [1, ",
                   kMaxGpusPerNode, "], got ", L);
   TIDE_PLAN_CHECK(max_nodes >= 2, "--max-nodes: must be >= 2, got ", max_nodes);
-  constexpr int kMaxK = 32;
   const Mode modes[2] = {Mode::kInPlace, Mode::kSlotReuse};
   ValidateAllResult res;
   // Index np-1 holds n_part = np on the same (M, W_wave); np = 1 is the base plan.
@@ -211,7 +210,7 @@ ValidateAllResult validate_all(int L, int max_nodes) {
         waves_why[np - 1] = check_rs_waves(rs[np - 1]);
         if (np == 1 && !waves_why[0].empty()) break;
         if (!waves_why[np - 1].empty()) continue;
-        for (int ke = 1; ke <= std::min(ww, kMaxK); ++ke) {
+        for (int ke = 1; ke <= std::min(ww, kMaxRoundWidth); ++ke) {
           for (int mi = 0; mi < 2; ++mi) {
             build_rs_rounds(rs[np - 1], ke, modes[mi]);
             rounds_why[np - 1][ke][mi] = check_rs_rounds(rs[np - 1]);
@@ -222,7 +221,7 @@ ValidateAllResult validate_all(int L, int max_nodes) {
         }
       }
       if (!waves_why[0].empty()) {
-        res.rejected += 2 * kMaxK;
+        res.rejected += 2 * kMaxRoundWidth;
         res.rejected_pairs.emplace_back(M, ww);
         continue;
       }
@@ -233,7 +232,7 @@ ValidateAllResult validate_all(int L, int max_nodes) {
           return TIDE_STR_CAT("a round has ", widest[np - 1][ke], " transfers > k=", k);
         return rounds_why[np - 1][ke][mi];
       };
-      for (int k = 1; k <= kMaxK; ++k) {
+      for (int k = 1; k <= kMaxRoundWidth; ++k) {
         for (int mi = 0; mi < 2; ++mi) {
           if (!verdict(1, k, mi).empty()) {
             ++res.rejected;
