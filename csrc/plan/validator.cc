@@ -187,10 +187,13 @@ void validate_rs(const RsSchedule& rs, const Topology& topo, const Options& opt)
   if (!why.empty()) throw PlanError(why);
 }
 
-ValidateAllResult validate_all(int L, int max_nodes) {
+ValidateAllResult validate_all(int L, int max_nodes, int min_nodes) {
   TIDE_PLAN_CHECK(L >= 1 && L <= kMaxGpusPerNode, "--gpus-per-node: must be in [1, ",
                   kMaxGpusPerNode, "], got ", L);
-  TIDE_PLAN_CHECK(max_nodes >= 2, "--max-nodes: must be >= 2, got ", max_nodes);
+  TIDE_PLAN_CHECK(max_nodes >= 2 && max_nodes <= kMaxNodes, "--max-nodes: must be in [2, ", kMaxNodes,
+                  "], got ", max_nodes);
+  TIDE_PLAN_CHECK(min_nodes >= 2 && min_nodes <= max_nodes + 1, "validate_all: min_nodes must be in [2, max_nodes+1=",
+                  max_nodes + 1, "], got ", min_nodes);  // max_nodes + 1: an empty range, the arguments checked only
   const Mode modes[2] = {Mode::kInPlace, Mode::kSlotReuse};
   ValidateAllResult res;
   // Index np-1 holds n_part = np on the same (M, W_wave); np = 1 is the base plan.
@@ -202,7 +205,7 @@ ValidateAllResult validate_all(int L, int max_nodes) {
   // re-checked per k from the widest round.
   std::string rounds_why[4][kMaxGpusPerNode + 1][2];
   int widest[4][kMaxGpusPerNode + 1];
-  for (int M = 2; M <= max_nodes; ++M) {
+  for (int M = min_nodes; M <= max_nodes; ++M) {
     for (int ww = 1; ww <= L; ++ww) {
       bool pair_ok = true;
       for (int np = 1; np <= 4; ++np) {

@@ -340,7 +340,9 @@ struct ValidateAllResult {
   int64_t n_part_checked = 0;
   std::string first_n_part_failure;
 };
-ValidateAllResult validate_all(int gpus_per_node, int max_nodes);
+// Every base plan with M in [min_nodes, max_nodes] (each M is independent: callers may split the
+// range to report progress or stop between parts); min_nodes = max_nodes + 1 checks the arguments only.
+ValidateAllResult validate_all(int gpus_per_node, int max_nodes, int min_nodes = 2);
 
 // Contributor index (Eq. 6), sub-slice rotation (Eq. 7) and destination GPU (Eq. 8).
 inline int contributor_index(int m, int n, int M) { return n != m ? ((m - n) % M + M) % M : M; }
