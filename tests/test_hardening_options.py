@@ -118,3 +118,131 @@ def test_debug_env_override_is_range_checked_too(monkeypatch):
     monkeypatch.setenv("TIDE_EXEC_OPTIONS", "zero_ctas=4294967304")
     with pytest.raises(tide.PlanError, match=r"TIDE_EXEC_OPTIONS: zero_ctas: expected 1\.\.4096, got 4294967304"):
         tide.ExecutorOptions().effective()
+
+
+# ---- the CLI: one-line errors with rc 2, Ctrl-C and progress for long work -------------------------
+
+def _cli(capsys, *argv):
+    from tide import cli
+    rc = cli.main(["plan", *argv])
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+def _one_line_error(rc, err, *fragments):
+    assert rc == 2, err
+    assert "Traceback" not in err and err.count("\n") == 1 and err.startswith("tide plan: error: "), err
+    for f in fragments:
+        assert f in err, (f, err)
+
+
+@pytest.mark.timeout(30)
+def test_cli_deeply_nested_shapes_is_one_line(capsys, tmp_path):
+    deep = tmp_path / "deep.json"
+    deep.write_text("[" * 100_000 + "]" * 100_000)  # a RecursionError traceback before
+    rc, _, err = _cli(capsys, "--shapes", str(deep))
+    _one_line_error(rc, err, f"--shapes {deep}: nested too deeply")
+
+
+@pytest.mark.parametrize("text,fragment", [
+    ("[[4, 8], [1", "not valid JSON (Expecting ',' delimiter at line 1 column 12; truncated?)"),
+    ("", "not valid JSON (Expecting value at line 1 column 1"),
+    (b"\xff\xfe[1]", "not UTF-8 text"),
+])
+def test_cli_bad_shapes_file_names_the_file_and_the_flag(capsys, tmp_path, text, fragment):
+    f = tmp_path / "shapes.json"
+    (f.write_bytes if isinstance(text, bytes) else f.write_text)(text)
+    rc, _, err = _cli(capsys, "--shapes", str(f))
+    _one_line_error(rc, err, f"--shapes {f}: ", fragment)
+
+
+@pytest.mark.parametrize("argv,fragment", [
+    (["--gpus-per-node", "0"], "--gpus-per-node: must be in [1, 8], got 0"),
+    (["--gpus-per-node", "9"], "--gpus-per-node: must be in [1, 8], got 9"),
+    (["--max-nodes", "1"], "--max-nodes: must be in [2, 65536], got 1"),
+    (["--max-nodes", "70000"], "--max-nodes: must be in [2, 65536], got 70000"),
+])
+def test_cli_validate_all_bad_range_is_one_line(capsys, argv, fragment):
+    rc, _, err = _cli(capsys, "--validate-all", *argv)  # a traceback with rc 1 before
+    _one_line_error(rc, err, fragment)
+
+
+def test_cli_validate_all_in_parts_equals_one_call():
+    import io
+
+    from tide import _core, cli
+    progress = io.StringIO()
+    parts = cli._validate_all(4, 120, progress=progress, every_s=0.0)
+    whole = _core.validate_all(4, 120)
+    for key in ("accepted", "rejected", "accepted_pairs", "rejected_pairs", "n_part_ok", "n_part_checked"):
+        assert parts[key] == whole[key], key
+    lines = progress.getvalue().splitlines()
+    assert lines and all(ln.startswith("tide plan: --validate-all: M up to ") and "of 120 done" in ln
+                         for ln in lines)
+
+
+@pytest.mark.timeout(60)
+def test_cli_validate_all_obeys_ctrl_c():
+    import os
+    import signal
+    import subprocess
+    import sys
+    # The child restores Python's SIGINT handler: a runner started in the background may
+    # hand it SIGINT ignored.
+    code = ("import signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+            "from tide.cli import main; sys.exit(main(sys.argv[1:]))")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
+    p = subprocess.Popen([sys.executable, "-c", code, "plan", "--validate-all", "--max-nodes", "65536"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        time.sleep(2.0)  # inside the work (the whole range takes hours)
+        assert p.poll() is None
+        t0 = time.monotonic()
+        p.send_signal(signal.SIGINT)
+        _, err = p.communicate(timeout=10)
+        assert time.monotonic() - t0 < 2.0
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    assert p.returncode == 130 and "tide plan: --validate-all interrupted" in err and "Traceback" not in err
+
+
+# ---- faces: a wrong argument is named, not an AttributeError from inside -------------------------
+
+@pytest.mark.parametrize("topo,match", [
+    (None, r"VirtualCluster\.topo: expected a tide\.Topology, got None"),
+    ((1, 2), r"VirtualCluster\.topo: expected a tide\.Topology, got \(1, 2\)"),
+    (T("a", 2), r"VirtualCluster\.topo\.nodes: expected an int >= 1, got 'a'"),
+    (T(2, 0), r"VirtualCluster\.topo\.gpus_per_node: expected an int >= 1, got 0"),
+    (T(True, 2), r"VirtualCluster\.topo\.nodes: expected an int >= 1, got True"),
+])
+def test_virtual_cluster_names_a_bad_topology(topo, match):
+    with pytest.raises(tide.PlanError, match=match):
+        tide.VirtualCluster(topo)
+
+
+def _torch_topology_errors(rank, world):
+    import os
+
+    import tide_torch
+    from _torch_dist import build, mesh_1d
+    model = build(mesh=mesh_1d())
+    for bad, fragment in (((1, 2), "tide_torch.enable(topology=...): expected a tide.Topology(nodes, "
+                                   "gpus_per_node), got tuple (1, 2)"),
+                          (tide.Topology("1", 2), "tide_torch.enable(topology=...): nodes must be an int >= 1, got '1'")):
+        with pytest.raises(tide_torch.TideEnableError) as e:
+            tide_torch.enable(model, topology=bad)
+        assert fragment in str(e.value), str(e.value)
+    os.environ["LOCAL_WORLD_SIZE"] = "abc"
+    with pytest.raises(tide_torch.TideEnableError) as e:
+        tide_torch.enable(model)
+    assert "LOCAL_WORLD_SIZE='abc' is not an integer" in str(e.value), str(e.value)
+
+
+@pytest.mark.timeout(120)
+def test_tide_torch_enable_names_a_bad_topology_on_every_rank():
+    pytest.importorskip("torch")
+    from _torch_dist import spawn
+    spawn(_torch_topology_errors, world=2)

@@ -125,6 +125,10 @@ class VirtualCluster:
                  rails: str | None = None):
         if topo is None or not hasattr(topo, "nodes") or not hasattr(topo, "gpus_per_node"):
             raise _core.PlanError(f"VirtualCluster.topo: expected a tide.Topology, got {topo!r}")
+        for name in ("nodes", "gpus_per_node"):
+            v = getattr(topo, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise _core.PlanError(f"VirtualCluster.topo.{name}: expected an int >= 1, got {v!r}")
         if backend not in ("cpu", "cuda"):
             raise _core.PlanError(f"VirtualCluster.backend: expected 'cpu' or 'cuda', got {backend!r}")
         if ranks_as not in ("threads", "processes"):
