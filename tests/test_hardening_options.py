@@ -246,3 +246,18 @@ def test_tide_torch_enable_names_a_bad_topology_on_every_rank():
     pytest.importorskip("torch")
     from _torch_dist import spawn
     spawn(_torch_topology_errors, world=2)
+
+
+def test_tide_torch_arena_larger_than_dev_shm_is_refused_before_mapping():
+    import os
+    torch = pytest.importorskip("torch")
+    from tide_torch.arena import Arena
+    if not os.path.isdir("/dev/shm"):
+        pytest.skip("no /dev/shm")
+    st = os.statvfs("/dev/shm")
+    too_big = st.f_bavail * st.f_frsize + (1 << 30)
+    before = set(os.listdir("/dev/shm"))
+    with pytest.raises(tide.PlanError, match=r"Arena: \d+ bytes of shared memory exceed the \d+ bytes free in "
+                                             r"/dev/shm; the largest region is 'staging' \(\d+ bytes\)"):
+        Arena({"ring0": 4096, "staging": too_big}, torch.device("cpu"))
+    assert set(os.listdir("/dev/shm")) <= before  # nothing created
