@@ -261,3 +261,13 @@ def test_tide_torch_arena_larger_than_dev_shm_is_refused_before_mapping():
                                              r"/dev/shm; the largest region is 'staging' \(\d+ bytes\)"):
         Arena({"ring0": 4096, "staging": too_big}, torch.device("cpu"))
     assert set(os.listdir("/dev/shm")) <= before  # nothing created
+
+
+@pytest.mark.parametrize("name", ["sum_ctas", "land_ctas"])
+def test_session_cta_override_shares_the_planner_range(name):
+    plan = tide.plan(SMALL, T(1, 2))
+    with pytest.raises(tide.PlanError, match=rf"VirtualCluster\.{name}: expected None \(the plan's solver\) or 1\.\.4096, got 4097"):
+        tide.VirtualCluster(T(1, 2), **{name: 4097})
+    ex = tide._core.CpuClusterExecutor(2, plan, ["all_gather"], processes=False, options={})
+    with pytest.raises(tide.PlanError, match=rf"SessionOptions\.{name}: expected 0 \(the .*solver\) or 1\.\.4096, got 4097"):
+        tide._core.GroupSession(plan, ex, ["all_gather"], **{name: 4097})

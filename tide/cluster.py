@@ -154,8 +154,8 @@ class VirtualCluster:
         self.check = check
         self.lean = bool(lean)
         for name, v in (("sum_ctas", sum_ctas), ("land_ctas", land_ctas)):
-            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= 65536):
-                raise _core.PlanError(f"VirtualCluster.{name}: expected None (the plan's solver) or 1..65536, "
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= 4096):
+                raise _core.PlanError(f"VirtualCluster.{name}: expected None (the plan's solver) or 1..4096, "
                                       f"got {v!r}")
         self.sum_ctas, self.land_ctas = sum_ctas or 0, land_ctas or 0
         self._sessions: dict[tuple, Any] = {}
