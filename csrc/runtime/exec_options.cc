@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "tide/errors.h"
+#include "tide/plan.h"  // kMaxCtas: cast_ctas and zero_ctas share the planner's SUM/LAND CTA ceiling
 
 namespace tide {
 
@@ -23,8 +24,7 @@ const char* copy_2d_name(Copy2D c) { return c == Copy2D::kPerCopy ? "per_copy" :
 const char* rails_name(Rails r) { return r == Rails::kTwoSided ? "two_sided" : "one_sided"; }
 
 namespace {
-// The integer fields' ranges (tide/exec_options.h lists them; README's option table too).
-constexpr int kMaxExecCtas = 4096;  // cast_ctas, zero_ctas (the planner's kMaxCtas for SUM/LAND)
+// The other integer fields' ranges (tide/exec_options.h lists them; README's option table too).
 constexpr int kMaxCopyLanes = 8;
 constexpr int kMaxWorkers = 1024;
 constexpr int kMaxRailCtas = 64;
@@ -34,9 +34,9 @@ constexpr int kMaxRailChannels = 32;
 void validate(const ExecutorOptions& o) {
   TIDE_PLAN_CHECK(std::isfinite(o.timeout_s) && o.timeout_s > 0 && o.timeout_s <= 1e6,
                   "ExecutorOptions.timeout_s: expected a finite number of seconds in (0, 1e6], got ", o.timeout_s);
-  TIDE_PLAN_CHECK(o.cast_ctas >= 1 && o.cast_ctas <= kMaxExecCtas, "ExecutorOptions.cast_ctas: expected 1..", kMaxExecCtas, ", got ",
+  TIDE_PLAN_CHECK(o.cast_ctas >= 1 && o.cast_ctas <= kMaxCtas, "ExecutorOptions.cast_ctas: expected 1..", kMaxCtas, ", got ",
                   o.cast_ctas);
-  TIDE_PLAN_CHECK(o.zero_ctas >= 1 && o.zero_ctas <= kMaxExecCtas, "ExecutorOptions.zero_ctas: expected 1..", kMaxExecCtas, ", got ",
+  TIDE_PLAN_CHECK(o.zero_ctas >= 1 && o.zero_ctas <= kMaxCtas, "ExecutorOptions.zero_ctas: expected 1..", kMaxCtas, ", got ",
                   o.zero_ctas);
   TIDE_PLAN_CHECK(o.copy_lanes >= 1 && o.copy_lanes <= kMaxCopyLanes, "ExecutorOptions.copy_lanes: expected 1..", kMaxCopyLanes, ", got ",
                   o.copy_lanes);
@@ -107,9 +107,9 @@ void set_option(ExecutorOptions& o, const std::string& name, const std::string& 
     o.timeout_s = std::strtod(value.c_str(), &end);
     TIDE_PLAN_CHECK(!value.empty() && end && *end == '\0', w, ": '", value, "' is not a number");
   } else if (name == "cast_ctas") {
-    o.cast_ctas = parse_int_in(value, w, 1, kMaxExecCtas);
+    o.cast_ctas = parse_int_in(value, w, 1, kMaxCtas);
   } else if (name == "zero_ctas") {
-    o.zero_ctas = parse_int_in(value, w, 1, kMaxExecCtas);
+    o.zero_ctas = parse_int_in(value, w, 1, kMaxCtas);
   } else if (name == "cta_split") {
     o.cta_split = parse_enum<CtaSplit>(value, w, {{"auto", CtaSplit::kAuto}, {"tiles", CtaSplit::kTiles},
                                                   {"ranges", CtaSplit::kRanges}});
