@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 
 from tide.report import (TABLE_NODES, format_memory_table, format_plan, memory_by_topology,
                          plan_dict)
@@ -36,6 +37,23 @@ def _add_plan_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--max-nodes", type=int, default=1024, help="for --validate-all")
 
 
+def _read_shapes(path: str):
+    """The --shapes file's JSON; every failure is a ValueError naming --shapes and the file."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except OSError as e:
+        raise ValueError(f"--shapes {path}: cannot read it: {e.strerror or e}") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--shapes {path}: not valid JSON ({e.msg} at line {e.lineno} column "
+                         f"{e.colno}; truncated?)") from None
+    except UnicodeDecodeError as e:
+        raise ValueError(f"--shapes {path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+    except RecursionError:
+        raise ValueError(f"--shapes {path}: nested too deeply (expected a list of shapes, each "
+                         "a list of ints, or {name: shape})") from None
+
+
 def _signature(args: argparse.Namespace):
     from tide import models
     from tide.plan import GroupSignature
@@ -45,9 +63,7 @@ def _signature(args: argparse.Namespace):
     if (args.model is None) == (args.shapes is None):
         raise ValueError("give exactly one of --model or --shapes")
     if args.shapes:
-        with open(args.shapes) as f:
-            obj = json.load(f)
-        return f"{args.shapes}", GroupSignature.from_json(obj, **dt)
+        return f"{args.shapes}", GroupSignature.from_json(_read_shapes(args.shapes), **dt)
     group = args.group
     title = f"{args.model} / {group}"
     if group == "largest":
@@ -89,6 +105,43 @@ def _format_validate_all(res: dict, L: int, max_nodes: int) -> str:
     return "\n".join(lines)
 
 
+def _validate_all(L: int, max_nodes: int, progress=sys.stderr, every_s: float = 5.0) -> dict:
+    """_core.validate_all over M in [2, max_nodes], in parts of about a fifth of a second each
+    (every M is independent), merged: Ctrl-C stops it between parts (the KeyboardInterrupt
+    propagates), and a line of progress goes to `progress` every `every_s` seconds of long work."""
+    from tide import _core
+
+    _core.validate_all(L, max_nodes, max_nodes + 1)  # the arguments' ranges (PlanError), no work
+
+    res: dict = {"accepted": 0, "rejected": 0, "accepted_pairs": [], "rejected_pairs": [],
+                 "n_part_ok": True, "n_part_checked": 0, "n_part_failure": ""}
+    start = last = time.monotonic()
+    lo, width = 2, 8
+    while lo <= max_nodes:
+        hi = min(max_nodes, lo + width - 1)
+        t0 = time.monotonic()
+        part = _core.validate_all(L, hi, lo)
+        took = time.monotonic() - t0
+        for key in ("accepted", "rejected", "n_part_checked"):
+            res[key] += part[key]
+        res["accepted_pairs"] += part["accepted_pairs"]
+        res["rejected_pairs"] += part["rejected_pairs"]
+        if res["n_part_ok"] and not part["n_part_ok"]:
+            res["n_part_ok"], res["n_part_failure"] = False, part["n_part_failure"]
+        # The cost of one M grows with M: size the next part from this one's pace.
+        width = max(1, min(4 * width, int(width * 0.2 / max(took, 1e-6))))
+        lo = hi + 1
+        now = time.monotonic()
+        if progress is not None and now - last >= every_s and lo <= max_nodes:
+            share = (hi * hi - 4) / max(1, max_nodes * max_nodes - 4)  # one M costs about M
+            print(f"tide plan: --validate-all: M up to {hi} of {max_nodes} done (about "
+                  f"{100 * share:.1f}% of the work), {now - start:.0f} s; Ctrl-C stops",
+                  file=progress, flush=True)
+            last = now
+    res["seconds"] = time.monotonic() - start
+    return res
+
+
 def _plan_options(args: argparse.Namespace) -> dict[str, int]:
     return dict(w_wave=args.w_wave, k=args.k, n_part=args.n_part, n_stg=args.n_stg,
                 chunk_bytes=args.chunk_bytes, sum_ctas=args.sum_ctas, land_ctas=args.land_ctas)
@@ -103,7 +156,14 @@ def _cmd_plan(args: argparse.Namespace) -> int:
             print("tide plan: error: --validate-all needs tide._core.validate_all (the TIDE-RS "
                   "validator), which this build does not have", file=sys.stderr)
             return 2
-        res = _core.validate_all(args.gpus_per_node, args.max_nodes)
+        try:
+            res = _validate_all(args.gpus_per_node, args.max_nodes)
+        except ValueError as e:  # tide.PlanError: --gpus-per-node / --max-nodes out of range
+            print(f"tide plan: error: {e}", file=sys.stderr)
+            return 2
+        except KeyboardInterrupt:
+            print("tide plan: --validate-all interrupted", file=sys.stderr)
+            return 130
         print(_format_validate_all(res, args.gpus_per_node, args.max_nodes))
         return 0 if res["n_part_ok"] else 1
     try:

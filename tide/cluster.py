@@ -146,6 +146,10 @@ class VirtualCluster:
                  rails: str | None = None):
         if topo is None or not hasattr(topo, "nodes") or not hasattr(topo, "gpus_per_node"):
             raise _core.PlanError(f"VirtualCluster.topo: expected a tide.Topology, got {topo!r}")
+        for name in ("nodes", "gpus_per_node"):
+            v = getattr(topo, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise _core.PlanError(f"VirtualCluster.topo.{name}: expected an int >= 1, got {v!r}")
         if backend not in ("cpu", "cuda"):
             raise _core.PlanError(f"VirtualCluster.backend: expected 'cpu' or 'cuda', got {backend!r}")
         if ranks_as not in ("threads", "processes"):
@@ -171,8 +175,8 @@ class VirtualCluster:
         self.check = check
         self.lean = bool(lean)
         for name, v in (("sum_ctas", sum_ctas), ("land_ctas", land_ctas)):
-            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= 65536):
-                raise _core.PlanError(f"VirtualCluster.{name}: expected None (the plan's solver) or 1..65536, "
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= 4096):
+                raise _core.PlanError(f"VirtualCluster.{name}: expected None (the plan's solver) or 1..4096, "
                                       f"got {v!r}")
         self.sum_ctas, self.land_ctas = sum_ctas or 0, land_ctas or 0
         self._sessions: dict[tuple, Any] = {}

@@ -16,15 +16,17 @@ from tide import _core
 PlanError = _core.PlanError
 
 # Options accepted by plan(); 0 means "let the solver choose" where the solver owns the value.
+# Ranges (checked by the core, "Option ranges" in csrc/include/tide/plan.h) after each default.
 _INT_OPTIONS = {
-    "w_wave": 0,        # W_wave, contributors per wave (0 -> L)
-    "k": 0,             # max concurrent rail transfers per round (0 -> solver)
-    "n_part": 0,        # sub-slice passes per reduce-scatter (0 -> planner)
-    "n_stg": 2,         # local bf16 staging slots
-    "chunk_bytes": 0,   # RS staging chunk (0 -> planner: n_stg slots within one output block)
-    "sum_ctas": 0,      # C_sum (0 -> solver, Eq. 13)
-    "land_ctas": 0,     # C_mc (0 -> solver, Eq. 14)
-    "ag_head_bytes": 8 << 20,
+    "w_wave": 0,        # W_wave, contributors per wave (0 -> L); 0..L
+    "k": 0,             # max concurrent rail transfers per round (0 -> solver); 0..32
+    "n_part": 0,        # sub-slice passes per reduce-scatter (0 -> planner); 0..16
+    "n_stg": 2,         # local bf16 staging slots; 1..16
+    "chunk_bytes": 0,   # RS staging chunk (0 -> planner: n_stg slots within one output block);
+                        # else >= one gradient element and <= 1024 chunks per sub-slice pass
+    "sum_ctas": 0,      # C_sum (0 -> solver, Eq. 13); 0..4096
+    "land_ctas": 0,     # C_mc (0 -> solver, Eq. 14); 0..4096
+    "ag_head_bytes": 8 << 20,  # >= 0 (0: no head/tail split)
 }
 
 

@@ -107,6 +107,7 @@ class Arena:
             self.fabric, self.fabric_kind = nccl, "nccl"
             self._base = _device_view(nccl, int(nccl.arena_ptr), self.nbytes, device)
         elif device.type == "cpu":
+            _check_shm_room(self.regions, self.nbytes)
             self.shm_name = f"/tide_{os.getpid()}_{uuid.uuid4().hex[:12]}"
             self._shm = _map_shm(self.shm_name, self.nbytes)
             _LIVE.add(self)
@@ -247,6 +248,20 @@ def _device_view(fabric, ptr: int, nbytes: int, device: torch.device) -> torch.T
                            f"{t.data_ptr():#x} (+{t.storage_offset()}, "
                            f"{t.untyped_storage().nbytes()} bytes)")
     return t
+
+
+def _check_shm_room(regions: dict[str, Region], nbytes: int) -> None:
+    """A segment larger than /dev/shm's free space maps fine and dies with SIGBUS when touched:
+    refuse it first, naming the largest region (each rank checks its own segment)."""
+    try:
+        st = os.statvfs("/dev/shm")
+    except OSError:
+        return  # no /dev/shm to measure (another platform's shm_open): the mapping decides
+    free = st.f_bavail * st.f_frsize
+    if nbytes > free and regions:
+        big = max(regions.values(), key=lambda r: r.nbytes)
+        raise tide.PlanError(f"Arena: {nbytes} bytes of shared memory exceed the {free} bytes free in "
+                             f"/dev/shm; the largest region is '{big.name}' ({big.nbytes} bytes)")
 
 
 def _map_shm(name: str, nbytes: int) -> mmap.mmap:

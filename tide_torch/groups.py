@@ -127,13 +127,25 @@ def resolve_topology(topology: tide.Topology | None, world: int) -> tide.Topolog
     """Explicit topology, else LOCAL_WORLD_SIZE from the launcher, else one node."""
     import os
     if topology is not None:
+        if not isinstance(topology, tide.Topology):
+            raise TideEnableError(f"tide_torch.enable(topology=...): expected a tide.Topology(nodes, "
+                                  f"gpus_per_node), got {type(topology).__name__} {topology!r}")
+        for name in ("nodes", "gpus_per_node"):
+            v = getattr(topology, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise TideEnableError(f"tide_torch.enable(topology=...): {name} must be an int >= 1, "
+                                      f"got {v!r}")
         if topology.world != world:
             raise TideEnableError(
                 f"topology {topology} has {topology.world} ranks but the default process group "
                 f"has {world}")
         return topology
     local = os.environ.get("LOCAL_WORLD_SIZE")
-    gpn = int(local) if local else world
+    try:
+        gpn = int(local) if local else world
+    except ValueError:
+        raise TideEnableError(f"LOCAL_WORLD_SIZE={local!r} is not an integer (the launcher's ranks "
+                              "per node; or pass topology=tide.Topology(nodes, gpus_per_node))") from None
     if gpn <= 0 or world % gpn:
         raise TideEnableError(f"LOCAL_WORLD_SIZE={local} does not divide the world size {world}")
     return tide.Topology(nodes=world // gpn, gpus_per_node=gpn)

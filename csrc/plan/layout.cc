@@ -80,16 +80,25 @@ void validate_inputs(const GroupSignature& sig, const Topology& topo, const Opti
   const int L = topo.gpus_per_node;
   TIDE_PLAN_CHECK(opt.struct_size == sizeof(Options), "Options.struct_size: ", opt.struct_size,
                   " does not match this build's ", sizeof(Options));
-  TIDE_PLAN_CHECK(opt.w_wave >= 0, "Options.w_wave: must be >= 1 (0 = L), got ", opt.w_wave);
+  // Ranges: see "Option ranges" in tide/plan.h. Each message names the field, its range and the value.
+  TIDE_PLAN_CHECK(opt.w_wave >= 0, "Options.w_wave: must be in [0, L=", L, "] (0 = L), got ", opt.w_wave);
   TIDE_PLAN_CHECK(opt.w_wave <= L, "Options.w_wave: W_wave = ", opt.w_wave,
                   " exceeds L = ", L, " (a wave's partials must fit one NVSwitch reduction)");
-  TIDE_PLAN_CHECK(opt.k >= 0, "Options.k: must be >= 1 (0 = solver), got ", opt.k);
-  TIDE_PLAN_CHECK(opt.n_part >= 0, "Options.n_part: must be >= 1 (0 = planner), got ", opt.n_part);
-  TIDE_PLAN_CHECK(opt.n_stg >= 1, "Options.n_stg: must be >= 1, got ", opt.n_stg);
-  TIDE_PLAN_CHECK(opt.chunk_bytes >= 0, "Options.chunk_bytes: must be >= 0, got ", opt.chunk_bytes);
-  TIDE_PLAN_CHECK(opt.sum_ctas >= 0, "Options.sum_ctas: must be >= 0, got ", opt.sum_ctas);
-  TIDE_PLAN_CHECK(opt.land_ctas >= 0, "Options.land_ctas: must be >= 0, got ", opt.land_ctas);
-  TIDE_PLAN_CHECK(opt.ag_head_bytes >= 0, "Options.ag_head_bytes: must be >= 0, got ", opt.ag_head_bytes);
+  TIDE_PLAN_CHECK(opt.k >= 0 && opt.k <= kMaxRoundWidth, "Options.k: must be in [0, ", kMaxRoundWidth,
+                  "] (0 = solver; the round widths App. D validates), got ", opt.k);
+  TIDE_PLAN_CHECK(opt.n_part >= 0 && opt.n_part <= kMaxPasses, "Options.n_part: must be in [0, ", kMaxPasses,
+                  "] (0 = planner, which takes at most ", kMaxAutoPasses, "), got ", opt.n_part);
+  TIDE_PLAN_CHECK(opt.n_stg >= 1 && opt.n_stg <= kMaxStagingSlots, "Options.n_stg: must be in [1, ",
+                  kMaxStagingSlots, "], got ", opt.n_stg);
+  const int b_grad = dtype_size(sig.grad_dtype);
+  TIDE_PLAN_CHECK(opt.chunk_bytes == 0 || opt.chunk_bytes >= b_grad, "Options.chunk_bytes: must be 0 (planner) or >= ",
+                  b_grad, " (one ", dtype_name(sig.grad_dtype), " gradient element), got ", opt.chunk_bytes);
+  TIDE_PLAN_CHECK(opt.sum_ctas >= 0 && opt.sum_ctas <= kMaxCtas, "Options.sum_ctas: must be in [0, ", kMaxCtas,
+                  "] (0 = solver), got ", opt.sum_ctas);
+  TIDE_PLAN_CHECK(opt.land_ctas >= 0 && opt.land_ctas <= kMaxCtas, "Options.land_ctas: must be in [0, ", kMaxCtas,
+                  "] (0 = solver), got ", opt.land_ctas);
+  TIDE_PLAN_CHECK(opt.ag_head_bytes >= 0, "Options.ag_head_bytes: must be >= 0 (0 = no head/tail split), got ",
+                  opt.ag_head_bytes);
 }
 
 int64_t GroupLayout::valid_rows(int p, int r) const {

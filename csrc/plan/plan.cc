@@ -57,6 +57,16 @@ int choose_passes(const Plan& plan, std::string* why) {
                       kRsScratchBlocks, "; ", because, ")");
   return n;
 }
+// kMaxArenaBytes (tide/plan.h, "Option ranges"): a larger arena is refused naming its largest region.
+void check_arena_size(const MemoryModel& mm) {
+  if (mm.arena_bytes <= kMaxArenaBytes) return;
+  const ArenaRegion* big = &mm.arena.front();
+  for (const auto& r : mm.arena)
+    if (r.bytes > big->bytes) big = &r;
+  throw PlanError(TIDE_STR_CAT("plan: the arena needs ", mm.arena_bytes, " bytes per rank, above TIDE's limit of ",
+                               kMaxArenaBytes, " (1 TiB); its largest region is '", big->name, "' (", big->bytes,
+                               " bytes)", big->name == "staging" ? " (Options.n_stg slots of Options.chunk_bytes pieces)" : ""));
+}
 }  // namespace
 
 Plan make_plan(const GroupSignature& sig, const Topology& topo, const Options& opt_in,
@@ -90,6 +100,7 @@ Plan make_plan(const GroupSignature& sig, const Topology& topo, const Options& o
   plan.rs = build_rs_schedule(plan.layout, topo, plan.opt);
   validate_rs(plan.rs, topo, plan.opt);
   plan.memory = build_memory(plan);
+  check_arena_size(plan.memory);
   plan.rs_sizing += TIDE_STR_CAT("; staging chunk ", plan.rs.E_chunk * plan.rs.b_grad, " B per piece x ",
                                  plan.rs.n_chunks, " chunk(s) per ", plan.rs.direct ? "output" : "sub-slice",
                                  plan.opt.chunk_bytes > 0 ? " (given)" : " (planner: n_stg slots within one output block)");

@@ -256,7 +256,17 @@ RsSchedule size_rs_schedule(const GroupLayout& layout, const Topology& topo, con
     const int64_t balanced = round_up(ceil_div(rs.E_span, n), kSubsliceAlignElems);
     rs.E_chunk = balanced <= cap ? balanced : cap;
   }
-  rs.n_chunks = static_cast<int>(ceil_div(rs.E_span, rs.E_chunk));
+  const int64_t chunks = ceil_div(rs.E_span, rs.E_chunk);
+  if (chunks > kMaxChunks) {
+    // The smallest chunk_bytes with at most kMaxChunks chunks under the rounding above.
+    int64_t need = ceil_div(rs.E_span, kMaxChunks);
+    if (need >= kSubsliceAlignElems) need = round_up(need, kSubsliceAlignElems);
+    throw PlanError(TIDE_STR_CAT("Options.chunk_bytes: ", chunk_bytes, " B splits each ",
+                                 rs.direct ? "output" : "sub-slice pass", " of ", rs.E_span, " elements (n_part ",
+                                 rs.n_part, ") into ", chunks, " chunks, above the limit of ", kMaxChunks,
+                                 "; for this group chunk_bytes must be 0 (planner) or >= ", need * rs.b_grad));
+  }
+  rs.n_chunks = static_cast<int>(chunks);
   rs.stg_slot_bytes = static_cast<int64_t>(L - 1) * rs.stg_rows * rs.E_chunk * rs.b_grad;
   return rs;
 }

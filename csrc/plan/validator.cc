@@ -187,11 +187,13 @@ void validate_rs(const RsSchedule& rs, const Topology& topo, const Options& opt)
   if (!why.empty()) throw PlanError(why);
 }
 
-ValidateAllResult validate_all(int L, int max_nodes) {
+ValidateAllResult validate_all(int L, int max_nodes, int min_nodes) {
   TIDE_PLAN_CHECK(L >= 1 && L <= kMaxGpusPerNode, "--gpus-per-node: must be in [1, ",
                   kMaxGpusPerNode, "], got ", L);
-  TIDE_PLAN_CHECK(max_nodes >= 2, "--max-nodes: must be >= 2, got ", max_nodes);
-  constexpr int kMaxK = 32;
+  TIDE_PLAN_CHECK(max_nodes >= 2 && max_nodes <= kMaxNodes, "--max-nodes: must be in [2, ", kMaxNodes,
+                  "], got ", max_nodes);
+  TIDE_PLAN_CHECK(min_nodes >= 2 && min_nodes <= max_nodes + 1, "validate_all: min_nodes must be in [2, max_nodes+1=",
+                  max_nodes + 1, "], got ", min_nodes);  // max_nodes + 1: an empty range, the arguments checked only
   const Mode modes[2] = {Mode::kInPlace, Mode::kSlotReuse};
   ValidateAllResult res;
   // Index np-1 holds n_part = np on the same (M, W_wave); np = 1 is the base plan.
@@ -203,7 +205,7 @@ ValidateAllResult validate_all(int L, int max_nodes) {
   // re-checked per k from the widest round.
   std::string rounds_why[4][kMaxGpusPerNode + 1][2];
   int widest[4][kMaxGpusPerNode + 1];
-  for (int M = 2; M <= max_nodes; ++M) {
+  for (int M = min_nodes; M <= max_nodes; ++M) {
     for (int ww = 1; ww <= L; ++ww) {
       bool pair_ok = true;
       for (int np = 1; np <= 4; ++np) {
@@ -211,7 +213,7 @@ ValidateAllResult validate_all(int L, int max_nodes) {
         waves_why[np - 1] = check_rs_waves(rs[np - 1]);
         if (np == 1 && !waves_why[0].empty()) break;
         if (!waves_why[np - 1].empty()) continue;
-        for (int ke = 1; ke <= std::min(ww, kMaxK); ++ke) {
+        for (int ke = 1; ke <= std::min(ww, kMaxRoundWidth); ++ke) {
           for (int mi = 0; mi < 2; ++mi) {
             build_rs_rounds(rs[np - 1], ke, modes[mi]);
             rounds_why[np - 1][ke][mi] = check_rs_rounds(rs[np - 1]);
@@ -222,7 +224,7 @@ ValidateAllResult validate_all(int L, int max_nodes) {
         }
       }
       if (!waves_why[0].empty()) {
-        res.rejected += 2 * kMaxK;
+        res.rejected += 2 * kMaxRoundWidth;
         res.rejected_pairs.emplace_back(M, ww);
         continue;
       }
@@ -233,7 +235,7 @@ ValidateAllResult validate_all(int L, int max_nodes) {
           return TIDE_STR_CAT("a round has ", widest[np - 1][ke], " transfers > k=", k);
         return rounds_why[np - 1][ke][mi];
       };
-      for (int k = 1; k <= kMaxK; ++k) {
+      for (int k = 1; k <= kMaxRoundWidth; ++k) {
         for (int mi = 0; mi < 2; ++mi) {
           if (!verdict(1, k, mi).empty()) {
             ++res.rejected;

@@ -184,12 +184,12 @@ void bind_rs(nb::module_& m) {
   m.attr("rs_op_tags") = tags;
   m.def(
       "validate_all",
-      [](int gpus_per_node, int max_nodes) {
+      [](int gpus_per_node, int max_nodes, int min_nodes) {
         const auto t0 = std::chrono::steady_clock::now();
         ValidateAllResult r;
         {
           nb::gil_scoped_release unlocked;
-          r = validate_all(gpus_per_node, max_nodes);
+          r = validate_all(gpus_per_node, max_nodes, min_nodes);
         }
         const double secs =
             std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
@@ -211,15 +211,15 @@ void bind_rs(nb::module_& m) {
         }
         d["rejected_by_w_wave"] = by_w;
         d["summary"] = TIDE_STR_CAT(
-            r.accepted, " accepted and ", r.rejected, " rejected base plans (M in [2, ", max_nodes,
-            "], W_wave in [1, ", gpus_per_node, "], k in [1, 32], In-Place and Slot-Reuse); ",
+            r.accepted, " accepted and ", r.rejected, " rejected base plans (M in [", min_nodes, ", ", max_nodes,
+            "], W_wave in [1, ", gpus_per_node, "], k in [1, ", kMaxRoundWidth, "], In-Place and Slot-Reuse); ",
             r.accepted_pairs.size(), " accepted and ", r.rejected_pairs.size(),
             " rejected (M, W_wave) pairs; n_part in {2, 3, 4} ",
             r.n_part_ok ? "valid" : "INVALID", " over ", r.n_part_checked, " checks");
         return d;
       },
-      nb::arg("gpus_per_node"), nb::arg("max_nodes"),
-      "Exhaustive RS validator regression (App. D): every base plan (M in [2, max_nodes], "
+      nb::arg("gpus_per_node"), nb::arg("max_nodes"), nb::arg("min_nodes") = 2,
+      "Exhaustive RS validator regression (App. D): every base plan (M in [min_nodes, max_nodes], "
       "W_wave in [1, L], k in [1, 32], In-Place and Slot-Reuse) is simulated; returns accepted "
       "and rejected counts, the (M, W_wave) pairs, and whether n_part in {2, 3, 4} is valid for "
       "every accepted base plan.");

@@ -4,6 +4,7 @@
 
 #include <cerrno>
 #include <cmath>
+#include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <functional>
@@ -11,6 +12,7 @@
 #include <vector>
 
 #include "tide/errors.h"
+#include "tide/plan.h"  // kMaxCtas: cast_ctas and zero_ctas share the planner's SUM/LAND CTA ceiling
 
 namespace tide {
 
@@ -21,18 +23,27 @@ const char* full_grid_name(FullGrid g) { return g == FullGrid::kWave ? "wave" : 
 const char* copy_2d_name(Copy2D c) { return c == Copy2D::kPerCopy ? "per_copy" : "batch"; }
 const char* rails_name(Rails r) { return r == Rails::kTwoSided ? "two_sided" : "one_sided"; }
 
+namespace {
+// The other integer fields' ranges (tide/exec_options.h lists them; README's option table too).
+constexpr int kMaxCopyLanes = 8;
+constexpr int kMaxWorkers = 1024;
+constexpr int kMaxRailCtas = 64;
+constexpr int kMaxRailChannels = 32;
+}  // namespace
+
 void validate(const ExecutorOptions& o) {
   TIDE_PLAN_CHECK(std::isfinite(o.timeout_s) && o.timeout_s > 0 && o.timeout_s <= 1e6,
                   "ExecutorOptions.timeout_s: expected a finite number of seconds in (0, 1e6], got ", o.timeout_s);
-  TIDE_PLAN_CHECK(o.cast_ctas >= 1 && o.cast_ctas <= 4096, "ExecutorOptions.cast_ctas: expected 1..4096, got ",
+  TIDE_PLAN_CHECK(o.cast_ctas >= 1 && o.cast_ctas <= kMaxCtas, "ExecutorOptions.cast_ctas: expected 1..", kMaxCtas, ", got ",
                   o.cast_ctas);
-  TIDE_PLAN_CHECK(o.zero_ctas >= 1 && o.zero_ctas <= 4096, "ExecutorOptions.zero_ctas: expected 1..4096, got ",
+  TIDE_PLAN_CHECK(o.zero_ctas >= 1 && o.zero_ctas <= kMaxCtas, "ExecutorOptions.zero_ctas: expected 1..", kMaxCtas, ", got ",
                   o.zero_ctas);
-  TIDE_PLAN_CHECK(o.copy_lanes >= 1 && o.copy_lanes <= 8, "ExecutorOptions.copy_lanes: expected 1..8, got ",
+  TIDE_PLAN_CHECK(o.copy_lanes >= 1 && o.copy_lanes <= kMaxCopyLanes, "ExecutorOptions.copy_lanes: expected 1..", kMaxCopyLanes, ", got ",
                   o.copy_lanes);
   TIDE_PLAN_CHECK(o.copy_spread_bytes >= 0, "ExecutorOptions.copy_spread_bytes: expected >= 0, got ",
                   o.copy_spread_bytes);
-  TIDE_PLAN_CHECK(o.workers >= 0 && o.workers <= 1024, "ExecutorOptions.workers: expected 0..1024, got ", o.workers);
+  TIDE_PLAN_CHECK(o.workers >= 0 && o.workers <= kMaxWorkers, "ExecutorOptions.workers: expected 0..", kMaxWorkers,
+                  ", got ", o.workers);
   TIDE_PLAN_CHECK(o.cta_split == CtaSplit::kAuto || o.cta_split == CtaSplit::kTiles || o.cta_split == CtaSplit::kRanges,
                   "ExecutorOptions.cta_split: unknown value ", static_cast<int>(o.cta_split));
   TIDE_PLAN_CHECK(o.full_grid == FullGrid::kTiles || o.full_grid == FullGrid::kWave,
@@ -41,9 +52,11 @@ void validate(const ExecutorOptions& o) {
                   "ExecutorOptions.copy_2d: unknown value ", static_cast<int>(o.copy_2d));
   TIDE_PLAN_CHECK(o.rails == Rails::kOneSided || o.rails == Rails::kTwoSided, "ExecutorOptions.rails: unknown value ",
                   static_cast<int>(o.rails));
-  TIDE_PLAN_CHECK(o.rail_ctas >= 1 && o.rail_ctas <= 64, "ExecutorOptions.rail_ctas: expected 1..64, got ", o.rail_ctas);
-  TIDE_PLAN_CHECK(o.rail_channels_per_peer >= 1 && o.rail_channels_per_peer <= 32,
-                  "ExecutorOptions.rail_channels_per_peer: expected 1..32, got ", o.rail_channels_per_peer);
+  TIDE_PLAN_CHECK(o.rail_ctas >= 1 && o.rail_ctas <= kMaxRailCtas, "ExecutorOptions.rail_ctas: expected 1..", kMaxRailCtas,
+                  ", got ", o.rail_ctas);
+  TIDE_PLAN_CHECK(o.rail_channels_per_peer >= 1 && o.rail_channels_per_peer <= kMaxRailChannels,
+                  "ExecutorOptions.rail_channels_per_peer: expected 1..", kMaxRailChannels, ", got ",
+                  o.rail_channels_per_peer);
 }
 
 namespace {
@@ -52,8 +65,17 @@ int64_t parse_int(const std::string& v, const std::string& where) {
   errno = 0;
   char* end = nullptr;
   const long long x = std::strtoll(v.c_str(), &end, 10);
-  TIDE_PLAN_CHECK(!v.empty() && end && *end == '\0' && errno == 0, where, ": '", v, "' is not an integer");
+  TIDE_PLAN_CHECK(!v.empty() && end && *end == '\0', where, ": '", v, "' is not an integer");
+  TIDE_PLAN_CHECK(errno == 0, where, ": ", v, " does not fit in 64 bits");
   return x;
+}
+
+// An int field of range lo..hi: a value past int is refused here, naming the range, before it
+// is narrowed (a wrapped value could land inside the range); validate() checks the rest.
+int parse_int_in(const std::string& v, const std::string& where, int lo, int hi) {
+  const int64_t x = parse_int(v, where);
+  TIDE_PLAN_CHECK(x >= INT32_MIN && x <= INT32_MAX, where, ": expected ", lo, "..", hi, ", got ", x);
+  return static_cast<int>(x);
 }
 
 bool parse_bool(const std::string& v, const std::string& where) {
@@ -85,16 +107,16 @@ void set_option(ExecutorOptions& o, const std::string& name, const std::string& 
     o.timeout_s = std::strtod(value.c_str(), &end);
     TIDE_PLAN_CHECK(!value.empty() && end && *end == '\0', w, ": '", value, "' is not a number");
   } else if (name == "cast_ctas") {
-    o.cast_ctas = static_cast<int>(parse_int(value, w));
+    o.cast_ctas = parse_int_in(value, w, 1, kMaxCtas);
   } else if (name == "zero_ctas") {
-    o.zero_ctas = static_cast<int>(parse_int(value, w));
+    o.zero_ctas = parse_int_in(value, w, 1, kMaxCtas);
   } else if (name == "cta_split") {
     o.cta_split = parse_enum<CtaSplit>(value, w, {{"auto", CtaSplit::kAuto}, {"tiles", CtaSplit::kTiles},
                                                   {"ranges", CtaSplit::kRanges}});
   } else if (name == "full_grid") {
     o.full_grid = parse_enum<FullGrid>(value, w, {{"tiles", FullGrid::kTiles}, {"wave", FullGrid::kWave}});
   } else if (name == "copy_lanes") {
-    o.copy_lanes = static_cast<int>(parse_int(value, w));
+    o.copy_lanes = parse_int_in(value, w, 1, kMaxCopyLanes);
   } else if (name == "copy_spread_bytes") {
     o.copy_spread_bytes = parse_int(value, w);
   } else if (name == "copy_2d") {
@@ -104,13 +126,13 @@ void set_option(ExecutorOptions& o, const std::string& name, const std::string& 
   } else if (name == "trace") {
     o.trace = parse_bool(value, w);
   } else if (name == "workers") {
-    o.workers = static_cast<int>(parse_int(value, w));
+    o.workers = parse_int_in(value, w, 0, kMaxWorkers);
   } else if (name == "rails") {
     o.rails = parse_rails(value, w);
   } else if (name == "rail_ctas") {
-    o.rail_ctas = static_cast<int>(parse_int(value, w));
+    o.rail_ctas = parse_int_in(value, w, 1, kMaxRailCtas);
   } else if (name == "rail_channels_per_peer") {
-    o.rail_channels_per_peer = static_cast<int>(parse_int(value, w));
+    o.rail_channels_per_peer = parse_int_in(value, w, 1, kMaxRailChannels);
   } else {
     throw PlanError(TIDE_STR_CAT(where, ": unknown field '", name, "' (fields: timeout_s, cast_ctas, zero_ctas, "
                                  "cta_split, full_grid, copy_lanes, copy_spread_bytes, copy_2d, sync_every_call, "

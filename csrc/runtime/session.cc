@@ -77,10 +77,11 @@ GroupSession::GroupSession(std::shared_ptr<const Plan> plan, std::shared_ptr<Cal
                            GroupPlacement placement, SessionOptions opt)
     : plan_(std::move(plan)), executor_(std::move(executor)), placement_(std::move(placement)), opt_(opt) {
   TIDE_PLAN_CHECK(plan_ != nullptr && executor_ != nullptr, "GroupSession: needs a plan and an executor");
-  TIDE_PLAN_CHECK(opt_.sum_ctas >= 0 && opt_.sum_ctas <= 65536, "SessionOptions.sum_ctas: expected 0 (the plan's "
-                  "solver) or 1..65536, got ", opt_.sum_ctas);
-  TIDE_PLAN_CHECK(opt_.land_ctas >= 0 && opt_.land_ctas <= 65536, "SessionOptions.land_ctas: expected 0 (the "
-                  "plan's solver) or 1..65536, got ", opt_.land_ctas);
+  // The planner's range for the same budgets (Options.sum_ctas / land_ctas, kMaxCtas).
+  TIDE_PLAN_CHECK(opt_.sum_ctas >= 0 && opt_.sum_ctas <= kMaxCtas, "SessionOptions.sum_ctas: expected 0 (the plan's "
+                  "solver) or 1..", kMaxCtas, ", got ", opt_.sum_ctas);
+  TIDE_PLAN_CHECK(opt_.land_ctas >= 0 && opt_.land_ctas <= kMaxCtas, "SessionOptions.land_ctas: expected 0 (the "
+                  "plan's solver) or 1..", kMaxCtas, ", got ", opt_.land_ctas);
   TIDE_PLAN_CHECK(!placement_.kinds.empty(), "GroupPlacement.kinds: a session runs at least one collective");
   TIDE_PLAN_CHECK(!(opt_.generate_rs && opt_.check), "SessionOptions: the checker needs built programs "
                   "(generate_rs and check exclude each other)");

@@ -1,6 +1,7 @@
 // CpuArena: N symmetric arenas in one mapping (private, or POSIX shared memory for processes).
 #include <fcntl.h>
 #include <sys/mman.h>
+#include <sys/statvfs.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -30,6 +31,35 @@ int64_t gap_end(const ArenaSpec& spec, int k) {
   if (spec.counters_offset >= end && spec.counters_offset < next) next = spec.counters_offset;
   return next;
 }
+
+// [Note: arena memory check] The memory the mapping can get: the free space of /dev/shm (where
+// shm_open places segments on Linux) for shared memory, physical memory for a private mapping.
+// Both mappings are lazily backed, so an arena past them maps fine and fails later (SIGBUS on a
+// full /dev/shm, or the OOM killer): the constructor refuses it first, naming the region that
+// makes it large. -1 when the limit is unknown.
+int64_t memory_available(bool shared_memory) {
+  if (shared_memory) {
+    struct statvfs st {};
+    if (statvfs("/dev/shm", &st) != 0) return -1;
+    return static_cast<int64_t>(st.f_bavail) * static_cast<int64_t>(st.f_frsize);
+  }
+  const long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGE_SIZE);
+  return pages > 0 && page > 0 ? static_cast<int64_t>(pages) * page : -1;
+}
+
+void check_arena_fits(int world, const ArenaSpec& spec, int64_t map_bytes, bool shared_memory) {
+  const int64_t avail = memory_available(shared_memory);
+  if (avail < 0 || map_bytes <= avail) return;
+  int big = -1;
+  for (int k = 4; k < kNumBufKinds; ++k)
+    if (big < 0 || spec.bytes[k] > spec.bytes[big]) big = k;
+  const bool counters = big < 0 || spec.counters_bytes > spec.bytes[big];
+  throw PlanError(TIDE_STR_CAT(
+      "CpuArena: ", world, " rank(s) x ", spec.total, " arena bytes (", map_bytes, " bytes mapped) exceed the ",
+      avail, shared_memory ? " bytes free in /dev/shm" : " bytes of physical memory", "; the largest region is '",
+      counters ? "counters" : buf_kind_name(static_cast<BufKind>(big)), "' (",
+      counters ? spec.counters_bytes : spec.bytes[big], " bytes per rank)"));
+}
 }  // namespace
 
 void RankBindings::bind(BufKind kind, int index, void* data, int64_t bytes) {
@@ -45,6 +75,7 @@ CpuArena::CpuArena(int world, const ArenaSpec& spec, bool shared_memory)
   TIDE_PLAN_CHECK(world >= 1, "CpuArena: world must be >= 1, got ", world);
   stride_ = round_up(spec.total, 4096) + kGuard;
   shared_bytes_ = round_up(static_cast<int64_t>(Shared::bytes(world)), 4096);
+  check_arena_fits(world, spec, shared_bytes_ + stride_ * world, shm_);
   map_bytes_ = static_cast<size_t>(shared_bytes_ + stride_ * world);
   void* p = MAP_FAILED;
   if (shm_) {

@@ -6,7 +6,9 @@
 //     shared-memory segment (mode 0600, unlinked right after mapping, so nothing outlives the
 //     process even on failure) for ranks-as-processes. Counters live in each arena's "counters"
 //     region as lock-free 64-bit atomics, so they work across processes; they persist across
-//     calls (epochs, never reset).
+//     calls (epochs, never reset). An arena larger than the memory the mapping can get (free
+//     /dev/shm, or physical memory) is refused with PlanError naming its largest region, before
+//     anything is mapped ([Note: arena memory check] in exec/cpu/arena.cc).
 //   - run_cpu() executes per-rank call lists. Threads mode: `workers` threads each step a fixed
 //     subset of ranks. Processes mode: forked children (one per rank up to 64, else subsets) step
 //     their ranks and exit with _exit(); user buffers the program writes are bounced through

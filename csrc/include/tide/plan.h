@@ -88,6 +88,31 @@ struct Options {
   int64_t ag_head_bytes = 8ll << 20;  // total head bytes of a paced AG round (head/tail split)
 };
 
+// Option ranges, checked by validate_inputs (and listed in README's option table). Each bound
+// keeps the plan's tables and the programs built from it small; none limits a useful plan.
+//   n_part <= kMaxPasses: the planner needs at most kMaxAutoPasses (Fig. 10b); each pass adds
+//     M-1 remote blocks and their rounds per call while the staging it saves shrinks as 1/n_part,
+//     so 4x the planner's largest count is already far past any gain. App. D's exhaustive check
+//     covers 2..4 (validate_all); validate_rs checks any given count.
+//   n_stg <= kMaxStagingSlots: two slots already overlap pushes with sums (Section 4.1); at 16,
+//     staging alone is 64 output blocks at L = 8, bf16 (Eq. 10's n_stg*L*b_grad/4), three times
+//     the planner's whole RS scratch ceiling (kRsScratchBlocks).
+//   k <= kMaxRoundWidth: the widths validate_all enumerates (App. D); k beyond W_wave changes no
+//     round (k_eff = min(k, W_wave)).
+//   sum_ctas, land_ctas <= kMaxCtas: the executors' CTA ceiling (ExecutorOptions' cast_ctas and
+//     zero_ctas share it); Eqs. 13-14 give single digits.
+//   chunk_bytes: 0 (planner) or >= one gradient element, and no more than kMaxChunks chunks per
+//     Level-1 span (programs hold ops per chunk: n_part*M*n_chunks Level-1 units per call).
+//   The arena (MemoryModel::arena_bytes) stays within kMaxArenaBytes per rank: 1 TiB, beyond any
+//     accelerator's memory, so a plan past it is a mistake in the inputs, refused naming the
+//     region that makes it large.
+constexpr int kMaxPasses = 16;
+constexpr int kMaxStagingSlots = 16;
+constexpr int kMaxRoundWidth = 32;
+constexpr int kMaxCtas = 4096;
+constexpr int64_t kMaxChunks = 1024;
+constexpr int64_t kMaxArenaBytes = 1ll << 40;
+
 // ---------------------------------------------------------------------------------------------
 // Layout (Section 2.1, Eqs. 2-3)                                                   [layout.cc]
 // ---------------------------------------------------------------------------------------------
@@ -315,7 +340,9 @@ struct ValidateAllResult {
   int64_t n_part_checked = 0;
   std::string first_n_part_failure;
 };
-ValidateAllResult validate_all(int gpus_per_node, int max_nodes);
+// Every base plan with M in [min_nodes, max_nodes] (each M is independent: callers may split the
+// range to report progress or stop between parts); min_nodes = max_nodes + 1 checks the arguments only.
+ValidateAllResult validate_all(int gpus_per_node, int max_nodes, int min_nodes = 2);
 
 // Contributor index (Eq. 6), sub-slice rotation (Eq. 7) and destination GPU (Eq. 8).
 inline int contributor_index(int m, int n, int M) { return n != m ? ((m - n) % M + M) % M : M; }

@@ -1,0 +1,273 @@
+"""Bounded options: every planner option and ExecutorOptions field has a range checked when the
+plan or executor is made, and the error names the field, its range and the value got; an arena
+larger than the memory it can get is refused naming its largest region, before anything runs."""
+import time
+
+import pytest
+
+import tide
+
+G, T = tide.GroupSignature, tide.Topology
+SMALL = G(shapes=[(64, 32), (17,)])
+
+
+def _refused(sig, topo, match, **kw):
+    t0 = time.monotonic()
+    with pytest.raises(tide.PlanError, match=match):
+        tide.plan(sig, topo, **kw)
+    return time.monotonic() - t0
+
+
+# ---- planner options: field, range and value in the message --------------------------------------
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("kw,match", [
+    ({"n_part": 10**9}, r"Options\.n_part: must be in \[0, 16\] .*got 1000000000"),
+    ({"n_part": 17}, r"Options\.n_part: must be in \[0, 16\] .*got 17"),
+    ({"n_part": -1}, r"Options\.n_part: must be in \[0, 16\] .*got -1"),
+    ({"n_stg": 10**9}, r"Options\.n_stg: must be in \[1, 16\], got 1000000000"),
+    ({"n_stg": 0}, r"Options\.n_stg: must be in \[1, 16\], got 0"),
+    ({"k": 10**9}, r"Options\.k: must be in \[0, 32\] .*got 1000000000"),
+    ({"k": 33}, r"Options\.k: must be in \[0, 32\] .*got 33"),
+    ({"sum_ctas": 10**9}, r"Options\.sum_ctas: must be in \[0, 4096\] .*got 1000000000"),
+    ({"land_ctas": 4097}, r"Options\.land_ctas: must be in \[0, 4096\] .*got 4097"),
+    ({"land_ctas": -1}, r"Options\.land_ctas: must be in \[0, 4096\] .*got -1"),
+    ({"w_wave": -1}, r"Options\.w_wave: must be in \[0, L=4\] .*got -1"),
+    ({"chunk_bytes": 1}, r"Options\.chunk_bytes: must be 0 \(planner\) or >= 2 \(one bfloat16 gradient element\), got 1"),
+    ({"chunk_bytes": -5}, r"Options\.chunk_bytes: must be 0 \(planner\) or >= 2 .*got -5"),
+    ({"ag_head_bytes": -1}, r"Options\.ag_head_bytes: must be >= 0 .*got -1"),
+    ({"n_part": 2**31}, r"Options\.n_part: 2147483648 does not fit in 32 bits"),
+])
+def test_option_out_of_range_names_field_range_and_value(kw, match):
+    # Refused before any sizing work: n_part=10**9 used to allocate 12 GB before std::bad_alloc.
+    assert _refused(SMALL, T(2, 4), match, **kw) < 0.5
+
+
+def test_chunk_bytes_minimum_follows_the_gradient_dtype():
+    _refused(G(shapes=[(64, 32)], grad_dtype="float32"), T(2, 4), r"or >= 4 \(one float32 gradient element\), got 3",
+             chunk_bytes=3)
+    tide.plan(G(shapes=[(64, 32)], grad_dtype="float32"), T(2, 4), chunk_bytes=4)
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("topo,where,need", [(T(2, 2), "sub-slice pass of 524288 elements", 1024),
+                                             (T(1, 2), "output of 33554432 elements", 65536)])
+def test_chunk_bytes_with_too_many_chunks_is_refused_naming_the_minimum(topo, where, need):
+    """A chunk of a few bytes on a large group used to plan, then exhaust memory building one op
+    per chunk at the first reduce-scatter; now the plan names the smallest chunk_bytes it takes."""
+    sig = G(shapes=[(4096, 1024)] if topo.nodes == 2 else [(8192, 8192)])
+    assert _refused(sig, topo, rf"Options\.chunk_bytes: 2 B splits each {where} .* above the limit of 1024; "
+                    rf"for this group chunk_bytes must be 0 \(planner\) or >= {need}$", chunk_bytes=2) < 0.5
+    p = tide.plan(sig, topo, chunk_bytes=need)  # the minimum it names is accepted
+    assert p.rs_schedule.n_chunks <= 1024
+
+
+def test_every_bound_is_inclusive():
+    for kw in ({"n_part": 16}, {"n_stg": 16}, {"k": 32}, {"sum_ctas": 4096}, {"land_ctas": 4096},
+               {"chunk_bytes": 2}, {"ag_head_bytes": 0}, {"w_wave": 4}):
+        tide.plan(SMALL, T(2, 4), **kw)
+
+
+def test_arena_beyond_the_plan_limit_names_the_largest_region():
+    # NS = 2**39 bytes: two ring slots alone are 1 TiB per rank.
+    _refused(G(shapes=[(1 << 30, 1 << 8)]), T(2, 8),
+             r"plan: the arena needs \d+ bytes per rank, above TIDE's limit of 1099511627776 \(1 TiB\); "
+             r"its largest region is 'ring0' \(549755813888 bytes\)$")
+    # Sixteen whole-output staging slots of fp32 gradients at one node: staging dominates.
+    _refused(G(shapes=[(1 << 23, 1 << 12)], grad_dtype="float32"), T(1, 8),
+             r"its largest region is 'staging' \(\d+ bytes\) \(Options\.n_stg slots", n_stg=16, chunk_bytes=1 << 40)
+
+
+# ---- the executor's arena against the memory it can get -------------------------------------------
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("ranks_as,where", [("threads", "bytes of physical memory"),
+                                            ("processes", r"bytes free in /dev/shm")])
+def test_cpu_arena_larger_than_memory_is_refused_before_mapping(ranks_as, where):
+    """A plan within the 1 TiB limit whose 16 arenas exceed this machine: the virtual cluster
+    refuses before mapping (processes mode once mapped 6.6 TB of /dev/shm without complaint)."""
+    topo = T(2, 8)
+    plan = tide.plan(G(shapes=[(1 << 26, 1 << 11)]), topo)
+    vc = tide.VirtualCluster(topo, ranks_as=ranks_as)
+    t0 = time.monotonic()
+    with pytest.raises(tide.PlanError, match=rf"CpuArena: 16 rank\(s\) x \d+ arena bytes \(\d+ bytes mapped\) exceed "
+                                             rf"the \d+ {where}; the largest region is 'ring0' \(\d+ bytes per rank\)"):
+        vc.session(plan, "all_gather")
+    assert time.monotonic() - t0 < 5
+
+
+# ---- ExecutorOptions: ranges, and no silent narrowing ---------------------------------------------
+
+@pytest.mark.parametrize("field,value,match", [
+    ("cast_ctas", 2**32 + 1, r"ExecutorOptions: cast_ctas: expected 1\.\.4096, got 4294967297"),
+    ("zero_ctas", 2**32 + 8, r"zero_ctas: expected 1\.\.4096, got 4294967304"),
+    ("workers", 2**31, r"workers: expected 0\.\.1024, got 2147483648"),
+    ("copy_lanes", -2**40, r"copy_lanes: expected 1\.\.8, got -1099511627776"),
+    ("rail_ctas", 65, r"ExecutorOptions\.rail_ctas: expected 1\.\.64, got 65"),
+    ("rail_channels_per_peer", 0, r"ExecutorOptions\.rail_channels_per_peer: expected 1\.\.32, got 0"),
+    ("copy_spread_bytes", 2**70, r"copy_spread_bytes: 1180591620717411303424 does not fit in 64 bits"),
+    ("timeout_s", float("inf"), r"ExecutorOptions\.timeout_s: expected a finite number of seconds in \(0, 1e6\]"),
+])
+def test_executor_option_out_of_range_names_field_and_range(field, value, match):
+    # A value past int used to wrap: cast_ctas=2**32+1 was accepted as 1.
+    with pytest.raises(tide.PlanError, match=match):
+        tide.ExecutorOptions(**{field: value})
+
+
+def test_debug_env_override_is_range_checked_too(monkeypatch):
+    monkeypatch.setenv("TIDE_EXEC_OPTIONS", "zero_ctas=4294967304")
+    with pytest.raises(tide.PlanError, match=r"TIDE_EXEC_OPTIONS: zero_ctas: expected 1\.\.4096, got 4294967304"):
+        tide.ExecutorOptions().effective()
+
+
+# ---- the CLI: one-line errors with rc 2, Ctrl-C and progress for long work -------------------------
+
+def _cli(capsys, *argv):
+    from tide import cli
+    rc = cli.main(["plan", *argv])
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+def _one_line_error(rc, err, *fragments):
+    assert rc == 2, err
+    assert "Traceback" not in err and err.count("\n") == 1 and err.startswith("tide plan: error: "), err
+    for f in fragments:
+        assert f in err, (f, err)
+
+
+@pytest.mark.timeout(30)
+def test_cli_deeply_nested_shapes_is_one_line(capsys, tmp_path):
+    deep = tmp_path / "deep.json"
+    deep.write_text("[" * 100_000 + "]" * 100_000)  # a RecursionError traceback before
+    rc, _, err = _cli(capsys, "--shapes", str(deep))
+    _one_line_error(rc, err, f"--shapes {deep}: nested too deeply")
+
+
+@pytest.mark.parametrize("text,fragment", [
+    ("[[4, 8], [1", "not valid JSON (Expecting ',' delimiter at line 1 column 12; truncated?)"),
+    ("", "not valid JSON (Expecting value at line 1 column 1"),
+    (b"\xff\xfe[1]", "not UTF-8 text"),
+])
+def test_cli_bad_shapes_file_names_the_file_and_the_flag(capsys, tmp_path, text, fragment):
+    f = tmp_path / "shapes.json"
+    (f.write_bytes if isinstance(text, bytes) else f.write_text)(text)
+    rc, _, err = _cli(capsys, "--shapes", str(f))
+    _one_line_error(rc, err, f"--shapes {f}: ", fragment)
+
+
+@pytest.mark.parametrize("argv,fragment", [
+    (["--gpus-per-node", "0"], "--gpus-per-node: must be in [1, 8], got 0"),
+    (["--gpus-per-node", "9"], "--gpus-per-node: must be in [1, 8], got 9"),
+    (["--max-nodes", "1"], "--max-nodes: must be in [2, 65536], got 1"),
+    (["--max-nodes", "70000"], "--max-nodes: must be in [2, 65536], got 70000"),
+])
+def test_cli_validate_all_bad_range_is_one_line(capsys, argv, fragment):
+    rc, _, err = _cli(capsys, "--validate-all", *argv)  # a traceback with rc 1 before
+    _one_line_error(rc, err, fragment)
+
+
+def test_cli_validate_all_in_parts_equals_one_call():
+    import io
+
+    from tide import _core, cli
+    progress = io.StringIO()
+    parts = cli._validate_all(4, 120, progress=progress, every_s=0.0)
+    whole = _core.validate_all(4, 120)
+    for key in ("accepted", "rejected", "accepted_pairs", "rejected_pairs", "n_part_ok", "n_part_checked"):
+        assert parts[key] == whole[key], key
+    lines = progress.getvalue().splitlines()
+    assert lines and all(ln.startswith("tide plan: --validate-all: M up to ") and "of 120 done" in ln
+                         for ln in lines)
+
+
+@pytest.mark.timeout(60)
+def test_cli_validate_all_obeys_ctrl_c():
+    import os
+    import signal
+    import subprocess
+    import sys
+    # The child restores Python's SIGINT handler: a runner started in the background may
+    # hand it SIGINT ignored.
+    code = ("import signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+            "from tide.cli import main; sys.exit(main(sys.argv[1:]))")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
+    p = subprocess.Popen([sys.executable, "-c", code, "plan", "--validate-all", "--max-nodes", "65536"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        time.sleep(2.0)  # inside the work (the whole range takes hours)
+        assert p.poll() is None
+        t0 = time.monotonic()
+        p.send_signal(signal.SIGINT)
+        _, err = p.communicate(timeout=10)
+        assert time.monotonic() - t0 < 2.0
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    assert p.returncode == 130 and "tide plan: --validate-all interrupted" in err and "Traceback" not in err
+
+
+# ---- faces: a wrong argument is named, not an AttributeError from inside -------------------------
+
+@pytest.mark.parametrize("topo,match", [
+    (None, r"VirtualCluster\.topo: expected a tide\.Topology, got None"),
+    ((1, 2), r"VirtualCluster\.topo: expected a tide\.Topology, got \(1, 2\)"),
+    (T("a", 2), r"VirtualCluster\.topo\.nodes: expected an int >= 1, got 'a'"),
+    (T(2, 0), r"VirtualCluster\.topo\.gpus_per_node: expected an int >= 1, got 0"),
+    (T(True, 2), r"VirtualCluster\.topo\.nodes: expected an int >= 1, got True"),
+])
+def test_virtual_cluster_names_a_bad_topology(topo, match):
+    with pytest.raises(tide.PlanError, match=match):
+        tide.VirtualCluster(topo)
+
+
+def _torch_topology_errors(rank, world):
+    import os
+
+    import tide_torch
+    from _torch_dist import build, mesh_1d
+    model = build(mesh=mesh_1d())
+    for bad, fragment in (((1, 2), "tide_torch.enable(topology=...): expected a tide.Topology(nodes, "
+                                   "gpus_per_node), got tuple (1, 2)"),
+                          (tide.Topology("1", 2), "tide_torch.enable(topology=...): nodes must be an int >= 1, got '1'")):
+        with pytest.raises(tide_torch.TideEnableError) as e:
+            tide_torch.enable(model, topology=bad)
+        assert fragment in str(e.value), str(e.value)
+    os.environ["LOCAL_WORLD_SIZE"] = "abc"
+    with pytest.raises(tide_torch.TideEnableError) as e:
+        tide_torch.enable(model)
+    assert "LOCAL_WORLD_SIZE='abc' is not an integer" in str(e.value), str(e.value)
+
+
+@pytest.mark.timeout(120)
+def test_tide_torch_enable_names_a_bad_topology_on_every_rank():
+    pytest.importorskip("torch")
+    from _torch_dist import spawn
+    spawn(_torch_topology_errors, world=2)
+
+
+def test_tide_torch_arena_larger_than_dev_shm_is_refused_before_mapping():
+    import os
+    torch = pytest.importorskip("torch")
+    from tide_torch.arena import Arena
+    if not os.path.isdir("/dev/shm"):
+        pytest.skip("no /dev/shm")
+    st = os.statvfs("/dev/shm")
+    too_big = st.f_bavail * st.f_frsize + (1 << 30)
+    before = set(os.listdir("/dev/shm"))
+    with pytest.raises(tide.PlanError, match=r"Arena: \d+ bytes of shared memory exceed the \d+ bytes free in "
+                                             r"/dev/shm; the largest region is 'staging' \(\d+ bytes\)"):
+        Arena({"ring0": 4096, "staging": too_big}, torch.device("cpu"))
+    assert set(os.listdir("/dev/shm")) <= before  # nothing created
+
+
+@pytest.mark.parametrize("name", ["sum_ctas", "land_ctas"])
+def test_session_cta_override_shares_the_planner_range(name):
+    plan = tide.plan(SMALL, T(1, 2))
+    with pytest.raises(tide.PlanError, match=rf"VirtualCluster\.{name}: expected None \(the plan's solver\) or 1\.\.4096, got 4097"):
+        tide.VirtualCluster(T(1, 2), **{name: 4097})
+    ex = tide._core.CpuClusterExecutor(2, plan, ["all_gather"], processes=False, options={})
+    with pytest.raises(tide.PlanError, match=rf"SessionOptions\.{name}: expected 0 \(the .*solver\) or 1\.\.4096, got 4097"):
+        tide._core.GroupSession(plan, ex, ["all_gather"], **{name: 4097})
