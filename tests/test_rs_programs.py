@@ -261,31 +261,42 @@ def test_rs_bank_follows_algorithm_1():
         rs_bank(0)
 
 
-def test_early_staging_reuse_corrupts_the_executor_result_too():
-    """One node, chunked staging over one slot: with the pushers' staging waits dropped, a stalled
-    owner's slot is overwritten by the next chunk before its SUM reads it; the executor's output
-    is then wrong (and the checker rejects the set: test_rs_faults_are_detected)."""
+@pytest.mark.parametrize("M,L,opts,tag,who,why", [
+    (1, 4, dict(chunk_bytes=16, n_stg=1), "StagingWait", range(1, 4), "early staging reuse"),
+    (1, 4, dict(chunk_bytes=16), "PushWait", range(4), "missing push fence"),
+    (2, 4, dict(chunk_bytes=16, n_stg=1), "StagingWait", range(8), "early staging reuse"),
+    (2, 4, dict(chunk_bytes=16), "PushWait", range(8), "missing push fence"),
+])
+def test_staging_races_are_caught_by_the_executor_canary(M, L, opts, tag, who, why):
+    """Defence in depth behind the checker: with the pushers' staging waits (or the owners' push
+    waits) dropped and the checker bypassed, the CPU executor's staging canary fails the call
+    naming the race, whatever the threads' timing (a stalled owner makes the race certain)."""
     import ml_dtypes
-    M, L = 1, 4
-    plan = make(M, L, chunk_bytes=16, n_stg=1)
+    plan = make(M, L, **opts)
     assert plan.rs_schedule.n_chunks > 2
     shapes = shapes_for(M, L)
+    N = M * L
     rng = np.random.default_rng(5)
-    grads = [[rng.integers(-4, 4, size=s).astype(ml_dtypes.bfloat16) for s in shapes] for _ in range(L)]
-    good = tide.VirtualCluster(tide.Topology(M, L), check=False).reduce_scatter(plan, grads)
+    grads = [[rng.integers(-4, 4, size=s).astype(ml_dtypes.bfloat16) for s in shapes] for _ in range(N)]
     bad = {b: _core.build_rs_programs(plan, bank=b) for b in (0, 1)}
+    dropped = 0
     for ps in bad.values():
-        for r in range(1, L):
-            while ps.inject_fault(FAULT["drop_wait"], r, TAGS["StagingWait"]):
-                pass
+        for r in who:
+            while ps.inject_fault(FAULT["drop_wait"], r, TAGS[tag]):
+                dropped += 1
+    assert dropped > 0
     vc = tide.VirtualCluster(tide.Topology(M, L), check=False, timeout_s=5.0)
     first_sum = next(i for i, op in enumerate(bad[0].describe(0)) if " SUM " in op)
-    vc.faults = dict(stall_rank=0, stall_op=first_sum, stall_s=0.3)
-    outs = [np.zeros(plan.layout.E, np.float32) for _ in range(L)]
+    outs = [np.zeros(plan.layout.E, np.float32) for _ in range(N)]
     binds = [[(_core.buf_kinds["grad"], p, np.ascontiguousarray(grads[r][p]).reshape(-1).view(np.uint8))
-              for p in range(3)] + [(_core.buf_kinds["out"], -1, outs[r].view(np.uint8))] for r in range(L)]
+              for p in range(3)] + [(_core.buf_kinds["out"], -1, outs[r].view(np.uint8))] for r in range(N)]
     vc.reduce_scatter(plan, grads)  # seq 1: arena and counters
     arena = vc.rs_arena(plan)
     seq = vc.session(plan, "reduce_scatter")[0].calls("reduce_scatter") + 1
-    arena.run([[(bad[rs_bank(seq)], seq)] for _ in range(L)], binds)
-    assert not np.array_equal(good[0], outs[0])
+    stall = dict(stall_rank=0, stall_op=first_sum, stall_s=0.3) if tag == "StagingWait" else \
+        dict(stall_rank=1, stall_op=0, stall_s=0.3)  # a late pusher: its owners sum too early
+    with pytest.raises(_core.Error) as e:
+        arena.run([[(bad[rs_bank(seq)], seq)] for _ in range(N)], binds, **stall)
+    msg = str(e.value)
+    assert why in msg and "staging-canary" in msg and f"call seq {seq}" in msg, msg
+    assert msg.startswith("rank ") and " op " in msg and "staging slot" in msg, msg

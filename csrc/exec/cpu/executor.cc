@@ -17,6 +17,7 @@
 #include <thread>
 
 #include "exec/cpu/internal.h"
+#include "exec/cpu/staging_canary.h"
 #include "tide/exec_cpu.h"
 #include "tide/numerics.h"
 #include "tide/program_index.h"
@@ -330,8 +331,17 @@ struct Runner {
             fail(1, TIDE_STR_CAT(op_name(rs, call, idx), ": descriptor geometry mismatch"));
           const uint8_t* s = resolve(rs, call, idx, cd.src);
           uint8_t* d = resolve(rs, call, idx, cd.dst);
-          for (int64_t h = 0; h < cd.src.height; ++h)
+          const bool staged = opt.canary != nullptr && cd.dst.kind == BufKind::kStaging;
+          const StagingCanary::Unit u{call.seq, op.round};
+          for (int64_t h = 0; h < cd.src.height; ++h) {
+            const int64_t a = cd.dst.offset + h * cd.dst.pitch;
+            if (staged) {
+              const std::string why = opt.canary->begin_write(cd.dst.rank, cd.dst.index, a, a + cd.dst.width, u, rs.rank);
+              if (!why.empty()) fail(1, TIDE_STR_CAT(op_name(rs, call, idx), ": ", why));
+            }
             std::memmove(d + h * cd.dst.pitch, s + h * cd.src.pitch, static_cast<size_t>(cd.src.width));
+            if (staged) opt.canary->end_write(cd.dst.rank, cd.dst.index, a, a + cd.dst.width, u);
+          }
         }
         if (op.kind == OpKind::kPut && op.counter.index >= 0) {
           auto& c = counter(rs, call, idx, op.counter);
@@ -374,6 +384,11 @@ struct Runner {
           if (t->dst_elem < 0 || t->dst_elem + t->elems > n || t->src.width < t->elems * isz)
             fail(1, TIDE_STR_CAT(op_name(rs, call, idx), ": SUM term out of range"));
           const uint8_t* s = resolve(rs, call, idx, t->src);
+          if (opt.canary != nullptr && t->src.kind == BufKind::kStaging) {
+            const std::string why = opt.canary->check_read(t->src.rank, t->src.index, t->src.offset,
+                                                           t->src.offset + t->elems * isz, {call.seq, op.round});
+            if (!why.empty()) fail(1, TIDE_STR_CAT(op_name(rs, call, idx), ": ", why));
+          }
           for (int64_t i = 0; i < t->elems; ++i) {
             const float x = load_elem(s + i * isz, t->dtype);
             const size_t k = static_cast<size_t>(t->dst_elem + i);
@@ -381,6 +396,11 @@ struct Runner {
             init[k] = 1;
           }
         }
+        if (opt.canary != nullptr)
+          for (const SumTerm* t : order)
+            if (t->src.kind == BufKind::kStaging)
+              opt.canary->mark_read(t->src.rank, t->src.index, t->src.offset,
+                                    t->src.offset + t->elems * dtype_size(t->dtype), {call.seq, op.round});
         uint8_t* d = resolve(rs, call, idx, op.dst);
         for (int64_t i = 0; i < n; ++i) {
           float v = acc[static_cast<size_t>(i)];
@@ -619,6 +639,9 @@ void run_cpu(CpuArena& arena, const std::vector<std::vector<Call>>& per_rank,
                       "threads (ExecutorOptions.rails = 'two_sided', processes=false)");
   if (!opt.processes) {
     const int W = std::max(1, std::min(N, opt.workers > 0 ? opt.workers : 4));
+    StagingCanary canary;
+    CpuRunOptions topt = opt;
+    if (!opt.peers_remote) topt.canary = &canary;
     std::vector<std::thread> threads;
     int running = W;  // under done_mu; the last worker out wakes the polling caller
     std::mutex done_mu;
@@ -627,7 +650,7 @@ void run_cpu(CpuArena& arena, const std::vector<std::vector<Call>>& per_rank,
       const int lo = static_cast<int>(static_cast<int64_t>(N) * w / W);
       const int hi = static_cast<int>(static_cast<int64_t>(N) * (w + 1) / W);
       threads.emplace_back([&, lo, hi] {
-        try { step_ranks(view, per_rank, bindings, opt, lo, hi); } catch (const std::exception&) { /* recorded in Shared */ }
+        try { step_ranks(view, per_rank, bindings, topt, lo, hi); } catch (const std::exception&) { /* recorded in Shared */ }
         std::lock_guard<std::mutex> lk(done_mu);
         if (--running == 0) done_cv.notify_all();
       });

@@ -79,6 +79,8 @@ struct CpuRunOptions : ExecutorOptions {
   // Polled by the calling thread about every 20 ms while the ranks run (the faces pass Python's
   // signal check): true stops every rank and the call throws Interrupted.
   std::function<bool()> interrupted;
+  // The staging race canary (exec/cpu/staging_canary.h): run_cpu sets one for ranks as threads.
+  class StagingCanary* canary = nullptr;
 };
 
 class CpuArena {
