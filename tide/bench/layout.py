@@ -118,15 +118,17 @@ def _kernel_name(name):
     return m.group(1) if m else name[:40]
 
 
-def _profile_parts(torch, fn, n_sm):
-    """Kernel count, copy count and SM*ms of one call of fn (SMs of a kernel = min(CTAs, SMs)), and
-    its GPU time by kernel: {name: dict(count, ms, sm_ms)}, copies as 'memcpy' (summed durations)."""
-    if os.environ.get("TIDE_BENCH_NO_PROFILE") == "1":
-        return 0, 0, 0.0, {}
+def trace_events(torch, fn, gate_ms=None):
+    """The chrome-trace events of one profiled call of fn (after one unprofiled call). gate_ms: the
+    call's host time; a spin kernel of about three times it is issued first, as _call_ms does, so
+    the GPU sees the whole call at once (its events are named spin/sleep)."""
     from torch.profiler import ProfilerActivity, profile
     fn()
     torch.cuda.synchronize()
+    sleep = getattr(torch.cuda, "_sleep", None) if gate_ms is not None else None
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        if sleep:
+            sleep(int(2e6 * (1.0 + 3 * gate_ms)))
         fn()
         torch.cuda.synchronize()
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
@@ -135,10 +137,19 @@ def _profile_parts(torch, fn, n_sm):
     with open(path) as f:
         trace = json.load(f)
     os.unlink(path)
+    return trace.get("traceEvents", [])
+
+
+def _profile_parts(torch, fn, n_sm):
+    """Kernel count, copy count and SM*ms of one call of fn (SMs of a kernel = min(CTAs, SMs)), and
+    its GPU time by kernel: {name: dict(count, ms, sm_ms)}, copies as 'memcpy' (summed durations)."""
+    if os.environ.get("TIDE_BENCH_NO_PROFILE") == "1":
+        return 0, 0, 0.0, {}
+    events = trace_events(torch, fn)
     kernels = copies = 0
     sm_ms = 0.0
     parts = {}
-    for ev in trace.get("traceEvents", []):
+    for ev in events:
         cat, ms = ev.get("cat", ""), ev.get("dur", 0) / 1e3
         if cat == "kernel":
             kernels += 1

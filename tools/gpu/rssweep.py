@@ -14,7 +14,6 @@ import argparse
 import json
 import os
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -62,25 +61,13 @@ def timeline(torch, fn, dump=None):
     """(span us, copy us, kernel us, both us, largest idle gap us) of one profiled call of fn,
     issued behind a spin kernel that outlasts its host enqueue (the spin is left out);
     dump: a path to write the call's GPU events to ([stream, start us, dur us, kind, name])."""
-    from torch.profiler import ProfilerActivity, profile
+    from tide.bench.layout import trace_events
     t = time.perf_counter()
     fn()
     torch.cuda.synchronize()
-    enqueue_ms = (time.perf_counter() - t) * 1e3
-    sleep = getattr(torch.cuda, "_sleep", None)
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        if sleep:  # as _call_ms: a spin kernel outlasts the host enqueue, so the GPU sees it all
-            sleep(int(2e6 * (1.0 + 3 * enqueue_ms)))
-        fn()
-        torch.cuda.synchronize()
-    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
-        path = f.name
-    prof.export_chrome_trace(path)
-    with open(path) as f:
-        trace = json.load(f)
-    os.unlink(path)
+    evs = trace_events(torch, fn, gate_ms=(time.perf_counter() - t) * 1e3)
     cp, kn, events = [], [], []
-    for ev in trace.get("traceEvents", []):
+    for ev in evs:
         cat = ev.get("cat", "")
         if cat not in ("kernel", "gpu_memcpy") or "spin" in ev.get("name", "") or "sleep" in ev.get("name", ""):
             continue
