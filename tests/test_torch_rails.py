@@ -152,6 +152,11 @@ def _a_peer_that_stops(rank, world):
         assert waited < 2.0 + 4, waited
         assert re.search(r"rank \d .*call seq 1", msg), msg
         assert "rail group" in msg or "waits for counter" in msg or "entry fence" in msg, msg
+        # Each survivor names a peer as the root, never itself; the dead rank's rail peer (rank 1)
+        # and its node peer (rank 2) name rank 3; rank 0 sees only rank 2, which is behind.
+        assert not re.search(rf"root: rank {rank}\b", msg) and "runs in its own process" not in msg, msg
+        expected_root = 2 if rank == 0 else 3
+        assert re.search(rf"rank {expected_root} (never posted|is behind)", msg), msg
         os._exit(0)  # fail-stop: the process ends (gloo transfers to the dead peer stay posted)
     raise AssertionError(f"rank {rank}: training went on without rank 3")
 

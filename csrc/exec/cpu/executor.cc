@@ -72,6 +72,7 @@ struct Runner {
   const std::vector<std::vector<Call>>& per_rank;
   std::vector<RankBindings>& bindings;
   const CpuRunOptions& opt;
+  int lo = 0, hi = 0;  // the ranks this runner steps (work()); their blocked waits are visible
 
   [[noreturn]] void fail(int kind, const std::string& msg) {
     auto* sh = arena.shared();
@@ -190,7 +191,7 @@ struct Runner {
       }
       if (std::find(seen.begin(), seen.end(), p) != seen.end()) break;
       seen.push_back(p);
-      if (opt.peers_remote) {  // RankExecutor: the producer runs in its own process
+      if (opt.peers_remote && (p < lo || p >= hi)) {  // RankExecutor: a producer in another process
         out += TIDE_STR_CAT("; rank ", p, " runs in its own process (behind, stalled or dead; its waits are "
                             "not visible here)");
         break;
@@ -211,6 +212,14 @@ struct Runner {
       }
       const Program& pr = *per_rank[p].front().program;
       const int ci = found->counter_index.load();
+      if (found->counter_rank.load() == kRailGroupBlocked) {
+        const int64_t q = found->target.load();
+        out += TIDE_STR_CAT(hop == 0 ? "; wait chain: " : " -> ", "rank ", p, " op ", found->op.load(), " [",
+                            stream < static_cast<int>(pr.streams.size()) ? pr.streams[stream] : "?", "] seq ",
+                            found->seq.load(), " is in rail group ", ci, " with rank ", q, ", which has not completed: "
+                            "root: rank ", q, " never posted its matching group (behind, stalled or dead)");
+        break;
+      }
       out += TIDE_STR_CAT(hop == 0 ? "; wait chain: " : " -> ", "rank ", p, " op ", found->op.load(), " [",
                           stream < static_cast<int>(pr.streams.size()) ? pr.streams[stream] : "?", "] seq ",
                           found->seq.load(), " waits ", ci >= 0 && ci < static_cast<int>(pr.counter_names.size()) ? pr.counter_names[ci] : "?",
@@ -474,6 +483,15 @@ struct Runner {
             if (!cur.blocked) {
               cur.blocked = true;
               cur.blocked_since = now;
+              if (s < static_cast<size_t>(kMaxStreams)) {
+                auto* bw = arena.shared()->blocked(rs.rank, static_cast<int>(s));
+                bw->op.store(idx);
+                bw->counter_rank.store(kRailGroupBlocked);
+                bw->counter_index.store(rs.cur->rail_group);
+                bw->target.store(rail_peer(*rs.cur));
+                bw->seq.store(call.seq);
+                bw->valid.store(1);
+              }
             } else if (std::chrono::duration<double>(now - cur.blocked_since).count() > opt.timeout_s) {
               const std::string msg = TIDE_STR_CAT(
                   "TIDE timeout after ", opt.timeout_s, " s: ", op_name(rs, call, idx), ": rail group ",
@@ -484,6 +502,7 @@ struct Runner {
             }
             break;
           }
+          if (cur.blocked && s < static_cast<size_t>(kMaxStreams)) arena.shared()->blocked(rs.rank, static_cast<int>(s))->valid.store(0);
           cur.blocked = false;
           cur.pos += n;
           rs.ops_done += static_cast<int64_t>(n);
@@ -547,7 +566,9 @@ struct Runner {
   }
 
   // Steps ranks [lo, hi) until all finish or the run aborts. Exceptions propagate.
-  void work(int lo, int hi) {
+  void work(int lo_rank, int hi_rank) {
+    lo = lo_rank;
+    hi = hi_rank;
     std::vector<RankState> states;
     for (int r = lo; r < hi; ++r) states.push_back(make_state(r));
     int idle = 0;

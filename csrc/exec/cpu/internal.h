@@ -13,6 +13,9 @@ namespace tide {
 // the first error to the parent. Lock-free atomics only.
 // What a blocked stream waits for, published so a timeout can follow the chain of waits to
 // its root (the dead, stalled or mis-programmed rank).
+// A stream blocked in a two-sided rail group records counter_rank = kRailGroupBlocked,
+// counter_index = the group and target = its first peer's rank (timeout messages follow it).
+constexpr int32_t kRailGroupBlocked = -2;
 struct BlockedWait {
   std::atomic<int32_t> valid{0};
   std::atomic<int32_t> op{-1};
