@@ -94,7 +94,21 @@ def _errors(rank, world):
         Arena.open_peers = open_peers
     assert not _patches.installed()
 
-    # Bad arguments are caught before any collective.
+    # A bad argument on one rank only: it is checked inside the agreement, so that rank raises
+    # its own error and every other rank learns it in the same exchange (no rank waits, nothing is
+    # mis-paired with a later call); no shared-memory segment of this enable() stays behind.
+    shm_before = {n for n in os.listdir("/dev/shm") if n.startswith("tide")}
+    exc = ValueError if rank == 1 else tide_torch.TideAgreementError
+    _expect(exc, ["mode"] if rank == 1 else ["rank 1 failed", "mode"],
+            lambda: tide_torch.enable(model, mode="fast" if rank == 1 else "in_place", topology=TOPO))
+    exc = TypeError if rank == 2 else tide_torch.TideAgreementError
+    _expect(exc, ["bogus"] if rank == 2 else ["rank 2 failed", "bogus"],
+            lambda: tide_torch.enable(model, topology=TOPO, **({"bogus": 1} if rank == 2 else {})))
+    assert not _patches.installed()
+    dist.barrier()
+    assert {n for n in os.listdir("/dev/shm") if n.startswith("tide")} <= shm_before
+
+    # Bad arguments on every rank.
     _expect(ValueError, ["mode"], lambda: tide_torch.enable(model, mode="fast"))
     _expect(TypeError, ["bogus"], lambda: tide_torch.enable(model, bogus=1))
     _expect(ValueError, ["fabric must be one of", "'pcie'"],

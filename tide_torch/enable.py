@@ -164,20 +164,6 @@ def enable(model: nn.Module, *, mode: str = "in_place", topology: tide.Topology 
     Ranks agree on plans before anything changes; on any disagreement or local failure every rank
     raises (``TideAgreementError`` or the local error).
     """
-    if mode not in MODES:
-        raise ValueError(f"tide_torch.enable: mode must be one of {MODES}, got {mode!r}")
-    if rails not in RAILS:
-        raise ValueError(f"tide_torch.enable: rails must be one of {RAILS}, got {rails!r}")
-    if transport not in comm.TRANSPORTS:
-        raise ValueError(f"tide_torch.enable: transport must be one of {comm.TRANSPORTS}, "
-                         f"got {transport!r}")
-    fabric = _resolve_fabric(fabric)
-    unknown = sorted(set(options) - set(PLAN_OPTIONS))
-    if unknown:
-        raise TypeError(f"tide_torch.enable: unknown options {unknown}; known: {PLAN_OPTIONS}")
-    if executor_options is not None and not isinstance(executor_options, tide.ExecutorOptions):
-        raise TypeError(f"tide_torch.enable: executor_options must be a tide.ExecutorOptions, got "
-                        f"{type(executor_options).__name__}")
     initialized = dist.is_available() and dist.is_initialized()
     rank = dist.get_rank() if initialized else 0
     world = dist.get_world_size() if initialized else 1
@@ -192,6 +178,10 @@ def enable(model: nn.Module, *, mode: str = "in_place", topology: tide.Topology 
     device = torch.device("cpu")
     local_exc: BaseException | None = None
     try:
+        # Arguments are checked here, inside the agreement: a rank whose arguments are wrong still
+        # takes part in the one exchange below, so every rank raises together (nobody waits).
+        _check_arguments(mode, rails, transport, options, executor_options)
+        fabric = _resolve_fabric(fabric)
         _patches.require_supported_torch()
         groups = find_groups(model)
         topo = resolve_topology(topology, world)
@@ -254,7 +244,7 @@ def enable(model: nn.Module, *, mode: str = "in_place", topology: tide.Topology 
         local_exc = e
         record["error"] = f"{type(e).__name__}: {e}"
 
-    records = agreement.exchange(record)
+    records = _exchange_or_close(record, arena)
     problems = agreement.verdict(records)
     if problems:
         if arena is not None:
@@ -312,7 +302,7 @@ def enable(model: nn.Module, *, mode: str = "in_place", topology: tide.Topology 
                 group_of=lambda g: g.pg.mesh_info.shard_process_group, options=opts, rail=rail)
         except Exception as e:  # noqa: BLE001 - reported to every rank before raising
             local_exc, err = e, f"{type(e).__name__}: {e}"
-        after = agreement.exchange({"rank": rank, "error": err, "nccl": nccl is not None})
+        after = _exchange_or_close({"rank": rank, "error": err, "nccl": nccl is not None}, arena)
         failed = [(r["rank"], r["error"]) for r in after if r["error"]]
         if failed:
             if arena is not None:
@@ -340,6 +330,33 @@ def enable(model: nn.Module, *, mode: str = "in_place", topology: tide.Topology 
     logger.info("tide_torch: enabled %s on %d/%d groups (%s, %s)", mode, len(served), len(groups),
                 topo, rt.transport.name if rt.transport else "stock")
     return TideHandle(rt, groups, topo)
+
+
+def _check_arguments(mode, rails, transport, options, executor_options) -> None:
+    if mode not in MODES:
+        raise ValueError(f"tide_torch.enable: mode must be one of {MODES}, got {mode!r}")
+    if rails not in RAILS:
+        raise ValueError(f"tide_torch.enable: rails must be one of {RAILS}, got {rails!r}")
+    if transport not in comm.TRANSPORTS:
+        raise ValueError(f"tide_torch.enable: transport must be one of {comm.TRANSPORTS}, "
+                         f"got {transport!r}")
+    unknown = sorted(set(options) - set(PLAN_OPTIONS))
+    if unknown:
+        raise TypeError(f"tide_torch.enable: unknown options {unknown}; known: {PLAN_OPTIONS}")
+    if executor_options is not None and not isinstance(executor_options, tide.ExecutorOptions):
+        raise TypeError(f"tide_torch.enable: executor_options must be a tide.ExecutorOptions, got "
+                        f"{type(executor_options).__name__}")
+
+
+def _exchange_or_close(record: dict[str, Any], arena: Arena | None) -> list[dict[str, Any]]:
+    """agreement.exchange; when the exchange itself fails (a peer died inside enable(), the
+    process group broke) this rank's arena is closed (its shared-memory names unlinked) first."""
+    try:
+        return agreement.exchange(record)
+    except BaseException:
+        if arena is not None:
+            arena.close()
+        raise
 
 
 def _resolve_fabric(fabric: str) -> str:
