@@ -100,6 +100,7 @@ void bind_rank_exec(nb::module_& m) {
           std::vector<uint8_t*> bases;
           for (auto s : segments) bases.push_back(reinterpret_cast<uint8_t*>(nb::cast<uintptr_t>(s)));
           new (self) RankExecutor(rank, topo, bases, segment_bytes, table, opt, fence);
+          self->set_interrupt(python_interrupt_check());
           return;
         }
         TIDE_PLAN_CHECK(names, "RankExecutor: segments must be all shared-memory names (str) or all "
@@ -107,6 +108,7 @@ void bind_rank_exec(nb::module_& m) {
         std::vector<std::string> v;
         for (auto s : segments) v.push_back(nb::cast<std::string>(s));
         new (self) RankExecutor(rank, topo, v, segment_bytes, table, opt, fence);
+        self->set_interrupt(python_interrupt_check());  // Ctrl-C reaches a blocked run
       }, nb::arg("rank"), nb::arg("nodes"), nb::arg("gpus_per_node"), nb::arg("segments"),
          nb::arg("segment_bytes"), nb::arg("regions") = nb::none(), nb::arg("timeout_s") = nb::none(), nb::arg("fence") = true,
          nb::arg("options") = nb::none())

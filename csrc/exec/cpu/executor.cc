@@ -608,6 +608,29 @@ bool poll_interrupt(CpuArena::Shared* sh, const CpuRunOptions& opt, bool& interr
   return interrupted = true;
 }
 
+void run_polled(CpuArena::Shared* sh, const CpuRunOptions& opt, int workers, const std::function<void(int)>& work) {
+  int running = workers;  // under mu; the last worker out wakes the polling caller
+  std::mutex mu;
+  std::condition_variable cv;
+  std::vector<std::thread> threads;
+  for (int w = 0; w < workers; ++w)
+    threads.emplace_back([&, w] {
+      try { work(w); } catch (const std::exception&) { /* recorded in Shared */ }
+      std::lock_guard<std::mutex> lk(mu);
+      if (--running == 0) cv.notify_all();
+    });
+  bool interrupted = false;
+  if (opt.interrupted) {
+    std::unique_lock<std::mutex> lk(mu);
+    while (!cv.wait_for(lk, std::chrono::milliseconds(20), [&] { return running == 0; })) {
+      lk.unlock();
+      poll_interrupt(sh, opt, interrupted);
+      lk.lock();
+    }
+  }
+  for (auto& t : threads) t.join();
+}
+
 void rethrow_shared(CpuArena::Shared* sh) {
   if (!sh->claimed.load()) return;
   std::string msg(sh->message);
@@ -663,29 +686,11 @@ void run_cpu(CpuArena& arena, const std::vector<std::vector<Call>>& per_rank,
     StagingCanary canary;
     CpuRunOptions topt = opt;
     if (!opt.peers_remote) topt.canary = &canary;
-    std::vector<std::thread> threads;
-    int running = W;  // under done_mu; the last worker out wakes the polling caller
-    std::mutex done_mu;
-    std::condition_variable done_cv;
-    for (int w = 0; w < W; ++w) {
+    run_polled(sh, topt, W, [&](int w) {
       const int lo = static_cast<int>(static_cast<int64_t>(N) * w / W);
       const int hi = static_cast<int>(static_cast<int64_t>(N) * (w + 1) / W);
-      threads.emplace_back([&, lo, hi] {
-        try { step_ranks(view, per_rank, bindings, topt, lo, hi); } catch (const std::exception&) { /* recorded in Shared */ }
-        std::lock_guard<std::mutex> lk(done_mu);
-        if (--running == 0) done_cv.notify_all();
-      });
-    }
-    bool interrupted = false;  // [Note: interrupting a call]
-    if (opt.interrupted) {
-      std::unique_lock<std::mutex> lk(done_mu);
-      while (!done_cv.wait_for(lk, std::chrono::milliseconds(20), [&] { return running == 0; })) {
-        lk.unlock();
-        poll_interrupt(sh, opt, interrupted);
-        lk.lock();
-      }
-    }
-    for (auto& t : threads) t.join();
+      step_ranks(view, per_rank, bindings, topt, lo, hi);
+    });
   } else {
     TIDE_PLAN_CHECK(arena.shared_memory(), "run_cpu: processes mode needs a shared-memory arena");
     for (int r = 0; r < N; ++r)

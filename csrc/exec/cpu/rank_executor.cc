@@ -217,7 +217,8 @@ void RankExecutor::run(const ProgramSet& set, int64_t seq, const RankBindings& b
   opt.peers_remote = true;
   opt.rail = rail_.get();
   opt.rail_ranks = &members;
-  step_ranks(view, per_rank, b, opt, me, me + 1);
+  opt.interrupted = interrupted_;
+  run_polled(view.sh, opt, 1, [&](int) { step_ranks(view, per_rank, b, opt, me, me + 1); });
   rethrow_shared(view.sh);
 }
 
@@ -247,6 +248,9 @@ void RankExecutor::entry_fence(const ArenaView& view, const Program& mine, int64
             " is behind (still in an earlier collective, stalled or dead)"));
       if (++idle < 64) std::this_thread::yield();
       else std::this_thread::sleep_for(std::chrono::microseconds(idle < 1024 ? 20 : 200));
+      if (interrupted_ && idle % 100 == 99 && interrupted_())
+        throw Interrupted(TIDE_STR_CAT("interrupted: rank ", rank_, " call seq ", seq, " was stopped in its entry "
+                                       "fence, waiting for rank ", members[static_cast<size_t>(p)]));
     }
   }
 }

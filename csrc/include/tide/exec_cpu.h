@@ -166,6 +166,9 @@ class RankExecutor {
   // The transport of two-sided programs' rail groups (ExecutorOptions::rails = two_sided); peers
   // are this executor's ranks.
   void set_rail(std::shared_ptr<Rail> rail);
+  // Polled while a run waits (the faces pass Python's signal check): true stops the run, which
+  // throws Interrupted ([Note: interrupting a call] in executor.cc).
+  void set_interrupt(std::function<bool()> interrupted) { interrupted_ = std::move(interrupted); }
   uint8_t* segment(int r) const { return bases_.at(static_cast<size_t>(r)); }
   // set: one Program per group rank; only this rank's runs. A set built with arena= (arena_bound)
   // takes its region layout from its programs instead of the executor's `regions`.
@@ -188,6 +191,7 @@ class RankExecutor {
   ArenaSpec layout_;         // from `regions`; absent regions have offset -1
   std::vector<uint8_t> shared_mem_;  // this process's run-wide state (abort flag, first error)
   std::shared_ptr<Rail> rail_;
+  std::function<bool()> interrupted_;
   std::mutex mu_;
 };
 
