@@ -9,7 +9,8 @@ It writes OUT_DIR/p<PROCESS>.npz with its addressable shards of each result, key
 row the shard starts at, or OUT_DIR/p<PROCESS>.err with the error text.
 
 CASE: "run" (AG forward, AG+RS gradient, RS with scale and accumulate), "other_model" (process 1
-groups the parameters into other TIDE calls), "skip" (the last process never calls).
+groups the parameters into other TIDE calls), "skip" (the last process never calls), "no_run" (the
+last process traces and compiles the gather but never runs it).
 """
 import os
 import sys
@@ -32,7 +33,7 @@ def main():
 
     devs = sorted(jax.devices(), key=lambda d: d.id)
     mesh = Mesh(np.array(devs), ("fsdp",))
-    tide_xla.init(mesh, "fsdp", topology=topology, timeout_s=3.0 if case == "skip" else 20.0)
+    tide_xla.init(mesh, "fsdp", topology=topology, timeout_s=3.0 if case in ("skip", "no_run") else 20.0)
     rng = np.random.default_rng(7)
     shapes = {"a": (37, 8), "b": (16,), "c": (5, 3)}
     params = {k: rng.standard_normal(s).astype(np.float32) for k, s in shapes.items()}
@@ -64,6 +65,9 @@ def main():
     run_ag = jax.jit(jax.shard_map(gathered, mesh=mesh, in_specs=(specs,), out_specs=stacked))
     if case == "skip" and me == nproc - 1:
         return {}  # this process never calls
+    if case == "no_run" and me == nproc - 1:
+        run_ag.lower(shards).compile()  # traced (the processes agree), never run
+        return {}
     results = {"ag": run_ag(shards)}
     if case == "run":
         grad = jax.jit(jax.shard_map(jax.grad(local_loss), mesh=mesh, in_specs=(specs,),

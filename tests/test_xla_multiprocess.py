@@ -113,3 +113,15 @@ def test_a_process_that_never_calls_times_out_naming_it(tmp_path):
     assert rc != 0
     assert "TimeoutError" in err and "waited 3 s for processes [1]" in err, err
     assert res[1][0] == 0, res[1][2]
+
+
+def test_a_process_that_traces_but_never_runs_times_out_naming_its_ranks(tmp_path):
+    """The last process compiles the gather but never runs it: the other's ranks time out in the
+    rank executor after 3 s (DEADLINE_EXCEEDED), naming the rank waited for and which process
+    holds which ranks."""
+    res = _launch(tmp_path, 2, 4, "no_run")
+    rc, _, err = res[0]
+    assert rc != 0
+    assert "DEADLINE_EXCEEDED: tide_all_gather: TIDE timeout after 3 s" in err, err
+    assert "ranks 0-3 on process 0, ranks 4-7 on process 1" in err, err
+    assert res[1][0] == 0, res[1][2]
