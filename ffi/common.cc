@@ -1,4 +1,6 @@
-// Shared pieces of the TIDE FFI handlers: device table, plan cache, dtypes, error boundary.
+// Shared pieces of the TIDE FFI handlers: device table, process index, plan cache, dtypes,
+// error boundary.
+#include <atomic>
 #include <map>
 #include <mutex>
 #include <sstream>
@@ -11,24 +13,106 @@ const char* collective_name(Collective c) {
   return c == Collective::kAllGather ? "tide_all_gather" : "tide_reduce_scatter";
 }
 
-DeviceSlot lookup_device(ffi::Span<const int64_t> table, int32_t device_ordinal, int world) {
-  TIDE_PLAN_CHECK(table.size() % 3 == 0 && table.size() > 0,
-                  "device_table: expected (device_id, group, rank) triples, got ", table.size(),
-                  " integers");
-  for (size_t i = 0; i < table.size(); i += 3) {
-    if (table[i] != device_ordinal) continue;
-    DeviceSlot s;
-    s.group = table[i + 1];
-    s.rank = static_cast<int>(table[i + 2]);
+namespace {
+std::atomic<int64_t> g_process{0};
+}  // namespace
+
+void set_process_index(int64_t process) {
+  TIDE_PLAN_CHECK(process >= 0, "process index must be >= 0, got ", process);
+  g_process.store(process);
+}
+
+int64_t process_index() { return g_process.load(); }
+
+static void check_table(ffi::Span<const int64_t> table) {
+  TIDE_PLAN_CHECK(table.size() % kTableWidth == 0 && table.size() > 0,
+                  "device_table: expected (process, device id, local device, group, rank) rows, got ",
+                  table.size(), " integers");
+}
+
+DeviceSlot lookup_device(ffi::Span<const int64_t> table, int64_t process, int32_t device_ordinal,
+                         int world) {
+  check_table(table);
+  // XLA:CPU hands the handler the device id as its ordinal (2048.. on process 1), XLA:GPU the
+  // local device: an entry of this process matches on either, and only one may.
+  DeviceSlot s;
+  int matches = 0;
+  for (size_t i = 0; i < table.size(); i += kTableWidth) {
+    if (table[i] != process || (table[i + 1] != device_ordinal && table[i + 2] != device_ordinal))
+      continue;
+    if (matches++ == 0) {
+      s.group = table[i + 3];
+      s.rank = static_cast<int>(table[i + 4]);
+    }
+  }
+  TIDE_PLAN_CHECK(matches <= 1, "device_table: device ordinal ", device_ordinal, " of process ",
+                  process, " matches ", matches, " devices of the mesh (by id and by local index)");
+  if (matches == 1) {
     TIDE_PLAN_CHECK(s.rank >= 0 && s.rank < world, "device_table: device ", device_ordinal,
-                    " has rank ", s.rank, " outside the group of ", world, " ranks");
+                    " of process ", process, " has rank ", s.rank, " outside the group of ",
+                    world, " ranks");
     return s;
   }
   std::ostringstream ids;
-  for (size_t i = 0; i < table.size(); i += 3) ids << (i ? ", " : "") << table[i];
+  for (size_t i = 0; i < table.size(); i += kTableWidth)
+    ids << (i ? ", " : "") << table[i] << ':' << table[i + 1];
   throw PlanError(TIDE_STR_CAT(
-      "device_table: device ", device_ordinal, " is not in the mesh this call was traced for "
-      "(devices [", ids.str(), "]); a mesh mismatch between tide_xla.init() and the shard_map?"));
+      "device_table: device ", device_ordinal, " of process ", process, " is not in the mesh "
+      "this call was traced for (process:device id [", ids.str(), "]); a mesh mismatch between "
+      "tide_xla.init() and the shard_map?"));
+}
+
+bool table_spans_processes(ffi::Span<const int64_t> table, int64_t process) {
+  check_table(table);
+  for (size_t i = 0; i < table.size(); i += kTableWidth)
+    if (table[i] != process) return true;
+  return false;
+}
+
+uint64_t table_fingerprint(ffi::Span<const int64_t> table) {
+  uint64_t h = 1469598103934665603ull;  // FNV-1a, 64-bit
+  for (int64_t v : table) {
+    for (int b = 0; b < 8; ++b) {
+      h ^= (static_cast<uint64_t>(v) >> (8 * b)) & 0xff;
+      h *= 1099511628211ull;
+    }
+  }
+  return h;
+}
+
+std::string rank_owners(ffi::Span<const int64_t> table, int64_t group, int world) {
+  std::vector<int64_t> owner(static_cast<size_t>(world), -1);
+  for (size_t i = 0; i + kTableWidth <= table.size(); i += kTableWidth)
+    if (table[i + 3] == group && table[i + 4] >= 0 && table[i + 4] < world)
+      owner[static_cast<size_t>(table[i + 4])] = table[i];
+  std::ostringstream os;
+  for (int r = 0; r < world;) {
+    int e = r;
+    while (e + 1 < world && owner[e + 1] == owner[r]) ++e;
+    os << (r ? ", " : "") << (e > r ? "ranks " : "rank ") << r;
+    if (e > r) os << '-' << e;
+    os << " on process " << owner[r];
+    r = e + 1;
+  }
+  return os.str();
+}
+
+GroupSignature group_signature(Collective op, const std::vector<std::vector<int64_t>>& shapes,
+                               DType in, DType out) {
+  GroupSignature sig;
+  if (op == Collective::kAllGather) {
+    sig.shard_dtype = in;
+    sig.ag_dtype = sig.grad_dtype = out;
+  } else {
+    sig.shard_dtype = sig.ag_dtype = sig.grad_dtype = in;
+  }
+  for (size_t p = 0; p < shapes.size(); ++p) {
+    ParamSpec spec;
+    spec.name = TIDE_STR_CAT("parameter ", p);
+    spec.shape = shapes[p];
+    sig.params.push_back(std::move(spec));
+  }
+  return sig;
 }
 
 std::shared_ptr<const Plan> cached_plan(const GroupSignature& sig, const Topology& topo,
@@ -96,15 +180,44 @@ void run_group_call(const CallSpec& spec, int32_t device_ordinal, int64_t run_id
                     const GroupAttrs& attrs, const GroupSignature& sig, RankIo& io) {
   const Topology topo = group_topology(attrs);
   const int world = topo.world();
-  const DeviceSlot slot = lookup_device(attrs.device_table, device_ordinal, world);
-  TIDE_PLAN_CHECK(attrs.device_table.size() / 3 % world == 0, "device_table: ",
-                  attrs.device_table.size() / 3, " devices do not split into groups of ", world,
-                  " ranks (topology ", topo.nodes, "x", topo.gpus_per_node, ")");
+  const int64_t process = process_index();
+  const DeviceSlot slot = lookup_device(attrs.device_table, process, device_ordinal, world);
+  TIDE_PLAN_CHECK(attrs.device_table.size() / kTableWidth % world == 0, "device_table: ",
+                  attrs.device_table.size() / kTableWidth, " devices do not split into groups of ",
+                  world, " ranks (topology ", topo.nodes, "x", topo.gpus_per_node, ")");
   TIDE_PLAN_CHECK(attrs.mode == 0 || attrs.mode == 1, "mode: expected 0 (in_place) or 1 "
                   "(slot_reuse), got ", attrs.mode);
   TIDE_PLAN_CHECK(attrs.timeout_ms > 0, "timeout_ms: must be > 0, got ", attrs.timeout_ms);
   auto plan = cached_plan(sig, topo, static_cast<Mode>(attrs.mode));
   io.rank = slot.rank;
+  if (table_spans_processes(attrs.device_table, process)) {
+    const std::string owners = rank_owners(attrs.device_table, slot.group, world);
+    if (spec.cuda)
+      throw Unimplemented(TIDE_STR_CAT(
+          "group ", slot.group, " spans processes (", owners, "): rank ", slot.rank,
+          " (device ", device_ordinal, " of process ", process, ") would need a cross-process "
+          "CUDA fabric, which tide_xla does not have yet; on CUDA every device of a TIDE group "
+          "must belong to one process"));
+    if (attrs.where != nullptr &&
+        (attrs.where[0] != slot.rank || (attrs.where[1] >= 0 && attrs.where[1] != slot.group)))
+      throw PlanError(TIDE_STR_CAT(
+          "mesh mismatch: device ", device_ordinal, " of process ", process, " is rank ",
+          slot.rank, " of group ", slot.group, " in the mesh given to tide_xla.init(), but has "
+          "index ", attrs.where[0], " along the FSDP axis (group ", attrs.where[1], ") in the "
+          "shard_map running this call; trace with the mesh init() was given"));
+    GroupCall call;
+    call.plan = plan;
+    call.spec = spec;
+    call.group = slot.group;
+    call.timeout_ms = attrs.timeout_ms;
+    try {
+      RunRankCall(call, table_fingerprint(attrs.device_table), io);
+    } catch (const TimeoutError& e) {
+      throw TimeoutError(TIDE_STR_CAT(e.what(), " [process ", process, "; group ", slot.group,
+                                      ": ", owners, "]"));
+    }
+    return;
+  }
   RendezvousKey key;
   key.run_id = run_id;
   key.group = slot.group;

@@ -18,6 +18,11 @@
 // State per (plan, collective, mesh group, virtual device[, rank devices]): the executor (its
 // arena) and the session. Counters are epochs and never reset, so the state lives as long as the
 // process; calls of one state are serialised by the session.
+//
+// A mesh spanning processes (XLA:CPU): one state per (collective, plan, mesh, group, rank) of this
+// process instead, a session over a CPU RankExecutor mapping every rank's shm segment; each device
+// runs RunRankCall for its own rank ([Note: cross-process ranks] below).
+#include <algorithm>
 #include <cstring>
 #include <map>
 #include <mutex>
@@ -55,26 +60,49 @@ GroupState& group_state(const GroupCall& call, const std::vector<int>* devices,
   return *st;
 }
 
-std::vector<RankBindingList> bindings_for(const GroupCall& call) {
+namespace {
+
+// Rank `io.rank`'s XLA buffers as the session's bindings.
+RankBindingList rank_bindings(const GroupCall& call, const RankIo& io) {
   const Plan& plan = *call.plan;
   const GroupLayout& lay = plan.layout;
-  std::vector<RankBindingList> b(static_cast<size_t>(lay.N));
-  for (int r = 0; r < lay.N; ++r) {
-    const RankIo& io = *call.ranks[static_cast<size_t>(r)];
-    RankBindingList& l = b[static_cast<size_t>(r)];
-    if (call.spec.op == Collective::kAllGather) {
-      const int b_shard = dtype_size(plan.sig.shard_dtype);
-      for (int p = 0; p < lay.P; ++p)
-        l.push_back({BufKind::kShard, p, const_cast<void*>(io.in[p]), lay.params[p].e * b_shard});
-    } else {
-      const int b_grad = dtype_size(plan.sig.grad_dtype);
-      for (int p = 0; p < lay.P; ++p)
-        l.push_back({BufKind::kGrad, p, const_cast<void*>(io.in[p]), lay.params[p].D * lay.params[p].K * b_grad});
-      l.push_back({BufKind::kOut, -1, io.out[0], lay.S_fp32});
-    }
+  RankBindingList l;
+  if (call.spec.op == Collective::kAllGather) {
+    const int b_shard = dtype_size(plan.sig.shard_dtype);
+    for (int p = 0; p < lay.P; ++p)
+      l.push_back({BufKind::kShard, p, const_cast<void*>(io.in[p]), lay.params[p].e * b_shard});
+  } else {
+    const int b_grad = dtype_size(plan.sig.grad_dtype);
+    for (int p = 0; p < lay.P; ++p)
+      l.push_back({BufKind::kGrad, p, const_cast<void*>(io.in[p]), lay.params[p].D * lay.params[p].K * b_grad});
+    l.push_back({BufKind::kOut, -1, io.out[0], lay.S_fp32});
   }
+  return l;
+}
+
+std::vector<RankBindingList> bindings_for(const GroupCall& call) {
+  std::vector<RankBindingList> b;
+  for (int r = 0; r < call.plan->layout.N; ++r) b.push_back(rank_bindings(call, *call.ranks[static_cast<size_t>(r)]));
   return b;
 }
+
+// TIDE-AG landing rows [0, D_p) of every parameter (ring slot 0 at `ring`) -> XLA's results.
+void copy_landing(const GroupCall& call, const uint8_t* ring, const RankIo& io) {
+  const GroupLayout& lay = call.plan->layout;
+  const int b_ag = dtype_size(call.plan->sig.ag_dtype);
+  for (int p = 0; p < lay.P; ++p) {
+    const ParamLayout& pl = lay.params[p];
+    std::memcpy(io.out[p], ring + pl.o * lay.N, static_cast<size_t>(pl.D * pl.K * b_ag));
+  }
+}
+
+// RS with accumulate: XLA aliases the accumulator to the result; copy only if it did not.
+void seed_accumulator(const GroupCall& call, const RankIo& io) {
+  if (call.spec.op == Collective::kReduceScatter && call.spec.accumulate && io.acc[0] != io.out[0])
+    std::memcpy(io.out[0], io.acc[0], static_cast<size_t>(call.plan->layout.S_fp32));
+}
+
+}  // namespace
 
 int64_t run_session(GroupState& st, const GroupCall& call, const std::vector<uintptr_t>& streams) {
   const std::vector<RankBindingList> b = bindings_for(call);
@@ -114,10 +142,7 @@ void ExecuteGroup(const GroupCall& call) {
 #endif
   }
   GroupState& st = cpu_state(call);
-  // With accumulate XLA aliases the accumulator to the result; copy only if it did not.
-  if (call.spec.op == Collective::kReduceScatter && call.spec.accumulate)
-    for (const RankIo* io : call.ranks)
-      if (io->acc[0] != io->out[0]) std::memcpy(io->out[0], io->acc[0], static_cast<size_t>(call.plan->layout.S_fp32));
+  for (const RankIo* io : call.ranks) seed_accumulator(call, *io);
   run_session(st, call, {});
 }
 
@@ -131,13 +156,110 @@ void CompleteRank(const GroupCall& call, int rank) {
   if (call.spec.op != Collective::kAllGather) return;  // TIDE-RS wrote XLA's result in place
   GroupState& st = cpu_state(call);
   auto& ex = static_cast<CpuClusterExecutor&>(st.session->executor());
-  const GroupLayout& lay = call.plan->layout;
-  const int b_ag = dtype_size(call.plan->sig.ag_dtype);
-  const uint8_t* ring = ex.arena().region(rank, BufKind::kRing0);
-  const RankIo& io = *call.ranks[static_cast<size_t>(rank)];
-  for (int p = 0; p < lay.P; ++p) {
-    const ParamLayout& pl = lay.params[p];
-    std::memcpy(io.out[p], ring + pl.o * lay.N, static_cast<size_t>(pl.D * pl.K * b_ag));
+  copy_landing(call, ex.arena().region(rank, BufKind::kRing0), *call.ranks[static_cast<size_t>(rank)]);
+}
+
+// ---- Ranks across processes ------------------------------------------------------------------
+// [Note: cross-process ranks] Each rank's own device thread runs only its program (the push rule
+// keeps every XLA buffer of rank r to rank r's program), so nothing meets in this process: peers
+// in this or other processes synchronise through the counters in each other's segments, and the
+// rank executor's entry fence keeps call k+1 out of a peer still in call k (docs/rank_executor.md),
+// which also protects a landing until its rank has copied it out. Bytes out equal the in-process
+// cluster's: the same programs through the same op interpreter (step_ranks).
+
+bool RankStateKey::operator<(const RankStateKey& o) const {
+  return std::tie(op, plan_hash, table, group, rank) < std::tie(o.op, o.plan_hash, o.table, o.group, o.rank);
+}
+
+namespace {
+
+struct RankState {
+  std::shared_ptr<CpuRankExecutor> executor;
+  std::unique_ptr<GroupSession> session;
+  int64_t ring0 = -1;  // offset of region ring0 in the segment (AG)
+};
+
+std::mutex g_rank_mu;
+// Never destroyed (like the in-process states): the mappings live as long as the process.
+auto* g_rank_states = new std::map<RankStateKey, std::unique_ptr<RankState>>();
+
+CallKind call_kind(Collective op) {
+  return op == Collective::kAllGather ? CallKind::kAllGather : CallKind::kReduceScatter;
+}
+
+}  // namespace
+
+RankArena rank_arena(const Plan& plan, Collective op) {
+  const ArenaSpec a = GroupSession::own_arena(plan, {call_kind(op)});
+  RankArena out;
+  int64_t end = a.total;
+  for (int k = static_cast<int>(BufKind::kRing0); k < kNumBufKinds; ++k) {
+    if (a.offset[k] < 0 || a.bytes[k] <= 0) continue;
+    out.regions[buf_kind_name(static_cast<BufKind>(k))] = {a.offset[k], a.bytes[k]};
+    end = std::max(end, a.offset[k] + a.bytes[k]);
+  }
+  // The counters go last, one more for the rank executor's entry fence (its last counter).
+  const int64_t off = (end + 63) / 64 * 64;
+  const int64_t bytes = a.counters_bytes + 8;
+  out.regions["counters"] = {off, bytes};
+  out.bytes = (off + bytes + 63) / 64 * 64;
+  return out;
+}
+
+bool has_rank_state(const RankStateKey& key) {
+  std::lock_guard<std::mutex> lock(g_rank_mu);
+  return g_rank_states->count(key) > 0;
+}
+
+void open_rank_state(const RankStateKey& key, std::shared_ptr<const Plan> plan,
+                     const std::vector<std::string>& segments, int64_t timeout_ms) {
+  TIDE_PLAN_CHECK(plan != nullptr && plan->hash == key.plan_hash, "open_rank_state: the plan does not match the key");
+  TIDE_PLAN_CHECK(timeout_ms > 0, "timeout_ms: must be > 0, got ", timeout_ms);
+  std::lock_guard<std::mutex> lock(g_rank_mu);
+  auto& slot = (*g_rank_states)[key];
+  if (slot) return;
+  const RankArena arena = rank_arena(*plan, key.op);
+  ExecutorOptions opt;
+  opt.timeout_s = static_cast<double>(timeout_ms) / 1000.0;
+  auto st = std::make_unique<RankState>();
+  try {
+    auto ex = std::make_shared<RankExecutor>(key.rank, plan->topo, segments, arena.bytes, arena.regions, opt);
+    st->executor = std::make_shared<CpuRankExecutor>(ex, RegionTable{});  // own arena: counters from 0
+  } catch (...) {
+    g_rank_states->erase(key);
+    throw;
+  }
+  GroupPlacement p;
+  p.kinds = {call_kind(key.op)};
+  p.group = static_cast<int32_t>(key.group);
+  p.resident = false;  // XLA owns the shards: read them in place (kShard)
+  st->session = std::make_unique<GroupSession>(plan, st->executor, p);
+  auto ring = arena.regions.find("ring0");
+  st->ring0 = ring == arena.regions.end() ? -1 : ring->second.first;
+  slot = std::move(st);
+}
+
+void RunRankCall(const GroupCall& call, uint64_t table, const RankIo& io) {
+  RankStateKey key{call.spec.op, call.plan->hash, table, call.group, io.rank};
+  RankState* st = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(g_rank_mu);
+    auto it = g_rank_states->find(key);
+    if (it != g_rank_states->end()) st = it->second.get();
+  }
+  if (st == nullptr)
+    throw PlanError(TIDE_STR_CAT(
+        "rank ", io.rank, " of group ", call.group, " (process ", process_index(), "): no cross-process state for this ",
+        collective_name(call.spec.op), " (plan hash ", call.plan->hash, "); the mesh spans processes, so the call must "
+        "be traced through tide_xla (gather / reduce_scatter), which prepares it on every process"));
+  seed_accumulator(call, io);
+  const std::vector<RankBindingList> b = {rank_bindings(call, io)};
+  if (call.spec.op == Collective::kAllGather) {
+    st->session->all_gather(b);
+    TIDE_CHECK(st->ring0 >= 0, "cross-process TIDE-AG: the segment has no ring0 region");
+    copy_landing(call, st->executor->rank_executor().segment(io.rank) + st->ring0, io);
+  } else {
+    st->session->reduce_scatter(call.spec.scale, call.spec.accumulate, b);
   }
 }
 

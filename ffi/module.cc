@@ -1,6 +1,9 @@
 // tide_xla._ffi: exports the TIDE FFI handlers as capsules in one `registrations()` dict.
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/map.h>
+#include <nanobind/stl/pair.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
 
 #include "tide_ffi.h"
 
@@ -18,6 +21,37 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(ReduceScatterVirtualCudaHandler);
 #endif
 
 namespace {
+
+namespace xf = tide::xla_ffi;
+
+tide::DType dtype_named(const std::string& name) {
+  if (name == "bfloat16") return tide::DType::kBF16;
+  if (name == "float16") return tide::DType::kFP16;
+  if (name == "float32") return tide::DType::kFP32;
+  throw tide::PlanError("dtype " + name + " is not supported (TIDE moves bfloat16, float16, float32)");
+}
+
+xf::Collective collective_named(const std::string& op) {
+  if (op == "tide_all_gather") return xf::Collective::kAllGather;
+  if (op == "tide_reduce_scatter") return xf::Collective::kReduceScatter;
+  throw tide::PlanError("unknown collective " + op);
+}
+
+// The plan a handler will build for this call, as the trace-time preparation needs it.
+std::shared_ptr<const tide::Plan> plan_for(const std::string& op, const std::vector<std::vector<int64_t>>& shapes,
+                                           const std::string& in, const std::string& out, int nodes, int gpus,
+                                           int mode) {
+  TIDE_PLAN_CHECK(mode == 0 || mode == 1, "mode: expected 0 (in_place) or 1 (slot_reuse), got ", mode);
+  xf::GroupAttrs a;
+  a.nodes = nodes;
+  a.gpus_per_node = gpus;
+  const tide::GroupSignature sig = xf::group_signature(collective_named(op), shapes, dtype_named(in), dtype_named(out));
+  return xf::cached_plan(sig, xf::group_topology(a), static_cast<tide::Mode>(mode));
+}
+
+xf::RankStateKey rank_key(const std::string& op, uint64_t plan_hash, uint64_t table, int64_t group, int rank) {
+  return {collective_named(op), plan_hash, table, group, rank};
+}
 
 template <typename Fn>
 nb::capsule encapsulate(Fn* fn) {
@@ -54,6 +88,38 @@ NB_MODULE(_ffi, m) {
 #endif
     return out;
   });
+  // Ranks across processes (tide_xla/processes.py prepares them at trace time).
+  m.def("set_process_index", &xf::set_process_index, nb::arg("process"),
+        "This process's jax.distributed index: the device table's key is (process, ordinal).");
+  m.def("process_index", &xf::process_index);
+  m.def("table_fingerprint", [](const std::vector<int64_t>& table) {
+    return xf::table_fingerprint(xf::ffi::Span<const int64_t>(table.data(), table.size()));
+  });
+  m.def("group_plan", [](const std::string& op, const std::vector<std::vector<int64_t>>& shapes,
+                         const std::string& in, const std::string& out, int nodes, int gpus, int mode) {
+    const auto plan = plan_for(op, shapes, in, out, nodes, gpus, mode);
+    const xf::RankArena arena = xf::rank_arena(*plan, collective_named(op));
+    nb::dict d;
+    d["hash"] = plan->hash;
+    d["segment_bytes"] = arena.bytes;
+    return d;
+  }, nb::arg("op"), nb::arg("shapes"), nb::arg("in_dtype"), nb::arg("out_dtype"), nb::arg("nodes"),
+        nb::arg("gpus_per_node"), nb::arg("mode"),
+        "{'hash', 'segment_bytes'} of the plan the handlers build for this call and the shared-memory "
+        "segment each rank needs for it.");
+  m.def("has_rank", [](const std::string& op, uint64_t plan_hash, uint64_t table, int64_t group, int rank) {
+    return xf::has_rank_state(rank_key(op, plan_hash, table, group, rank));
+  });
+  m.def("open_rank", [](const std::string& op, const std::vector<std::vector<int64_t>>& shapes,
+                        const std::string& in, const std::string& out, int nodes, int gpus, int mode,
+                        uint64_t table, int64_t group, int rank, const std::vector<std::string>& segments,
+                        int64_t timeout_ms) {
+    const auto plan = plan_for(op, shapes, in, out, nodes, gpus, mode);
+    xf::open_rank_state(rank_key(op, plan->hash, table, group, rank), plan, segments, timeout_ms);
+  }, nb::arg("op"), nb::arg("shapes"), nb::arg("in_dtype"), nb::arg("out_dtype"), nb::arg("nodes"),
+        nb::arg("gpus_per_node"), nb::arg("mode"), nb::arg("table"), nb::arg("group"), nb::arg("rank"),
+        nb::arg("segments"), nb::arg("timeout_ms"),
+        "Maps every rank's segment for `rank` of `group` and builds its session (idempotent).");
   m.def("executor_available", &tide::xla_ffi::executor_available,
         "True when this build's CPU handlers can run collectives (the executor is linked).");
   m.def("executor_description", &tide::xla_ffi::executor_description);

@@ -7,14 +7,20 @@
 //   - A call carries one TIDE group: P operands in, P results out. Everything static about the
 //     group travels as attributes (dims0, the device table, topology, mode, op_id, timeout), so a
 //     handler needs no state beyond the process-wide plan cache below.
-//   - Rank and group come from the static device table (device id -> fsdp group, rank), built in
-//     Python from the concrete Mesh. The device ordinal is only the key into that table; it is
-//     never used as the rank (a permuted mesh maps ordinals to other ranks).
-//   - On XLA:CPU all devices of one process form one in-process virtual cluster: XLA runs each
-//     device's call on its own thread, concurrently, so the ranks of a group meet in the
+//   - Rank and group come from the static device table ((process index, device) -> fsdp group,
+//     rank), built in Python from the concrete Mesh. (this process, device ordinal) is only the
+//     key into that table; the ordinal is never used as the rank (a permuted mesh maps ordinals
+//     to other ranks) and never matched against another process's devices.
+//   - A group whose devices all belong to this process is one in-process virtual cluster: XLA runs
+//     each device's call on its own thread, concurrently, so the ranks of a group meet in the
 //     Rendezvous (keyed by RunId, group, op_id, seq); then the group's per-rank programs run
 //     through ExecuteGroup()/CompleteRank() (executor.cc), the one place that calls TIDE's
 //     core: the group's GroupSession (tide/session.h).
+//   - A mesh that spans processes (XLA:CPU only): each rank runs its own program through a CPU
+//     RankExecutor over every rank's shared-memory segment, with no rendezvous
+//     (RunRankCall, executor.cc). Python (tide_xla/processes.py) prepares those rank states at
+//     trace time: the processes agree on the plan hash and exchange segment names through
+//     jax.distributed's key-value store, then open_rank_state() maps them here.
 //   - Every exception stops at the handler boundary (TIDE_FFI_BOUNDARY) and becomes ffi::Error:
 //     PlanError -> INVALID_ARGUMENT, TimeoutError -> DEADLINE_EXCEEDED, anything else -> INTERNAL.
 #pragma once
@@ -55,9 +61,21 @@ struct DeviceSlot {
   int rank = -1;       // node-major rank r = n*L + l inside the group
 };
 
-// device_table: flat (device_id, group, rank) triples, one per device of the mesh.
-DeviceSlot lookup_device(ffi::Span<const int64_t> device_table, int32_t device_ordinal,
-                         int world);
+// device_table: flat (process index, device id, local device, group, rank) rows, one per device
+// of the mesh. A handler looks up (this process, its device ordinal): the ordinal is the device id
+// on XLA:CPU and the local device on XLA:GPU, so a row of this process matches on either.
+constexpr size_t kTableWidth = 5;
+DeviceSlot lookup_device(ffi::Span<const int64_t> device_table, int64_t process,
+                         int32_t device_ordinal, int world);
+// This process's index among the jax.distributed processes (tide_xla.init sets it; 0 alone).
+void set_process_index(int64_t process);
+int64_t process_index();
+// True when some device of the table belongs to another process than `process`.
+bool table_spans_processes(ffi::Span<const int64_t> device_table, int64_t process);
+// A 64-bit fingerprint of the table (FNV-1a over its integers): which mesh a rank state is for.
+uint64_t table_fingerprint(ffi::Span<const int64_t> device_table);
+// "ranks 0-3 on process 0, ranks 4-7 on process 1" for group `group`, for messages.
+std::string rank_owners(ffi::Span<const int64_t> device_table, int64_t group, int world);
 
 // The plan for one group: shapes from dims0 (D_p) and the result/operand trailing dims.
 std::shared_ptr<const Plan> cached_plan(const GroupSignature& sig, const Topology& topo,
@@ -120,6 +138,33 @@ int64_t run_session(GroupState& st, const GroupCall& call, const std::vector<uin
 // executors apply TIDE_EXEC_OPTIONS themselves.
 ExecutorOptions executor_options_for(const GroupCall& call);
 
+// ---- Ranks across processes (XLA:CPU; executor.cc) --------------------------------------------
+// One rank of a group whose ranks live in several processes: its GroupSession over a CPU
+// RankExecutor that maps every rank's shared-memory segment. Keyed by (collective, plan hash,
+// device-table fingerprint, group, rank); opened at trace time, kept for the process' lifetime.
+struct RankStateKey {
+  Collective op = Collective::kAllGather;
+  uint64_t plan_hash = 0;
+  uint64_t table = 0;  // table_fingerprint of the mesh
+  int64_t group = 0;
+  int rank = 0;
+  bool operator<(const RankStateKey& o) const;
+};
+// The segment every rank of a cross-process group needs for `op` of `plan`: the session's own
+// arena plus the rank executor's entry-fence counter. regions: name -> (offset, bytes).
+struct RankArena {
+  int64_t bytes = 0;
+  RegionTable regions;
+};
+RankArena rank_arena(const Plan& plan, Collective op);
+bool has_rank_state(const RankStateKey& key);
+// Maps segments[r] (rank r's shm name) for rank key.rank and builds its session; throws Error
+// naming the rank and segment on failure. An existing state is kept (idempotent).
+void open_rank_state(const RankStateKey& key, std::shared_ptr<const Plan> plan,
+                     const std::vector<std::string>& segments, int64_t timeout_ms);
+// Runs `io.rank`'s program of one call (AG: then copies its landing into XLA's results).
+void RunRankCall(const GroupCall& call, uint64_t table, const RankIo& io);
+
 // With call.spec.cuda both forward to ExecuteGroupCuda/CompleteRankCuda (executor_cuda.cc).
 void ExecuteGroup(const GroupCall& call);
 void CompleteRank(const GroupCall& call, int rank);
@@ -172,7 +217,7 @@ void rendezvous_fail(const RendezvousKey& key, int world, int rank, const std::s
 // ---------------------------------------------------------------------------------------------
 struct GroupAttrs {
   ffi::Span<const int64_t> dims0;         // D_p of every parameter
-  ffi::Span<const int64_t> device_table;  // (device_id, group, rank) triples
+  ffi::Span<const int64_t> device_table;  // (process, id, local, group, rank) rows
   int64_t nodes = 1;                      // M
   int64_t gpus_per_node = 1;              // L
   int64_t mode = 0;                       // Mode (0 in_place, 1 slot_reuse)
@@ -195,7 +240,7 @@ auto BindGroupCall(Binding b) {
       .RemainingArgs()                                           // the op's operands
       .RemainingRets()                                           // the op's results
       .template Attr<ffi::Span<const int64_t>>("dims0")          // D_p per parameter
-      .template Attr<ffi::Span<const int64_t>>("device_table")   // (device_id, group, rank)
+      .template Attr<ffi::Span<const int64_t>>("device_table")   // (process, id, local, group, rank)
       .template Attr<int64_t>("nodes")                           // M
       .template Attr<int64_t>("gpus_per_node")                   // L
       .template Attr<int64_t>("mode")                            // 0 in_place, 1 slot_reuse
@@ -218,12 +263,19 @@ auto BindVirtualCall(Binding b) {
       .template Attr<int64_t>("timeout_ms");                     // executor wait budget
 }
 
-// Fills io.rank; `sig` must already hold the parameter shapes and dtypes.
+// Fills io.rank; `sig` must already hold the parameter shapes and dtypes. A table spanning
+// processes runs RunRankCall (CPU) or fails with Unimplemented (CUDA), never the rendezvous.
 void run_group_call(const CallSpec& spec, int32_t device_ordinal, int64_t run_id,
                     const GroupAttrs& attrs, const GroupSignature& sig, RankIo& io);
 
 // Topology (M, L) from the attributes; PlanError when out of range.
 Topology group_topology(const GroupAttrs& attrs);
+
+// The signature a handler builds for `op` over parameters of `shapes` (D_p, ...): AG in = shard
+// dtype, out = AG dtype; RS in = out = the gradient dtype. Python's trace-time preparation uses it
+// to get the plan the handlers will look up (same hash).
+GroupSignature group_signature(Collective op, const std::vector<std::vector<int64_t>>& shapes,
+                               DType in, DType out);
 
 // ---------------------------------------------------------------------------------------------
 // Virtual cluster (virtual.cc): all N ranks of one group on ONE device, operands stacked [N, ...]

@@ -77,8 +77,8 @@ def test_rank_comes_from_the_device_table_not_the_ordinal():
     """A reversed mesh: device id 7 is rank 0. The table says so; the ordinal is only a key."""
     mesh = mesh_1d(order=range(7, -1, -1))
     ctx = tide_xla.init(mesh, "fsdp")
-    table = np.asarray(ctx.device_table).reshape(-1, 3)
-    assert table[0].tolist() == [7, 0, 0] and table[7].tolist() == [0, 0, 7]
+    table = np.asarray(ctx.device_table).reshape(-1, 5)  # (process, id, local, group, rank)
+    assert table[0].tolist() == [0, 7, 7, 0, 0] and table[7].tolist() == [0, 0, 0, 0, 7]
 
 
 def test_handler_rejects_a_shard_that_is_not_padded_dim0():

@@ -34,6 +34,10 @@ class AllGatherPrimitive:
     @classmethod
     def bind(cls, ctx: TideContext, shards: Sequence[jax.Array], dims0: Sequence[int], ag_dtype):
         out_types = cls.abstract(shards, dims0, ag_dtype)
+        if ctx.spans_processes:  # agree the call and open the rank states on every process
+            from tide_xla import processes
+            processes.prepare(ctx, cls.name, [o.shape for o in out_types], shards[0].dtype,
+                              ag_dtype)
         call = jax.ffi.ffi_call(cls.name, out_types, vmap_method="sequential")
         return call(ctx.where(), *shards, dims0=np.asarray(dims0, np.int64),
                     **ctx.attrs(next_op_id()))

@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 from jax.sharding import Mesh
 
-from tide_xla._registration import ensure_registered
+from tide_xla._registration import ensure_registered, ffi_module
 
 MODES = {"in_place": 0, "slot_reuse": 1}
 
@@ -28,7 +28,15 @@ class TideContext:
     gpus_per_node: int   # L
     mode: str            # "in_place" | "slot_reuse"
     timeout_ms: int      # rendezvous/executor wait budget of one call
-    device_table: tuple[int, ...]  # flat (device_id, group, rank) triples
+    device_table: tuple[int, ...]  # flat (process, device id, local device, group, rank)
+    processes: tuple[int, ...] = (0,)  # jax process indices holding devices of the mesh
+
+    @property
+    def spans_processes(self) -> bool:
+        """True when some device of the mesh belongs to another process: the calls then run
+        through the cross-process rank executors (tide_xla/processes.py)."""
+        import jax
+        return self.processes != (jax.process_index(),)
 
     @property
     def world(self) -> int:
@@ -90,16 +98,39 @@ def _resolve_topology(topology: Any, n: int) -> tuple[int, int]:
     return m, l_
 
 
+def local_device_index(mesh: Mesh) -> dict[Any, tuple[int, int, int]]:
+    """(process index, device id, local device) of every device of `mesh`, the same on every
+    process. The local device is the owner's local_hardware_id, taken for another process's device
+    as its position among that process's devices in id order. A handler matches its ordinal (the
+    device id on XLA:CPU, the local device on XLA:GPU) against the rows of its own process."""
+    import jax
+    me = jax.process_index()
+    by_process: dict[int, list[Any]] = {}
+    for d in sorted(jax.devices(mesh.devices.flat[0].platform), key=lambda d: d.id):
+        by_process.setdefault(d.process_index, []).append(d)
+    out = {}
+    for d in mesh.devices.flat:
+        if d.process_index == me and d.local_hardware_id is not None:
+            local = int(d.local_hardware_id)
+        else:
+            local = by_process[d.process_index].index(d)
+        out[d] = (int(d.process_index), int(d.id), local)
+    return out
+
+
 def device_table(mesh: Mesh, axis: str) -> tuple[int, ...]:
-    """(device_id, group, rank) for every device of `mesh`: rank = index along `axis`, group =
-    flat index over the other axes. Built from the concrete Mesh, never from device ordinals."""
+    """(process, device id, local device, group, rank) for every device of `mesh`: rank = index
+    along `axis`, group = flat index over the other axes. Built from the concrete Mesh, never from
+    device ordinals; a handler finds its row by (this process, its ordinal), so with one process
+    per device every device still gets its own rank."""
     ax = mesh.axis_names.index(axis)
     devs = np.moveaxis(np.asarray(mesh.devices), ax, -1)
     devs = devs.reshape(-1, devs.shape[-1])
+    where = local_device_index(mesh)
     table = []
     for group, row in enumerate(devs):
         for rank, d in enumerate(row):
-            table += [int(d.id), group, rank]
+            table += [*where[d], group, rank]
     return tuple(table)
 
 
@@ -112,6 +143,9 @@ def init(mesh: Mesh, axis: str = "fsdp", topology: Any = None, mode: str = "in_p
     mode: "in_place" or "slot_reuse" (same bytes out; Section 5 of the paper).
     timeout_s: how long a rank waits for the others before the call fails with
       DEADLINE_EXCEEDED naming the missing ranks.
+
+    A mesh whose devices belong to several processes (jax.distributed) runs on XLA:CPU through
+    one rank executor per device over shared memory; see tide_xla/processes.py.
     """
     if not isinstance(mesh, Mesh):
         raise TypeError(f"init: mesh must be a concrete jax.sharding.Mesh, "
@@ -122,10 +156,13 @@ def init(mesh: Mesh, axis: str = "fsdp", topology: Any = None, mode: str = "in_p
         raise ValueError(f"init: mode must be one of {sorted(MODES)}, got {mode!r}")
     n = mesh.shape[axis]
     nodes, gpus = _resolve_topology(topology, n)
+    import jax
     ctx = TideContext(mesh=mesh, axis=axis, nodes=nodes, gpus_per_node=gpus, mode=mode,
                       timeout_ms=max(1, math.ceil(timeout_s * 1000)),
-                      device_table=device_table(mesh, axis))
+                      device_table=device_table(mesh, axis),
+                      processes=tuple(sorted({int(d.process_index) for d in mesh.devices.flat})))
     ensure_registered()
+    ffi_module().set_process_index(jax.process_index())
     _CONTEXTS[(mesh, axis)] = ctx
     return ctx
 

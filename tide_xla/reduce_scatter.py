@@ -57,6 +57,10 @@ class ReduceScatterPrimitive:
                                  f"of shape {out_type.shape}")
             operands.append(accumulate)
             aliases = {1 + len(grads): 0}  # operand 0 is `where`
+        if ctx.spans_processes:  # agree the call and open the rank states on every process
+            from tide_xla import processes
+            processes.prepare(ctx, cls.name, [g.shape for g in grads], grads[0].dtype,
+                              grads[0].dtype)
         call = jax.ffi.ffi_call(cls.name, out_type, vmap_method="sequential",
                                 input_output_aliases=aliases)
         return call(ctx.where(), *operands, dims0=np.asarray([g.shape[0] for g in grads], np.int64),

@@ -1,0 +1,94 @@
+"""One process of a tide_xla run across processes (tests/test_xla_multiprocess.py launches it).
+
+    python tests/_xla_mp_worker.py OUT_DIR PROCESS PROCESSES PORT CASE [TOPOLOGY]
+
+PROCESSES = 1 runs alone (no jax.distributed: the one-process reference); otherwise the process
+joins jax.distributed on localhost:PORT. Every process holds its XLA_FLAGS host devices; the mesh
+is every device of the job in id order (process-major), so rank r is the same shard everywhere.
+It writes OUT_DIR/p<PROCESS>.npz with its addressable shards of each result, keyed by the global
+row the shard starts at, or OUT_DIR/p<PROCESS>.err with the error text.
+
+CASE: "run" (AG forward, AG+RS gradient, RS with scale and accumulate), "other_model" (process 1
+groups the parameters into other TIDE calls), "skip" (the last process never calls), "no_run" (the
+last process traces and compiles the gather but never runs it).
+"""
+import os
+import sys
+import traceback
+
+out_dir, me, nproc, port, case = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
+topology = tuple(int(v) for v in sys.argv[6].split("x")) if len(sys.argv) > 6 else None
+
+
+def main():
+    import jax
+    if nproc > 1:
+        jax.distributed.initialize(coordinator_address=f"localhost:{port}", num_processes=nproc,
+                                   process_id=me, initialization_timeout=30)
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import Mesh, PartitionSpec as P
+
+    import tide_xla
+
+    devs = sorted(jax.devices(), key=lambda d: d.id)
+    mesh = Mesh(np.array(devs), ("fsdp",))
+    tide_xla.init(mesh, "fsdp", topology=topology, timeout_s=3.0 if case in ("skip", "no_run") else 20.0)
+    rng = np.random.default_rng(7)
+    shapes = {"a": (37, 8), "b": (16,), "c": (5, 3)}
+    params = {k: rng.standard_normal(s).astype(np.float32) for k, s in shapes.items()}
+    # other_model: process 1 groups its leaves into one TIDE group (the arrays stay the same, so
+    # nothing outside TIDE notices; different global shapes would already fail in device_put).
+    key = (lambda path: "all") if case == "other_model" and me == 1 else tide_xla.default_group_key
+    shards, layout = tide_xla.shard(params, mesh, "fsdp", group_key=key)
+    n = mesh.shape["fsdp"]
+
+    def gathered(s):
+        full = tide_xla.gather(s, layout)
+        return {k: v[None] for k, v in full.items()}
+
+    def local_loss(s):
+        full = tide_xla.gather(s, layout)
+        r = jax.lax.axis_index("fsdp").astype(jnp.float32) + 1.0
+        return sum(jnp.sum(jnp.sin(v.astype(jnp.float32)) * r) for v in full.values())
+
+    def rs(s):
+        full = tide_xla.gather(s, layout)
+        r = jax.lax.axis_index("fsdp").astype(jnp.float32) + 1.0
+        g = {k: (v.astype(jnp.float32) * r).astype(v.dtype) for k, v in full.items()}
+        acc = tide_xla.reduce_scatter(g, layout, scale=0.5)
+        acc = tide_xla.reduce_scatter(g, layout, scale=0.25, accumulate=acc)
+        return tide_xla.unpack_grads(acc, layout)
+
+    specs = layout.specs
+    stacked = {k: P("fsdp") for k in shapes}
+    run_ag = jax.jit(jax.shard_map(gathered, mesh=mesh, in_specs=(specs,), out_specs=stacked))
+    if case == "skip" and me == nproc - 1:
+        return {}  # this process never calls
+    if case == "no_run" and me == nproc - 1:
+        run_ag.lower(shards).compile()  # traced (the processes agree), never run
+        return {}
+    results = {"ag": run_ag(shards)}
+    if case == "run":
+        grad = jax.jit(jax.shard_map(jax.grad(local_loss), mesh=mesh, in_specs=(specs,),
+                                     out_specs=specs))
+        results["grad"] = grad(shards)
+        results["rs"] = jax.jit(jax.shard_map(rs, mesh=mesh, in_specs=(specs,),
+                                              out_specs=specs))(shards)
+    out = {}
+    for what, tree in results.items():
+        for k, x in tree.items():
+            for s in x.addressable_shards:
+                out[f"{what}/{k}/{s.index[0].start or 0}"] = np.asarray(s.data).view(np.uint8)
+    assert n == len(devs)
+    return out
+
+
+try:
+    res = main()
+    import numpy as np
+    np.savez(os.path.join(out_dir, f"p{me}.npz"), **res)
+except BaseException:  # noqa: BLE001 - the test reads the text
+    with open(os.path.join(out_dir, f"p{me}.err"), "w") as f:
+        f.write(traceback.format_exc())
+    sys.exit(1)

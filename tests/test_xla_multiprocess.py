@@ -1,0 +1,127 @@
+"""tide_xla across processes on XLA:CPU: jax.distributed on localhost, each process with its host
+devices, the same programs through one CPU rank executor per device over shared memory.
+
+Each test launches its processes itself (tests/_xla_mp_worker.py, a free port, short timeouts)
+and compares their addressable shards bitwise with one process holding all 8 devices.
+"""
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+pytest.importorskip("jax")
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+WORKER = os.path.join(REPO, "tests", "_xla_mp_worker.py")
+WAIT_S = 50  # per launch; a healthy launch takes a few seconds
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+def _launch(out_dir, processes: int, devices: int, case: str, topology: str | None = None):
+    """Runs the worker as `processes` processes of `devices` host devices each; returns
+    {process: (returncode, results npz or None, error text or "")}."""
+    os.makedirs(out_dir, exist_ok=True)
+    env = dict(os.environ, JAX_PLATFORMS="cpu",
+               XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+               PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]))
+    port = str(_free_port())
+    args = [case] + ([topology] if topology else [])
+    procs = [subprocess.Popen([sys.executable, WORKER, str(out_dir), str(i), str(processes), port,
+                               *args], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT)
+             for i in range(processes)]
+    deadline = time.monotonic() + WAIT_S
+    logs = {}
+    try:
+        for i, p in enumerate(procs):
+            out, _ = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            logs[i] = out.decode(errors="replace")
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            p.kill()
+        pytest.fail(f"{processes} processes x {devices} devices ({case}) did not finish in "
+                    f"{WAIT_S} s")
+    res = {}
+    for i, p in enumerate(procs):
+        npz = os.path.join(out_dir, f"p{i}.npz")
+        err = os.path.join(out_dir, f"p{i}.err")
+        text = open(err).read() if os.path.exists(err) else ""
+        res[i] = (p.returncode, dict(np.load(npz)) if os.path.exists(npz) else None,
+                  text or logs[i][-3000:])
+    return res
+
+
+_REFERENCE = {}
+
+
+def _reference(tmp_path_factory, topology):
+    """One process holding all 8 devices: every rank's shards."""
+    if topology not in _REFERENCE:
+        res = _launch(tmp_path_factory.mktemp("ref"), 1, 8, "run", topology)
+        rc, data, err = res[0]
+        assert rc == 0 and data is not None, err
+        _REFERENCE[topology] = data
+    return _REFERENCE[topology]
+
+
+@pytest.mark.parametrize("processes,devices,topology", [
+    (2, 4, None),      # 2 processes x 4 devices, one node of 8 ranks
+    (4, 2, "2x4"),     # 4 processes x 2 devices, 2 nodes x 4
+    (4, 2, "4x2"),     # 4 processes x 2 devices, 4 nodes x 2
+])
+def test_processes_equal_one_process_bitwise(tmp_path, tmp_path_factory, processes, devices,
+                                             topology):
+    """TIDE-AG forward, the AG+RS gradient and RS with scale and an accumulator: every
+    process's shards are bitwise the one-process run's."""
+    ref = _reference(tmp_path_factory, topology)
+    res = _launch(tmp_path, processes, devices, "run", topology)
+    seen = set()
+    for i, (rc, data, err) in res.items():
+        assert rc == 0 and data is not None, f"process {i}: {err}"
+        for key, value in data.items():
+            assert key in ref, key
+            assert np.array_equal(value, ref[key]), f"process {i}: {key} differs"
+            seen.add(key)
+    assert seen == set(ref), sorted(set(ref) - seen)  # every rank's shard came from some process
+
+
+def test_a_process_with_another_model_fails_on_every_process_naming_it(tmp_path):
+    """Process 1 groups the same parameters into one TIDE call: every process raises at trace
+    time, naming which processes have which call, before anything runs (no hang)."""
+    res = _launch(tmp_path, 2, 4, "other_model")
+    for i, (rc, _, err) in res.items():
+        assert rc != 0, f"process {i} succeeded"
+        assert "ValueError: tide_xla: cross-process call #0: the processes of the mesh disagree" in err, err
+        assert "process 0: tide_all_gather of 1 parameter(s) [(37, 8)] float32 -> bfloat16" in err, err
+        assert "process 1: tide_all_gather of 3 parameter(s) [(37, 8), (16,), (5, 3)]" in err, err
+
+
+def test_a_process_that_never_calls_times_out_naming_it(tmp_path):
+    """The last process never calls: the others fail after the context's timeout (3 s), naming
+    it, instead of waiting forever."""
+    res = _launch(tmp_path, 2, 4, "skip")
+    rc, _, err = res[0]
+    assert rc != 0
+    assert "TimeoutError" in err and "waited 3 s for processes [1]" in err, err
+    assert res[1][0] == 0, res[1][2]
+
+
+def test_a_process_that_traces_but_never_runs_times_out_naming_its_ranks(tmp_path):
+    """The last process compiles the gather but never runs it: the other's ranks time out in the
+    rank executor after 3 s (DEADLINE_EXCEEDED), naming the rank waited for and which process
+    holds which ranks."""
+    res = _launch(tmp_path, 2, 4, "no_run")
+    rc, _, err = res[0]
+    assert rc != 0
+    assert "DEADLINE_EXCEEDED: tide_all_gather: TIDE timeout after 3 s" in err, err
+    assert "ranks 0-3 on process 0, ranks 4-7 on process 1" in err, err
+    assert res[1][0] == 0, res[1][2]

@@ -1,0 +1,205 @@
+"""TIDE groups whose ranks live in several processes (jax.distributed), on XLA:CPU.
+
+Contract
+  - Processes are started with `jax.distributed.initialize(...)`; each holds its own host
+    devices, and the mesh holds devices of several of them. Every process traces the same program,
+    so the cross-process calls of one process come in the same order as on every other process:
+    the n-th one of each process is the same call.
+  - At trace time, before the FFI call is emitted, `prepare()` (1) agrees the call across the
+    mesh's processes: each publishes (plan hash, device-table fingerprint, a description) under
+    the call's number in jax.distributed's key-value store and reads every other's; a difference
+    is a ValueError on every process naming the processes and what each has, a process that does
+    not arrive within the context's timeout a TimeoutError naming it; (2) the first time a
+    (collective, plan, mesh) is seen, creates one POSIX shared-memory segment per local rank
+    (mode 0600), exchanges the names through the store, has the C++ core map every rank's segment
+    (one CPU RankExecutor per local rank, tide_xla._ffi.open_rank) and, once every process has
+    mapped them, unlinks its own names (nothing outlives the processes; atexit unlinks what is
+    left after a failure).
+  - At run time each device's call runs only its rank's program over those segments
+    ([Note: cross-process ranks] in ffi/executor.cc): same programs, same op interpreter, so the
+    bytes equal one process holding every device.
+  - Never imports torch. The store is jax's coordination-service client
+    (jax._src.distributed.global_state.client: key_value_set, key_value_dir_get); jax has no
+    public key-value API in the releases tide_xla supports.
+"""
+from __future__ import annotations
+
+import atexit
+import itertools
+import os
+import time
+import uuid
+from typing import Sequence
+
+import numpy as np
+
+from tide_xla._registration import ffi_module
+
+_PREFIX = "tide_xla"
+_calls = itertools.count()          # this process's cross-process calls, in trace order
+_segments: set[str] = set()         # names this process created and has not unlinked yet
+
+
+def _client():
+    from jax._src import distributed
+    client = distributed.global_state.client
+    if client is None:
+        raise RuntimeError(
+            "tide_xla: the mesh holds devices of several processes but jax.distributed is not "
+            "initialised in this process; call jax.distributed.initialize(...) first")
+    return client
+
+
+def _exchange(key: str, value: str, processes: Sequence[int], timeout_ms: int,
+              what: str) -> dict[int, str]:
+    """Publishes `value` as this process's under `key` and returns every process's value; a
+    TimeoutError names the processes that did not publish within `timeout_ms`."""
+    import jax
+    client = _client()
+    me = jax.process_index()
+    client.key_value_set(f"{key}/{me}", value)
+    deadline = time.monotonic() + timeout_ms / 1000.0
+    pause = 0.001
+    while True:
+        got = {}
+        for k, v in client.key_value_dir_get(f"{key}/"):
+            tail = k.rsplit("/", 1)[-1]
+            if tail.isdigit():
+                got[int(tail)] = v
+        missing = [p for p in processes if p not in got]
+        if not missing:
+            return {p: got[p] for p in processes}
+        if time.monotonic() > deadline:
+            raise TimeoutError(
+                f"tide_xla: {what}: process {me} waited {timeout_ms / 1000:g} s for processes "
+                f"{missing} of the mesh's processes {list(processes)} to reach it (a process that "
+                f"does not run this call, runs another program, or hangs)")
+        time.sleep(pause)
+        pause = min(pause * 2, 0.02)
+
+
+def _disagreement(values: dict[int, str]) -> str:
+    by_value: dict[str, list[int]] = {}
+    for p, v in values.items():
+        by_value.setdefault(v, []).append(p)
+    parts = []
+    for v, ps in sorted(by_value.items(), key=lambda kv: kv[1]):
+        plan, table, desc = v.split("|", 2)
+        who = "process" if len(ps) == 1 else "processes"
+        parts.append(f"{who} {', '.join(map(str, ps))}: {desc} (plan hash {plan}, mesh {table})")
+    return "; ".join(parts)
+
+
+def _create_segment(nbytes: int) -> str:
+    import _posixshmem
+    name = f"/tide_xla_{os.getpid()}_{uuid.uuid4().hex[:12]}"
+    fd = _posixshmem.shm_open(name, os.O_CREAT | os.O_EXCL | os.O_RDWR, mode=0o600)
+    try:
+        os.ftruncate(fd, nbytes)  # zero-filled: the counters start at 0
+    except OSError:
+        _posixshmem.shm_unlink(name)
+        raise
+    finally:
+        os.close(fd)
+    _segments.add(name)
+    return name
+
+
+def _unlink(name: str) -> None:
+    import _posixshmem
+    try:
+        _posixshmem.shm_unlink(name)
+    except FileNotFoundError:
+        pass
+    _segments.discard(name)
+
+
+@atexit.register
+def _unlink_all() -> None:
+    for name in list(_segments):
+        _unlink(name)
+
+
+def _local_slots(ctx) -> list[tuple[int, int]]:
+    """(group, rank) of this process's devices in the context's device table."""
+    import jax
+    me = jax.process_index()
+    t = np.asarray(ctx.device_table, np.int64).reshape(-1, 5)
+    return [(int(g), int(r)) for p, _, _, g, r in t if p == me]
+
+
+def prepare(ctx, op: str, shapes: Sequence[Sequence[int]], in_dtype, out_dtype) -> None:
+    """Agrees call `op` over parameters `shapes` with every process of the mesh and opens this
+    process's rank states for it (see the contract)."""
+    import jax
+    from tide_xla.context import MODES
+    platform = ctx.mesh.devices.flat[0].platform
+    if platform != "cpu":
+        raise NotImplementedError(
+            f"tide_xla: {op}: the mesh spans processes {list(ctx.processes)} on {platform}; "
+            f"tide_xla runs a mesh across processes on XLA:CPU only so far (one process per GPU "
+            f"needs a cross-process CUDA fabric, not there yet)")
+    ffi = ffi_module()
+    shapes = [[int(d) for d in s] for s in shapes]
+    in_name, out_name = np.dtype(in_dtype).name, np.dtype(out_dtype).name
+    plan_args = (op, shapes, in_name, out_name, ctx.nodes, ctx.gpus_per_node, MODES[ctx.mode])
+    info = ffi.group_plan(*plan_args)
+    table = ffi.table_fingerprint(list(ctx.device_table))
+    n = next(_calls)
+    desc = (f"{op} of {len(shapes)} parameter(s) {[tuple(s) for s in shapes]} {in_name} -> "
+            f"{out_name} on {ctx.nodes}x{ctx.gpus_per_node} ranks ({ctx.mode})")
+    values = _exchange(f"{_PREFIX}/call/{n}", f"{info['hash']:016x}|{table:016x}|{desc}",
+                       ctx.processes, ctx.timeout_ms, f"cross-process call #{n} ({desc})")
+    if len(set(values.values())) > 1:
+        raise ValueError(
+            f"tide_xla: cross-process call #{n}: the processes of the mesh disagree on the call "
+            f"(every process must trace the same model, parameters and mesh): "
+            f"{_disagreement(values)}")
+    slots = [s for s in _local_slots(ctx)
+             if not ffi.has_rank(op, info["hash"], table, *s)]
+    if not slots:
+        return
+    # Every process reaches this point for the same (collective, plan, mesh): one segment per rank.
+    key = f"{_PREFIX}/seg/{op}/{info['hash']:016x}/{table:016x}"
+    client = _client()
+    mine = {}
+    for group, rank in slots:
+        mine[(group, rank)] = name = _create_segment(int(info["segment_bytes"]))
+        client.key_value_set(f"{key}/{group}/{rank}", name)
+    try:
+        for group in sorted({g for g, _ in slots}):
+            names = _exchange_ranks(client, f"{key}/{group}", ctx, group)
+            for g, rank in slots:
+                if g == group:
+                    ffi.open_rank(*plan_args, table, group, rank, names, ctx.timeout_ms)
+        # Unlink only once every process has mapped every segment.
+        _exchange(f"{key}/mapped", "1", ctx.processes, ctx.timeout_ms,
+                  f"mapping the arena segments of {desc}")
+    finally:
+        for name in mine.values():
+            _unlink(name)
+
+
+def _exchange_ranks(client, key: str, ctx, group: int) -> list[str]:
+    """Every rank's segment name of `group` (published by its owning process)."""
+    import jax
+    deadline = time.monotonic() + ctx.timeout_ms / 1000.0
+    t = np.asarray(ctx.device_table, np.int64).reshape(-1, 5)
+    owner = {int(r): int(p) for p, _, _, g, r in t if g == group}
+    pause = 0.001
+    while True:
+        got = {}
+        for k, v in client.key_value_dir_get(f"{key}/"):
+            tail = k.rsplit("/", 1)[-1]
+            if tail.isdigit():
+                got[int(tail)] = v
+        missing = sorted(r for r in range(ctx.world) if r not in got)
+        if not missing:
+            return [got[r] for r in range(ctx.world)]
+        if time.monotonic() > deadline:
+            procs = sorted({owner[r] for r in missing})
+            raise TimeoutError(
+                f"tide_xla: process {jax.process_index()} waited {ctx.timeout_ms / 1000:g} s for "
+                f"the arena segments of ranks {missing} of group {group} from processes {procs}")
+        time.sleep(pause)
+        pause = min(pause * 2, 0.02)
