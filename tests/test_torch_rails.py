@@ -163,3 +163,33 @@ def _a_peer_that_stops(rank, world):
 
 def test_a_peer_that_stops_fails_every_survivor_within_the_timeout():
     spawn(_a_peer_that_stops)
+
+
+def _ctrl_c_while_a_peer_is_gone(rank, world):
+    import os
+    import signal
+    import threading
+    import time
+
+    import tide_torch
+    model = build(mesh=mesh_1d())
+    data = batches(1, same_on_all_ranks=True)
+    tide_torch.enable(model, topology=tide.Topology(1, 2), executor_options=tide.ExecutorOptions(timeout_s=30.0))
+    if rank == 1:  # never reaches its first collective while rank 0 waits
+        time.sleep(6)
+        os._exit(0)
+    threading.Timer(1.0, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
+    t0 = time.monotonic()
+    try:
+        train(model, data)
+    except KeyboardInterrupt:
+        waited = time.monotonic() - t0
+        assert waited < 4.0, waited  # the deadline was 30 s
+        os._exit(0)  # the process group is broken (rank 1 is gone): leave at once
+    raise AssertionError("rank 0: training went on without rank 1")
+
+
+def test_ctrl_c_stops_a_rank_blocked_on_a_gone_peer():
+    """The CPU rank executor (tide_torch's transport) polls Python's signals while a call waits:
+    Ctrl-C ends a call blocked on a peer within about a second, not at its 30 s deadline."""
+    spawn(_ctrl_c_while_a_peer_is_gone, world=2)
