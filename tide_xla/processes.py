@@ -50,14 +50,9 @@ def _client():
     return client
 
 
-def _exchange(key: str, value: str, processes: Sequence[int], timeout_ms: int,
-              what: str) -> dict[int, str]:
-    """Publishes `value` as this process's under `key` and returns every process's value; a
-    TimeoutError names the processes that did not publish within `timeout_ms`."""
-    import jax
-    client = _client()
-    me = jax.process_index()
-    client.key_value_set(f"{key}/{me}", value)
+def _await_keys(client, key: str, wanted, timeout_ms: int, late) -> dict[int, str]:
+    """The values under `key`/<n> for every n in `wanted`, polled until all are there; past
+    `timeout_ms` raises late(missing) (a TimeoutError naming who did not publish)."""
     deadline = time.monotonic() + timeout_ms / 1000.0
     pause = 0.001
     while True:
@@ -66,16 +61,32 @@ def _exchange(key: str, value: str, processes: Sequence[int], timeout_ms: int,
             tail = k.rsplit("/", 1)[-1]
             if tail.isdigit():
                 got[int(tail)] = v
-        missing = [p for p in processes if p not in got]
+        missing = sorted(n for n in wanted if n not in got)
         if not missing:
-            return {p: got[p] for p in processes}
+            return got
         if time.monotonic() > deadline:
-            raise TimeoutError(
-                f"tide_xla: {what}: process {me} waited {timeout_ms / 1000:g} s for processes "
-                f"{missing} of the mesh's processes {list(processes)} to reach it (a process that "
-                f"does not run this call, runs another program, or hangs)")
+            raise late(missing)
         time.sleep(pause)
         pause = min(pause * 2, 0.02)
+
+
+def _exchange(key: str, value: str, processes: Sequence[int], timeout_ms: int,
+              what: str) -> dict[int, str]:
+    """Publishes `value` as this process's under `key` and returns every process's value; a
+    TimeoutError names the processes that did not publish within `timeout_ms`."""
+    import jax
+    client = _client()
+    me = jax.process_index()
+    client.key_value_set(f"{key}/{me}", value)
+
+    def late(missing):
+        return TimeoutError(
+            f"tide_xla: {what}: process {me} waited {timeout_ms / 1000:g} s for processes "
+            f"{missing} of the mesh's processes {list(processes)} to reach it (a process that "
+            f"does not run this call, runs another program, or hangs)")
+
+    got = _await_keys(client, key, processes, timeout_ms, late)
+    return {p: got[p] for p in processes}
 
 
 def _disagreement(values: dict[int, str]) -> str:
@@ -183,23 +194,13 @@ def prepare(ctx, op: str, shapes: Sequence[Sequence[int]], in_dtype, out_dtype) 
 def _exchange_ranks(client, key: str, ctx, group: int) -> list[str]:
     """Every rank's segment name of `group` (published by its owning process)."""
     import jax
-    deadline = time.monotonic() + ctx.timeout_ms / 1000.0
     t = np.asarray(ctx.device_table, np.int64).reshape(-1, 5)
     owner = {int(r): int(p) for p, _, _, g, r in t if g == group}
-    pause = 0.001
-    while True:
-        got = {}
-        for k, v in client.key_value_dir_get(f"{key}/"):
-            tail = k.rsplit("/", 1)[-1]
-            if tail.isdigit():
-                got[int(tail)] = v
-        missing = sorted(r for r in range(ctx.world) if r not in got)
-        if not missing:
-            return [got[r] for r in range(ctx.world)]
-        if time.monotonic() > deadline:
-            procs = sorted({owner[r] for r in missing})
-            raise TimeoutError(
-                f"tide_xla: process {jax.process_index()} waited {ctx.timeout_ms / 1000:g} s for "
-                f"the arena segments of ranks {missing} of group {group} from processes {procs}")
-        time.sleep(pause)
-        pause = min(pause * 2, 0.02)
+
+    def late(missing):
+        procs = sorted({owner[r] for r in missing})
+        return TimeoutError(
+            f"tide_xla: process {jax.process_index()} waited {ctx.timeout_ms / 1000:g} s for "
+            f"the arena segments of ranks {missing} of group {group} from processes {procs}")
+    got = _await_keys(client, key, range(ctx.world), ctx.timeout_ms, late)
+    return [got[r] for r in range(ctx.world)]
