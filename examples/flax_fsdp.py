@@ -14,7 +14,10 @@ times show overheads, not the network. When jax has a GPU backend the mesh is th
 
 --json PATH writes {"framework": "jax", "device": device_kind, "world": N, "runs": [{"name",
 "step_ms" (median after the first, compiling, step), "peak_bytes" (memory_stats()
-["peak_bytes_in_use"] of device 0, or null), "final_loss", "losses"}]}. The peak is the process'
+["peak_bytes_in_use"] of device 0, or null), "final_loss", "losses", "params_sha256" (the final
+parameters' bytes)}]}. --processes N (XLA:CPU) runs the same job as N jax.distributed processes of
+this host, 8/N devices each; TIDE's parameters end bitwise equal to one process's (the printed
+losses may differ in the last bits: XLA's cross-process pmean sums in another order). The peak is the process'
 peak so far; --separate runs each framework in its own process so that it is per run.
 """
 from __future__ import annotations
@@ -22,6 +25,7 @@ from __future__ import annotations
 import argparse
 import functools
 import glob
+import hashlib
 import json
 import os
 import subprocess
@@ -85,7 +89,7 @@ def batches(steps, batch, seed=0):
     rng = np.random.default_rng(seed)
     for _ in range(steps):
         start = rng.integers(0, VOCAB, (batch, 1))
-        yield jnp.asarray((start + np.arange(SEQ + 1)) % VOCAB, jnp.int32)
+        yield ((start + np.arange(SEQ + 1)) % VOCAB).astype(np.int32)  # host data: device_put shards it
 
 
 def train_tide(mesh, graphdef, params, tx, steps, batch):
@@ -133,6 +137,7 @@ def train_gspmd(mesh, graphdef, params, tx, steps, batch):
 
 
 def run(name, step, params, opt_state, mesh, steps, batch):
+    say = print if jax.process_index() == 0 else (lambda *a, **k: None)
     data_sharding = NamedSharding(mesh, P("fsdp"))
     times, losses = [], []
     for i, tokens in enumerate(batches(steps, batch)):
@@ -143,14 +148,26 @@ def run(name, step, params, opt_state, mesh, steps, batch):
         times.append(time.perf_counter() - t0)
         losses.append(loss)
         if i == 0 or (i + 1) % 5 == 0:
-            print(f"  {name:9s} step {i + 1:3d}  loss {loss:.4f}  {times[-1] * 1e3:8.1f} ms"
+            say(f"  {name:9s} step {i + 1:3d}  loss {loss:.4f}  {times[-1] * 1e3:8.1f} ms"
                   + ("  (includes compile)" if i == 0 else ""))
     steady = times[1:] or times
-    print(f"{name:9s} median step {np.median(steady) * 1e3:.1f} ms, loss {losses[0]:.4f} -> "
+    say(f"{name:9s} median step {np.median(steady) * 1e3:.1f} ms, loss {losses[0]:.4f} -> "
           f"{losses[-1]:.4f}")
     return {"name": name, "step_ms": float(np.median(steady) * 1e3),
             "peak_bytes": peak_bytes(mesh.devices.flat[0]), "final_loss": float(losses[-1]),
-            "losses": [float(v) for v in losses]}
+            "losses": [float(v) for v in losses], "params_sha256": params_digest(params)}
+
+
+def params_digest(params):
+    """sha256 of the final parameters' bytes (every process's shards, gathered): equal digests
+    mean bitwise equal parameters, e.g. across --processes."""
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+        params = multihost_utils.process_allgather(params, tiled=True)
+    h = hashlib.sha256()
+    for x in jax.tree.leaves(params):
+        h.update(np.ascontiguousarray(np.asarray(x)).tobytes())
+    return h.hexdigest()
 
 
 def peak_bytes(device):
@@ -176,6 +193,22 @@ def run_separately(names, argv_rest):
     return out
 
 
+def launch_processes(n, argv):
+    """--processes N on XLA:CPU: N processes on this host, 8/N host devices each, joined by
+    jax.distributed on a free localhost port; process 0 prints and writes --json. Returns the
+    first non-zero exit status (0 when all succeeded)."""
+    import socket
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={8 // n}",
+               JAX_PLATFORMS="cpu")
+    procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), *argv, "--process-id", str(i),
+                               "--coordinator", f"localhost:{port}"], env=env) for i in range(n)]
+    codes = [p.wait() for p in procs]
+    return next((c for c in codes if c), 0)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=20)
@@ -184,12 +217,25 @@ def main(argv=None):
     ap.add_argument("--json", metavar="PATH", help="write step times and losses as JSON")
     ap.add_argument("--separate", action="store_true",
                     help="run each framework in its own process (per-run peak_bytes)")
+    ap.add_argument("--processes", type=int, default=1, choices=(1, 2, 4, 8),
+                    help="XLA:CPU: run the job as this many jax.distributed processes of this host "
+                         "(8 devices in all); on a cluster, start one process per host yourself "
+                         "with --process-id and --coordinator")
+    ap.add_argument("--process-id", type=int, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--coordinator", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.processes > 1 and args.process_id is None:
+        raise SystemExit(launch_processes(args.processes, sys.argv[1:] if argv is None else list(argv)))
+    if args.process_id is not None:
+        jax.distributed.initialize(coordinator_address=args.coordinator, num_processes=args.processes,
+                                   process_id=args.process_id, initialization_timeout=60)
+    lead = jax.process_index() == 0
+    out = print if lead else (lambda *a, **k: None)
     names = [r for r in args.runs.split(",") if r]
     for r in names:
         if r not in RUNS:
             raise SystemExit(f"--runs: unknown run {r!r} (known: {', '.join(RUNS)})")
-    devices = jax.devices()
+    devices = sorted(jax.devices(), key=lambda d: d.id)  # every process's, process-major
     if len(devices) < 2 and devices[0].platform == "cpu":
         raise SystemExit("needs several devices: "
                          "XLA_FLAGS=--xla_force_host_platform_device_count=8")
@@ -200,8 +246,8 @@ def main(argv=None):
         mesh = Mesh(np.array(devices[:n]), ("fsdp",))
         graphdef, params = nnx.split(Transformer(nnx.Rngs(0)), nnx.Param)
         count = sum(x.size for x in jax.tree.leaves(params))
-        print(f"{count} parameters, {n} devices ({devices[0].device_kind}), "
-              f"batch {args.batch} x {SEQ}")
+        out(f"{count} parameters, {n} devices ({devices[0].device_kind}) in {jax.process_count()} "
+            f"process(es), batch {args.batch} x {SEQ}")
         tx = optax.adamw(3e-3)
         # each run starts from its own copy: a run donates its parameters to its train step
         records = [RUNS[r](mesh, graphdef, jax.tree.map(jnp.copy, params), tx, args.steps, args.batch)
@@ -210,8 +256,8 @@ def main(argv=None):
     if len(by_name) == 2:
         diff = max(abs(a - b) for a, b in zip(by_name["tide_xla"]["losses"],
                                               by_name["gspmd"]["losses"]))
-        print(f"max |loss difference| tide vs gspmd: {diff:.2e}")
-    if args.json:
+        out(f"max |loss difference| tide vs gspmd: {diff:.2e}")
+    if args.json and lead:
         with open(args.json, "w") as f:
             json.dump({"framework": "jax", "device": devices[0].device_kind, "world": n,
                        "runs": records}, f, indent=1)

@@ -4,6 +4,7 @@ devices, the same programs through one CPU rank executor per device over shared 
 Each test launches its processes itself (tests/_xla_mp_worker.py, a free port, short timeouts)
 and compares their addressable shards bitwise with one process holding all 8 devices.
 """
+import json
 import os
 import socket
 import subprocess
@@ -125,3 +126,37 @@ def test_a_process_that_traces_but_never_runs_times_out_naming_its_ranks(tmp_pat
     assert "DEADLINE_EXCEEDED: tide_all_gather: TIDE timeout after 3 s" in err, err
     assert "ranks 0-3 on process 0, ranks 4-7 on process 1" in err, err
     assert res[1][0] == 0, res[1][2]
+
+
+EXAMPLE = os.path.join(REPO, "examples", "flax_fsdp.py")
+
+
+def _example(tmp_path, processes: int) -> dict:
+    out = tmp_path / f"flax_{processes}.json"
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=8",
+               PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]))
+    r = subprocess.run([sys.executable, EXAMPLE, "--steps", "3", "--runs", "tide_xla", "--processes",
+                        str(processes), "--json", str(out)], env=env, capture_output=True, text=True,
+                       timeout=240)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+@pytest.fixture(scope="module")
+def flax_one_process(tmp_path_factory):
+    return _example(tmp_path_factory.mktemp("flax"), 1)
+
+
+@pytest.mark.parametrize("processes", [2, 4])
+def test_flax_example_across_processes_ends_bitwise_equal(tmp_path, flax_one_process, processes):
+    """examples/flax_fsdp.py --processes N: the small NNX transformer's 3 optax steps through
+    tide_xla end with the same parameter bytes as one process holding the 8 devices."""
+    one = flax_one_process
+    many = _example(tmp_path, processes)
+    assert one["world"] == many["world"] == 8
+    a, b = one["runs"][0], many["runs"][0]
+    assert a["name"] == b["name"] == "tide_xla" and len(b["losses"]) == 3
+    assert a["params_sha256"] == b["params_sha256"]
+    # The printed loss is XLA's pmean across processes (another summation order): close, not
+    # necessarily bitwise; the parameters above are TIDE's.
+    assert max(abs(x - y) for x, y in zip(a["losses"], b["losses"])) < 1e-5
