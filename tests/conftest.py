@@ -16,3 +16,53 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU and a CUDA build of tide._core"))
         if "slow" in item.keywords and not slow:
             item.add_marker(pytest.mark.skip(reason="slow opt-in run: set TIDE_SLOW=1"))
+
+
+def _tide_segments() -> set:
+    try:
+        return {n for n in os.listdir("/dev/shm") if n.startswith("tide")}
+    except OSError:  # no /dev/shm (not Linux)
+        return set()
+
+
+def _live_children() -> set:
+    """This process's child processes that have not exited (zombies left for their reaper), less
+    multiprocessing's own long-lived helpers (its forkserver and resource tracker)."""
+    me, out = os.getpid(), set()
+    try:
+        names = os.listdir("/proc")
+    except OSError:
+        return out
+    for d in names:
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if fields[0] in ("Z", "X") or int(fields[1]) != me:
+            continue
+        try:
+            with open(f"/proc/{d}/cmdline", "rb") as f:
+                cmd = f.read()
+        except OSError:
+            continue
+        if b"multiprocessing.forkserver" in cmd or b"multiprocessing.resource_tracker" in cmd:
+            continue
+        out.add(int(d))
+    return out
+
+
+@pytest.fixture
+def no_leaks():
+    """The hardening matrix's after-check: a test leaves no /dev/shm/tide* segment and no live
+    child process behind (children get a moment to finish exiting)."""
+    import time
+    shm, kids = _tide_segments(), _live_children()
+    yield
+    deadline = time.monotonic() + 3.0
+    while time.monotonic() < deadline and (_tide_segments() - shm or _live_children() - kids):
+        time.sleep(0.05)
+    assert not _tide_segments() - shm, f"left in /dev/shm: {sorted(_tide_segments() - shm)}"
+    assert not _live_children() - kids, f"child processes outlived the test: {sorted(_live_children() - kids)}"

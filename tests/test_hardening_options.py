@@ -7,6 +7,8 @@ import pytest
 
 import tide
 
+pytestmark = pytest.mark.usefixtures("no_leaks")  # conftest.py: no segment, no child left
+
 G, T = tide.GroupSignature, tide.Topology
 SMALL = G(shapes=[(64, 32), (17,)])
 

@@ -12,6 +12,8 @@ import pytest
 
 import tide
 
+pytestmark = pytest.mark.usefixtures("no_leaks")  # conftest.py: no segment, no child left
+
 BF16 = np.dtype(ml_dtypes.bfloat16)
 SHAPES = [[10, 3], [7], [5, 4]]
 

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.usefixtures("no_leaks")  # conftest.py: no segment, no child left
+
 ROOT = Path(__file__).resolve().parents[1]
 
 CHILD = textwrap.dedent("""
