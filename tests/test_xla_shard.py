@@ -115,3 +115,22 @@ def test_unsupported_cast_is_rejected():
     with pytest.raises(ValueError, match="casts float32 shards to bfloat16"):
         tide_xla.shard({"w": jnp.ones((8, 2))}, mesh(), "fsdp", shard_dtype=jnp.bfloat16,
                        ag_dtype=jnp.float32)
+
+
+def test_a_leaf_of_another_dtype_is_refused_not_cast():
+    m = mesh()
+    tide_xla.init(m, "fsdp")
+    params = {"w": jnp.ones((10, 3), jnp.float32), "b": jnp.ones((5,), jnp.float32)}
+    sharded, layout = tide_xla.shard(params, m, "fsdp")  # fp32 shards, bf16 gather
+
+    def run(fn, specs, tree):
+        return jax.jit(jax.shard_map(fn, mesh=m, in_specs=(specs,), out_specs=P(), check_vma=False))(tree)
+
+    as_bf16 = jax.tree.map(lambda x: x.astype(jnp.bfloat16), sharded)
+    with pytest.raises(ValueError, match=r"tide_xla.gather: leaf \[.b.\] has dtype bfloat16, expected the "
+                                         r"layout's shard_dtype float32 .*never rounds"):
+        run(lambda s: jnp.sum(tide_xla.gather(s, layout)["w"].astype(jnp.float32)), layout.specs, as_bf16)
+    full = {"w": jnp.ones((10, 3), jnp.float32), "b": jnp.ones((5,), jnp.float32)}  # grads in fp32
+    with pytest.raises(ValueError, match=r"tide_xla.reduce_scatter: leaf \[.b.\] has dtype float32, expected "
+                                         r"the layout's ag_dtype bfloat16"):
+        run(lambda g: jnp.sum(tide_xla.reduce_scatter(g, layout)[0]), {"w": P(), "b": P()}, full)

@@ -92,8 +92,15 @@ _gather_group.defvjp(_gather_group_fwd, _gather_group_bwd)
 
 
 def _local_leaves(layout: ShardLayout, tree, what: str, expect_rows: bool):
+    """The tree's leaves in layout order, each checked for its local shape and its dtype: shards
+    in `layout.shard_dtype` (gather), gradients in `layout.ag_dtype` (reduce_scatter). A leaf of
+    another dtype is refused, never cast (TIDE never rounds an input)."""
     flat = layout.treedef.flatten_up_to(tree)
+    dtype, role = (layout.shard_dtype, "shard_dtype") if expect_rows else (layout.ag_dtype, "ag_dtype")
     for x, l in zip(flat, layout.leaves):
+        if jnp.dtype(x.dtype) != jnp.dtype(dtype):
+            raise ValueError(f"tide_xla.{what}: leaf {l.path} has dtype {x.dtype}, expected the layout's "
+                             f"{role} {jnp.dtype(dtype)} (convert it yourself: TIDE never rounds an input)")
         want = (l.rows, *l.shape[1:]) if expect_rows else l.shape
         if tuple(x.shape) != want:
             hint = (" (inside shard_map each device sees its (R_p, ...) shard; were the "
