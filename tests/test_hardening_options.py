@@ -273,3 +273,24 @@ def test_session_cta_override_shares_the_planner_range(name):
     ex = tide._core.CpuClusterExecutor(2, plan, ["all_gather"], processes=False, options={})
     with pytest.raises(tide.PlanError, match=rf"SessionOptions\.{name}: expected 0 \(the .*solver\) or 1\.\.4096, got 4097"):
         tide._core.GroupSession(plan, ex, ["all_gather"], **{name: 4097})
+
+
+@pytest.mark.parametrize("field,value,rng", [
+    ("bw_nic", 0.0, r"\[1e\+06, 1e\+15\]"), ("bw_sum", float("nan"), r"\[1e\+06, 1e\+15\]"),
+    ("bw_hbm", 1e30, r"\[1e\+06, 1e\+15\]"), ("bw_push", -1.0, r"\[1e\+06, 1e\+15\]"),
+    ("t_rnd", float("inf"), r"\[0, 10\]"), ("gamma_skew", 0.5, r"\[1, 16\]"),
+    ("eta_tail", 0.0, r"\(0, 1\]"), ("k_max", 10**6, r"1\.\.32"),
+])
+def test_calibration_fields_have_ranges(field, value, rng):
+    """A calibration override outside its range is refused naming the field (the solver's
+    formulas have no meaning there)."""
+    _refused(SMALL, T(2, 8), rf"Calibration\.{field}: expected .*{rng}, got", calibration={field: value})
+
+
+def test_solver_cta_choices_saturate_at_the_executor_ceiling():
+    """Extreme but valid calibrations cannot make the solver choose more CTAs than the executors
+    take (kMaxCtas = 4096, the range of Options.sum_ctas / land_ctas)."""
+    s = tide.plan(SMALL, T(2, 8), calibration={"bw_nic": 1e15, "bw_sum": 1e6}).solver
+    assert s["sum_ctas"] == 4096
+    s = tide.plan(SMALL, T(1, 8), calibration={"bw_cap": 1e15, "bw_land": 1e6}).solver
+    assert s["land_ctas"] == 4096

@@ -1,6 +1,7 @@
 // Sizing solver (Eqs. 13-14, App. G) and the recoverable-overhead fraction (Eq. 1).
 #include <algorithm>
 #include <cmath>
+#include <utility>
 
 #include "tide/plan.h"
 
@@ -20,11 +21,33 @@ int n_rounds(int M, int k, int w_wave) {
   return rounds;
 }
 
+namespace {
+// Calibration ranges (a measured machine lies well inside them): bandwidths 1 MB/s .. 1 PB/s,
+// the per-round wait 0 .. 10 s, the skew factor 1 .. 16, the tail share (0, 1], k_max up to the
+// round widths App. D validates. Outside them the solver's formulas have no meaning.
+void check_range(double v, double lo, double hi, bool lo_open, const char* name) {
+  TIDE_PLAN_CHECK(std::isfinite(v) && (lo_open ? v > lo : v >= lo) && v <= hi, "Calibration.", name,
+                  ": expected a finite value in ", lo_open ? "(" : "[", lo, ", ", hi, "], got ", v);
+}
+// A CTA count from the solver's formulas, saturated at the executors' ceiling (kMaxCtas).
+int cta_count(double need) { return static_cast<int>(std::max(1.0, std::min<double>(kMaxCtas, need))); }
+}  // namespace
+
+void validate_calibration(const Calibration& cal) {
+  const std::pair<double, const char*> bws[] = {{cal.bw_nic, "bw_nic"},   {cal.bw_sum, "bw_sum"},
+                                                {cal.bw_land, "bw_land"}, {cal.bw_cap, "bw_cap"},
+                                                {cal.bw_push, "bw_push"}, {cal.bw_hbm, "bw_hbm"}};
+  for (const auto& [v, name] : bws) check_range(v, 1e6, 1e15, false, name);
+  check_range(cal.t_rnd, 0.0, 10.0, false, "t_rnd");
+  check_range(cal.gamma_skew, 1.0, 16.0, false, "gamma_skew");
+  check_range(cal.eta_tail, 0.0, 1.0, true, "eta_tail");
+  TIDE_PLAN_CHECK(cal.k_max >= 1 && cal.k_max <= kMaxRoundWidth, "Calibration.k_max: expected 1..", kMaxRoundWidth,
+                  ", got ", cal.k_max);
+}
+
 SolverResult solve(const GroupLayout& layout, const Topology& topo, const Options& opt,
                    const Calibration& cal) {
-  TIDE_PLAN_CHECK(cal.bw_nic > 0 && cal.bw_sum > 0 && cal.bw_land > 0 && cal.bw_cap > 0,
-                  "Calibration: bandwidths must be > 0");
-  TIDE_PLAN_CHECK(cal.k_max >= 1, "Calibration.k_max: must be >= 1, got ", cal.k_max);
+  validate_calibration(cal);
   const int M = topo.nodes, L = topo.gpus_per_node;
   const int w_wave = opt.w_wave ? opt.w_wave : L;
   SolverResult r;
@@ -43,19 +66,17 @@ SolverResult solve(const GroupLayout& layout, const Topology& topo, const Option
   const double out_rate = M > 1 ? cal.bw_nic
                           : L > 1 ? cal.bw_push / ((L - 1) * b_grad / 4.0)
                                   : cal.bw_hbm / (L * b_grad / 4.0 + 1.0) / cal.gamma_skew;
-  r.sum_ctas = std::max(
-      1, static_cast<int>(std::ceil(cal.gamma_skew * (L * b_grad / 4.0 + 1.0) * out_rate /
-                                    cal.bw_sum - 1e-9)));
+  r.sum_ctas = cta_count(std::ceil(cal.gamma_skew * (L * b_grad / 4.0 + 1.0) * out_rate / cal.bw_sum - 1e-9));
 
   // Eq. 14, read as C_mc = min(floor(BW_cap/BW_land), ceil((S_fp32/n_part) /
   // (eta_tail * t_NIC * BW_land))): enough landing CTAs that the last wave's landing (one pass of
   // the output) takes at most eta_tail of the wire time, but no more than the fabric ceiling
   // feeds. At M = 8: min(floor(90/21) = 4, ceil(47.5/(0.05*7*21)) = 7) = 4.
-  const int cap = std::max(1, static_cast<int>(std::floor(cal.bw_cap / cal.bw_land)));
+  const int cap = cta_count(std::floor(cal.bw_cap / cal.bw_land));
   if (r.t_nic > 0) {
     const double need = (static_cast<double>(layout.S_fp32) / opt.n_part) /
                         (cal.eta_tail * r.t_nic * cal.bw_land);
-    r.land_ctas = std::max(1, std::min(cap, static_cast<int>(std::ceil(need - 1e-9))));
+    r.land_ctas = std::min(cap, cta_count(std::ceil(need - 1e-9)));
   } else {
     // One node: no wire time to hide the landing behind (t_NIC = 0), so the landing is on the
     // call's critical path; Eq. 14's bound in that limit is the fabric ceiling alone.

@@ -454,6 +454,9 @@ void validate_inputs(const GroupSignature& sig, const Topology& topo, const Opti
 // The signature's own checks (non-empty group, positive extents, addressable size at `world`
 // ranks); validate_inputs runs them too.
 void validate_signature(const GroupSignature& sig, int world);
+// Every Calibration field in its range (solver.cc lists them), or PlanError naming the field.
+void validate_calibration(const Calibration& cal);
+// CTA counts are saturated at kMaxCtas.
 SolverResult solve(const GroupLayout& layout, const Topology& topo, const Options& opt,
                    const Calibration& cal);
 AgSchedule build_ag_schedule(const GroupLayout& layout, const GroupSignature& sig,
