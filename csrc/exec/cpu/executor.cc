@@ -13,6 +13,7 @@
 #include <cstdio>
 #include <cstring>
 #include <condition_variable>
+#include <exception>
 #include <mutex>
 #include <thread>
 
@@ -612,11 +613,14 @@ void run_polled(CpuArena::Shared* sh, const CpuRunOptions& opt, int workers, con
   int running = workers;  // under mu; the last worker out wakes the polling caller
   std::mutex mu;
   std::condition_variable cv;
+  std::exception_ptr first;  // a worker's exception that Runner::fail did not record in Shared
   std::vector<std::thread> threads;
   for (int w = 0; w < workers; ++w)
     threads.emplace_back([&, w] {
-      try { work(w); } catch (const std::exception&) { /* recorded in Shared */ }
+      std::exception_ptr e;
+      try { work(w); } catch (...) { e = std::current_exception(); }
       std::lock_guard<std::mutex> lk(mu);
+      if (e && !first) first = e;
       if (--running == 0) cv.notify_all();
     });
   bool interrupted = false;
@@ -629,6 +633,7 @@ void run_polled(CpuArena::Shared* sh, const CpuRunOptions& opt, int workers, con
     }
   }
   for (auto& t : threads) t.join();
+  if (first && !sh->claimed.load()) std::rethrow_exception(first);  // the call must not look successful
 }
 
 void rethrow_shared(CpuArena::Shared* sh) {
