@@ -10,7 +10,8 @@ row the shard starts at, or OUT_DIR/p<PROCESS>.err with the error text.
 
 CASE: "run" (AG forward, AG+RS gradient, RS with scale and accumulate), "other_model" (process 1
 groups the parameters into other TIDE calls), "skip" (the last process never calls), "no_run" (the
-last process traces and compiles the gather but never runs it).
+last process traces and compiles the gather but never runs it), "no_shm" (process 1's /dev/shm
+has no room for its segments).
 """
 import os
 import sys
@@ -31,6 +32,17 @@ def main():
 
     import tide_xla
 
+    if case == "no_shm" and me == 1:  # this process sees a /dev/shm with 4 KiB free
+        import types
+        from tide_xla import processes
+
+        class _Os:
+            def __getattr__(self, name):
+                return getattr(os, name)
+
+            def statvfs(self, path):
+                return types.SimpleNamespace(f_bavail=1, f_frsize=4096)
+        processes.os = _Os()
     devs = sorted(jax.devices(), key=lambda d: d.id)
     mesh = Mesh(np.array(devs), ("fsdp",))
     tide_xla.init(mesh, "fsdp", topology=topology, timeout_s=3.0 if case in ("skip", "no_run") else 20.0)

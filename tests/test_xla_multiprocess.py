@@ -106,6 +106,17 @@ def test_a_process_with_another_model_fails_on_every_process_naming_it(tmp_path)
         assert "process 1: tide_all_gather of 3 parameter(s) [(37, 8), (16,), (5, 3)]" in err, err
 
 
+def test_no_room_in_dev_shm_on_one_process_fails_every_process_naming_it(tmp_path):
+    """Process 1's /dev/shm cannot hold its segments: the shortfall rides in the call's agreement,
+    so every process raises before any segment exists, naming process 1 (no hang, no SIGBUS)."""
+    res = _launch(tmp_path, 2, 4, "no_shm")
+    for i, (rc, _, err) in res.items():
+        assert rc != 0, f"process {i} succeeded"
+        assert "PlanError: tide_xla: cross-process call #0" in err and "not enough shared memory" in err, err
+        assert "process 1: its 4 segment(s) need" in err and "bytes of /dev/shm, 4096 free" in err, err
+        assert "process 0:" not in err.split("not enough shared memory")[1], err
+
+
 def test_a_process_that_never_calls_times_out_naming_it(tmp_path):
     """The last process never calls: the others fail after the context's timeout (3 s), naming
     it, instead of waiting forever."""

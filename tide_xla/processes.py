@@ -33,6 +33,7 @@ from typing import Sequence
 
 import numpy as np
 
+import tide
 from tide_xla._registration import ffi_module
 
 _PREFIX = "tide_xla"
@@ -101,6 +102,19 @@ def _disagreement(values: dict[int, str]) -> str:
     return "; ".join(parts)
 
 
+def _shm_shortfall(nbytes: int, count: int) -> str:
+    """'' when /dev/shm has room for this process's `count` new segments of `nbytes` in all, else
+    why not (a segment past /dev/shm's free space maps fine and dies with SIGBUS when touched)."""
+    if nbytes <= 0:
+        return ""
+    try:
+        st = os.statvfs("/dev/shm")
+    except OSError:
+        return ""  # no /dev/shm to measure: the mapping decides
+    free = st.f_bavail * st.f_frsize
+    return "" if nbytes <= free else f"its {count} segment(s) need {nbytes} bytes of /dev/shm, {free} free"
+
+
 def _create_segment(nbytes: int) -> str:
     import _posixshmem
     name = f"/tide_xla_{os.getpid()}_{uuid.uuid4().hex[:12]}"
@@ -159,15 +173,22 @@ def prepare(ctx, op: str, shapes: Sequence[Sequence[int]], in_dtype, out_dtype) 
     n = next(_calls)
     desc = (f"{op} of {len(shapes)} parameter(s) {[tuple(s) for s in shapes]} {in_name} -> "
             f"{out_name} on {ctx.nodes}x{ctx.gpus_per_node} ranks ({ctx.mode})")
-    values = _exchange(f"{_PREFIX}/call/{n}", f"{info['hash']:016x}|{table:016x}|{desc}",
+    slots = [s for s in _local_slots(ctx)
+             if not ffi.has_rank(op, info["hash"], table, *s)]
+    room = _shm_shortfall(len(slots) * int(info["segment_bytes"]), len(slots))
+    values = _exchange(f"{_PREFIX}/call/{n}", f"{info['hash']:016x}|{table:016x}|{room}|{desc}",
                        ctx.processes, ctx.timeout_ms, f"cross-process call #{n} ({desc})")
+    short = {p: v.split("|", 3)[2] for p, v in values.items() if v.split("|", 3)[2]}
+    if short:  # every process learns it in the same exchange: all raise, nobody waits
+        raise tide.PlanError(
+            f"tide_xla: cross-process call #{n} ({desc}): not enough shared memory for the arena "
+            f"segments: " + "; ".join(f"process {p}: {why}" for p, why in sorted(short.items())))
+    values = {p: "|".join(v.split("|", 3)[:2] + v.split("|", 3)[3:]) for p, v in values.items()}
     if len(set(values.values())) > 1:
         raise ValueError(
             f"tide_xla: cross-process call #{n}: the processes of the mesh disagree on the call "
             f"(every process must trace the same model, parameters and mesh): "
             f"{_disagreement(values)}")
-    slots = [s for s in _local_slots(ctx)
-             if not ffi.has_rank(op, info["hash"], table, *s)]
     if not slots:
         return
     # Every process reaches this point for the same (collective, plan, mesh): one segment per rank.
