@@ -8,6 +8,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -760,8 +761,11 @@ void run_cpu(CpuArena& arena, const std::vector<std::vector<Call>>& per_rank,
     bool interrupted = false;  // [Note: interrupting a call]
     auto since = std::chrono::steady_clock::now();
     for (size_t left = pids.size(), tick = 0; left > 0; ++tick) {
-      for (size_t i = 0; i < pids.size(); ++i)
-        if (!reaped[i] && waitpid(pids[i], &status[i], WNOHANG) == pids[i]) reaped[i] = true, --left;
+      for (size_t i = 0; i < pids.size(); ++i) {
+        if (reaped[i]) continue;
+        const pid_t got = waitpid(pids[i], &status[i], WNOHANG);
+        if (got == pids[i] || (got < 0 && errno == ECHILD)) reaped[i] = true, --left;  // ECHILD: reaped elsewhere
+      }
       if (left == 0) break;
       std::this_thread::sleep_for(std::chrono::milliseconds(2));
       if (!interrupted && tick % 10 == 9 && poll_interrupt(sh, opt, interrupted))  // every ~20 ms
