@@ -183,3 +183,20 @@ def test_direct_pushes_stage_exactly_the_owner_rows(shapes, L, chunk):
                 v = lay.valid_rows(q, j) * pl.K
                 want[pl.o32:pl.o32 + v] = grads[q].reshape(-1)[j * pl.e:j * pl.e + v]
             np.testing.assert_array_equal(row, want)
+
+
+@pytest.mark.parametrize("M,L", [(1, 8), (2, 4)])
+def test_level1_push_steps_form_permutations(M, L):
+    """Local rank i pushes to owners i+1, i+2, ... (mod L) in its Level-1 listing (the builder
+    walks the same rs_push_owner order): at each push step every owner receives from one peer."""
+    p = make([(512, 64), (96,)], M, L)  # every sub-slice holds live elements
+    orders = []
+    for i in range(L):
+        owners = []
+        for cp in _core.rs_level1_copies(p, i):
+            if cp["c"] == (M if M == 1 else 1) and cp["pass"] == 0 and (not owners or owners[-1] != cp["owner"]):
+                owners.append(cp["owner"])
+        assert owners == [(i + k) % L for k in range(1, L)], (i, owners)
+        orders.append(owners)
+    for step in range(L - 1):
+        assert sorted(o[step] for o in orders) == list(range(L))

@@ -117,9 +117,9 @@ void for_each_level1_copy(const GroupLayout& layout, const RsSchedule& rs, int r
   const int i = rank % L;
   for (int c = rs.direct ? M : 1; c <= M; ++c)
     for (int pass = 0; pass < rs.n_part; ++pass)
-      for (int k = 1; k < L; ++k)  // owners i+1, i+2, ... (mod L), as the builder pushes; the
-        for (int chunk = 0; chunk < rs.n_chunks; ++chunk)  // owner reads its own part in place
-          for_each_level1_copy_of(layout, rs, rank, c, pass, (i + k) % L, chunk, f);
+      for (int k = 1; k < L; ++k)  // the owner reads its own part in place: no step k = 0
+        for (int chunk = 0; chunk < rs.n_chunks; ++chunk)
+          for_each_level1_copy_of(layout, rs, rank, c, pass, rs_push_owner(i, k, L), chunk, f);
 }
 
 }  // namespace

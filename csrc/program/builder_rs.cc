@@ -135,11 +135,8 @@ void level1_push(Ctx& x, int pass, int c, int chunk, std::vector<RsL1Copy>& mine
   const int64_t u = x.unit_index(pass, c, chunk);
   const int slot = static_cast<int>(u % rs.n_stg);
   const int t = (x.n + c) % M;
-  // Pushes to the owners me+1, me+2, ... (mod L): at each step k the node's pushes form a
-  // permutation (every GPU sends to one owner and receives from one peer, the Latin-square
-  // pairing of §4.1), so no owner's inbound link or staging carries all L-1 peers at once.
-  for (int k = 1; k < L; ++k) {
-    const int j = (me + k) % L;
+  for (int k = 1; k < L; ++k) {  // push steps in rs_push_owner's order (tide/plan.h)
+    const int j = rs_push_owner(me, k, L);
     const auto tgt = staging_free_target(x, u);
     x.wait(ps, rs_tag::kStagingWait, x.rank, x.stg_free_from(j), tgt.first, tgt.second);
     Op& op = x.emit(OpKind::kCopy, ps, rs_tag::kPush, static_cast<int32_t>(u));

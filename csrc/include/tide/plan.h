@@ -321,8 +321,13 @@ struct RsSchedule {
 // waves, generations, write/zero masks (build_rs_waves), rounds and outbox depth (build_rs_rounds).
 void build_rs_waves(RsSchedule& rs, int M, int L, int w_wave, int n_part);
 void build_rs_rounds(RsSchedule& rs, int k, Mode mode);
-// Level-1 pushes of one rank i for one call (all passes): step c, pass, owner (i+1, i+2, ... mod
-// L), chunk, segment. Their count is what l1_descriptors_per_rank reports for the worst rank.
+// The owner local rank i pushes to at push step k = 1..L-1 of a Level-1 unit: i+1, i+2, ... mod L.
+// At each step the node's pushes form a permutation (every GPU sends to one owner and receives
+// from one peer, the Latin-square pairing of §4.1), so no owner's inbound link or staging carries
+// all L-1 peers at once. The builder and rs_level1_copies both walk owners in this order.
+inline int rs_push_owner(int i, int k, int L) { return (i + k) % L; }
+// Level-1 pushes of one rank i for one call (all passes): step c, pass, owner (rs_push_owner),
+// chunk, segment. Their count is what l1_descriptors_per_rank reports for the worst rank.
 std::vector<RsL1Copy> rs_level1_copies(const GroupLayout& layout, const RsSchedule& rs, int rank);
 // The pushes of one Level-1 unit (c, pass, owner, chunk) of `rank`, in issue order, appended to
 // `out` (the same copies rs_level1_copies lists for that unit).
