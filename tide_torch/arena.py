@@ -48,11 +48,7 @@ moved every parameter back to private storage by then).
 """
 from __future__ import annotations
 
-import _posixshmem
 import atexit
-import mmap
-import os
-import uuid
 import weakref
 from dataclasses import dataclass
 from typing import Any
@@ -60,6 +56,7 @@ from typing import Any
 import torch
 
 import tide
+from tide import shm
 
 ALIGN = 256  # bytes; every region and every group inside a region starts on this boundary
 
@@ -108,8 +105,7 @@ class Arena:
             self._base = _device_view(nccl, int(nccl.arena_ptr), self.nbytes, device)
         elif device.type == "cpu":
             _check_shm_room(self.regions, self.nbytes)
-            self.shm_name = f"/tide_{os.getpid()}_{uuid.uuid4().hex[:12]}"
-            self._shm = _map_shm(self.shm_name, self.nbytes)
+            self.shm_name, self._shm = shm.create("tide", self.nbytes, map_it=True)
             _LIVE.add(self)
             self._base = torch.frombuffer(self._shm, dtype=torch.uint8, count=self.nbytes)
         elif fabric and fabric_api() is not None:
@@ -168,10 +164,7 @@ class Arena:
             return
         self.closed = True
         if self._shm is not None:
-            try:
-                _posixshmem.shm_unlink(self.shm_name)
-            except FileNotFoundError:
-                pass
+            shm.unlink(self.shm_name)
             _LIVE.discard(self)
             # The mapping itself stays: views handed out keep the mmap alive and may outlive us.
 
@@ -251,30 +244,13 @@ def _device_view(fabric, ptr: int, nbytes: int, device: torch.device) -> torch.T
 
 
 def _check_shm_room(regions: dict[str, Region], nbytes: int) -> None:
-    """A segment larger than /dev/shm's free space maps fine and dies with SIGBUS when touched:
-    refuse it first, naming the largest region (each rank checks its own segment)."""
-    try:
-        st = os.statvfs("/dev/shm")
-    except OSError:
-        return  # no /dev/shm to measure (another platform's shm_open): the mapping decides
-    free = st.f_bavail * st.f_frsize
-    if nbytes > free and regions:
+    """Refuses a segment larger than /dev/shm's free space (tide/shm.py), naming the largest
+    region (each rank checks its own segment)."""
+    free = shm.free_bytes()
+    if free is not None and nbytes > free and regions:
         big = max(regions.values(), key=lambda r: r.nbytes)
         raise tide.PlanError(f"Arena: {nbytes} bytes of shared memory exceed the {free} bytes free in "
                              f"/dev/shm; the largest region is '{big.name}' ({big.nbytes} bytes)")
-
-
-def _map_shm(name: str, nbytes: int) -> mmap.mmap:
-    """Creates, sizes and maps a POSIX shared-memory segment (mode 0600); unlinks it on failure."""
-    fd = _posixshmem.shm_open(name, os.O_CREAT | os.O_EXCL | os.O_RDWR, mode=0o600)
-    try:
-        os.ftruncate(fd, nbytes)
-        return mmap.mmap(fd, nbytes)
-    except BaseException:
-        _posixshmem.shm_unlink(name)
-        raise
-    finally:
-        os.close(fd)
 
 
 _LIVE: "weakref.WeakSet[Arena]" = weakref.WeakSet()

@@ -26,14 +26,13 @@ from __future__ import annotations
 
 import atexit
 import itertools
-import os
 import time
-import uuid
 from typing import Sequence
 
 import numpy as np
 
 import tide
+from tide import shm
 from tide_xla._registration import ffi_module
 
 _PREFIX = "tide_xla"
@@ -104,38 +103,21 @@ def _disagreement(values: dict[int, str]) -> str:
 
 def _shm_shortfall(nbytes: int, count: int) -> str:
     """'' when /dev/shm has room for this process's `count` new segments of `nbytes` in all, else
-    why not (a segment past /dev/shm's free space maps fine and dies with SIGBUS when touched)."""
-    if nbytes <= 0:
+    why not (tide/shm.py: a segment past the free space dies with SIGBUS when touched)."""
+    free = shm.free_bytes()
+    if nbytes <= 0 or free is None or nbytes <= free:
         return ""
-    try:
-        st = os.statvfs("/dev/shm")
-    except OSError:
-        return ""  # no /dev/shm to measure: the mapping decides
-    free = st.f_bavail * st.f_frsize
-    return "" if nbytes <= free else f"its {count} segment(s) need {nbytes} bytes of /dev/shm, {free} free"
+    return f"its {count} segment(s) need {nbytes} bytes of /dev/shm, {free} free"
 
 
 def _create_segment(nbytes: int) -> str:
-    import _posixshmem
-    name = f"/tide_xla_{os.getpid()}_{uuid.uuid4().hex[:12]}"
-    fd = _posixshmem.shm_open(name, os.O_CREAT | os.O_EXCL | os.O_RDWR, mode=0o600)
-    try:
-        os.ftruncate(fd, nbytes)  # zero-filled: the counters start at 0
-    except OSError:
-        _posixshmem.shm_unlink(name)
-        raise
-    finally:
-        os.close(fd)
+    name, _ = shm.create("tide_xla", nbytes)  # zero-filled: the counters start at 0
     _segments.add(name)
     return name
 
 
 def _unlink(name: str) -> None:
-    import _posixshmem
-    try:
-        _posixshmem.shm_unlink(name)
-    except FileNotFoundError:
-        pass
+    shm.unlink(name)
     _segments.discard(name)
 
 

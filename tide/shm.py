@@ -1,0 +1,47 @@
+"""POSIX shared-memory segments for faces whose ranks are processes: tide_torch's CPU arena and
+tide_xla across jax.distributed processes. One way to create (mode 0600, unique name, sized and
+zero-filled), map, unlink and measure /dev/shm's room; the core's own CpuArena unlinks its segment
+at once and checks the same room in C++ (exec/cpu/arena.cc [Note: arena memory check]).
+
+A segment larger than /dev/shm's free space is created and mapped without complaint and dies
+with SIGBUS when touched, so callers check `free_bytes()` first and name what makes it large.
+"""
+from __future__ import annotations
+
+import mmap
+import os
+import uuid
+
+import _posixshmem
+
+
+def free_bytes() -> int | None:
+    """The bytes free in /dev/shm, or None where there is none to measure (the mapping decides)."""
+    try:
+        st = os.statvfs("/dev/shm")
+    except OSError:
+        return None
+    return st.f_bavail * st.f_frsize
+
+
+def create(prefix: str, nbytes: int, *, map_it: bool = False) -> tuple[str, mmap.mmap | None]:
+    """A new segment '/<prefix>_<pid>_<random>' of `nbytes` (zero-filled); with map_it, also its
+    mapping. The name is unlinked again if sizing or mapping fails."""
+    name = f"/{prefix}_{os.getpid()}_{uuid.uuid4().hex[:12]}"
+    fd = _posixshmem.shm_open(name, os.O_CREAT | os.O_EXCL | os.O_RDWR, mode=0o600)
+    try:
+        os.ftruncate(fd, nbytes)
+        return name, (mmap.mmap(fd, nbytes) if map_it else None)
+    except BaseException:
+        _posixshmem.shm_unlink(name)
+        raise
+    finally:
+        os.close(fd)
+
+
+def unlink(name: str) -> None:
+    """Removes the name (mappings stay valid); a name already gone is fine."""
+    try:
+        _posixshmem.shm_unlink(name)
+    except FileNotFoundError:
+        pass
