@@ -585,14 +585,18 @@ struct Runner {
       if (progress) { idle = 0; continue; }
       if (++idle < 64) std::this_thread::yield();
       else std::this_thread::sleep_for(std::chrono::microseconds(idle < 1024 ? 20 : 200));
+      // [Note: interrupting a call] a runner on the calling thread polls while it waits
+      if (opt.interrupted && idle % 64 == 0 && poll_interrupt(arena.shared(), opt, interrupted)) return;
     }
   }
+  bool interrupted = false;
 };
 
 }  // namespace
 
 // [Note: interrupting a call] The calling thread polls opt.interrupted (Python's signal check)
-// while the ranks run. On true it claims the call's error (so no rank's later timeout replaces
+// while the ranks run: run_polled's wait with ranks as threads or processes, a RankExecutor's
+// own step loop (it runs on the calling thread) when it idles. On true it claims the call's error (so no rank's later timeout replaces
 // it), raises the arena's abort flag, which every rank's step loop reads (threads and forked
 // processes alike: it lives in the shared arena), and the call throws Interrupted once the ranks
 // have stopped; a rank process that does not stop within a second is killed.
@@ -610,7 +614,12 @@ bool poll_interrupt(CpuArena::Shared* sh, const CpuRunOptions& opt, bool& interr
   return interrupted = true;
 }
 
-void run_polled(CpuArena::Shared* sh, const CpuRunOptions& opt, int workers, const std::function<void(int)>& work) {
+// Runs work(0) .. work(workers - 1) on threads of their own while the calling thread polls
+// opt.interrupted; returns when every worker is done. A worker's exception that no rank recorded
+// in Shared (Runner::fail records the call's first failure) is rethrown here; recorded ones are
+// the caller's rethrow_shared.
+static void run_polled(CpuArena::Shared* sh, const CpuRunOptions& opt, int workers,
+                       const std::function<void(int)>& work) {
   int running = workers;  // under mu; the last worker out wakes the polling caller
   std::mutex mu;
   std::condition_variable cv;
@@ -690,9 +699,10 @@ void run_cpu(CpuArena& arena, const std::vector<std::vector<Call>>& per_rank,
   if (!opt.processes) {
     const int W = std::max(1, std::min(N, opt.workers > 0 ? opt.workers : 4));
     StagingCanary canary;
-    CpuRunOptions topt = opt;
-    if (!opt.peers_remote) topt.canary = &canary;
-    run_polled(sh, topt, W, [&](int w) {
+    CpuRunOptions topt = opt;  // the workers': the calling thread polls (run_polled)
+    topt.canary = &canary;
+    topt.interrupted = nullptr;
+    run_polled(sh, opt, W, [&](int w) {
       const int lo = static_cast<int>(static_cast<int64_t>(N) * w / W);
       const int hi = static_cast<int>(static_cast<int64_t>(N) * (w + 1) / W);
       step_ranks(view, per_rank, bindings, topt, lo, hi);
@@ -732,6 +742,8 @@ void run_cpu(CpuArena& arena, const std::vector<std::vector<Call>>& per_rank,
     std::fflush(stderr);
     std::fflush(stdout);
     const pid_t parent = getpid();
+    CpuRunOptions child = opt;
+    child.interrupted = nullptr;  // only the calling process polls (a child must not call into Python)
     for (int w = 0; w < nproc; ++w) {
       const int lo = static_cast<int>(static_cast<int64_t>(N) * w / nproc);
       const int hi = static_cast<int>(static_cast<int64_t>(N) * (w + 1) / nproc);
@@ -747,7 +759,7 @@ void run_cpu(CpuArena& arena, const std::vector<std::vector<Call>>& per_rank,
         if (getppid() != parent) _exit(4);
         int code = 0;
         try {
-          step_ranks(view, per_rank, bindings, opt, lo, hi);
+          step_ranks(view, per_rank, bindings, child, lo, hi);
           for (int r = lo; r < hi; ++r)
             if (r == opt.dead_rank) code = 3;  // a dead peer exits without finishing
         } catch (...) { code = 1; }

@@ -88,11 +88,6 @@ struct ArenaView {
 void step_ranks(const ArenaView& view, const std::vector<std::vector<Call>>& per_rank,
                 std::vector<RankBindings>& bindings, const CpuRunOptions& opt, int lo, int hi);
 void rethrow_shared(CpuArena::Shared* sh);
-// Runs work(0) .. work(workers - 1) on threads of their own while the calling thread polls
-// opt.interrupted ([Note: interrupting a call] in executor.cc); returns when every worker is done.
-// A worker's exception that no rank recorded in Shared (Runner::fail records the call's first
-// failure) is rethrown here; recorded ones are the caller's rethrow_shared.
-void run_polled(CpuArena::Shared* sh, const CpuRunOptions& opt, int workers, const std::function<void(int)>& work);
 // One poll of opt.interrupted: on true the call's error is claimed as Interrupted and every rank
 // aborts. `interrupted` latches.
 bool poll_interrupt(CpuArena::Shared* sh, const CpuRunOptions& opt, bool& interrupted);

@@ -218,7 +218,7 @@ void RankExecutor::run(const ProgramSet& set, int64_t seq, const RankBindings& b
   opt.rail = rail_.get();
   opt.rail_ranks = &members;
   opt.interrupted = interrupted_;
-  run_polled(view.sh, opt, 1, [&](int) { step_ranks(view, per_rank, b, opt, me, me + 1); });
+  step_ranks(view, per_rank, b, opt, me, me + 1);  // polls opt.interrupted while it waits
   rethrow_shared(view.sh);
 }
 
