@@ -24,6 +24,7 @@ class ExecutorOptions:
     copy_spread_bytes: int = 8 << 20   # CUDA: an op moving fewer bytes stays on its stream, >= 0
     copy_2d: str = "batch"             # CUDA: eager 2-D copies: batch | per_copy
     sync_every_call: bool = False      # CUDA, debug: synchronise after every call
+    staging_canary: bool = False       # CUDA in-process executor, debug: check staged pushes and SUMs for races
     trace: bool = False                # CPU: every executed op per rank to stderr
     workers: int = 0                   # CPU virtual cluster threads, 0..1024 (0: min(ranks, 4))
     rails: str = "one_sided"           # other nodes: one_sided (by pointer) | two_sided (rail send/recv)

@@ -123,6 +123,8 @@ void set_option(ExecutorOptions& o, const std::string& name, const std::string& 
     o.copy_2d = parse_enum<Copy2D>(value, w, {{"batch", Copy2D::kBatch}, {"per_copy", Copy2D::kPerCopy}});
   } else if (name == "sync_every_call") {
     o.sync_every_call = parse_bool(value, w);
+  } else if (name == "staging_canary") {
+    o.staging_canary = parse_bool(value, w);
   } else if (name == "trace") {
     o.trace = parse_bool(value, w);
   } else if (name == "workers") {
@@ -136,7 +138,7 @@ void set_option(ExecutorOptions& o, const std::string& name, const std::string& 
   } else {
     throw PlanError(TIDE_STR_CAT(where, ": unknown field '", name, "' (fields: timeout_s, cast_ctas, zero_ctas, "
                                  "cta_split, full_grid, copy_lanes, copy_spread_bytes, copy_2d, sync_every_call, "
-                                 "trace, workers, rails, rail_ctas, rail_channels_per_peer)"));
+                                 "staging_canary, trace, workers, rails, rail_ctas, rail_channels_per_peer)"));
   }
 }
 
@@ -145,7 +147,7 @@ std::string describe(const ExecutorOptions& o) {
                       ",cta_split=", cta_split_name(o.cta_split), ",full_grid=", full_grid_name(o.full_grid),
                       ",copy_lanes=", o.copy_lanes, ",copy_spread_bytes=", o.copy_spread_bytes,
                       ",copy_2d=", copy_2d_name(o.copy_2d), ",sync_every_call=", o.sync_every_call ? 1 : 0,
-                      ",trace=", o.trace ? 1 : 0, ",workers=", o.workers, ",rails=", rails_name(o.rails),
+                      ",staging_canary=", o.staging_canary ? 1 : 0, ",trace=", o.trace ? 1 : 0, ",workers=", o.workers, ",rails=", rails_name(o.rails),
                       ",rail_ctas=", o.rail_ctas, ",rail_channels_per_peer=", o.rail_channels_per_peer);
 }
 

@@ -212,7 +212,7 @@ SMOKE = ("from tide import _core; _core.cuda.available(); import numpy, ml_dtype
          'print("plan ok", hex(p.hash))')
 TORCHGPU_TESTS = ("test_world1_cuda test_world1_cuda_nccl_fabric test_world2_one_gpu_ipc test_world2_two_gpus_nccl "
                   "test_world2_two_gpus_nccl_fabric test_world1_cpu test_world2_cpu test_cuda_transport_calls "
-                  "test_nccl_arena_calls").split()
+                  "test_nccl_arena_calls test_world1_keeps_stock_by_default").split()
 XLA_CPU_TESTS = ["tests/test_xla_ffi.py", "tests/test_xla_all_gather.py", "tests/test_xla_grads.py",
                  "tests/test_xla_shard.py", "tests/test_xla_virtual.py"]
 EXAMPLECMP = [("ipc", {}, "ipc"), ("nccl", {}, "nccl"), ("ipc_lanes1", {"TIDE_EXEC_OPTIONS": "copy_lanes=1"}, "ipc"),
@@ -265,8 +265,9 @@ def stage_table(c: Ctx) -> dict:
               "plan one group through tide._core next to torch (a crash: cuda-gdb backtrace; there is no gdb)"),
         Stage("kernels", 240, [pytest("kernels", *Q, "tests/test_cuda_kernels.py", "-rs", *TO, limit=240)],
               "CUDA kernel tests"),
-        Stage("executor", 240, [pytest("executor", *Q, "-x", "tests/test_cuda_executor.py", "-rs", *TO, limit=240)],
-              "CUDA executor bitwise vs the CPU executor, faults", needs=("smoke",)),
+        Stage("executor", 240, [pytest("executor", *Q, "-x", "tests/test_cuda_executor.py", "tests/test_cuda_staging_canary.py",
+                                          "-rs", *TO, limit=240)],
+              "CUDA executor bitwise vs the CPU executor, faults, the staging canary", needs=("smoke",)),
         Stage("demo", 120, [Step("demo", [py, "-m", "tide", "demo"], 120, detail=grep_last("Agreement check"),
                                  show=lambda t: t.splitlines()[:4])],
               "`tide demo` on the GPU (README's first command)", needs=("smoke",)),

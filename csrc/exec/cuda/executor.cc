@@ -319,6 +319,7 @@ void issue(const IssueContext& c, int rank, int i, int64_t seq) {
     sh = bumped(op, seq, sh);
     signal(s, counter_address(c, op.counter.rank, op.counter.index), sh);
   };
+  if (c.canary != nullptr) c.canary->before(*c.canary_plan, rank, i, c.canary_call, s);
   switch (op.kind) {
     case OpKind::kCopy:
     case OpKind::kPut: {
@@ -417,6 +418,7 @@ void issue(const IssueContext& c, int rank, int i, int64_t seq) {
       break;
     }
   }
+  if (c.canary != nullptr) c.canary->after(*c.canary_plan, rank, i, c.canary_call, s);
 }
 
 }  // namespace
@@ -529,6 +531,7 @@ struct CudaExecutor::Entry {
   std::weak_ptr<const void> owner;
   uint64_t version = 0;
   std::unique_ptr<ProgramTables> tables;
+  std::unique_ptr<CanaryPlan> canary;  // ExecutorOptions::staging_canary
 };
 
 CudaExecutor::CudaExecutor(std::shared_ptr<fabric::Fabric> fabric, const ExecutorOptions& opt)
@@ -544,6 +547,10 @@ CudaExecutor::CudaExecutor(std::shared_ptr<fabric::Fabric> fabric, const Executo
     preload_kernels(fabric_->device_of(r));  // [Note: eager kernel loading]
   }
   watchdog_ = std::make_unique<Watchdog>(fabric_->device_of(0), opt_.timeout_s);
+  if (opt_.staging_canary) {
+    DeviceGuard guard(fabric_->device_of(0), "CudaExecutor: ");
+    canary_ = std::make_unique<StagingCanary>(n);
+  }
   streams_.resize(static_cast<size_t>(n));
   joined_.resize(static_cast<size_t>(n));
   for (int r = 0; r < n; ++r) {
@@ -636,6 +643,7 @@ CudaExecutor::Entry& CudaExecutor::prepare(const std::shared_ptr<const ProgramSe
   DeviceGuard guard(fabric_->device_of(0), "CudaExecutor: ");
   e->tables = make_program_tables(programs, *index, members, std::vector<char>(static_cast<size_t>(n), 1), p0.arena,
                                   fabric_->device_of(0));
+  if (canary_) e->canary = canary_->plan(programs);
   cache_.push_back(std::move(e));
   return *cache_.back();
 }
@@ -702,6 +710,11 @@ void CudaExecutor::run(const std::shared_ptr<const ProgramSet>& set, int64_t seq
   c.buffers = &buffers;
   c.lanes = &lanes_;
   c.dead_rank = opt_.dead_rank;
+  if (canary_) {
+    c.canary = canary_.get();
+    c.canary_plan = e.canary.get();
+    c.canary_call = canary_->begin_call(seq);
+  }
   try {
     issue_call(c, seq);
     // Out: every internal stream joins stream 0, the caller stream waits for stream 0.
@@ -730,7 +743,16 @@ void CudaExecutor::run(const std::shared_ptr<const ProgramSet>& set, int64_t seq
     watchdog_->drain();
     for (auto& rs : streams_)
       for (auto st : rs) TIDE_CHECK_CUDA(cudaStreamSynchronize(st), "executor stream");
+    check_canary();
   }
+}
+
+void CudaExecutor::check_canary() {
+  if (!canary_) return;
+  const std::string why = canary_->fault();
+  if (why.empty()) return;
+  fail(why);
+  throw Error(why);
 }
 
 void CudaExecutor::synchronize() {
@@ -745,6 +767,7 @@ void CudaExecutor::synchronize() {
   }
   for (auto& rs : streams_)
     for (auto st : rs) TIDE_CHECK_CUDA(cudaStreamSynchronize(st), "executor stream");
+  check_canary();
 }
 
 }  // namespace tide::cuda

@@ -42,6 +42,7 @@
 
 #include "exec/cuda/kernels.h"
 #include "exec/cuda/runtime.h"
+#include "exec/cuda/staging_canary.h"
 #include "fabric/fabric.h"
 #include "fabric/inprocess.h"
 #include "fabric/nccl.h"
@@ -151,6 +152,11 @@ struct IssueContext {
   // fabric's ranks per node (rail rank = fabric rank / rail_gpus_per_node).
   std::shared_ptr<fabric::NcclRail> rail;
   int rail_gpus_per_node = 0;
+  // ExecutorOptions::staging_canary (in-process executor only; staging_canary.h): the set's
+  // checks and the call's ordinal. Null: no canary.
+  StagingCanary* canary = nullptr;
+  const CanaryPlan* canary_plan = nullptr;
+  uint64_t canary_call = 0;
 };
 void issue_call(const IssueContext& c, int64_t seq);
 // "rank R op I (KIND, tag T[, round D][, counter NAME@rank Q >= V, produced by rank P]) seq S"
@@ -169,6 +175,9 @@ uint64_t* counter_address(const IssueContext& c, int rank, int index);
 //     stream s of call e+1 queues behind stream s of call e whatever sets they run.
 //   - caller_streams[r] (empty: none) is rank r's caller stream: the call's streams wait for its
 //     prior work, and it waits for the whole call (every internal stream joined) — no host sync.
+//   - With ExecutorOptions::staging_canary, every staged push and SUM is bracketed by the staging
+//     canary's check and mark (staging_canary.h); a race it records fails synchronize() (and a
+//     sync_every_call run) with its message, and the executor refuses later calls.
 class CudaExecutor {
  public:
   CudaExecutor(std::shared_ptr<fabric::Fabric> fabric, const ExecutorOptions& opt);
@@ -192,6 +201,7 @@ class CudaExecutor {
   Entry& prepare(const std::shared_ptr<const ProgramSet>& set);
   void ensure_streams(int rank, size_t n);
   void fail(const std::string& msg);
+  void check_canary();  // after the streams synchronised: a recorded staging race fails the executor
 
   std::shared_ptr<fabric::Fabric> fabric_;
   CudaRunOptions opt_;
@@ -201,6 +211,7 @@ class CudaExecutor {
   CopyLaneTable lanes_;
   std::vector<std::unique_ptr<Entry>> cache_;
   std::unique_ptr<Watchdog> watchdog_;
+  std::unique_ptr<StagingCanary> canary_;  // ExecutorOptions::staging_canary
   std::string failed_;
   std::mutex mu_;
 };

@@ -35,6 +35,8 @@ CudaRankExecutor::CudaRankExecutor(std::shared_ptr<fabric::Fabric> fabric, int r
                                    const RegionTable& regions, const ExecutorOptions& opt, bool fence)
     : fabric_(std::move(fabric)), rank_(rank), topo_(topo), opt_(run_options(opt)), fence_(fence), lanes_(opt_) {
   TIDE_PLAN_CHECK(fabric_ != nullptr, "CudaRankExecutor: no fabric");
+  TIDE_PLAN_CHECK(!opt_.staging_canary, "ExecutorOptions.staging_canary: the CUDA rank executor (ranks in several "
+                  "processes) has no staging canary (exec/cuda/staging_canary.h); the in-process executor has it");
   TIDE_PLAN_CHECK(topo.nodes >= 1 && topo.gpus_per_node >= 1 && topo.world() == fabric_->world(),
                   "CudaRankExecutor: a ", topo.nodes, "x", topo.gpus_per_node, " topology over a fabric of ",
                   fabric_->world(), " ranks");

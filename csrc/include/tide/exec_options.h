@@ -42,6 +42,10 @@ struct ExecutorOptions {
   int64_t copy_spread_bytes = 8 << 20;  // an op moving fewer bytes stays on its own stream, >= 0
   Copy2D copy_2d = Copy2D::kBatch;
   bool sync_every_call = false;         // debug: synchronise after every call
+  // Debug: the in-process executor checks every staged push and SUM against the staging races
+  // (exec/cuda/staging_canary.h; two one-thread kernels per such op). The CPU executor with ranks
+  // as threads always runs its own canary.
+  bool staging_canary = false;
   // CPU executor.
   bool trace = false;                   // every executed op per rank to stderr
   int workers = 0;                      // virtual cluster threads, 0..1024 (0: min(ranks, 4))
