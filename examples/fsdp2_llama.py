@@ -133,7 +133,8 @@ def run(args, device: torch.device, variant: str) -> tuple[dict, dict]:
             world = dist.get_world_size()
             topo = tide.Topology(nodes=args.nodes, gpus_per_node=world // args.nodes)
         handle = tide_torch.enable(model, mode=VARIANTS[variant], topology=topo,
-                                   transport=args.transport, fabric=args.fabric)
+                                   transport=args.transport, fabric=args.fabric,
+                                   serve_single_rank=args.serve_single_rank)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     g = torch.Generator().manual_seed(1 + dist.get_rank())
     data = [torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=g).to(device)
@@ -255,6 +256,9 @@ def main() -> None:
                     help=f"comma-separated subset of {','.join(VARIANTS)}")
     ap.add_argument("--transport", default="auto",
                     choices=("auto", "executor"))
+    ap.add_argument("--serve-single-rank", action="store_true",
+                    help="world 1: run TIDE's path anyway (tide_torch.enable(serve_single_rank=True)); "
+                         "without it a one-rank job keeps stock FSDP2")
     ap.add_argument("--fabric", default="auto", choices=("auto", "ipc", "nccl"),
                     help="the CUDA executor's fabric (tide_torch.enable(fabric=...))")
     ap.add_argument("--size", default="tiny", choices=tuple(SIZES))

@@ -138,7 +138,7 @@ def _world1(rank, world, device_type, fabric="auto"):
     ref = local_shards(stock)
     for mode in MODES:
         model = build(mesh=mesh, device=device)
-        handle = tide_torch.enable(model, mode=mode, fabric=fabric)
+        handle = tide_torch.enable(model, mode=mode, fabric=fabric, serve_single_rank=True)
         expected = "tide-cuda-executor" if device_type == "cuda" else "tide-executor"
         assert handle.transport == expected, handle.transport
         assert handle.fabric == (None if device_type == "cpu" else
@@ -155,6 +155,38 @@ def _world1(rank, world, device_type, fabric="auto"):
 
 def test_world1_cpu():
     spawn(_world1, "cpu", world=1)
+
+
+def _world1_default(rank, world):
+    """Without serve_single_rank a one-rank job keeps stock FSDP2: every group falls back with
+    one log line in all, nothing is patched, and training is stock's."""
+    import logging
+
+    import tide_torch
+    from tide_torch import _patches
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logging.getLogger("tide_torch").addHandler(handler)
+    mesh = mesh_1d("cpu")
+    data = batches(STEPS, same_on_all_ranks=True)
+    stock_losses, _ = _train_profiled(build(mesh=mesh), data, torch.device("cpu"))
+    model = build(mesh=mesh)
+    handle = tide_torch.enable(model)
+    fallbacks = handle.fallbacks
+    assert fallbacks and all("single-rank job" in why for why in fallbacks.values()), fallbacks
+    warned = [r.getMessage() for r in records if r.levelno >= logging.WARNING]
+    assert len(warned) == 1 and "serve_single_rank=True" in warned[0], warned
+    assert not _patches.installed()
+    losses, _ = _train_profiled(model, data, torch.device("cpu"))
+    assert losses == stock_losses, (losses, stock_losses)
+    handle.disable()
+    with pytest.raises(TypeError, match="serve_single_rank"):
+        tide_torch.enable(build(mesh=mesh), serve_single_rank="yes")
+
+
+def test_world1_keeps_stock_by_default():
+    spawn(_world1_default, world=1)
 
 
 @pytest.mark.gpu

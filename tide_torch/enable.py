@@ -132,7 +132,7 @@ class TideHandle:
 def enable(model: nn.Module, *, mode: str = "in_place", topology: tide.Topology | None = None,
            transport: str = "auto", fabric: str = "auto", ring: bool = True,
            executor_options: tide.ExecutorOptions | None = None, rails: str = "auto",
-           **options: int) -> TideHandle:
+           serve_single_rank: bool = False, **options: int) -> TideHandle:
     """Switches ``model``'s FSDP2 collectives to TIDE. Call after ``fully_shard`` and before (or
     between) training steps, on every rank.
 
@@ -158,7 +158,10 @@ def enable(model: nn.Module, *, mode: str = "in_place", topology: tide.Topology 
     pointer: all ranks on one host) or ``"auto"``: two-sided when the topology has more than one
     node. Each rank's host (``NCCL_HOSTID`` or the hostname) is recorded: ranks of one topology
     node on different hosts, or one-sided rails across hosts, keep stock collectives (one log line
-    per group) instead of failing later.
+    per group) instead of failing later. ``serve_single_rank``: a job of one rank keeps stock
+    FSDP2 (one log line) unless this is True: FSDP2 neither gathers nor reduces there, so TIDE
+    has no copy to remove and its ring slots would only add memory (See [Note: world 1] in
+    groups.py); True runs TIDE's path anyway (tests on one GPU).
 
     Groups outside TIDE's contract keep stock collectives (one ``tide_torch`` log line each).
     Ranks agree on plans before anything changes; on any disagreement or local failure every rank
@@ -180,7 +183,7 @@ def enable(model: nn.Module, *, mode: str = "in_place", topology: tide.Topology 
     try:
         # Arguments are checked here, inside the agreement: a rank whose arguments are wrong still
         # takes part in the one exchange below, so every rank raises together (nobody waits).
-        _check_arguments(mode, rails, transport, options, executor_options)
+        _check_arguments(mode, rails, transport, options, executor_options, serve_single_rank)
         fabric = _resolve_fabric(fabric)
         _patches.require_supported_torch()
         groups = find_groups(model)
@@ -196,6 +199,10 @@ def enable(model: nn.Module, *, mode: str = "in_place", topology: tide.Topology 
                 raise TideEnableError(
                     f"group {g.fqn} is unsharded: call tide_torch.enable() between steps")
         served = [g for g in groups if g.eligible]
+        if served and world == 1 and not serve_single_rank:
+            for g in served:
+                g.fallback, g.plan, g.plan_fp32_grads = SINGLE_RANK, None, None
+            served = []
         if served:
             device = served[0].pg.device
         if fabric == "nccl" and groups:
@@ -267,9 +274,12 @@ def enable(model: nn.Module, *, mode: str = "in_place", topology: tide.Topology 
         if arena is not None:
             arena.close()
             arena = None
-    for g in groups:
-        if not g.eligible:
-            log_fallback(g)
+    if groups and all(g.fallback == SINGLE_RANK for g in groups):
+        logger.warning("tide_torch: all %d groups use stock FSDP2 collectives: %s", len(groups), SINGLE_RANK)
+    else:
+        for g in groups:
+            if not g.eligible:
+                log_fallback(g)
     if served:
         # Mapping the peers' arenas (shm segments, CUDA IPC handles, the NCCL fabric) can fail
         # on one rank only: a second exchange makes every rank raise together (and is the
@@ -332,7 +342,11 @@ def enable(model: nn.Module, *, mode: str = "in_place", topology: tide.Topology 
     return TideHandle(rt, groups, topo)
 
 
-def _check_arguments(mode, rails, transport, options, executor_options) -> None:
+SINGLE_RANK = ("a single-rank job: FSDP2 neither all-gathers nor reduce-scatters there, so TIDE has no "
+               "copy to remove (tide_torch.enable(serve_single_rank=True) serves it anyway)")
+
+
+def _check_arguments(mode, rails, transport, options, executor_options, serve_single_rank) -> None:
     if mode not in MODES:
         raise ValueError(f"tide_torch.enable: mode must be one of {MODES}, got {mode!r}")
     if rails not in RAILS:
@@ -346,6 +360,8 @@ def _check_arguments(mode, rails, transport, options, executor_options) -> None:
     if executor_options is not None and not isinstance(executor_options, tide.ExecutorOptions):
         raise TypeError(f"tide_torch.enable: executor_options must be a tide.ExecutorOptions, got "
                         f"{type(executor_options).__name__}")
+    if not isinstance(serve_single_rank, bool):
+        raise TypeError(f"tide_torch.enable: serve_single_rank must be a bool, got {serve_single_rank!r}")
 
 
 def _exchange_or_close(record: dict[str, Any], arena: Arena | None) -> list[dict[str, Any]]:

@@ -23,7 +23,10 @@ from tide_torch import _patches
 logger = logging.getLogger("tide_torch")
 
 # [Note: world 1]
-# A single-rank job is served too (one GPU, e.g. the first CUDA test). FSDP2 never calls its
+# A single-rank job keeps stock FSDP2 by default (enable.py's SINGLE_RANK, one log line): there is
+# nothing to gather or reduce, stock's casts and copy are what TIDE would run too, and TIDE's ring
+# slots would only add memory (measured on one H200: BENCHMARKS.md). With
+# ``enable(serve_single_rank=True)`` it is served (e.g. tests on one GPU). FSDP2 never calls its
 # all-gather there: ``wait_for_unshard`` casts the shard straight into ``all_gather_outputs``,
 # which are TIDE's landing views, so parameters still live at their planned addresses and ring
 # slots are acquired from a per-instance ``init_all_gather_outputs`` (all_gather.py). Nor does it
