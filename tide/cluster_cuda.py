@@ -47,7 +47,13 @@ class CudaBackend:
 
     def executor(self, plan, kinds):
         regions, total = _core.session_arena(plan, kinds)
-        fabric = _core.cuda.InProcessFabric([self.device_of(r) for r in range(self.vc.world)], total)
+        try:
+            fabric = _core.cuda.InProcessFabric([self.device_of(r) for r in range(self.vc.world)], total)
+        except _core.PlanError as e:  # more than the device has free: name the largest region too
+            if "bytes free there" not in str(e):
+                raise
+            name, (_, nbytes) = max(regions.items(), key=lambda kv: kv[1][1])
+            raise _core.PlanError(f"{e}; the largest region is '{name}' ({nbytes} bytes per rank)") from None
         ex = _core.cuda.ClusterExecutor(fabric, options=self.vc.options.as_dict())
         self._fabrics[id(ex)] = (fabric, regions)
         return ex

@@ -40,4 +40,9 @@ class Fabric {
   std::vector<std::vector<uint64_t>> issued_;
 };
 
+// PlanError when `bytes` more device memory than `device` has free is asked for (before the
+// cudaMalloc that would fail, or succeed and starve the framework): names `who`, the ranks and
+// the free and total bytes. Callers that know the arena's regions add the largest one.
+void check_device_room(int device, int ranks, int64_t arena_bytes, const char* who);
+
 }  // namespace tide::fabric

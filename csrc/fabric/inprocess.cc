@@ -10,6 +10,16 @@
 
 namespace tide::fabric {
 
+void check_device_room(int device, int ranks, int64_t arena_bytes, const char* who) {
+  size_t free_b = 0, total_b = 0;
+  TIDE_CHECK_CUDA(cudaSetDevice(device), who, ": device ", device);
+  TIDE_CHECK_CUDA(cudaMemGetInfo(&free_b, &total_b), who, ": free memory of device ", device);
+  const double need = static_cast<double>(ranks) * static_cast<double>(arena_bytes);
+  TIDE_PLAN_CHECK(need <= static_cast<double>(free_b), who, ": ", ranks, " rank(s) x ", arena_bytes,
+                  " arena bytes on device ", device, " exceed the ", free_b, " bytes free there (of ", total_b,
+                  "); the plan's regions (Options.n_stg, chunk_bytes, mode) or the ranks per device make it large");
+}
+
 InProcessFabric::InProcessFabric(std::vector<int> rank_device, int64_t arena_bytes)
     : rank_device_(std::move(rank_device)), arena_bytes_(arena_bytes) {
   TIDE_PLAN_CHECK(!rank_device_.empty(), "InProcessFabric: at least one rank");
@@ -30,6 +40,9 @@ InProcessFabric::InProcessFabric(std::vector<int> rank_device, int64_t arena_byt
       }
     }
   }
+  for (int d : devices)
+    check_device_room(d, static_cast<int>(std::count(rank_device_.begin(), rank_device_.end(), d)), arena_bytes_,
+                      "InProcessFabric");
   arena_.assign(rank_device_.size(), nullptr);
   try {
     for (size_t r = 0; r < rank_device_.size(); ++r) {

@@ -24,6 +24,7 @@ IpcFabric::IpcFabric(int rank, int world, int device, int64_t arena_bytes)
   TIDE_PLAN_CHECK(device >= 0 && device < n, "CudaIpcFabric: device ", device, " is not a usable CUDA device (",
                   n, " visible)");
   arena_.assign(static_cast<size_t>(world), nullptr);
+  check_device_room(device_, 1, arena_bytes_, "CudaIpcFabric");
   TIDE_CHECK_CUDA(cudaSetDevice(device_), "device ", device_);
   void* p = nullptr;
   TIDE_CHECK_CUDA(cudaMalloc(&p, static_cast<size_t>(arena_bytes_)), "arena of rank ", rank_, " (", arena_bytes_,

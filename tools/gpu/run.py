@@ -265,7 +265,7 @@ def stage_table(c: Ctx) -> dict:
               "plan one group through tide._core next to torch (a crash: cuda-gdb backtrace; there is no gdb)"),
         Stage("kernels", 240, [pytest("kernels", *Q, "tests/test_cuda_kernels.py", "-rs", *TO, limit=240)],
               "CUDA kernel tests"),
-        Stage("executor", 240, [pytest("executor", *Q, "-x", "tests/test_cuda_executor.py", "tests/test_cuda_staging_canary.py",
+        Stage("executor", 240, [pytest("executor", *Q, "-x", "tests/test_cuda_executor.py", "tests/test_cuda_hardening.py",
                                           "-rs", *TO, limit=240)],
               "CUDA executor bitwise vs the CPU executor, faults, the staging canary", needs=("smoke",)),
         Stage("demo", 120, [Step("demo", [py, "-m", "tide", "demo"], 120, detail=grep_last("Agreement check"),

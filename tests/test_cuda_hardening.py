@@ -1,4 +1,5 @@
-"""The CUDA executor's staging race canary (exec/cuda/staging_canary.h), the GPU twin of the CPU
+"""Hardening on CUDA. The arena: a plan whose arena exceeds the device's free memory is refused
+before anything is allocated. The CUDA executor's staging race canary (exec/cuda/staging_canary.h), the GPU twin of the CPU
 executor's (test_rs_programs.py): with the static checker bypassed, a program set whose pushers
 skip their staging waits (an early staging reuse) or whose owners skip their push waits (a
 missing push fence) fails the call naming the race; correct programs under heavy slot reuse, a
@@ -129,3 +130,20 @@ def test_rank_executor_refuses_the_canary():
     fab = _core.cuda.IpcFabric(0, 1, 0, 1 << 20)
     with pytest.raises(ValueError, match="staging_canary"):
         _core.cuda.RankExecutor(fab, rank=0, nodes=1, gpus_per_node=1, options={"staging_canary": True})
+
+
+def test_an_arena_above_free_device_memory_is_refused_naming_its_largest_region():
+    """A plan whose arena cannot fit the GPU is refused before anything is allocated, naming the
+    device's free bytes and the largest region (here staging: many large slots)."""
+    free, _ = torch.cuda.mem_get_info(0)
+    with pytest.raises(ValueError, match=r"exceed the \d+ bytes free there"):
+        _core.cuda.InProcessFabric([0, 0], free // 2 + (1 << 30))
+    big = int(free * 0.6)  # 2 ranks on one device: 1.2x the free memory
+    plan = tide.plan(tide.GroupSignature(shapes=[(2 * (big // 8), 4)]), tide.Topology(1, 2))
+    vc = tide.VirtualCluster(tide.Topology(1, 2), backend="cuda")
+    shards = [[torch.zeros(plan.layout.params[0].e, dtype=torch.bfloat16, device="cuda")] for _ in range(2)]
+    with pytest.raises(ValueError, match=r"bytes free there.*the largest region is '\w+'"):
+        vc.all_gather(plan, shards)
+    del shards, vc
+    torch.cuda.empty_cache()
+    assert torch.cuda.mem_get_info(0)[0] >= free - (256 << 20)  # no arena was left allocated
