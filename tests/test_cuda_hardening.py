@@ -78,8 +78,8 @@ def test_staging_races_are_caught_by_the_cuda_canary(M, L, opts, tag, who, stall
     assert msg.startswith("rank ") and " op " in msg and "staging slot" in msg, msg
     if why == "missing push fence":
         assert f"before rank {stall}'s" in msg, msg  # the stalled pusher is named
-    else:
-        assert "COPY" in msg and f"into rank {stall}'s staging slot" in msg, msg  # the stalled owner's slot
+    else:  # any owner may be the one overrun (the pushers race every SUM), the stalled one surely is
+        assert "COPY" in msg and "overwrites unit " in msg and "before rank " in msg, msg
 
 
 @pytest.mark.parametrize("M,L,opts", [
@@ -138,8 +138,9 @@ def test_an_arena_above_free_device_memory_is_refused_naming_its_largest_region(
     free, _ = torch.cuda.mem_get_info(0)
     with pytest.raises(ValueError, match=r"exceed the \d+ bytes free there"):
         _core.cuda.InProcessFabric([0, 0], free // 2 + (1 << 30))
-    big = int(free * 0.6)  # 2 ranks on one device: 1.2x the free memory
-    plan = tide.plan(tide.GroupSignature(shapes=[(2 * (big // 8), 4)]), tide.Topology(1, 2))
+    rows = int(free * 0.17) // 8  # bf16 (rows, 4): an arena of about 3.5x that per rank, 2 ranks: 1.2x free
+    plan = tide.plan(tide.GroupSignature(shapes=[(rows, 4)]), tide.Topology(1, 2))
+    assert 2 * _core.session_arena(plan, ["all_gather", "reduce_scatter"])[1] > free
     vc = tide.VirtualCluster(tide.Topology(1, 2), backend="cuda")
     shards = [[torch.zeros(plan.layout.params[0].e, dtype=torch.bfloat16, device="cuda")] for _ in range(2)]
     with pytest.raises(ValueError, match=r"bytes free there.*the largest region is '\w+'"):

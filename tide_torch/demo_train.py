@@ -150,7 +150,10 @@ def _train_one(name: str, cfg: Config, mesh, device, topo, data) -> dict:
     for layer in model.layers:
         fully_shard(layer, mesh=mesh, mp_policy=mp)
     fully_shard(model, mesh=mesh, mp_policy=mp)
-    handle = None if name == "stock" else tide_torch.enable(model, mode=name, topology=topo)
+    # One GPU is world 1, where enable() keeps stock FSDP2 by default: the demo shows TIDE's path
+    # (bitwise against stock) there too.
+    handle = None if name == "stock" else tide_torch.enable(model, mode=name, topology=topo,
+                                                            serve_single_rank=True)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.1)
     losses, times, ops, calls = [], [], None, None
     for step, tokens in enumerate(data):
