@@ -25,6 +25,10 @@ in group order on every rank). The transport only turns tensors into buffers:
   arena's fabric (``IpcFabric``, or ``NcclFabric`` with ``enable(fabric="nccl")``); a call is
   enqueued on torch's current stream (FSDP2's all-gather or reduce-scatter stream): the program's
   streams wait for that stream's prior work and it waits for the call, no host synchronisation.
+
+A ``tide.TimeoutError`` from a call or ``synchronize()`` leaves with the survivors' diagnosis
+appended (tide/diagnosis.py over torch's default store): the chain of posted roots down to the
+rank that stopped.
 """
 from __future__ import annotations
 
@@ -34,9 +38,20 @@ import torch
 import torch.distributed as dist
 
 import tide
+from tide.diagnosis import diagnosed
 
 AG, RS = "all_gather", "reduce_scatter"
 KIND = dict(tide._core.buf_kinds)
+
+
+def _default_store() -> Any:
+    """torch's default key-value store (init_process_group's), or None."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except (AttributeError, RuntimeError, ValueError):
+        return None
 
 
 def _buffer(kind: str, index: int, t: torch.Tensor) -> tuple:
@@ -50,8 +65,9 @@ class ExecutorTransport:
     name = "tide-executor"
 
     def __init__(self, executor: Any, arena: Any, rank: int, topo: tide.Topology,
-                 group_of: Any = None):
+                 group_of: Any = None, timeout_s: float = 30.0):
         self._exec = executor
+        self._timeout_s = timeout_s
         self._regions = {r.name: (r.offset, r.nbytes) for r in arena.regions.values()}
         self._sessions: dict[tuple, Any] = {}
         self._group_of = group_of
@@ -91,13 +107,16 @@ class ExecutorTransport:
 
     def all_gather(self, tg, inputs, landings):
         bindings = [] if tg.adopts else [_buffer("shard", p, t) for p, t in enumerate(inputs)]
-        self.session(tg, tg.plan, "ag").all_gather([bindings], self._streams())
+        s = self.session(tg, tg.plan, "ag")
+        diagnosed(lambda: s.all_gather([bindings], self._streams()), self._rank, self._timeout_s, _default_store)
 
     def reduce_scatter(self, tg, plan, grads, output, alpha):
         which = "rs" if plan is tg.plan else "rs32"
         bindings = [_buffer("grad", p, g) for p, g in enumerate(grads)]
         bindings.append(_buffer("out", -1, output))
-        self.session(tg, plan, which).reduce_scatter(float(alpha), False, [bindings], self._streams())
+        s = self.session(tg, plan, which)
+        diagnosed(lambda: s.reduce_scatter(float(alpha), False, [bindings], self._streams()), self._rank,
+                  self._timeout_s, _default_store)
 
 
 class CudaExecutorTransport(ExecutorTransport):
@@ -111,7 +130,7 @@ class CudaExecutorTransport(ExecutorTransport):
         return [torch.cuda.current_stream().cuda_stream]
 
     def synchronize(self) -> None:
-        self._exec.synchronize()
+        diagnosed(self._exec.synchronize, self._rank, self._timeout_s, _default_store)
 
 
 def cuda_executor_available() -> bool:
@@ -138,7 +157,8 @@ def make_transport(arena: Any, peers: list[str], rank: int, topo: tide.Topology,
             if rail is None:
                 raise RuntimeError("tide_torch: two-sided rails on CPU need a rail (GlooRail)")
             ex.set_rail(rail)
-        t = ExecutorTransport(tide._core.CpuRankExecutor(ex, regions), arena, rank, topo, group_of)
+        t = ExecutorTransport(tide._core.CpuRankExecutor(ex, regions), arena, rank, topo, group_of,
+                              options.timeout_s)
         t.rank_executor = ex
         return t
     if arena.fabric is None:
@@ -150,4 +170,4 @@ def make_transport(arena: Any, peers: list[str], rank: int, topo: tide.Topology,
         if rail is None:
             raise RuntimeError("tide_torch: two-sided rails on CUDA need an NcclRail")
         ex.set_rail(rail)
-    return CudaExecutorTransport(ex, arena, rank, topo, group_of)
+    return CudaExecutorTransport(ex, arena, rank, topo, group_of, options.timeout_s)

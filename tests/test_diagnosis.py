@@ -1,0 +1,48 @@
+"""The survivors' diagnosis (tide/diagnosis.py) over an in-process key-value store: each
+survivor's posted root leads to the rank that stopped, a cycle is named as one, and a timeout
+with no store or no root comes back unchanged."""
+import time
+
+import pytest
+
+torch = pytest.importorskip("torch")
+import tide  # noqa: E402
+from tide import diagnosis  # noqa: E402
+
+
+def _err(text):
+    return tide.TimeoutError(text)
+
+
+def test_roots_are_read_from_the_wait_chains():
+    assert diagnosis.root_of("rank 0 op 4 ... wait chain: rank 0 op 4 [read] seq 1 is in rail group 2 with "
+                             "rank 2, which has not completed: root: rank 2 never posted its matching group", 0) == 2
+    assert diagnosis.root_of("rank 1 call seq 1: entry fence (before op 0) waits for rank 3 to start run #1 "
+                             "(it has started 0): rank 3 is behind (still in an earlier collective)", 1) == 3
+    assert diagnosis.root_of("rank 2 op 7 waits for counter 3 (a dropped signal)", 2) is None
+
+
+def test_the_chain_reaches_the_rank_that_stopped():
+    store = torch.distributed.HashStore()
+    store.set("tide/timeout/2", '{"root": 3, "head": "rank 2 ..."}')
+    t0 = time.monotonic()
+    got = diagnosis.survivors_diagnosis(_err("wait chain: ... root: rank 2 never posted its matching group"), 0,
+                                        grace_s=0.3, store=store)
+    assert got.startswith("rank 2 (timed out, waits for rank 3) -> rank 3 stopped (it posted no timeout"), got
+    assert 0.25 < time.monotonic() - t0 < 2.0  # waited its grace for rank 3, no longer
+    assert store.get("tide/timeout/0").decode().startswith('{"root": 2')  # its own root, posted
+
+
+def test_a_cycle_is_named():
+    store = torch.distributed.HashStore()
+    store.set("tide/timeout/1", '{"root": 0, "head": ""}')
+    got = diagnosis.survivors_diagnosis(_err("root: rank 1 never posted its matching group"), 0, 0.2, store)
+    assert got == "rank 1 (timed out, waits for rank 0) -> rank 0 (a cycle: these ranks wait for each other)", got
+
+
+def test_without_a_store_or_a_root_the_error_is_unchanged():
+    with pytest.raises(tide.TimeoutError) as e:
+        diagnosis.diagnosed(lambda: (_ for _ in ()).throw(_err("rank 0: root: rank 1 never posted")), 0, 2.0,
+                            lambda: None)
+    assert "survivors' diagnosis" not in str(e.value)  # no store
+    assert diagnosis.survivors_diagnosis(_err("no root in here"), 0, 0.1, torch.distributed.HashStore()) == ""
