@@ -94,6 +94,7 @@ class Ctx:
     ngpu: int
     multi: bool = False
     plots: bool = False
+    tree: str = "?"  # --tree, else "git HEAD <id> (a copied tree may be newer)"
     environ: dict = field(default_factory=lambda: dict(os.environ))
 
 
@@ -543,7 +544,7 @@ class Runner:
         self.dump()
 
     def dump(self):
-        doc = dict(commit=probe(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"]), gpus=self.c.ngpu,
+        doc = dict(commit=self.c.tree, gpus=self.c.ngpu,
                    stages=[dict(name=n, status=s, seconds=round(t, 1), detail=d,
                                 steps=[dict(name=a, status=b, seconds=round(c, 1), detail=e) for a, b, c, e in subs])
                            for n, s, t, d, subs in self.rows], results=self.results)
@@ -616,6 +617,9 @@ def main(argv=None) -> int:
     ap.add_argument("--args", action="append", default=[], metavar="STAGE=ARGS",
                     help="append shell-split ARGS to the stage's commands, e.g. 'suite=-k reduce'")
     ap.add_argument("--python", default=sys.executable, help="the interpreter of the stages (default: this one)")
+    ap.add_argument("--tree", default=None, metavar="COMMIT",
+                    help="the commit the copied tree is (git HEAD here may be older: the device copies a "
+                         "working tree, not its history); printed in the header and results.json")
     a = ap.parse_args(argv)
     bad = refused(os.environ)
     if bad:
@@ -627,7 +631,9 @@ def main(argv=None) -> int:
     tmp = Path(tempfile.mkdtemp(prefix="tide_gpu_run_"))
     try:
         ngpu = a.gpus if a.gpus is not None else count_gpus()
-        ctx = Ctx(out=out, tmp=tmp, py=a.python, ngpu=ngpu, multi=a.multi, plots=a.plots)
+        head = probe(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"]) or "?"
+        tree = a.tree or f"git HEAD {head} (a copied tree may be newer: pass --tree)"
+        ctx = Ctx(out=out, tmp=tmp, py=a.python, ngpu=ngpu, multi=a.multi, plots=a.plots, tree=tree)
         table = stage_table(ctx)
         if a.list:
             for s in table.values():
@@ -651,8 +657,8 @@ def main(argv=None) -> int:
             return dry_run(ctx, table, plan, env)
         out.mkdir(parents=True, exist_ok=True)
         r = Runner(ctx, table, env, a.budget)
-        r.say(f"== tools/gpu/run.py {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}, commit "
-              f"{probe(['git', '-C', str(ROOT), 'rev-parse', '--short', 'HEAD']) or '?'}, {ngpu} GPU(s), stages: "
+        r.say(f"== tools/gpu/run.py {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}, tree "
+              f"{ctx.tree}, {ngpu} GPU(s), stages: "
               + " ".join(f"{n}:{lim or table[n].limit}" for n, lim in plan))
         for ln in probe(["nvidia-smi", "--query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem",
                          "--format=csv,noheader"]).splitlines():
