@@ -18,12 +18,14 @@
 #include <condition_variable>
 #include <exception>
 #include <functional>
+#include <memory>
 #include <mutex>
 #include <thread>
 
 #include "exec/cpu/internal.h"
 #include "exec/cpu/staging_canary.h"
 #include "tide/exec_cpu.h"
+#include "tide/plan.h"
 
 namespace tide {
 
@@ -87,6 +89,29 @@ void rethrow_shared(CpuArena::Shared* sh) {
   throw Error(msg);
 }
 
+// The run's staging canary, sized from its calls: the staging slots their ops name (every slot
+// a plan may have for generated calls, which have no op tables) and a node's ranks as the pushers
+// per slot. None when no call touches staging.
+static std::unique_ptr<StagingCanary> make_canary(const std::vector<std::vector<Call>>& per_rank, int world) {
+  int slots = 0, pushers = 1;
+  for (const auto& calls : per_rank)
+    for (const Call& call : calls) {
+      pushers = std::max(pushers, call.program->topo.gpus_per_node);
+      if (call.generator) {
+        slots = kMaxStagingSlots;
+        continue;
+      }
+      for (const Op& op : call.program->ops) {
+        for (const auto& cd : op.copies)
+          if (cd.dst.kind == BufKind::kStaging) slots = std::max(slots, cd.dst.index + 1);
+        for (const auto& t : op.terms)
+          if (t.src.kind == BufKind::kStaging) slots = std::max(slots, t.src.index + 1);
+      }
+    }
+  if (slots <= 0) return nullptr;
+  return std::make_unique<StagingCanary>(world, slots, std::min(world, pushers));
+}
+
 void run_cpu(CpuArena& arena, const std::vector<std::vector<Call>>& per_rank,
              std::vector<RankBindings>& bindings, const CpuRunOptions& opt) {
   const int N = arena.world();
@@ -123,11 +148,13 @@ void run_cpu(CpuArena& arena, const std::vector<std::vector<Call>>& per_rank,
       TIDE_PLAN_CHECK(call.program->rails == Rails::kOneSided || (!opt.processes && opt.rail != nullptr),
                       "run_cpu: rank ", r, " runs a two-sided program, which needs a rail transport and ranks as "
                       "threads (ExecutorOptions.rails = 'two_sided', processes=false)");
+  // The staging race canary, one table for threads and forked processes alike (staging_canary.h).
+  std::unique_ptr<StagingCanary> canary = make_canary(per_rank, N);
+  CpuRunOptions copt = opt;
+  copt.canary = canary.get();
   if (!opt.processes) {
     const int W = std::max(1, std::min(N, opt.workers > 0 ? opt.workers : 4));
-    StagingCanary canary;
-    CpuRunOptions topt = opt;  // the workers': the calling thread polls (run_polled)
-    topt.canary = &canary;
+    CpuRunOptions topt = copt;  // the workers': the calling thread polls (run_polled)
     topt.interrupted = nullptr;
     run_polled(sh, opt, W, [&](int w) {
       const int lo = static_cast<int>(static_cast<int64_t>(N) * w / W);
@@ -169,7 +196,7 @@ void run_cpu(CpuArena& arena, const std::vector<std::vector<Call>>& per_rank,
     std::fflush(stderr);
     std::fflush(stdout);
     const pid_t parent = getpid();
-    CpuRunOptions child = opt;
+    CpuRunOptions child = copt;
     child.interrupted = nullptr;  // only the calling process polls (a child must not call into Python)
     for (int w = 0; w < nproc; ++w) {
       const int lo = static_cast<int>(static_cast<int64_t>(N) * w / nproc);

@@ -342,7 +342,7 @@ struct Runner {
               if (!why.empty()) fail(1, TIDE_STR_CAT(op_name(rs, call, idx), ": ", why));
             }
             std::memmove(d + h * cd.dst.pitch, s + h * cd.src.pitch, static_cast<size_t>(cd.src.width));
-            if (staged) opt.canary->end_write(cd.dst.rank, cd.dst.index, a, a + cd.dst.width, u);
+            if (staged) opt.canary->end_write(cd.dst.rank, cd.dst.index, u, rs.rank);
           }
         }
         if (op.kind == OpKind::kPut && op.counter.index >= 0) {

@@ -17,6 +17,8 @@
 //   - A wait that passes `timeout_s` throws tide::TimeoutError naming rank, op index and kind,
 //     stream, tag, call seq, the counter and its producer. The first failure aborts every rank.
 //     After a run the canaries are verified (tide::Error names the rank and region on damage);
+//     while it runs, the staging race canary checks every push into and SUM from a staging slot
+//     in both modes (exec/cpu/staging_canary.h);
 //     a PUT's bytes are checksummed and re-verified by the receiver's ArrivalWait (corruption
 //     between delivery and consumption is reported naming both ops).
 //   - Bounds: every BufRef is checked against its bound user buffer / arena region; user
@@ -79,7 +81,8 @@ struct CpuRunOptions : ExecutorOptions {
   // Polled by the calling thread about every 20 ms while the ranks run (the faces pass Python's
   // signal check): true stops every rank and the call throws Interrupted.
   std::function<bool()> interrupted;
-  // The staging race canary (exec/cpu/staging_canary.h): run_cpu sets one for ranks as threads.
+  // The staging race canary (exec/cpu/staging_canary.h): run_cpu sets one for ranks as threads
+  // and as processes alike (its table is a shared mapping of its own, not arena bytes).
   class StagingCanary* canary = nullptr;
 };
 
