@@ -2,13 +2,13 @@
 //
 // Contract
 //   - CpuArena owns one symmetric arena per rank (ArenaSpec::total bytes each, followed by a
-//     canary guard) in ONE mapping: process-private memory for ranks-as-threads, or a POSIX
-//     shared-memory segment (mode 0600, unlinked right after mapping, so nothing outlives the
-//     process even on failure) for ranks-as-processes. Counters live in each arena's "counters"
-//     region as lock-free 64-bit atomics, so they work across processes; they persist across
-//     calls (epochs, never reset). An arena larger than the memory the mapping can get (free
-//     /dev/shm, or physical memory) is refused with PlanError naming its largest region, before
-//     anything is mapped ([Note: arena memory check] in exec/cpu/arena.cc).
+//     canary guard) in ONE mapping: process-private memory for ranks-as-threads, or an anonymous
+//     shared mapping that the forked ranks inherit for ranks-as-processes (no name: nothing can
+//     outlive the processes, whichever of them is killed; [Note: shared-memory lifetime]).
+//     Counters live in each arena's "counters" region as lock-free 64-bit atomics, so they work
+//     across processes; they persist across calls (epochs, never reset). An arena larger than the
+//     memory the mapping can get (physical memory) is refused with PlanError naming its largest
+//     region, before anything is mapped ([Note: arena memory check] in exec/cpu/arena.cc).
 //   - run_cpu() executes per-rank call lists. Threads mode: `workers` threads each step a fixed
 //     subset of ranks. Processes mode: forked children (one per rank up to 64, else subsets) step
 //     their ranks and exit with _exit(); user buffers the program writes are bounced through
