@@ -183,7 +183,9 @@ void run_cpu(CpuArena& arena, const std::vector<std::vector<Call>>& per_rank,
             for (const auto& bo : bounces) if (bo.slot == &v[slot]) return;
             void* m = mmap(nullptr, static_cast<size_t>(std::max<int64_t>(1, v[slot].bytes)), PROT_READ | PROT_WRITE,
                            MAP_SHARED | MAP_ANONYMOUS, -1, 0);
-            if (m == MAP_FAILED) throw Error("run_cpu: bounce mapping failed");
+            if (m == MAP_FAILED)
+              throw Error(TIDE_STR_CAT("run_cpu: rank ", r, ": mapping the ", v[slot].bytes, "-byte bounce buffer of ",
+                                       buf_kind_name(b.kind), "[", b.index, "] failed: ", std::strerror(errno)));
             std::memcpy(m, v[slot].data, static_cast<size_t>(v[slot].bytes));
             bounces.push_back({&v[slot], v[slot].data, m, v[slot].bytes});
             v[slot].data = m;
@@ -193,6 +195,7 @@ void run_cpu(CpuArena& arena, const std::vector<std::vector<Call>>& per_rank,
         }
     const int nproc = std::min(N, 64);
     std::vector<pid_t> pids;
+    std::vector<std::pair<int, int>> ranks_of;  // process i steps ranks [first, second)
     std::fflush(stderr);
     std::fflush(stdout);
     const pid_t parent = getpid();
@@ -220,6 +223,7 @@ void run_cpu(CpuArena& arena, const std::vector<std::vector<Call>>& per_rank,
         _exit(code);
       }
       pids.push_back(pid);
+      ranks_of.push_back({lo, hi});
     }
     std::string died;
     std::vector<int> status(pids.size(), 0);
@@ -231,6 +235,23 @@ void run_cpu(CpuArena& arena, const std::vector<std::vector<Call>>& per_rank,
         if (reaped[i]) continue;
         const pid_t got = waitpid(pids[i], &status[i], WNOHANG);
         if (got == pids[i] || (got < 0 && errno == ECHILD)) reaped[i] = true, --left;  // ECHILD: reaped elsewhere
+        // [Note: a killed rank process] A rank process killed from outside (kill -9, the OOM
+        // killer) records no error and its peers would wait for it until their deadline: the
+        // parent claims the call's error and aborts every rank at once.
+        if (got == pids[i] && WIFSIGNALED(status[i]) && !interrupted) {
+          const auto [lo, hi] = ranks_of[i];
+          int expected = 0;
+          if (sh->claimed.compare_exchange_strong(expected, 1)) {
+            const std::string msg = TIDE_STR_CAT(
+                "rank process ", i, " (pid ", pids[i], ", rank", hi - lo > 1 ? "s " : " ", lo,
+                hi - lo > 1 ? TIDE_STR_CAT("..", hi - 1) : "", ") was killed by signal ", WTERMSIG(status[i]), " (",
+                strsignal(WTERMSIG(status[i])), ") during call seq ",
+                per_rank[lo].empty() ? 0 : per_rank[lo].front().seq, "; every rank stopped");
+            std::snprintf(sh->message, sizeof(sh->message), "%s", msg.c_str());
+            sh->error_kind.store(1);
+          }
+          sh->abort.store(1);
+        }
       }
       if (left == 0) break;
       std::this_thread::sleep_for(std::chrono::milliseconds(2));

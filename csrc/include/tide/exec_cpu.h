@@ -18,7 +18,8 @@
 //     stream, tag, call seq, the counter and its producer. The first failure aborts every rank.
 //     After a run the canaries are verified (tide::Error names the rank and region on damage);
 //     while it runs, the staging race canary checks every push into and SUM from a staging slot
-//     in both modes (exec/cpu/staging_canary.h);
+//     in both modes (exec/cpu/staging_canary.h); a rank process killed from outside fails the
+//     call at once, naming its ranks and the signal ([Note: a killed rank process]);
 //     a PUT's bytes are checksummed and re-verified by the receiver's ArrivalWait (corruption
 //     between delivery and consumption is reported naming both ops).
 //   - Bounds: every BufRef is checked against its bound user buffer / arena region; user
