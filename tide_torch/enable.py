@@ -269,8 +269,9 @@ def enable(model: nn.Module, *, mode: str = "in_place", topology: tide.Topology 
         for g in served:
             g.fallback, g.plan, g.plan_fp32_grads = why_hosts, None, None
         served = []
-        _close_all(arena, peer_shm)
-        arena = None
+        if arena is not None:
+            arena.close()
+            arena = None
     for g in groups:
         if not g.eligible:
             log_fallback(g)
