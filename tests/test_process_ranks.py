@@ -1,4 +1,5 @@
-"""A VirtualCluster's blocked call stops on Ctrl-C, and its rank processes die with their parent.
+"""A VirtualCluster's blocked call stops on Ctrl-C or a killed rank process, and its rank processes
+die with their parent.
 
 A parent killed with SIGKILL while its ranks wait inside a call (a stalled peer, a long deadline)
 must not leave them spinning on the shared arena: every rank process is gone at once (the test
@@ -139,3 +140,51 @@ def test_ctrl_c_stops_a_blocked_call_at_once(ranks_as):
     # The interrupted call left the arena mid-call: the next one is refused at once, saying why.
     assert lines[1].startswith("next call: Error") and "an earlier call failed" in lines[1], lines[1]
     assert "interrupted" in lines[1] and "seq 2" in lines[1], lines[1]
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds the rank processes in /proc")
+def test_a_killed_rank_process_fails_the_call_at_once():
+    """kill -9 of one rank process mid-call (its peers blocked behind a rank stalled for a minute,
+    deadline 60 s): the parent fails the call at once, naming the process, its rank and the
+    signal, every other rank stops, and no process or shared-memory segment is left (no_leaks)."""
+    import signal
+    import threading
+    import time
+
+    import numpy as np
+
+    import tide
+    ns: dict = {}
+    exec(HELPERS_SRC, {"os": os, "Path": Path}, ns)
+    me, before = os.getpid(), set(ns["_children"](os.getpid()))
+    topo = tide.Topology(1, 4)
+    plan = tide.plan(tide.GroupSignature(shapes=[[64, 8]], names=["w"]), topo)
+    vc = tide.VirtualCluster(topo, ranks_as="processes", timeout_s=60.0)
+    vc.faults = dict(stall_rank=2, stall_op=1, stall_s=60.0)
+    killed: list = []
+
+    def kill_one():
+        deadline = time.time() + 20
+        while time.time() < deadline:
+            kids = sorted(k for k in ns["_children"](me) if k not in before and ns["_alive"](k))
+            if len(kids) == 4:
+                time.sleep(0.3)  # every rank inside the call
+                os.kill(kids[0], signal.SIGKILL)
+                killed.append(kids[0])
+                return
+            time.sleep(0.05)
+
+    t = threading.Thread(target=kill_one)
+    t.start()
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(tide._core.Error) as ei:
+            vc.all_gather(plan, [[np.zeros((16, 8), np.float32)] for _ in range(4)])
+    finally:
+        t.join()
+    took = time.monotonic() - t0
+    assert killed, "the rank processes never appeared"
+    msg = str(ei.value)
+    assert f"(pid {killed[0]}, rank " in msg and "killed by signal 9" in msg and "call seq 1" in msg, msg
+    assert "every rank stopped" in msg and not isinstance(ei.value, tide.TimeoutError), msg
+    assert took < 10, f"the call took {took:.1f} s (the peers waited for their deadline)"

@@ -261,16 +261,18 @@ def test_rs_bank_follows_algorithm_1():
         rs_bank(0)
 
 
+@pytest.mark.parametrize("ranks_as", ["threads", "processes"])
 @pytest.mark.parametrize("M,L,opts,tag,who,why", [
     (1, 4, dict(chunk_bytes=16, n_stg=1), "StagingWait", range(1, 4), "early staging reuse"),
     (1, 4, dict(chunk_bytes=16), "PushWait", range(4), "missing push fence"),
     (2, 4, dict(chunk_bytes=16, n_stg=1), "StagingWait", range(8), "early staging reuse"),
     (2, 4, dict(chunk_bytes=16), "PushWait", range(8), "missing push fence"),
 ])
-def test_staging_races_are_caught_by_the_executor_canary(M, L, opts, tag, who, why):
+def test_staging_races_are_caught_by_the_executor_canary(M, L, opts, tag, who, why, ranks_as):
     """Defence in depth behind the checker: with the pushers' staging waits (or the owners' push
     waits) dropped and the checker bypassed, the CPU executor's staging canary fails the call
-    naming the race, whatever the threads' timing (a stalled owner makes the race certain)."""
+    naming the race, whatever the ranks' timing (a stalled owner makes the race certain), with
+    ranks as threads or as processes (the canary's table is shared memory every rank maps)."""
     import ml_dtypes
     plan = make(M, L, **opts)
     assert plan.rs_schedule.n_chunks > 2
@@ -285,7 +287,7 @@ def test_staging_races_are_caught_by_the_executor_canary(M, L, opts, tag, who, w
             while ps.inject_fault(FAULT["drop_wait"], r, TAGS[tag]):
                 dropped += 1
     assert dropped > 0
-    vc = tide.VirtualCluster(tide.Topology(M, L), check=False, timeout_s=5.0)
+    vc = tide.VirtualCluster(tide.Topology(M, L), check=False, timeout_s=5.0, ranks_as=ranks_as)
     first_sum = next(i for i, op in enumerate(bad[0].describe(0)) if " SUM " in op)
     outs = [np.zeros(plan.layout.E, np.float32) for _ in range(N)]
     binds = [[(_core.buf_kinds["grad"], p, np.ascontiguousarray(grads[r][p]).reshape(-1).view(np.uint8))
@@ -296,7 +298,8 @@ def test_staging_races_are_caught_by_the_executor_canary(M, L, opts, tag, who, w
     stall = dict(stall_rank=0, stall_op=first_sum, stall_s=0.3) if tag == "StagingWait" else \
         dict(stall_rank=1, stall_op=0, stall_s=0.3)  # a late pusher: its owners sum too early
     with pytest.raises(_core.Error) as e:
-        arena.run([[(bad[rs_bank(seq)], seq)] for _ in range(N)], binds, **stall)
+        arena.run([[(bad[rs_bank(seq)], seq)] for _ in range(N)], binds, processes=ranks_as == "processes",
+                  **stall)
     msg = str(e.value)
     assert why in msg and "staging-canary" in msg and f"call seq {seq}" in msg, msg
     assert msg.startswith("rank ") and " op " in msg and "staging slot" in msg, msg

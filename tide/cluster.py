@@ -1,8 +1,8 @@
 """VirtualCluster: runs TIDE programs for every rank of a topology on this machine.
 
 backend="cpu" runs the C++ CPU executor (csrc/exec/cpu) over a shared arena; ranks are threads of
-this process (ranks_as="threads") or forked processes attached to POSIX shared memory
-(ranks_as="processes"). Arrays are numpy; bf16 uses ml_dtypes.bfloat16. backend="cuda" runs the
+this process (ranks_as="threads") or forked processes sharing an anonymous shared mapping
+(ranks_as="processes": no named segment). Arrays are numpy; bf16 uses ml_dtypes.bfloat16. backend="cuda" runs the
 CUDA executor over an in-process fabric (tide/cluster_cuda.py: torch or DLPack arrays).
 
 Every call goes through the core's call runtime (``tide._core.GroupSession``): one session per

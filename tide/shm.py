@@ -1,7 +1,8 @@
 """POSIX shared-memory segments for faces whose ranks are processes: tide_torch's CPU arena and
 tide_xla across jax.distributed processes. One way to create (mode 0600, unique name, sized and
-zero-filled), map, unlink and measure /dev/shm's room; the core's own CpuArena unlinks its segment
-at once and checks the same room in C++ (exec/cpu/arena.cc [Note: arena memory check]).
+zero-filled), map, unlink and measure /dev/shm's room. The core's own CpuArena (the virtual
+cluster) has no named segment: its rank processes inherit an anonymous shared mapping
+(exec/cpu/arena.cc [Note: shared-memory lifetime]).
 
 A segment larger than /dev/shm's free space is created and mapped without complaint and dies
 with SIGBUS when touched, so callers check `free_bytes()` first and name what makes it large.

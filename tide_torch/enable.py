@@ -10,6 +10,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import tide
+from tide import shm
 from tide_torch import _patches, agreement, all_gather, comm, placement, reduce_scatter
 from tide_torch.arena import Arena, arena_nbytes, make_nccl_fabric, nccl_fabric_api_error
 from tide_torch.groups import (PLAN_OPTIONS, TideEnableError, TideGroup, find_groups, host_identity,
@@ -252,10 +253,14 @@ def enable(model: nn.Module, *, mode: str = "in_place", topology: tide.Topology 
         record["error"] = f"{type(e).__name__}: {e}"
 
     records = _exchange_or_close(record, arena)
+    # [Note: peers unlink too] From here every rank knows the segment names of its host's ranks:
+    # whoever gives up (or, after the mapping barrier, goes on) unlinks them all, not only its
+    # own, so a rank killed after the first exchange leaves no segment behind (docs/architecture.md,
+    # "Shared-memory segments"). Unlinking a name twice is harmless; mappings stay valid.
+    peer_shm = [r["shm"] for r in records if r.get("shm") and r.get("host") == record["host"]]
     problems = agreement.verdict(records)
     if problems:
-        if arena is not None:
-            arena.close()
+        _close_all(arena, peer_shm)
         if local_exc is not None:
             raise local_exc
         raise agreement.TideAgreementError(
@@ -312,11 +317,10 @@ def enable(model: nn.Module, *, mode: str = "in_place", topology: tide.Topology 
                 group_of=lambda g: g.pg.mesh_info.shard_process_group, options=opts, rail=rail)
         except Exception as e:  # noqa: BLE001 - reported to every rank before raising
             local_exc, err = e, f"{type(e).__name__}: {e}"
-        after = _exchange_or_close({"rank": rank, "error": err, "nccl": nccl is not None}, arena)
+        after = _exchange_or_close({"rank": rank, "error": err, "nccl": nccl is not None}, arena, peer_shm)
         failed = [(r["rank"], r["error"]) for r in after if r["error"]]
         if failed:
-            if arena is not None:
-                arena.close()
+            _close_all(arena, peer_shm)
             if nccl is not None and all(r["nccl"] for r in after):
                 nccl.close()  # collective: every rank built it, every rank closes it
             # (A rank whose NcclFabric failed locally aborted its communicator; the others'
@@ -329,7 +333,9 @@ def enable(model: nn.Module, *, mode: str = "in_place", topology: tide.Topology 
         rt = Runtime(mode, groups, arena, device)
         rt.transport = transport_
         rt.rails, rt.rail = rails_, rail
-        arena.close()  # unlink the names now: nothing can outlive the processes, even on a crash
+        # Every rank has mapped every peer's segment (the exchange above is the barrier after
+        # mapping): unlink the names now, the peers' too, so nothing outlives the processes.
+        _close_all(arena, peer_shm)
         _patches.install(all_gather.foreach_all_gather, all_gather.foreach_all_gather_copy_out,
                          reduce_scatter.foreach_reduce_scatter_copy_in)
         for g in served:
@@ -364,15 +370,24 @@ def _check_arguments(mode, rails, transport, options, executor_options, serve_si
         raise TypeError(f"tide_torch.enable: serve_single_rank must be a bool, got {serve_single_rank!r}")
 
 
-def _exchange_or_close(record: dict[str, Any], arena: Arena | None) -> list[dict[str, Any]]:
+def _exchange_or_close(record: dict[str, Any], arena: Arena | None,
+                       peer_shm: list[str] = ()) -> list[dict[str, Any]]:
     """agreement.exchange; when the exchange itself fails (a peer died inside enable(), the
-    process group broke) this rank's arena is closed (its shared-memory names unlinked) first."""
+    process group broke) this rank's arena is closed and the peers' segment names it knows are
+    unlinked first (see [Note: peers unlink too])."""
     try:
         return agreement.exchange(record)
     except BaseException:
-        if arena is not None:
-            arena.close()
+        _close_all(arena, peer_shm)
         raise
+
+
+def _close_all(arena: Arena | None, peer_shm: list[str]) -> None:
+    """Closes this rank's arena (unlinks its name) and unlinks the host's peers' segment names."""
+    if arena is not None:
+        arena.close()
+    for name in peer_shm:
+        shm.unlink(name)
 
 
 def _resolve_fabric(fabric: str) -> str:

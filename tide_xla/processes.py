@@ -176,13 +176,14 @@ def prepare(ctx, op: str, shapes: Sequence[Sequence[int]], in_dtype, out_dtype) 
     # Every process reaches this point for the same (collective, plan, mesh): one segment per rank.
     key = f"{_PREFIX}/seg/{op}/{info['hash']:016x}/{table:016x}"
     client = _client()
-    mine = {}
+    mine, learned = {}, set()
     for group, rank in slots:
         mine[(group, rank)] = name = _create_segment(int(info["segment_bytes"]))
         client.key_value_set(f"{key}/{group}/{rank}", name)
     try:
         for group in sorted({g for g, _ in slots}):
             names = _exchange_ranks(client, f"{key}/{group}", ctx, group)
+            learned.update(names)
             for g, rank in slots:
                 if g == group:
                     ffi.open_rank(*plan_args, table, group, rank, names, ctx.timeout_ms)
@@ -190,8 +191,13 @@ def prepare(ctx, op: str, shapes: Sequence[Sequence[int]], in_dtype, out_dtype) 
         _exchange(f"{key}/mapped", "1", ctx.processes, ctx.timeout_ms,
                   f"mapping the arena segments of {desc}")
     finally:
+        # The peers' names too (after the barrier every process has mapped them; on a failure
+        # nobody will): a process killed after publishing its names leaves no segment behind
+        # (docs/architecture.md, "Shared-memory segments"). A name unlinked twice is harmless.
         for name in mine.values():
             _unlink(name)
+        for name in learned - set(mine.values()):
+            shm.unlink(name)
 
 
 def _exchange_ranks(client, key: str, ctx, group: int) -> list[str]:

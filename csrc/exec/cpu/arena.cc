@@ -1,7 +1,5 @@
-// CpuArena: N symmetric arenas in one mapping (private, or POSIX shared memory for processes).
-#include <fcntl.h>
+// CpuArena: N symmetric arenas in one mapping (private, or shared with the forked rank processes).
 #include <sys/mman.h>
-#include <sys/statvfs.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -32,23 +30,18 @@ int64_t gap_end(const ArenaSpec& spec, int k) {
   return next;
 }
 
-// [Note: arena memory check] The memory the mapping can get: the free space of /dev/shm (where
-// shm_open places segments on Linux) for shared memory, physical memory for a private mapping.
-// Both mappings are lazily backed, so an arena past them maps fine and fails later (SIGBUS on a
-// full /dev/shm, or the OOM killer): the constructor refuses it first, naming the region that
+// [Note: arena memory check] The memory the mapping can get: physical memory, for the private
+// mapping (ranks as threads) and the shared anonymous one (ranks as processes: shmem pages, which
+// /dev/shm's size does not bound) alike. Both are lazily backed, so an arena past it maps fine
+// and fails later (the OOM killer): the constructor refuses it first, naming the region that
 // makes it large. -1 when the limit is unknown.
-int64_t memory_available(bool shared_memory) {
-  if (shared_memory) {
-    struct statvfs st {};
-    if (statvfs("/dev/shm", &st) != 0) return -1;
-    return static_cast<int64_t>(st.f_bavail) * static_cast<int64_t>(st.f_frsize);
-  }
+int64_t memory_available() {
   const long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGE_SIZE);
   return pages > 0 && page > 0 ? static_cast<int64_t>(pages) * page : -1;
 }
 
-void check_arena_fits(int world, const ArenaSpec& spec, int64_t map_bytes, bool shared_memory) {
-  const int64_t avail = memory_available(shared_memory);
+void check_arena_fits(int world, const ArenaSpec& spec, int64_t map_bytes) {
+  const int64_t avail = memory_available();
   if (avail < 0 || map_bytes <= avail) return;
   int big = -1;
   for (int k = 4; k < kNumBufKinds; ++k)
@@ -56,7 +49,7 @@ void check_arena_fits(int world, const ArenaSpec& spec, int64_t map_bytes, bool 
   const bool counters = big < 0 || spec.counters_bytes > spec.bytes[big];
   throw PlanError(TIDE_STR_CAT(
       "CpuArena: ", world, " rank(s) x ", spec.total, " arena bytes (", map_bytes, " bytes mapped) exceed the ",
-      avail, shared_memory ? " bytes free in /dev/shm" : " bytes of physical memory", "; the largest region is '",
+      avail, " bytes of physical memory; the largest region is '",
       counters ? "counters" : buf_kind_name(static_cast<BufKind>(big)), "' (",
       counters ? spec.counters_bytes : spec.bytes[big], " bytes per rank)"));
 }
@@ -75,28 +68,16 @@ CpuArena::CpuArena(int world, const ArenaSpec& spec, bool shared_memory)
   TIDE_PLAN_CHECK(world >= 1, "CpuArena: world must be >= 1, got ", world);
   stride_ = round_up(spec.total, 4096) + kGuard;
   shared_bytes_ = round_up(static_cast<int64_t>(Shared::bytes(world)), 4096);
-  check_arena_fits(world, spec, shared_bytes_ + stride_ * world, shm_);
+  check_arena_fits(world, spec, shared_bytes_ + stride_ * world);
   map_bytes_ = static_cast<size_t>(shared_bytes_ + stride_ * world);
-  void* p = MAP_FAILED;
-  if (shm_) {
-    // [Note: shared-memory lifetime] The segment is created 0600 with a unique name, mapped, and
-    // unlinked at once: forked ranks inherit the mapping, and no name survives a crash.
-    std::string name = TIDE_STR_CAT("/tide-vc-", getpid(), "-", reinterpret_cast<uintptr_t>(this));
-    int fd = shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
-    if (fd < 0) throw Error(TIDE_STR_CAT("CpuArena: shm_open(", name, ") failed: ", std::strerror(errno)));
-    if (ftruncate(fd, static_cast<off_t>(map_bytes_)) == 0)
-      p = mmap(nullptr, map_bytes_, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-    const int err = errno;
-    close(fd);
-    shm_unlink(name.c_str());
-    if (p == MAP_FAILED)
-      throw Error(TIDE_STR_CAT("CpuArena: mapping ", map_bytes_, " bytes of shared memory failed: ",
-                               std::strerror(err)));
-  } else {
-    p = mmap(nullptr, map_bytes_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-    if (p == MAP_FAILED)
-      throw Error(TIDE_STR_CAT("CpuArena: mapping ", map_bytes_, " bytes failed: ", std::strerror(errno)));
-  }
+  // [Note: shared-memory lifetime] Ranks as processes share one anonymous MAP_SHARED mapping
+  // that the forked ranks inherit: it has no name, so nothing can outlive the processes that map
+  // it, whenever any of them is killed (a named segment, even unlinked at once, leaks if its
+  // creator dies between shm_open and shm_unlink).
+  void* p = mmap(nullptr, map_bytes_, PROT_READ | PROT_WRITE, (shm_ ? MAP_SHARED : MAP_PRIVATE) | MAP_ANONYMOUS, -1, 0);
+  if (p == MAP_FAILED)
+    throw Error(TIDE_STR_CAT("CpuArena: mapping ", map_bytes_, " bytes", shm_ ? " of shared memory" : "", " for ", world,
+                             " rank(s) failed: ", std::strerror(errno)));
   uint8_t* mem = static_cast<uint8_t*>(p);
   shared_ = init_shared(mem, world);
   base_ = mem + shared_bytes_;

@@ -80,7 +80,7 @@ struct ArenaView {
   CpuArena::Shared* shared() const { return sh; }
 };
 
-// The per-rank op interpreter (executor.cc), shared by run_cpu and RankExecutor: steps ranks
+// The per-rank op interpreter (interpreter.cc), shared by run_cpu and RankExecutor: steps ranks
 // [lo, hi) of `per_rank` over `view` (streams round-robin, each until its head op is an
 // unsatisfied wait) until they finish or the run aborts. Throws TimeoutError / Error after
 // recording the first failure in view.shared(). per_rank and bindings are indexed by rank and

@@ -1,6 +1,6 @@
 // RankExecutor: one rank's programs over every rank's separately mapped arena segment (ranks as
 // the caller's processes, e.g. torch.distributed workers), and program binding to a caller's
-// arena layout. The op interpreter is run_cpu's (step_ranks in executor.cc).
+// arena layout. The op interpreter is run_cpu's (step_ranks in interpreter.cc).
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/stat.h>

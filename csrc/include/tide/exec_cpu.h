@@ -2,13 +2,13 @@
 //
 // Contract
 //   - CpuArena owns one symmetric arena per rank (ArenaSpec::total bytes each, followed by a
-//     canary guard) in ONE mapping: process-private memory for ranks-as-threads, or a POSIX
-//     shared-memory segment (mode 0600, unlinked right after mapping, so nothing outlives the
-//     process even on failure) for ranks-as-processes. Counters live in each arena's "counters"
-//     region as lock-free 64-bit atomics, so they work across processes; they persist across
-//     calls (epochs, never reset). An arena larger than the memory the mapping can get (free
-//     /dev/shm, or physical memory) is refused with PlanError naming its largest region, before
-//     anything is mapped ([Note: arena memory check] in exec/cpu/arena.cc).
+//     canary guard) in ONE mapping: process-private memory for ranks-as-threads, or an anonymous
+//     shared mapping that the forked ranks inherit for ranks-as-processes (no name: nothing can
+//     outlive the processes, whichever of them is killed; [Note: shared-memory lifetime]).
+//     Counters live in each arena's "counters" region as lock-free 64-bit atomics, so they work
+//     across processes; they persist across calls (epochs, never reset). An arena larger than the
+//     memory the mapping can get (physical memory) is refused with PlanError naming its largest
+//     region, before anything is mapped ([Note: arena memory check] in exec/cpu/arena.cc).
 //   - run_cpu() executes per-rank call lists. Threads mode: `workers` threads each step a fixed
 //     subset of ranks. Processes mode: forked children (one per rank up to 64, else subsets) step
 //     their ranks and exit with _exit(); user buffers the program writes are bounced through
@@ -17,6 +17,9 @@
 //   - A wait that passes `timeout_s` throws tide::TimeoutError naming rank, op index and kind,
 //     stream, tag, call seq, the counter and its producer. The first failure aborts every rank.
 //     After a run the canaries are verified (tide::Error names the rank and region on damage);
+//     while it runs, the staging race canary checks every push into and SUM from a staging slot
+//     in both modes (exec/cpu/staging_canary.h); a rank process killed from outside fails the
+//     call at once, naming its ranks and the signal ([Note: a killed rank process]);
 //     a PUT's bytes are checksummed and re-verified by the receiver's ArrivalWait (corruption
 //     between delivery and consumption is reported naming both ops).
 //   - Bounds: every BufRef is checked against its bound user buffer / arena region; user
@@ -79,7 +82,8 @@ struct CpuRunOptions : ExecutorOptions {
   // Polled by the calling thread about every 20 ms while the ranks run (the faces pass Python's
   // signal check): true stops every rank and the call throws Interrupted.
   std::function<bool()> interrupted;
-  // The staging race canary (exec/cpu/staging_canary.h): run_cpu sets one for ranks as threads.
+  // The staging race canary (exec/cpu/staging_canary.h): run_cpu sets one for ranks as threads
+  // and as processes alike (its table is a shared mapping of its own, not arena bytes).
   class StagingCanary* canary = nullptr;
 };
 
