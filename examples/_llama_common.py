@@ -56,6 +56,14 @@ def resolve(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         ap.error(f"--seed must be >= 0, got {args.seed}")
 
 
+def describe(cfg, world: int) -> dict:
+    """The "model" entry of an example's --json: what must match for two runs to be comparable
+    (`tide bench train` checks it across frameworks)."""
+    return dict({k: getattr(cfg, k) for k in FIELDS}, size=cfg.size, seed=cfg.seed,
+                global_batch=cfg.batch * world,
+                parameters=sum(int(np.prod(s)) for _, s, _ in param_specs(cfg)))
+
+
 def param_specs(cfg) -> list[tuple[str, tuple[int, ...], str]]:
     """(name, shape, init) of every parameter in torch's named_parameters() order; init is
     "normal" (nn.Embedding: N(0, 1)), "uniform" (nn.Linear: U(-1/sqrt(in), 1/sqrt(in))) or

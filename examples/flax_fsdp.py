@@ -17,7 +17,8 @@ On XLA:CPU the devices are threads of one process (TIDE's in-process virtual clu
 times show overheads, not the network. When jax has a GPU backend the mesh is the GPUs present
 (up to 8; one GPU is a 1 x 1 topology) and TIDE runs through the CUDA handlers.
 
---json PATH writes {"framework": "jax", "device": device_kind, "world": N, "runs": [{"name",
+--json PATH writes {"framework": "jax", "device": device_kind, "world": N, "model"
+(_llama_common.describe), "runs": [{"name",
 "step_ms" (median after --warmup steps; the first compiles), "peak_bytes" (memory_stats()
 ["peak_bytes_in_use"] of device 0, or null), "final_loss", "losses", "params_sha256" (the final
 parameters' bytes), "layout_copies" ({op: {"calls", "bytes"}} per step and device, or null where
@@ -346,7 +347,7 @@ def main(argv=None):
     if args.json and lead:
         with open(args.json, "w") as f:
             json.dump({"framework": "jax", "device": devices[0].device_kind, "world": n,
-                       "runs": records}, f, indent=1)
+                       "model": common.describe(args, n), "runs": records}, f, indent=1)
 
 
 if __name__ == "__main__":

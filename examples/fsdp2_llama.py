@@ -22,7 +22,8 @@ stock FSDP2 allocates through it. On CPU the table shows the process's peak RSS 
 between runs) and the JSON has null. Layout copies: FSDP2's all-gather copy-in, copy-out
 (split_with_sizes_copy) and reduce-scatter pack (_chunk_cat), calls and bytes written in one
 step on rank 0, counted by torch.profiler (step 1; step 0 builds the unsharded parameters).
-``--json PATH`` (rank 0) writes {"framework", "device", "world", "runs": [{"name", "step_ms",
+``--json PATH`` (rank 0) writes {"framework", "device", "world", "model" (_llama_common.describe),
+"runs": [{"name", "step_ms",
 "peak_bytes", "final_loss", "losses", "layout_copies": {op: {"calls", "bytes"}},
 "copies_source"}]}.
 """
@@ -280,6 +281,7 @@ def main_worker(rank: int, world: int, init: str, args) -> None:
                 with open(args.json, "w") as f:
                     json.dump({"framework": "torch", "device": name,
                                "world": dist.get_world_size(),
+                               "model": common.describe(args, dist.get_world_size()),
                                "runs": [{k: s[k] if k != "peak_bytes" or device.type == "cuda"
                                          else None for k in JSON_KEYS} for s in results]},
                               f, indent=1)
