@@ -217,8 +217,9 @@ def same_model(results) -> tuple[bool | None, str]:
                   f"{ma.get('global_batch')} x {ma.get('seq')} tokens, seed {ma.get('seed')}")
 
 
-def print_details(results, out=sys.stdout) -> None:
+def print_details(results, out=None) -> None:
     """The loss of every path per step, then each path's layout copies (what they count)."""
+    out = out or sys.stdout
     paths = [(f"{res['framework']}/{r['name']}", r) for res in results if "error" not in res for r in res["runs"]]
     if not paths:
         return
