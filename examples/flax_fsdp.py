@@ -179,7 +179,7 @@ def train_tide(mesh, graphdef, params, tx, data, warmup):
     copies = {"tide_xla landing -> XLA result (added)": {  # bytes: each group gathered once
         "calls": calls, "bytes": total if calls == len(layout.groups) else None}}
     record = run("tide_xla", step, shards, opt_state, mesh, data, warmup)
-    record.update(layout_copies=copies, copies_source="tide_xla layout, rank 0: "
+    record.update(layout_copies=copies, copies_source="tide_xla layout, per device: "
                   "the bf16 parameters each TIDE-AG call copies out of its landing")
     return record
 
@@ -190,7 +190,7 @@ def train_gspmd(mesh, graphdef, params, tx, data, warmup):
     def spec(x):  # dim-0 sharding where it divides evenly; XLA's own choice otherwise
         return NamedSharding(mesh, P("fsdp") if x.ndim and x.shape[0] % n == 0 else P())
 
-    params = jax.tree.map(lambda x: jax.device_put(jnp.asarray(x, F32), spec(x)), params)
+    params = jax.tree.map(lambda x: jax.device_put(x.astype(np.float32), spec(x)), params)
     opt_state = tx.init(params)
 
     @functools.partial(jax.jit, donate_argnums=(0, 1))
