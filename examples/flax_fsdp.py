@@ -1,24 +1,32 @@
-"""Train one small Flax NNX transformer two ways and compare: TIDE (tide_xla) and XLA's own
-sharding (GSPMD).
+"""Train examples/fsdp2_llama.py's Llama-style model in Flax NNX two ways and compare: TIDE
+(tide_xla) and XLA's own sharding (GSPMD).
 
     XLA_FLAGS=--xla_force_host_platform_device_count=8 python examples/flax_fsdp.py [--steps 20]
-    python examples/flax_fsdp.py --json out.json --separate     # on GPUs: the GPUs present
+    python examples/flax_fsdp.py --size small --json out.json --separate   # on GPUs: those present
 
-Both runs shard the fp32 parameters on dim 0 over an 8-device "fsdp" mesh axis and compute in
-bf16. TIDE: one TIDE-AG call per layer group gathers bf16 parameters inside `jax.shard_map`, and
+The model, its initial weights (numpy, --seed), the tokens and AdamW's hyperparameters come from
+examples/_llama_common.py, as in the PyTorch example, so that both frameworks train the same
+model from the same bytes (--size and the per-field overrides are the same flags; --batch is
+sequences per device, so the global batch is batch x devices in both). Both runs shard the fp32
+parameters on dim 0 over an "fsdp" mesh axis of up to 8 devices and compute in bf16 (FSDP2's
+MixedPrecisionPolicy(bf16, fp32)). TIDE: one TIDE-AG call per FSDP2 group (each block; the
+embedding, final norm and head together) gathers bf16 parameters inside `jax.shard_map`, and
 the backward reduces bf16 gradients into fp32 shards with TIDE-RS. GSPMD: the same step under
 `jax.jit` with NamedSharding annotations; XLA inserts its own all-gathers and reduce-scatters.
 On XLA:CPU the devices are threads of one process (TIDE's in-process virtual cluster), so step
 times show overheads, not the network. When jax has a GPU backend the mesh is the GPUs present
 (up to 8; one GPU is a 1 x 1 topology) and TIDE runs through the CUDA handlers.
 
---json PATH writes {"framework": "jax", "device": device_kind, "world": N, "runs": [{"name",
-"step_ms" (median after the first, compiling, step), "peak_bytes" (memory_stats()
+--json PATH writes {"framework": "jax", "device": device_kind, "world": N, "model"
+(_llama_common.describe), "runs": [{"name",
+"step_ms" (median after --warmup steps; the first compiles), "peak_bytes" (memory_stats()
 ["peak_bytes_in_use"] of device 0, or null), "final_loss", "losses", "params_sha256" (the final
-parameters' bytes)}]}. --processes N (XLA:CPU) runs the same job as N jax.distributed processes of
-this host, 8/N devices each; TIDE's parameters end bitwise equal to one process's (the printed
-losses may differ in the last bits: XLA's cross-process pmean sums in another order). The peak is the process'
-peak so far; --separate runs each framework in its own process so that it is per run.
+parameters' bytes), "layout_copies" ({op: {"calls", "bytes"}} per step and device, or null where
+not counted), "copies_source"}]}. --processes N (XLA:CPU) runs the same job as N jax.distributed
+processes of this host, 8/N devices each; TIDE's parameters end bitwise equal to one process's
+(the printed losses may differ in the last bits: XLA's cross-process pmean sums in another
+order). The peak is the process' peak so far; --separate runs each framework in its own process
+so that it is per run.
 """
 from __future__ import annotations
 
@@ -27,6 +35,7 @@ import functools
 import glob
 import hashlib
 import json
+import math
 import os
 import subprocess
 import sys
@@ -48,54 +57,102 @@ from flax import nnx  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
 import tide_xla  # noqa: E402
+import tide_xla.sharding  # noqa: E402
 
-VOCAB, DIM, HEADS, FF, LAYERS, SEQ = 128, 64, 4, 176, 2, 32
+import _llama_common as common  # noqa: E402 - examples/: the script's directory is on sys.path
+
+F32 = jnp.float32
+
+
+class Embedding(nnx.Module):
+    def __init__(self, weight):
+        self.weight = nnx.Param(weight)  # (vocab, dim), as nn.Embedding
+
+    def __call__(self, tokens):
+        return jnp.take(self.weight[...], tokens, axis=0)
+
+
+class Linear(nnx.Module):
+    """Bias-free; the weight is (out_features, in_features) as nn.Linear stores it, so both
+    frameworks shard the same dim 0."""
+
+    def __init__(self, weight):
+        self.weight = nnx.Param(weight)
+
+    def __call__(self, x):
+        return x @ self.weight[...].T
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, weight):
+        self.weight = nnx.Param(weight)
+
+    def __call__(self, x):  # statistics in fp32, the result in x's dtype (bf16), as torch's
+        x32 = x.astype(F32)
+        y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, -1, keepdims=True) + common.RMS_EPS)
+        return (y * self.weight[...].astype(F32)).astype(x.dtype)
 
 
 class Block(nnx.Module):
-    def __init__(self, rngs):
-        self.ln1 = nnx.LayerNorm(DIM, rngs=rngs)
-        self.attn = nnx.MultiHeadAttention(HEADS, DIM, decode=False, rngs=rngs)
-        self.ln2 = nnx.LayerNorm(DIM, rngs=rngs)
-        self.up = nnx.Linear(DIM, FF, rngs=rngs)
-        self.down = nnx.Linear(FF, DIM, rngs=rngs)
+    """fsdp2_llama.py's Block: RMSNorm, causal GQA attention, RMSNorm, SwiGLU MLP."""
+
+    def __init__(self, cfg, w: dict, prefix: str):
+        self.heads, self.kv_heads, self.hd = cfg.heads, cfg.kv_heads, cfg.dim // cfg.heads
+        for name in ("attention_norm", "ffn_norm"):
+            setattr(self, name, RMSNorm(w[f"{prefix}{name}.weight"]))
+        for name in ("wq", "wk", "wv", "wo", "w1", "w2", "w3"):
+            setattr(self, name, Linear(w[f"{prefix}{name}.weight"]))
 
     def __call__(self, x):
-        x = x + self.attn(self.ln1(x), mask=nnx.make_causal_mask(x[..., 0]))
-        return x + self.down(jax.nn.gelu(self.up(self.ln2(x))))
+        b, t, _ = x.shape
+        h = self.attention_norm(x)
+        q = self.wq(h).reshape(b, t, self.heads, self.hd)
+        rep = self.heads // self.kv_heads  # torch's repeat_interleave over the head dim
+        k = jnp.repeat(self.wk(h).reshape(b, t, self.kv_heads, self.hd), rep, axis=2)
+        v = jnp.repeat(self.wv(h).reshape(b, t, self.kv_heads, self.hd), rep, axis=2)
+        s = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=F32) / np.sqrt(self.hd)
+        s = jnp.where(jnp.tril(jnp.ones((t, t), bool)), s, -jnp.inf)
+        p = jax.nn.softmax(s, axis=-1).astype(q.dtype)
+        y = jnp.einsum("bhqk,bkhd->bqhd", p, v)
+        x = x + self.wo(y.reshape(b, t, -1))
+        n = self.ffn_norm(x)
+        return x + self.w2(jax.nn.silu(self.w1(n)) * self.w3(n))
 
 
-class Transformer(nnx.Module):
-    def __init__(self, rngs):
-        self.embed = nnx.Embed(VOCAB, DIM, rngs=rngs)
-        self.blocks = nnx.List([Block(rngs) for _ in range(LAYERS)])
-        self.head = nnx.Linear(DIM, VOCAB, rngs=rngs)
+class Llama(nnx.Module):
+    """fsdp2_llama.py's Llama, built from _llama_common's weights (numpy, by torch name)."""
+
+    def __init__(self, cfg, w: dict):
+        self.tok_embeddings = Embedding(w["tok_embeddings.weight"])
+        self.layers = nnx.List([Block(cfg, w, f"layers.{i}.") for i in range(cfg.layers)])
+        self.norm = RMSNorm(w["norm.weight"])
+        self.output = Linear(w["output.weight"])
 
     def __call__(self, tokens):
-        x = self.embed(tokens)
-        for b in self.blocks:
-            x = b(x)
-        return self.head(x)
+        h = self.tok_embeddings(tokens)
+        for layer in self.layers:
+            h = layer(h)
+        return self.output(self.norm(h))
+
+
+def group_key(path):
+    """FSDP2's groups (fully_shard on every block, then on the root): one TIDE group per block
+    and one for the embedding, the final norm and the head together."""
+    key = tide_xla.sharding.default_group_key(path)
+    return key if key[0] == "layers" else ("root",)
 
 
 def loss_fn(graphdef, params, tokens):
-    logits = nnx.merge(graphdef, params)(tokens[:, :-1]).astype(jnp.float32)
+    logits = nnx.merge(graphdef, params)(tokens[:, :-1]).astype(F32)
     logp = jax.nn.log_softmax(logits)
     return -jnp.mean(jnp.take_along_axis(logp, tokens[:, 1:, None], -1))
 
 
-def batches(steps, batch, seed=0):
-    """Learnable synthetic data: each sequence counts up from a random start (mod VOCAB)."""
-    rng = np.random.default_rng(seed)
-    for _ in range(steps):
-        start = rng.integers(0, VOCAB, (batch, 1))
-        yield ((start + np.arange(SEQ + 1)) % VOCAB).astype(np.int32)  # host data: device_put shards it
-
-
-def train_tide(mesh, graphdef, params, tx, steps, batch):
+def train_tide(mesh, graphdef, params, tx, data, warmup):
     n = mesh.shape["fsdp"]
     tide_xla.init(mesh, "fsdp")
-    shards, layout = tide_xla.shard(params, mesh, "fsdp")  # fp32 master shards, dim 0 padded
+    # fp32 master shards, dim 0 padded; FSDP2's groups
+    shards, layout = tide_xla.shard(params, mesh, "fsdp", group_key=group_key)
     opt_state = tx.init(shards)
 
     def local_loss(local_shards, tokens):
@@ -113,16 +170,27 @@ def train_tide(mesh, graphdef, params, tx, steps, batch):
         updates, opt_state = tx.update(grads, opt_state, shards)
         return optax.apply_updates(shards, updates), opt_state, loss
 
-    return run("tide_xla", step, shards, opt_state, mesh, steps, batch)
+    # The one copy the XLA face adds (docs/xla.md): each TIDE-AG call copies its landing into
+    # XLA's result buffers, the group's unsharded bf16 parameters. Calls per step: the
+    # tide_all_gather custom calls of the lowered step.
+    hlo = step.lower(shards, opt_state, jax.ShapeDtypeStruct(data[0].shape, jnp.int32)).as_text()
+    calls = hlo.count("@tide_all_gather")
+    total = sum(math.prod(leaf.shape) for leaf in layout.leaves) * layout.ag_dtype.itemsize
+    copies = {"tide_xla landing -> XLA result (added)": {  # bytes: each group gathered once
+        "calls": calls, "bytes": total if calls == len(layout.groups) else None}}
+    record = run("tide_xla", step, shards, opt_state, mesh, data, warmup)
+    record.update(layout_copies=copies, copies_source="tide_xla layout, per device: "
+                  "the bf16 parameters each TIDE-AG call copies out of its landing")
+    return record
 
 
-def train_gspmd(mesh, graphdef, params, tx, steps, batch):
+def train_gspmd(mesh, graphdef, params, tx, data, warmup):
     n = mesh.shape["fsdp"]
 
     def spec(x):  # dim-0 sharding where it divides evenly; XLA's own choice otherwise
         return NamedSharding(mesh, P("fsdp") if x.ndim and x.shape[0] % n == 0 else P())
 
-    params = jax.tree.map(lambda x: jax.device_put(x.astype(jnp.float32), spec(x)), params)
+    params = jax.tree.map(lambda x: jax.device_put(x.astype(np.float32), spec(x)), params)
     opt_state = tx.init(params)
 
     @functools.partial(jax.jit, donate_argnums=(0, 1))
@@ -133,14 +201,17 @@ def train_gspmd(mesh, graphdef, params, tx, steps, batch):
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, value
 
-    return run("gspmd", step, params, opt_state, mesh, steps, batch)
+    record = run("gspmd", step, params, opt_state, mesh, data, warmup)
+    record.update(layout_copies=None, copies_source="not counted: XLA's own collectives and "
+                  "copies are inside the compiled program (no FSDP2 layout copies to count)")
+    return record
 
 
-def run(name, step, params, opt_state, mesh, steps, batch):
+def run(name, step, params, opt_state, mesh, data, warmup):
     say = print if jax.process_index() == 0 else (lambda *a, **k: None)
     data_sharding = NamedSharding(mesh, P("fsdp"))
     times, losses = [], []
-    for i, tokens in enumerate(batches(steps, batch)):
+    for i, tokens in enumerate(data):
         tokens = jax.device_put(tokens, data_sharding)
         t0 = time.perf_counter()
         params, opt_state, loss = step(params, opt_state, tokens)
@@ -150,7 +221,7 @@ def run(name, step, params, opt_state, mesh, steps, batch):
         if i == 0 or (i + 1) % 5 == 0:
             say(f"  {name:9s} step {i + 1:3d}  loss {loss:.4f}  {times[-1] * 1e3:8.1f} ms"
                   + ("  (includes compile)" if i == 0 else ""))
-    steady = times[1:] or times
+    steady = times[warmup:] or times[-1:]
     say(f"{name:9s} median step {np.median(steady) * 1e3:.1f} ms, loss {losses[0]:.4f} -> "
           f"{losses[-1]:.4f}")
     return {"name": name, "step_ms": float(np.median(steady) * 1e3),
@@ -182,7 +253,8 @@ RUNS = {"gspmd": train_gspmd, "tide_xla": train_tide}
 
 
 def run_separately(names, argv_rest):
-    """Each run in a fresh process (its own peak_bytes); returns the runs' records in order."""
+    """Each run in a fresh process (its own peak_bytes); returns the runs' records in order.
+    argv_rest: the arguments that make the model, data and steps, passed on to each."""
     out = []
     for name in names:
         with tempfile.NamedTemporaryFile(suffix=".json") as f:
@@ -211,8 +283,10 @@ def launch_processes(n, argv):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    common.add_args(ap)  # --size, --vocab ... --batch (per device), --seq, --seed
     ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--batch", type=int, default=16, help="global batch (sequences)")
+    ap.add_argument("--warmup", type=int, default=1,
+                    help="steps left out of the median (the first one compiles)")
     ap.add_argument("--runs", default="gspmd,tide_xla", help="comma list of gspmd, tide_xla")
     ap.add_argument("--json", metavar="PATH", help="write step times and losses as JSON")
     ap.add_argument("--separate", action="store_true",
@@ -224,6 +298,11 @@ def main(argv=None):
     ap.add_argument("--process-id", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--coordinator", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    common.resolve(ap, args)
+    if args.steps < 1:
+        ap.error(f"--steps must be >= 1, got {args.steps}")
+    if args.warmup < 0 or args.warmup >= args.steps:
+        ap.error(f"--warmup {args.warmup} leaves no timed step of --steps {args.steps}")
     if args.processes > 1 and args.process_id is None:
         raise SystemExit(launch_processes(args.processes, sys.argv[1:] if argv is None else list(argv)))
     if args.process_id is not None:
@@ -234,24 +313,32 @@ def main(argv=None):
     names = [r for r in args.runs.split(",") if r]
     for r in names:
         if r not in RUNS:
-            raise SystemExit(f"--runs: unknown run {r!r} (known: {', '.join(RUNS)})")
+            ap.error(f"--runs: unknown run {r!r} (known: {', '.join(RUNS)})")
     devices = sorted(jax.devices(), key=lambda d: d.id)  # every process's, process-major
     if len(devices) < 2 and devices[0].platform == "cpu":
         raise SystemExit("needs several devices: "
                          "XLA_FLAGS=--xla_force_host_platform_device_count=8")
     n = min(8, len(devices))
     if args.separate and len(names) > 1:
-        records = run_separately(names, ["--steps", str(args.steps), "--batch", str(args.batch)])
+        model_args = ["--size", args.size, "--seed", str(args.seed), "--steps", str(args.steps),
+                      "--warmup", str(args.warmup)]
+        for k in common.FIELDS:
+            model_args += [f"--{k.replace('_', '-')}", str(getattr(args, k))]
+        records = run_separately(names, model_args)
     else:
         mesh = Mesh(np.array(devices[:n]), ("fsdp",))
-        graphdef, params = nnx.split(Transformer(nnx.Rngs(0)), nnx.Param)
+        # numpy leaves: each run puts its own copy on the devices (a run donates its parameters
+        # to its train step)
+        model = Llama(args, dict(common.init_weights(args, args.seed)))
+        graphdef, params = nnx.split(model, nnx.Param)
         count = sum(x.size for x in jax.tree.leaves(params))
-        out(f"{count} parameters, {n} devices ({devices[0].device_kind}) in {jax.process_count()} "
-            f"process(es), batch {args.batch} x {SEQ}")
-        tx = optax.adamw(3e-3)
-        # each run starts from its own copy: a run donates its parameters to its train step
-        records = [RUNS[r](mesh, graphdef, jax.tree.map(jnp.copy, params), tx, args.steps, args.batch)
-                   for r in names]
+        out(f"Llama {args.size}: {count} parameters, {n} devices ({devices[0].device_kind}) in "
+            f"{jax.process_count()} process(es), batch {args.batch} x {n} x {args.seq}")
+        hp = common.ADAMW
+        tx = optax.adamw(hp["lr"], b1=hp["betas"][0], b2=hp["betas"][1], eps=hp["eps"],
+                         weight_decay=hp["weight_decay"])
+        data = common.token_batches(args, args.steps, args.batch * n, args.seed)
+        records = [RUNS[r](mesh, graphdef, params, tx, data, args.warmup) for r in names]
     by_name = {r["name"]: r for r in records}
     if len(by_name) == 2:
         diff = max(abs(a - b) for a, b in zip(by_name["tide_xla"]["losses"],
@@ -260,7 +347,7 @@ def main(argv=None):
     if args.json and lead:
         with open(args.json, "w") as f:
             json.dump({"framework": "jax", "device": devices[0].device_kind, "world": n,
-                       "runs": records}, f, indent=1)
+                       "model": common.describe(args, n), "runs": records}, f, indent=1)
 
 
 if __name__ == "__main__":

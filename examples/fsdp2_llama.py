@@ -1,5 +1,5 @@
 """Train a Llama-style model with FSDP2: stock, TIDE In-Place and TIDE Slot-Reuse; print step
-time, peak memory and loss for each.
+time, peak memory, loss and FSDP2's layout copies for each.
 
     # one GPU (world 1), or every GPU of the node with torchrun (NCCL)
     python examples/fsdp2_llama.py --size small --json out.json
@@ -9,19 +9,28 @@ time, peak memory and loss for each.
     python examples/fsdp2_llama.py --device cpu
     python examples/fsdp2_llama.py --device cpu --world 4 --nodes 2 --steps 10 --variants stock,tide_slot_reuse
 
-Every run uses the same seed, data and MixedPrecisionPolicy(bf16, fp32). Step time is the median
-over the steps after ``--warmup`` (each step ends with torch.cuda.synchronize). Peak memory is
+Model, initial weights, tokens and AdamW hyperparameters come from examples/_llama_common.py,
+shared with examples/flax_fsdp.py (the same model in JAX): every run starts from the same numpy
+weights (--seed) with MixedPrecisionPolicy(bf16, fp32), rank r trains on rows [r B, (r + 1) B)
+of the same global batches (B = --batch), and the loss printed is the mean over every rank's
+tokens. Step time is the median over the steps after ``--warmup`` (each step ends with
+torch.cuda.synchronize), the profiled step left out. Peak memory is
 torch.cuda.max_memory_allocated (reset between runs, counted above what the run found allocated,
 so that an earlier variant's leftovers do not count) plus, for TIDE, the arena: on the CUDA-IPC
 fabric it is a cudaMalloc outside torch's allocator and holds the unsharded parameters that
 stock FSDP2 allocates through it. On CPU the table shows the process's peak RSS (not reset
-between runs) and the JSON has null.
-``--json PATH`` (rank 0) writes {"framework", "device", "world", "runs": [{"name", "step_ms",
-"peak_bytes", "final_loss", "losses"}]}.
+between runs) and the JSON has null. Layout copies: FSDP2's all-gather copy-in, copy-out
+(split_with_sizes_copy) and reduce-scatter pack (_chunk_cat), calls and bytes written in one
+step on rank 0, counted by torch.profiler (step 1; step 0 builds the unsharded parameters).
+``--json PATH`` (rank 0) writes {"framework", "device", "world", "model" (_llama_common.describe),
+"runs": [{"name", "step_ms",
+"peak_bytes", "final_loss", "losses", "layout_copies": {op: {"calls", "bytes"}},
+"copies_source"}]}.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import glob
 import json
@@ -30,11 +39,14 @@ import statistics
 import sys
 import tempfile
 import time
+import warnings
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+
+import _llama_common as common  # examples/: the script's directory is on sys.path
 
 # A checkout whose core is built in place (make build) runs from the checkout; otherwise the
 # installed packages (pip install .) are used.
@@ -43,18 +55,11 @@ if glob.glob(os.path.join(_ROOT, "tide", "_core*.so")):
     sys.path.insert(0, _ROOT)
 
 VARIANTS = {"stock": None, "tide_in_place": "in_place", "tide_slot_reuse": "slot_reuse"}
-# vocab, dim, layers, heads, kv_heads, hidden, batch, seq
-SIZES = {
-    "tiny": dict(vocab=503, dim=64, layers=4, heads=8, kv_heads=2, hidden=172, batch=4, seq=32),
-    "small": dict(vocab=32000, dim=1024, layers=8, heads=16, kv_heads=4, hidden=2816, batch=4,
-                  seq=1024),
-    "1b": dict(vocab=128256, dim=2048, layers=16, heads=32, kv_heads=8, hidden=8192, batch=4,
-               seq=2048),  # Llama-3.2-1B's shapes
-}
+PROFILE_STEP = 1  # step 0 builds the unsharded parameters: the layout copies of a later one
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float = 1e-6):
+    def __init__(self, dim: int, eps: float = common.RMS_EPS):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
@@ -108,9 +113,22 @@ class Llama(nn.Module):
         return self.output(self.norm(h))
 
 
+def load_weights(model: nn.Module, args) -> None:
+    """Fills `model` (parameters still unsharded) with _llama_common's numpy weights, checking
+    that its parameters are the shared specification's, name by name and shape by shape."""
+    params = dict(model.named_parameters())
+    specs = common.param_specs(args)
+    if [(n, tuple(p.shape)) for n, p in params.items()] != [(n, s) for n, s, _ in specs]:
+        raise RuntimeError("the torch Llama's parameters differ from _llama_common.param_specs")
+    with torch.no_grad():
+        for name, w in common.init_weights(args, args.seed):
+            params[name].copy_(torch.from_numpy(w))
+
+
 def run(args, device: torch.device, variant: str) -> tuple[dict, dict]:
     import tide
     import tide_torch
+    from tide_torch.demo_train import layout_copies
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -118,9 +136,10 @@ def run(args, device: torch.device, variant: str) -> tuple[dict, dict]:
     # What an earlier variant left allocated in this process is not this run's: peaks are counted
     # above it (on the 1b model about one fp32 copy of the parameters outlives `del model`).
     base = torch.cuda.memory_allocated(device) if cuda else 0
-    torch.manual_seed(0)
-    model = Llama(args.vocab, args.dim, args.layers, args.heads, args.kv_heads,
-                  args.hidden).to(device)
+    with torch.device("meta"):
+        model = Llama(args.vocab, args.dim, args.layers, args.heads, args.kv_heads, args.hidden)
+    model.to_empty(device=device)
+    load_weights(model, args)
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for layer in model.layers:
@@ -135,10 +154,13 @@ def run(args, device: torch.device, variant: str) -> tuple[dict, dict]:
         handle = tide_torch.enable(model, mode=VARIANTS[variant], topology=topo,
                                    transport=args.transport, fabric=args.fabric,
                                    serve_single_rank=args.serve_single_rank)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    g = torch.Generator().manual_seed(1 + dist.get_rank())
-    data = [torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=g).to(device)
-            for _ in range(args.steps)]
+    hp = common.ADAMW
+    opt = torch.optim.AdamW(model.parameters(), lr=hp["lr"], betas=hp["betas"], eps=hp["eps"],
+                            weight_decay=hp["weight_decay"])
+    world, rank = dist.get_world_size(), dist.get_rank()
+    rows = slice(rank * args.batch, (rank + 1) * args.batch)
+    data = [torch.from_numpy(b[rows]).long().to(device)
+            for b in common.token_batches(args, args.steps, args.batch * world, args.seed)]
     if cuda:
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
@@ -151,21 +173,31 @@ def run(args, device: torch.device, variant: str) -> tuple[dict, dict]:
             phases[name] = max(phases.get(name, 0), torch.cuda.max_memory_allocated(device) - base)
             torch.cuda.reset_peak_memory_stats(device)
 
-    for tokens in data:
-        t0 = time.perf_counter()
-        logits = model(tokens[:, :-1])
-        loss = F.cross_entropy(logits.float().reshape(-1, args.vocab), tokens[:, 1:].reshape(-1))
-        del logits
-        phase("forward")
-        loss.backward()
-        phase("backward")
-        opt.step()
-        opt.zero_grad()
-        phase("optimizer")
-        if cuda:
-            torch.cuda.synchronize(device)
-        times.append(time.perf_counter() - t0)
-        losses.append(loss.item())
+    copies = None
+    for i, tokens in enumerate(data):
+        profiling = rank == 0 and i == min(PROFILE_STEP, args.steps - 1)
+        with (torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
+                                     record_shapes=True) if profiling
+              else contextlib.nullcontext()) as prof:
+            t0 = time.perf_counter()
+            logits = model(tokens[:, :-1])
+            loss = F.cross_entropy(logits.float().reshape(-1, args.vocab),
+                                   tokens[:, 1:].reshape(-1))
+            del logits
+            phase("forward")
+            loss.backward()
+            phase("backward")
+            opt.step()
+            opt.zero_grad()
+            phase("optimizer")
+            if cuda:
+                torch.cuda.synchronize(device)
+            times.append(time.perf_counter() - t0)
+        if profiling:
+            copies = layout_copies(prof, world)
+        mean = loss.detach().clone()  # this rank's tokens' mean -> every rank's (equal counts)
+        dist.all_reduce(mean)
+        losses.append(mean.item() / world)
     arena = handle.memory()["arena_bytes"] if handle else 0
     if cuda:
         peak = max([torch.cuda.max_memory_allocated(device) - base] + list(phases.values()))
@@ -174,9 +206,11 @@ def run(args, device: torch.device, variant: str) -> tuple[dict, dict]:
     else:
         import resource
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    timed = times[args.warmup:] or times[-1:]
-    stats = {"name": variant, "step_ms": statistics.median(timed) * 1e3, "peak_bytes": int(peak),
-             "final_loss": losses[-1], "losses": losses,
+    timed = [t for i, t in enumerate(times[args.warmup:], args.warmup) if i != PROFILE_STEP]
+    stats = {"name": variant, "step_ms": statistics.median(timed or times[-1:]) * 1e3,
+             "peak_bytes": int(peak), "final_loss": losses[-1], "losses": losses,
+             "layout_copies": copies,
+             "copies_source": f"torch.profiler, rank 0, step {min(PROFILE_STEP, args.steps - 1)}",
              # printed, not in the JSON:
              "arena_bytes": arena, "transport": handle.transport if handle else "stock",
              "fallbacks": handle.fallbacks if handle else {}, "phases": phases,
@@ -192,10 +226,15 @@ def run(args, device: torch.device, variant: str) -> tuple[dict, dict]:
     return stats, shards
 
 
-JSON_KEYS = ("name", "step_ms", "peak_bytes", "final_loss", "losses")
+JSON_KEYS = ("name", "step_ms", "peak_bytes", "final_loss", "losses", "layout_copies",
+             "copies_source")
 
 
 def main_worker(rank: int, world: int, init: str, args) -> None:
+    # torch.profiler (the layout copies): no "gpuGetDeviceCount failed" lines on CPU hosts, no
+    # warning that a profile without a schedule keeps one cycle (it is one step).
+    os.environ.setdefault("KINETO_LOG_LEVEL", "5")
+    warnings.filterwarnings("ignore", message=".*Profiler clears events")
     if args.device == "cuda":
         local = int(os.environ.get("LOCAL_RANK", rank))
         torch.cuda.set_device(local)
@@ -226,6 +265,10 @@ def main_worker(rank: int, world: int, init: str, args) -> None:
                         f"{k} {v / 2**20:.1f}" for k, v in s["phases"].items()))
                 if s["fallbacks"]:
                     print(f"  {s['name']} stock fallbacks: {s['fallbacks']}")
+                if s["layout_copies"] is not None:
+                    print(f"  {s['name']} FSDP2 layout copies ({s['copies_source']}): " + ", ".join(
+                        f"{op} {c['calls']} ({c['bytes']:,} B)"
+                        for op, c in s["layout_copies"].items()))
             if "stock" in shards:
                 for v, sh in shards.items():
                     if v != "stock":
@@ -238,6 +281,7 @@ def main_worker(rank: int, world: int, init: str, args) -> None:
                 with open(args.json, "w") as f:
                     json.dump({"framework": "torch", "device": name,
                                "world": dist.get_world_size(),
+                               "model": common.describe(args, dist.get_world_size()),
                                "runs": [{k: s[k] if k != "peak_bytes" or device.type == "cuda"
                                          else None for k in JSON_KEYS} for s in results]},
                               f, indent=1)
@@ -261,27 +305,19 @@ def main() -> None:
                          "without it a one-rank job keeps stock FSDP2")
     ap.add_argument("--fabric", default="auto", choices=("auto", "ipc", "nccl"),
                     help="the CUDA executor's fabric (tide_torch.enable(fabric=...))")
-    ap.add_argument("--size", default="tiny", choices=tuple(SIZES))
+    common.add_args(ap)  # --size, --vocab ... --batch (per rank), --seq, --seed
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3, help="steps left out of the median")
-    for k in SIZES["tiny"]:
-        ap.add_argument(f"--{k.replace('_', '-')}", type=int, default=None,
-                        help=f"override the size preset's {k}")
     ap.add_argument("--json", default=None, help="write the results (rank 0) to this path")
     ap.add_argument("--phases", action="store_true",
                     help="CUDA: also print each step phase's peak (forward, backward, optimizer)")
     args = ap.parse_args()
-    for k, v in SIZES[args.size].items():
-        if getattr(args, k) is None:
-            setattr(args, k, v)
+    common.resolve(ap, args)
     args.variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     bad = [v for v in args.variants if v not in VARIANTS]
     if bad or not args.variants:
         ap.error(f"--variants: unknown {bad}; choose from {list(VARIANTS)}")
-    if args.dim % args.heads or args.heads % args.kv_heads:
-        ap.error(f"--dim {args.dim} / --heads {args.heads} / --kv-heads {args.kv_heads}: heads "
-                 "must divide dim and kv-heads must divide heads")
-    if args.warmup >= args.steps:
+    if args.warmup < 0 or args.warmup >= args.steps:
         ap.error(f"--warmup {args.warmup} leaves no timed step of --steps {args.steps}")
     if "RANK" in os.environ:  # torchrun
         main_worker(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), "env://", args)

@@ -192,44 +192,86 @@ ap = argparse.ArgumentParser()
 ap.add_argument("--json")
 ap.add_argument("--device", default="cpu")
 ap.add_argument("--steps", type=int, default=3)
-a = ap.parse_args()
-runs = [dict(name=n, step_ms=ms, peak_bytes=pk, final_loss=fl, losses=[5.0] * (a.steps - 1) + [fl])
-        for n, ms, pk, fl in RUNS]
+ap.add_argument("--size", default="tiny")
+ap.add_argument("--seed", type=int, default=0)
+a, _ = ap.parse_known_args()
+runs = [dict(name=n, step_ms=ms, peak_bytes=pk, final_loss=fl, losses=[5.0] * (a.steps - 1) + [fl],
+             layout_copies=cp) for n, ms, pk, fl, cp in RUNS]
 print("training", a.steps, "steps")
-json.dump(dict(framework=FW, device=a.device, world=4, runs=runs), open(a.json, "w"))
+model = dict(size=a.size, seed=a.seed, global_batch=16, seq=32, parameters=PARAMS)
+json.dump(dict(framework=FW, device=a.device, world=4, model=model, runs=runs), open(a.json, "w"))
 """
 
 
-def _fake(tmp_path, name, fw, runs):
+def _fake(tmp_path, name, fw, runs, params=1000):
     p = tmp_path / name
-    p.write_text(f"FW = {fw!r}\nRUNS = {runs!r}\n" + textwrap.dedent(FAKE))
+    p.write_text(f"FW = {fw!r}\nRUNS = {runs!r}\nPARAMS = {params!r}\n" + textwrap.dedent(FAKE))
     return str(p)
 
 
+def _copies(**ops):
+    return {op: dict(calls=1 if b else 0, bytes=b) for op, b in ops.items()}
+
+
 def test_bench_train_tabulates_examples(capsys, tmp_path):
-    t = _fake(tmp_path, "t.py", "torch", [("stock", 20.0, 1000, 2.5), ("tide_in_place", 16.0, 800, 2.5),
-                                          ("tide_slot_reuse", 18.0, 700, 2.4)])
-    x = _fake(tmp_path, "x.py", "jax", [("gspmd", 30.0, None, 3.0), ("tide_xla", 15.0, None, 3.0)])
+    stock = _copies(ag_in=100, ag_out=800, rs_pack=1600)
+    t = _fake(tmp_path, "t.py", "torch", [("stock", 20.0, 1000, 2.5, stock),
+                                          ("tide_in_place", 16.0, 800, 2.5, _copies(ag_in=0, ag_out=0, rs_pack=0)),
+                                          ("tide_slot_reuse", 18.0, 700, 2.4, _copies(ag_in=0, ag_out=0, rs_pack=600))])
+    x = _fake(tmp_path, "x.py", "jax", [("gspmd", 30.0, None, 3.0, None),
+                                        ("tide_xla", 15.0, None, 3.0, {"landing": dict(calls=2, bytes=64)})])
     j, png = tmp_path / "t.json", tmp_path / "t.png"
     rc, out, err = _run(capsys, ["train", "--context", "cpu", "--torch-example", t, "--jax-example", x,
-                                 "--torch-args", "--steps 2", "--json", str(j), "--plot", str(png)])
+                                 "--steps", "2", "--warmup", "1", "--json", str(j), "--plot", str(png)])
     assert rc == 0, err
     assert "[torch] training 2 steps" in err  # the example's output streams as progress
-    rows = {(r["framework"], r["run"]): r for r in json.loads(j.read_text())["rows"]}
+    assert "--size tiny --steps 2 --warmup 1 --seed 0" in err  # the same arguments to both examples
+    res = json.loads(j.read_text())
+    assert res["same_model"] is True and "same model, weights and tokens in every framework: yes" in out
+    rows = {(r["framework"], r["run"]): r for r in res["rows"]}
     assert rows[("torch", "tide_in_place")]["speedup"] == pytest.approx(20.0 / 16.0)
     assert rows[("torch", "tide_slot_reuse")]["mem_ratio"] == pytest.approx(1000 / 700)
     assert rows[("torch", "tide_slot_reuse")]["loss_diff"] == pytest.approx(-0.1)
+    assert rows[("torch", "tide_slot_reuse")]["max_dloss"] == pytest.approx(0.1)
     assert rows[("torch", "stock")]["steps"] == 2
+    assert rows[("torch", "tide_in_place")]["copies_removed"] == 2500
+    assert rows[("torch", "tide_slot_reuse")]["copies_removed"] == 1900
     assert rows[("jax", "tide_xla")]["speedup"] == pytest.approx(2.0)
     assert rows[("jax", "tide_xla")]["mem_ratio"] is None  # no peak memory reported
-    assert "tide_slot_reuse" in out and "vs base" in out
+    assert rows[("jax", "tide_xla")]["copies"] == "n/a; own 64 B"  # gspmd's are not counted
+    assert rows[("jax", "gspmd")]["copies"] == "baseline"
+    # step 1 against torch's stock run: both 5.0 here
+    assert rows[("jax", "gspmd")]["x_rel1"] == 0.0
+    assert "tide_slot_reuse" in out and "vs base" in out and "copies removed" in out
+    assert "loss per step" in out and "jax/tide_xla" in out
     assert _png_ok(png)
+
+
+def test_bench_train_flags_different_models(capsys, tmp_path):
+    t = _fake(tmp_path, "t.py", "torch", [("stock", 20.0, 1000, 2.5, None)], params=1000)
+    x = _fake(tmp_path, "x.py", "jax", [("gspmd", 30.0, None, 3.0, None)], params=999)
+    rc, out, _ = _run(capsys, ["train", "--context", "cpu", "--torch-example", t, "--jax-example", x,
+                               "--steps", "2"])
+    assert rc == 1
+    assert "same model, weights and tokens in every framework: NO" in out and "parameters (1000 vs 999)" in out
+
+
+@pytest.mark.parametrize("args, msg", [(["--steps", "0"], "--steps must be >= 1"),
+                                       (["--steps", "3", "--warmup", "3"], "--warmup 3 leaves no timed step"),
+                                       (["--frameworks", "torch,mxnet"], "--frameworks: unknown"),
+                                       (["--size", "70b"], "--size: invalid choice"),
+                                       (["--world", "0"], "--world must be >= 1")])
+def test_bench_train_rejects_bad_arguments(capsys, args, msg):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["bench", "train", "--context", "cpu"] + args)
+    assert e.value.code == 2
+    assert msg in capsys.readouterr().err
 
 
 def test_bench_train_reports_missing_json_and_bad_output(capsys, tmp_path):
     old = tmp_path / "old.py"
     old.write_text("import argparse\nargparse.ArgumentParser().parse_args()\n")
-    bad = _fake(tmp_path, "bad.py", "jax", [("gspmd", 30.0, None, 3.0)])
+    bad = _fake(tmp_path, "bad.py", "jax", [("gspmd", 30.0, None, 3.0, None)])
     text = open(bad).read().replace("losses=[5.0] * (a.steps - 1) + [fl]", "losses=None")
     open(bad, "w").write(text)
     j = tmp_path / "t.json"
@@ -242,15 +284,34 @@ def test_bench_train_reports_missing_json_and_bad_output(capsys, tmp_path):
 
 
 def test_bench_train_real_examples_tiny(capsys, tmp_path):
-    """The real torch example with tiny arguments, tabulated from its --json."""
-    j = tmp_path / "t.json"
-    rc, out, err = _run(capsys, ["train", "--context", "cpu", "--frameworks", "torch", "--timeout", "240",
-                                 "--torch-args", "--world 2 --steps 3 --warmup 1 --layers 1 --dim 32 --hidden 64 "
-                                 "--heads 4 --kv-heads 2 --seq 8 --batch 2", "--json", str(j)])
-    rows = json.loads(j.read_text())["rows"]
+    """Both real examples on the tiny Llama (one block), 2 gloo ranks and 2 XLA:CPU devices, from
+    the same weights and tokens: step-1 losses agree across frameworks (measured within 3e-5
+    relative; bf16 kernels differ), TIDE's torch runs equal stock bit for bit and remove every
+    FSDP2 layout copy, tide_xla's losses stay within 5e-4 of GSPMD's (measured 1e-4), and
+    tide_xla's landing copy is every parameter once in bf16."""
+    j, png = tmp_path / "t.json", tmp_path / "t.png"
+    one_block = "--layers 1"
+    rc, out, err = _run(capsys, ["train", "--context", "cpu", "--timeout", "240", "--world", "2", "--steps", "3",
+                                 "--warmup", "1", "--batch", "2", "--seq", "16", "--torch-args", one_block,
+                                 "--jax-args", one_block, "--json", str(j), "--plot", str(png)])
+    res = json.loads(j.read_text())
     assert rc == 0, err
-    assert {r["run"] for r in rows} >= {"stock", "tide_in_place", "tide_slot_reuse"}
-    assert all(r["step_ms"] > 0 for r in rows)
+    assert res["same_model"] is True
+    rows = {(r["framework"], r["run"]): r for r in res["rows"]}
+    assert set(rows) == {("torch", "stock"), ("torch", "tide_in_place"), ("torch", "tide_slot_reuse"),
+                         ("jax", "gspmd"), ("jax", "tide_xla")}
+    assert all(r["step_ms"] > 0 and r["steps"] == 3 for r in rows.values())
+    assert all(abs(r["x_rel1"]) < 3e-4 for r in rows.values()), {k: r["x_rel1"] for k, r in rows.items()}
+    stock = next(r for x in res["results"] if x["framework"] == "torch" for r in x["runs"] if r["name"] == "stock")
+    assert sum(c["bytes"] for c in stock["layout_copies"].values()) > 0
+    for mode in ("tide_in_place", "tide_slot_reuse"):
+        assert rows[("torch", mode)]["max_dloss"] == 0.0
+        assert rows[("torch", mode)]["copy_bytes"] == 0
+        assert rows[("torch", mode)]["copies_removed"] == sum(c["bytes"] for c in stock["layout_copies"].values())
+    assert rows[("jax", "tide_xla")]["max_dloss"] < 5e-4
+    model = next(x["model"] for x in res["results"] if x["framework"] == "jax")
+    assert rows[("jax", "tide_xla")]["copy_bytes"] == 2 * model["parameters"]
+    assert _png_ok(png)
 
 
 # ---- GPU: runners and the multi-device cluster ---------------------------------------------

@@ -160,7 +160,7 @@ def flax_one_process(tmp_path_factory):
 
 @pytest.mark.parametrize("processes", [2, 4])
 def test_flax_example_across_processes_ends_bitwise_equal(tmp_path, flax_one_process, processes):
-    """examples/flax_fsdp.py --processes N: the small NNX transformer's 3 optax steps through
+    """examples/flax_fsdp.py --processes N: the tiny Llama's 3 AdamW steps through
     tide_xla end with the same parameter bytes as one process holding the 8 devices."""
     one = flax_one_process
     many = _example(tmp_path, processes)

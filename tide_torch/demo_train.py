@@ -6,7 +6,8 @@ CPU: 4 gloo ranks as processes, emulating 2 nodes x 2 GPUs (TIDE's programs run 
 per-rank process-mode executor). CUDA: one process per GPU over NCCL (world = number of GPUs),
 or world 1 on one GPU. Rank 0 writes what it measured as JSON for the parent to print.
 
-Imported only by ``tide.demo`` when it trains (the torch face holds it), so ``tide`` never imports torch.
+Imported by ``tide.demo`` when it trains (the torch face holds it, so ``tide`` never imports torch)
+and by examples/fsdp2_llama.py (``layout_copies``).
 """
 from __future__ import annotations
 
@@ -111,7 +112,7 @@ class Llama(nn.Module):
         return self.output(self.norm(h))
 
 
-def _copy_ops(prof, world: int) -> dict[str, dict[str, int]]:
+def layout_copies(prof, world: int) -> dict[str, dict[str, int]]:
     """Calls of FSDP2's layout copies in a profile, and the bytes each wrote."""
     out = {op: {"calls": 0, "bytes": 0} for op in COPY_OPS}
     for e in prof.profiler.kineto_results.events():
@@ -174,7 +175,7 @@ def _train_one(name: str, cfg: Config, mesh, device, topo, data) -> dict:
             times.append(time.perf_counter() - t0)
             losses.append(loss.item())
         if profiling:
-            ops = _copy_ops(prof, dist.get_world_size())
+            ops = layout_copies(prof, dist.get_world_size())
             if handle is not None:
                 calls = {k: v - before[k] for k, v in handle.stats.items()}
     # Step time: neither the first step (builds the unsharded parameters) nor the profiled one.

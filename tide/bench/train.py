@@ -1,20 +1,30 @@
-"""`tide bench train`: step time, peak memory and loss of the same model trained different ways.
+"""`tide bench train`: the same Llama-style model trained five ways, side by side.
 
-Runs the two examples as subprocesses, each with `--json PATH`, and tabulates what they write:
-  examples/fsdp2_llama.py  runs stock (FSDP2), tide_in_place and tide_slot_reuse
-  examples/flax_fsdp.py    runs gspmd (XLA's own sharding) and tide_xla
+Runs the two examples as subprocesses with the same model and data arguments (--size, --steps,
+--warmup, --seed, --batch, --seq; examples/_llama_common.py gives both the same initial weights,
+tokens and AdamW) and tabulates what each writes with `--json PATH`:
+  examples/fsdp2_llama.py  stock (FSDP2), tide_in_place and tide_slot_reuse
+  examples/flax_fsdp.py    gspmd (XLA's own sharding) and tide_xla
 JSON schema of an example: {"framework": "torch"|"jax", "device": str, "world": int,
+  "model": {size fields, "size", "seed", "global_batch", "parameters"} (optional),
   "runs": [{"name": str, "step_ms": float, "peak_bytes": int|null, "final_loss": float,
-            "losses": [float]}]}
-Ratios: step time and peak memory of each run against the framework's baseline (stock, gspmd:
-baseline / run, so > 1 means faster or smaller) and the final-loss difference.
-Launch: CPU: the examples' CPU defaults (jax on 8 XLA:CPU host devices); GPUs: torchrun over every
-GPU (one GPU: world 1), jax on every GPU of one process (one GPU: a 1 x 1 topology).
-`--torch-args` / `--jax-args` append arguments (e.g. tiny model sizes).
+            "losses": [float], "layout_copies": {op: {"calls": int, "bytes": int|null}}|null,
+            "copies_source": str (optional)}]}
+Columns: step time and peak memory against the framework's baseline (stock, gspmd: baseline /
+run, so > 1 means faster or smaller); the first and last loss; max |loss - baseline's| over the
+steps; the step-1 loss against torch's stock run (relative: the frameworks' kernels differ, the
+weights and tokens do not); the layout copies a path removed per step (baseline's bytes minus
+the path's, rank 0; "n/a" where the baseline's are not counted, e.g. XLA's own). A table of the
+loss per step and each path's copies follow.
+Launch: CPU: torch on --world gloo ranks, jax on as many XLA:CPU host devices (one process
+each); GPUs: torchrun over every GPU (one GPU: world 1), jax on every GPU of one process (one
+GPU: a 1 x 1 topology), each jax run in its own process (--separate: its own peak memory).
+`--torch-args` / `--jax-args` append arguments to one example (they win over the shared ones).
 """
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import shlex
@@ -28,6 +38,18 @@ from tide.bench.common import progress
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BASELINE = {"torch": "stock", "jax": "gspmd"}
+CPU_WORLD = 4
+
+
+def _presets() -> dict:
+    """examples/_llama_common.SIZES (numpy only), or {} when the checkout has no examples."""
+    path = os.path.join(ROOT, "examples", "_llama_common.py")
+    if not os.path.exists(path):
+        return {}
+    spec = importlib.util.spec_from_file_location("_llama_common", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.SIZES
 
 
 def _supports_json(py, script, env, timeout) -> tuple[bool, str]:
@@ -42,12 +64,22 @@ def _supports_json(py, script, env, timeout) -> tuple[bool, str]:
     return True, ""
 
 
-def _launch(framework, ctx, py, script, json_path, extra):
+def model_args(args) -> list[str]:
+    """The arguments both examples get: the same model, weights, tokens, steps and warm-up."""
+    out = ["--size", args.size, "--steps", str(args.steps), "--warmup", str(args.warmup),
+           "--seed", str(args.seed)]
+    for k in ("batch", "seq"):
+        if getattr(args, k) is not None:
+            out += [f"--{k}", str(getattr(args, k))]
+    return out
+
+
+def _launch(framework, ctx, py, script, json_path, shared, extra, world):
     env = dict(os.environ, PYTHONUNBUFFERED="1", NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1")
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
     if framework == "torch":
         if ctx.kind == "cpu":
-            cmd, where = [py, script, "--device", "cpu"], "CPU (gloo ranks)"
+            cmd, where = [py, script, "--device", "cpu", "--world", str(world)], f"CPU, {world} gloo ranks"
         else:
             n = ctx.gpus
             cmd = [py, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}", script,
@@ -56,20 +88,20 @@ def _launch(framework, ctx, py, script, json_path, extra):
     else:
         cmd = [py, script]
         if ctx.gpus < 1:
-            env.update(JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=8")
-            where = "XLA:CPU, 8 host devices"
+            env.update(JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={world}")
+            where = f"XLA:CPU, {world} host devices"
         else:
             env.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
             cmd.append("--separate")  # one process per run: each run's peak_bytes is its own
             where = f"{ctx.gpus} GPU(s)"
-    return cmd + ["--json", json_path] + shlex.split(extra or ""), env, where
+    return cmd + shared + ["--json", json_path] + shlex.split(extra or ""), env, where
 
 
-def run_example(framework, ctx, py, script, extra, timeout) -> dict:
+def run_example(framework, ctx, py, script, shared, extra, timeout, world=CPU_WORLD) -> dict:
     """One example's JSON (validated), or {"framework", "error"}."""
     with tempfile.TemporaryDirectory(prefix="tide_bench_train_") as d:
         path = os.path.join(d, f"{framework}.json")
-        cmd, env, where = _launch(framework, ctx, py, script, path, extra)
+        cmd, env, where = _launch(framework, ctx, py, script, path, shared, extra, world)
         ok, why = _supports_json(py, script, env, min(timeout, 120))
         if not ok:
             return dict(framework=framework, where=where, error=f"not available: {why}")
@@ -107,16 +139,38 @@ def validate(obj) -> None:
     for k, typ in (("framework", str), ("device", str), ("world", int), ("runs", list)):
         if not isinstance(obj.get(k), typ):
             raise ValueError(f"field {k!r} missing or not {typ.__name__}")
+    if obj.get("model") is not None and not isinstance(obj["model"], dict):
+        raise ValueError("field 'model' is not an object")
     for i, r in enumerate(obj["runs"]):
         for k, typ in (("name", str), ("step_ms", (int, float)), ("final_loss", (int, float)), ("losses", list)):
             if not isinstance(r.get(k), typ):
                 raise ValueError(f"runs[{i}].{k} missing or of the wrong type")
+        if not r["losses"] or not all(isinstance(v, (int, float)) for v in r["losses"]):
+            raise ValueError(f"runs[{i}].losses is empty or not numbers")
         if r.get("peak_bytes") is not None and not isinstance(r["peak_bytes"], int):
             raise ValueError(f"runs[{i}].peak_bytes is not an int or null")
+        copies = r.get("layout_copies")
+        if copies is not None:
+            if not isinstance(copies, dict):
+                raise ValueError(f"runs[{i}].layout_copies is not an object or null")
+            for op, c in copies.items():
+                if not (isinstance(c, dict) and isinstance(c.get("calls"), int)
+                        and (c.get("bytes") is None or isinstance(c["bytes"], int))):
+                    raise ValueError(f"runs[{i}].layout_copies[{op!r}] is not {{calls: int, bytes: int|null}}")
+
+
+def _copy_bytes(run) -> int | None:
+    """Bytes of a run's layout copies per step, or None where not counted."""
+    c = run.get("layout_copies")
+    if c is None or any(v.get("bytes") is None for v in c.values()):
+        return None
+    return sum(v["bytes"] for v in c.values())
 
 
 def tabulate(results) -> list[dict]:
     rows = []
+    ref = next((r for res in results if "error" not in res for r in res["runs"]
+                if r["name"] == BASELINE["torch"] and res["framework"] == "torch"), None)
     for res in results:
         fw = res["framework"]
         if "error" in res:
@@ -125,56 +179,165 @@ def tabulate(results) -> list[dict]:
         base = next((r for r in res["runs"] if r["name"] == BASELINE.get(fw)), None)
         for r in res["runs"]:
             row = dict(framework=fw, where=res["where"], world=res["world"], run=r["name"], step_ms=r["step_ms"],
-                       peak_bytes=r.get("peak_bytes"), final_loss=r["final_loss"], steps=len(r["losses"]))
+                       peak_bytes=r.get("peak_bytes"), first_loss=r["losses"][0], final_loss=r["final_loss"],
+                       steps=len(r["losses"]), copy_bytes=_copy_bytes(r))
+            if ref is not None and ref["losses"][0]:
+                row["x_rel1"] = (r["losses"][0] - ref["losses"][0]) / abs(ref["losses"][0])
             if base:
                 row["speedup"] = common.ratio(base["step_ms"], r["step_ms"])
                 row["mem_ratio"] = common.ratio(base.get("peak_bytes"), r.get("peak_bytes"))
                 row["loss_diff"] = r["final_loss"] - base["final_loss"]
+                row["max_dloss"] = max(abs(a - b) for a, b in zip(r["losses"], base["losses"]))
+                b_bytes = _copy_bytes(base)
+                if r is base:
+                    row["copies"] = "baseline"
+                elif b_bytes is not None and row["copy_bytes"] is not None:
+                    row["copies_removed"] = b_bytes - row["copy_bytes"]
+                    row["copies"] = common.fmt_bytes(row["copies_removed"])
+                elif row["copy_bytes"] is not None:
+                    row["copies"] = f"n/a; own {common.fmt_bytes(row['copy_bytes'])}"
+            row.setdefault("copies", "not counted" if r.get("layout_copies") is None else "-")
             rows.append(row)
     return rows
+
+
+def same_model(results) -> tuple[bool | None, str]:
+    """Whether every framework's example reports the same "model" (shapes, seed, global batch)."""
+    models = {res["framework"]: res.get("model") for res in results if "error" not in res}
+    if len(models) < 2:
+        return None, "one framework ran"
+    if any(m is None for m in models.values()):
+        return None, "an example does not report its model"
+    (a, ma), (b, mb) = list(models.items())[:2]
+    keys = sorted(set(ma) | set(mb))
+    diff = [k for k in keys if k != "batch" and ma.get(k) != mb.get(k)]
+    if diff:
+        return False, f"{a} and {b} differ in " + ", ".join(f"{k} ({ma.get(k)} vs {mb.get(k)})" for k in diff)
+    return True, (f"{ma.get('size')} ({ma.get('parameters'):,} parameters), global batch "
+                  f"{ma.get('global_batch')} x {ma.get('seq')} tokens, seed {ma.get('seed')}")
+
+
+def print_details(results, out=None) -> None:
+    """The loss of every path per step, then each path's layout copies (what they count)."""
+    out = out or sys.stdout
+    paths = [(f"{res['framework']}/{r['name']}", r) for res in results if "error" not in res for r in res["runs"]]
+    if not paths:
+        return
+    w = max(12, *(len(n) for n, _ in paths))
+    print("\nloss per step\n" + f"{'step':>4} " + " ".join(f"{n:>{w}}" for n, _ in paths), file=out)
+    for i in range(max(len(r["losses"]) for _, r in paths)):
+        print(f"{i + 1:4d} " + " ".join(f"{r['losses'][i]:{w}.6f}" if i < len(r["losses"]) else f"{'-':>{w}}"
+                                        for _, r in paths), file=out)
+    print("\nlayout copies per step", file=out)
+    for name, r in paths:
+        c = r.get("layout_copies")
+        ops = "not counted" if c is None else ", ".join(
+            f"{op} {v['calls']} ({common.fmt_bytes(v['bytes']) if v['bytes'] is not None else '? B'})"
+            for op, v in c.items())
+        print(f"  {name:{w}s} {ops}" + (f"  [{r['copies_source']}]" if r.get("copies_source") else ""), file=out)
+
+
+def plot(path, title, results) -> None:
+    """Loss per step (one line per path) and median step time (one bar per path)."""
+    import textwrap
+
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import matplotlib.ticker
+    paths = [(f"{res['framework']}/{r['name']}", r) for res in results if "error" not in res for r in res["runs"]]
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
+    for name, r in paths:
+        a1.plot(range(1, len(r["losses"]) + 1), r["losses"], marker=".", label=name)
+    a1.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
+    a1.set_xlabel("step")
+    a1.set_ylabel("loss (mean over the global batch)")
+    a2.bar(range(len(paths)), [r["step_ms"] for _, r in paths],
+           color=[f"C{i}" for i in range(len(paths))])
+    a2.set_xticks(range(len(paths)))
+    a2.set_xticklabels([n for n, _ in paths], rotation=30, ha="right", fontsize=8)
+    a2.set_ylabel("ms per step (median)")
+    if paths:
+        a1.legend(fontsize=7)
+    else:
+        a1.text(0.5, 0.5, "no runs (see the table's notes)", ha="center", va="center", transform=a1.transAxes)
+    fig.suptitle("\n".join(textwrap.wrap(title, 110)), fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    progress(f"wrote {path}")
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="tide bench train", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    common.add_common_args(ap)
+    common.add_common_args(ap)  # here --warmup is steps left out of the median (default 3)
+    sizes = _presets()
     ap.add_argument("--frameworks", default="torch,jax")
+    ap.add_argument("--size", default="tiny", **({"choices": tuple(sizes)} if sizes else {}),
+                    help="the examples' model preset")
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--batch", type=int, default=None, help="sequences per rank / device (preset's)")
+    ap.add_argument("--seq", type=int, default=None, help="tokens per sequence (preset's)")
+    ap.add_argument("--seed", type=int, default=0, help="initial weights and tokens")
+    ap.add_argument("--world", type=int, default=None,
+                    help=f"CPU: torch gloo ranks and XLA:CPU host devices (default {CPU_WORLD}); on GPUs "
+                         "the world is every GPU")
     ap.add_argument("--torch-example", default=os.path.join(ROOT, "examples", "fsdp2_llama.py"))
     ap.add_argument("--jax-example", default=os.path.join(ROOT, "examples", "flax_fsdp.py"))
     ap.add_argument("--torch-args", default="", help="extra arguments for the torch example")
     ap.add_argument("--jax-args", default="", help="extra arguments for the jax example")
     ap.add_argument("--timeout", type=float, default=600, help="seconds per example")
     args = ap.parse_args(argv)
+    args.warmup = args.warmup or min(3, args.steps - 1)
+    for k in ("steps", "batch", "seq", "world"):
+        v = getattr(args, k)
+        if v is not None and v < 1:
+            ap.error(f"--{k} must be >= 1, got {v}")
+    if args.warmup >= args.steps:
+        ap.error(f"--warmup {args.warmup} leaves no timed step of --steps {args.steps}")
+    frameworks = [f.strip() for f in args.frameworks.split(",") if f.strip()]
+    bad = [f for f in frameworks if f not in BASELINE]
+    if bad or not frameworks:
+        ap.error(f"--frameworks: unknown framework(s) {bad} (torch, jax)")
+    if args.plot and importlib.util.find_spec("matplotlib") is None:
+        ap.error("--plot needs matplotlib (pip install matplotlib)")
     try:
         ctx = common.detect_context(args.context)
     except ValueError as ex:
         print(f"tide bench train: error: {ex}", file=sys.stderr)
         return 2
+    if args.world is not None and ctx.kind != "cpu":
+        ap.error(f"--world: only with --context cpu; on GPUs the world is every GPU ({ctx.gpus})")
+    world = args.world or CPU_WORLD
     print(f"# tide bench train: {ctx.label.split(':')[0]}")
+    shared = model_args(args)
     results = []
-    for fw in [f.strip() for f in args.frameworks.split(",") if f.strip()]:
-        if fw not in BASELINE:
-            print(f"tide bench train: error: --frameworks: unknown framework {fw!r} (torch, jax)", file=sys.stderr)
-            return 2
+    for fw in frameworks:
         script = args.torch_example if fw == "torch" else args.jax_example
         extra = args.torch_args if fw == "torch" else args.jax_args
-        results.append(run_example(fw, ctx, sys.executable, script, extra, args.timeout))
+        results.append(run_example(fw, ctx, sys.executable, script, shared, extra, args.timeout, world))
     rows = tabulate(results)
+    same, why = same_model(results)
+    print(f"model: {' '.join(shared)}; same model, weights and tokens in every framework: "
+          f"{ {True: 'yes', False: 'NO', None: 'not checked'}[same]} ({why})")
     pct = lambda v: f"{v:.2f}x"  # noqa: E731
-    common.print_table(rows, [("framework", "fw", 5, str), ("run", "run", 16, str), ("where", "where", 24, str),
+    common.print_table(rows, [("framework", "fw", 5, str), ("run", "run", 16, str), ("where", "where", 22, str),
                               ("step_ms", "step ms", 9, ".1f"), ("speedup", "vs base", 7, pct),
-                              ("peak_bytes", "peak mem", 11, common.fmt_bytes), ("mem_ratio", "mem vs", 7, pct),
-                              ("final_loss", "final loss", 10, ".4f"), ("loss_diff", "loss diff", 10, "+.2e"),
-                              ("note", "note", 1, str)])
-    result = dict(bench="train", context=ctx.kind, label=ctx.label, results=results, rows=rows)
+                              ("peak_bytes", "peak mem", 10, common.fmt_bytes), ("mem_ratio", "mem vs", 6, pct),
+                              ("first_loss", "loss@1", 8, ".4f"), ("final_loss", "loss@end", 8, ".4f"),
+                              ("max_dloss", "max|dl|base", 11, ".2e"), ("x_rel1", "@1 vs torch", 11, "+.1e"),
+                              ("copies", "copies removed", 18, str), ("note", "note", 1, str)])
+    if any(r.get("peak_bytes") is None and "note" not in r for r in rows):
+        print("peak mem '-': not known on this device (CPU: torch reports the process RSS, not a per-run peak; "
+              "XLA:CPU has no allocator statistics)")
+    print_details(results)
+    result = dict(bench="train", context=ctx.kind, label=ctx.label, model_args=shared, same_model=same,
+                  results=results, rows=rows)
     common.write_json(args.json, result)
     if args.plot:
-        groups = {}
-        for r in rows:
-            if "step_ms" in r:
-                groups.setdefault(r["framework"], {})[r["run"]] = r["step_ms"]
-        common.bar_plot(args.plot, f"tide bench train: step time ({ctx.label[:60]})", groups, "ms per step")
-    return 0 if all("error" not in r for r in results) else 1
+        plot(args.plot, f"tide bench train: {' '.join(shared)} ({ctx.label.split(':')[0]})", results)
+    return 0 if all("error" not in r for r in results) and same is not False else 1
 
 
 if __name__ == "__main__":
