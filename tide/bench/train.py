@@ -85,6 +85,9 @@ def _launch(framework, ctx, py, script, json_path, shared, extra, world):
             cmd = [py, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}", script,
                    "--device", "cuda"]
             where = f"{n} GPU(s), NCCL"
+            if n == 1:  # enable() keeps stock FSDP2 at world 1 by default: the bench compares TIDE's path
+                cmd.append("--serve-single-rank")
+                where += ", TIDE served at world 1 (--serve-single-rank)"
     else:
         cmd = [py, script]
         if ctx.gpus < 1:
