@@ -35,6 +35,19 @@ def _dev(a):
     return torch.from_numpy(np.ascontiguousarray(a).view(np.int16)).view(torch.bfloat16).cuda()
 
 
+def _canary_executor(plan, progs, seed):
+    """An in-process CUDA executor with the canary over one GPU, and the RS bindings of integer
+    gradients (seed) and zeroed outputs: (executor, bindings, keep-alive tensors)."""
+    N = plan.layout.N
+    fab = _core.cuda.InProcessFabric([0] * N, progs.arena_bytes())
+    ex = _core.cuda.ClusterExecutor(fab, options={"timeout_s": 5.0, "staging_canary": True})
+    grads = [[_dev(g) for g in row] for row in _grads(plan, N, seed)]
+    outs = [torch.zeros(plan.layout.E, dtype=torch.float32, device="cuda") for _ in range(N)]
+    binds = [[(_core.buf_kinds["grad"], p, g.data_ptr(), 2 * g.numel()) for p, g in enumerate(grads[r])]
+             + [(_core.buf_kinds["out"], -1, outs[r].data_ptr(), 4 * outs[r].numel())] for r in range(N)]
+    return ex, binds, (grads, outs)
+
+
 def _run_bad(M, L, opts, tag, who, stall_rank):
     plan = _plan(M, L, **opts)
     assert plan.rs_schedule.n_chunks > 2
@@ -46,12 +59,7 @@ def _run_bad(M, L, opts, tag, who, stall_rank):
             while ps.inject_fault(FAULT["drop_wait"], r, TAGS[tag]):
                 dropped += 1
     assert dropped > 0
-    fab = _core.cuda.InProcessFabric([0] * N, bad[0].arena_bytes())
-    ex = _core.cuda.ClusterExecutor(fab, options={"timeout_s": 5.0, "staging_canary": True})
-    grads = [[_dev(g) for g in row] for row in _grads(plan, N, 5)]
-    outs = [torch.zeros(plan.layout.E, dtype=torch.float32, device="cuda") for _ in range(N)]
-    binds = [[(_core.buf_kinds["grad"], p, g.data_ptr(), 2 * g.numel()) for p, g in enumerate(grads[r])]
-             + [(_core.buf_kinds["out"], -1, outs[r].data_ptr(), 4 * outs[r].numel())] for r in range(N)]
+    ex, binds, keep = _canary_executor(plan, bad[0], 5)
     ex.set_faults(stall_rank=stall_rank, stall_s=0.3)  # makes the race certain, whatever the timing
     seq = 1
     with pytest.raises(RuntimeError) as e:
@@ -59,7 +67,7 @@ def _run_bad(M, L, opts, tag, who, stall_rank):
         ex.synchronize()
     with pytest.raises(RuntimeError, match="fail-stop"):
         ex.run(bad[rs_bank(seq + 1)], seq + 1, binds)  # the executor refuses further calls
-    del grads, outs
+    del keep
     return str(e.value), seq
 
 
@@ -110,12 +118,7 @@ def test_a_stalled_rank_alone_is_no_race(stall_rank):
     plan = _plan(M, L, chunk_bytes=16, n_stg=1)
     N = M * L
     good = {b: _core.build_rs_programs(plan, bank=b) for b in (0, 1)}
-    fab = _core.cuda.InProcessFabric([0] * N, good[0].arena_bytes())
-    ex = _core.cuda.ClusterExecutor(fab, options={"timeout_s": 5.0, "staging_canary": True})
-    grads = [[_dev(g) for g in row] for row in _grads(plan, N, 3)]
-    outs = [torch.zeros(plan.layout.E, dtype=torch.float32, device="cuda") for _ in range(N)]
-    binds = [[(_core.buf_kinds["grad"], p, g.data_ptr(), 2 * g.numel()) for p, g in enumerate(grads[r])]
-             + [(_core.buf_kinds["out"], -1, outs[r].data_ptr(), 4 * outs[r].numel())] for r in range(N)]
+    ex, binds, (grads, outs) = _canary_executor(plan, good[0], 3)  # grads stay alive: bound
     ex.set_faults(stall_rank=stall_rank, stall_s=0.2)
     for seq in (1, 2, 3):
         ex.run(good[rs_bank(seq)], seq, binds)
