@@ -161,7 +161,8 @@ def enable(model: nn.Module, *, mode: str = "in_place", topology: tide.Topology 
     node on different hosts, or one-sided rails across hosts, keep stock collectives (one log line
     per group) instead of failing later. ``serve_single_rank``: a job of one rank keeps stock
     FSDP2 (one log line) unless this is True: FSDP2 neither gathers nor reduces there, so TIDE
-    has no copy to remove and its ring slots would only add memory (See [Note: world 1] in
+    saves no bytes (TIDE-RS would replace ``_chunk_cat`` by a pass over the same bytes) and its
+    ring slots would only add memory (See [Note: world 1] in
     groups.py); True runs TIDE's path anyway (tests on one GPU).
 
     Groups outside TIDE's contract keep stock collectives (one ``tide_torch`` log line each).
@@ -349,7 +350,8 @@ def enable(model: nn.Module, *, mode: str = "in_place", topology: tide.Topology 
 
 
 SINGLE_RANK = ("a single-rank job: FSDP2 neither all-gathers nor reduce-scatters there, so TIDE has no "
-               "copy to remove (tide_torch.enable(serve_single_rank=True) serves it anyway)")
+               "collective to speed up and no bytes to save (its one pass would replace _chunk_cat's over "
+               "the same bytes; tide_torch.enable(serve_single_rank=True) serves it anyway)")
 
 
 def _check_arguments(mode, rails, transport, options, executor_options, serve_single_rank) -> None:
