@@ -211,16 +211,13 @@ void StagingCanary::launch(const std::vector<CanaryPlan::Item>& items, int32_t c
   }
 }
 
-void StagingCanary::before(const CanaryPlan& p, int rank, int op, uint64_t call, cudaStream_t stream) {
+void StagingCanary::enqueue(const CanaryPlan& p, int rank, int op, uint64_t call, cudaStream_t stream,
+                            bool after) {
   const auto& m = p.ops[static_cast<size_t>(rank)];
   auto it = m.find(op);
-  if (it != m.end() && !it->second.before.empty()) launch(it->second.before, it->second.check_id, call, stream);
-}
-
-void StagingCanary::after(const CanaryPlan& p, int rank, int op, uint64_t call, cudaStream_t stream) {
-  const auto& m = p.ops[static_cast<size_t>(rank)];
-  auto it = m.find(op);
-  if (it != m.end() && !it->second.after.empty()) launch(it->second.after, it->second.check_id, call, stream);
+  if (it == m.end()) return;
+  const auto& items = after ? it->second.after : it->second.before;
+  if (!items.empty()) launch(items, it->second.check_id, call, stream);
 }
 
 std::string StagingCanary::tag_name(uint64_t tag) const {

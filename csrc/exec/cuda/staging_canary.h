@@ -64,12 +64,17 @@ class StagingCanary {
   std::unique_ptr<CanaryPlan> plan(const std::vector<Program>& programs);
   uint64_t begin_call(int64_t seq);  // the call's ordinal
   // Enqueue op (rank, op)'s checks / marks on `stream` (nothing when the op has none).
-  void before(const CanaryPlan& p, int rank, int op, uint64_t call, cudaStream_t stream);
-  void after(const CanaryPlan& p, int rank, int op, uint64_t call, cudaStream_t stream);
+  void before(const CanaryPlan& p, int rank, int op, uint64_t call, cudaStream_t stream) {
+    enqueue(p, rank, op, call, stream, false);
+  }
+  void after(const CanaryPlan& p, int rank, int op, uint64_t call, cudaStream_t stream) {
+    enqueue(p, rank, op, call, stream, true);
+  }
   // "" or the first race recorded, as a message; call after the streams synchronised.
   std::string fault() const;
 
  private:
+  void enqueue(const CanaryPlan& p, int rank, int op, uint64_t call, cudaStream_t stream, bool after);
   void launch(const std::vector<CanaryPlan::Item>& items, int32_t check_id, uint64_t call, cudaStream_t stream);
   std::string tag_name(uint64_t tag) const;
   int world_;
