@@ -47,13 +47,12 @@ class CudaBackend:
 
     def executor(self, plan, kinds):
         regions, total = _core.session_arena(plan, kinds)
-        try:
-            fabric = _core.cuda.InProcessFabric([self.device_of(r) for r in range(self.vc.world)], total)
-        except _core.PlanError as e:  # more than the device has free: name the largest region too
-            if "bytes free there" not in str(e):
-                raise
-            name, (_, nbytes) = max(regions.items(), key=lambda kv: kv[1][1])
-            raise _core.PlanError(f"{e}; the largest region is '{name}' ({nbytes} bytes per rank)") from None
+        devices = [self.device_of(r) for r in range(self.vc.world)]
+        name, (_, nbytes) = max(regions.items(), key=lambda kv: kv[1][1])
+        for d in sorted(set(devices)):  # before any arena is allocated, naming what makes it large
+            _core.cuda.check_device_room(d, devices.count(d), total, "VirtualCluster",
+                                         f"the largest region is '{name}' ({nbytes} bytes per rank)")
+        fabric = _core.cuda.InProcessFabric(devices, total)
         ex = _core.cuda.ClusterExecutor(fabric, options=self.vc.options.as_dict())
         self._fabrics[id(ex)] = (fabric, regions)
         return ex

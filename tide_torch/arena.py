@@ -110,13 +110,11 @@ class Arena:
             self._base = torch.frombuffer(self._shm, dtype=torch.uint8, count=self.nbytes)
         elif fabric and fabric_api() is not None:
             index = device.index if device.index is not None else torch.cuda.current_device()
-            try:
-                self.fabric, self.fabric_kind = fabric_api()(rank, world, index, self.nbytes), "ipc"
-            except tide.PlanError as e:  # more than the device has free: name the largest region
-                if "bytes free there" not in str(e) or not self.regions:
-                    raise
+            if self.regions:  # more than the device has free: refused naming the largest region
                 big = max(self.regions.values(), key=lambda r: r.nbytes)
-                raise tide.PlanError(f"{e}; the largest region is '{big.name}' ({big.nbytes} bytes)") from None
+                tide._core.cuda.check_device_room(index, 1, self.nbytes, "Arena",
+                                                  f"the largest region is '{big.name}' ({big.nbytes} bytes)")
+            self.fabric, self.fabric_kind = fabric_api()(rank, world, index, self.nbytes), "ipc"
             self._base = _device_view(self.fabric, int(self.fabric.arena_ptr), self.nbytes, device)
         else:
             self._base = torch.empty(self.nbytes, dtype=torch.uint8, device=device)

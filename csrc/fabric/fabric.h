@@ -16,6 +16,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <string>
 #include <vector>
 
 namespace tide::fabric {
@@ -42,7 +43,8 @@ class Fabric {
 
 // PlanError when `bytes` more device memory than `device` has free is asked for (before the
 // cudaMalloc that would fail, or succeed and starve the framework): names `who`, the ranks and
-// the free and total bytes. Callers that know the arena's regions add the largest one.
-void check_device_room(int device, int ranks, int64_t arena_bytes, const char* who);
+// the free and total bytes, and `largest` (a face that knows the arena's regions names the
+// largest one; the fabrics, which do not, check again with a general hint).
+void check_device_room(int device, int ranks, int64_t arena_bytes, const char* who, const std::string& largest = "");
 
 }  // namespace tide::fabric

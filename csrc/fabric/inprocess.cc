@@ -10,14 +10,15 @@
 
 namespace tide::fabric {
 
-void check_device_room(int device, int ranks, int64_t arena_bytes, const char* who) {
+void check_device_room(int device, int ranks, int64_t arena_bytes, const char* who, const std::string& largest) {
   size_t free_b = 0, total_b = 0;
   TIDE_CHECK_CUDA(cudaSetDevice(device), who, ": device ", device);
   TIDE_CHECK_CUDA(cudaMemGetInfo(&free_b, &total_b), who, ": free memory of device ", device);
   const double need = static_cast<double>(ranks) * static_cast<double>(arena_bytes);
   TIDE_PLAN_CHECK(need <= static_cast<double>(free_b), who, ": ", ranks, " rank(s) x ", arena_bytes,
-                  " arena bytes on device ", device, " exceed the ", free_b, " bytes free there (of ", total_b,
-                  "); the plan's regions (Options.n_stg, chunk_bytes, mode) or the ranks per device make it large");
+                  " arena bytes on device ", device, " exceed the ", free_b, " bytes free there (of ", total_b, "); ",
+                  largest.empty() ? "the plan's regions (Options.n_stg, chunk_bytes, mode) or the ranks per device make "
+                                    "it large" : largest);
 }
 
 InProcessFabric::InProcessFabric(std::vector<int> rank_device, int64_t arena_bytes)

@@ -44,6 +44,12 @@ void init_rank_executor(cuda::CudaRankCallExecutor* self, std::shared_ptr<F> fab
 }  // namespace
 
 void bind_cuda_exec(nb::module_& m, nb::module_& testing) {
+  m.def("check_device_room", [](int device, int ranks, int64_t arena_bytes, const std::string& who,
+                                const std::string& largest) {
+    fabric::check_device_room(device, ranks, arena_bytes, who.c_str(), largest);
+  }, nb::arg("device"), nb::arg("ranks"), nb::arg("arena_bytes"), nb::arg("who"), nb::arg("largest") = "",
+     "PlanError when `ranks` arenas of `arena_bytes` exceed `device`'s free memory (the fabrics check it too; a "
+     "face that knows the regions calls it first with `largest`: 'the largest region is ...').");
   nb::class_<fabric::InProcessFabric>(m, "InProcessFabric",
                                       "In-process fabric: one zeroed cudaMalloc arena per rank, peers by device "
                                       "pointer (a virtual cluster on one GPU, or the devices of one process).")
