@@ -31,6 +31,15 @@ RMS_EPS = 1e-6
 ADAMW = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
 
 
+def emulated_host_env(process: int) -> dict[str, str]:
+    """NCCL's launch variables for process `process` of a job whose processes share one GPU, each
+    an emulated host: its own NCCL_HOSTID, so NCCL accepts several ranks on one GPU and carries
+    their traffic over its socket transport on loopback (correctness and overheads, not
+    bandwidth). Multicast stays off."""
+    return dict(NCCL_HOSTID=f"tide-emulated-host-{process}", NCCL_P2P_DISABLE="1", NCCL_SHM_DISABLE="1",
+                NCCL_SOCKET_IFNAME="lo", NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1")
+
+
 def add_args(ap: argparse.ArgumentParser) -> None:
     """--size, one override per preset field (--vocab, --dim, ..., --batch, --seq) and --seed."""
     ap.add_argument("--size", default="tiny", choices=tuple(SIZES))

@@ -25,7 +25,10 @@ parameters' bytes), "layout_copies" ({op: {"calls", "bytes"}} per step and devic
 not counted), "copies_source"}]}. --processes N (XLA:CPU) runs the same job as N jax.distributed
 processes of this host, 8/N devices each; TIDE's parameters end bitwise equal to one process's
 (the printed losses may differ in the last bits: XLA's cross-process pmean sums in another
-order). The peak is the process' peak so far; --separate runs each framework in its own process
+order). --processes N --shared-gpu runs them on GPU 0, one device each, every process an
+emulated host (its own NCCL_HOSTID: XLA's collectives and TIDE's rails over NCCL's loopback
+sockets, TIDE's ranks of one node by CUDA IPC); --nodes M is TIDE's topology (default: one node
+per process). The peak is the process' peak so far; --separate runs each framework in its own process
 so that it is per run.
 """
 from __future__ import annotations
@@ -148,9 +151,9 @@ def loss_fn(graphdef, params, tokens):
     return -jnp.mean(jnp.take_along_axis(logp, tokens[:, 1:, None], -1))
 
 
-def train_tide(mesh, graphdef, params, tx, data, warmup):
+def train_tide(mesh, graphdef, params, tx, data, warmup, nodes=0):
     n = mesh.shape["fsdp"]
-    tide_xla.init(mesh, "fsdp")
+    tide_xla.init(mesh, "fsdp", topology=(nodes, n // nodes) if nodes else None)
     # fp32 master shards, dim 0 padded; FSDP2's groups
     shards, layout = tide_xla.shard(params, mesh, "fsdp", group_key=group_key)
     opt_state = tx.init(shards)
@@ -184,7 +187,7 @@ def train_tide(mesh, graphdef, params, tx, data, warmup):
     return record
 
 
-def train_gspmd(mesh, graphdef, params, tx, data, warmup):
+def train_gspmd(mesh, graphdef, params, tx, data, warmup, nodes=0):
     n = mesh.shape["fsdp"]
 
     def spec(x):  # dim-0 sharding where it divides evenly; XLA's own choice otherwise
@@ -253,30 +256,41 @@ RUNS = {"gspmd": train_gspmd, "tide_xla": train_tide}
 
 
 def run_separately(names, argv_rest):
-    """Each run in a fresh process (its own peak_bytes); returns the runs' records in order.
+    """Each run in a fresh process (its own peak_bytes); returns (the first run's JSON, the runs'
+    records in order).
     argv_rest: the arguments that make the model, data and steps, passed on to each."""
-    out = []
+    out, head = [], None
     for name in names:
         with tempfile.NamedTemporaryFile(suffix=".json") as f:
             cmd = [sys.executable, os.path.abspath(__file__), "--runs", name, "--json", f.name,
                    *argv_rest]
             subprocess.run(cmd, check=True)
-            out += json.load(open(f.name))["runs"]
-    return out
+            obj = json.load(open(f.name))
+            head = head or obj
+            out += obj["runs"]
+    return head, out
 
 
-def launch_processes(n, argv):
-    """--processes N on XLA:CPU: N processes on this host, 8/N host devices each, joined by
-    jax.distributed on a free localhost port; process 0 prints and writes --json. Returns the
-    first non-zero exit status (0 when all succeeded)."""
+def launch_processes(n, argv, shared_gpu=False):
+    """--processes N: N processes on this host joined by jax.distributed on a free localhost port;
+    on XLA:CPU 8/N host devices each, with --shared-gpu every process on GPU 0 as an emulated host
+    (_llama_common.emulated_host_env). Process 0 prints and writes --json. Returns the first
+    non-zero exit status (0 when all succeeded)."""
     import socket
     with socket.socket() as s:
         s.bind(("localhost", 0))
         port = s.getsockname()[1]
-    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={8 // n}",
-               JAX_PLATFORMS="cpu")
+    if shared_gpu:
+        env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false", CUDA_VISIBLE_DEVICES="0")
+        env.pop("JAX_PLATFORMS", None)
+        env.pop("XLA_FLAGS", None)
+    else:
+        env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={8 // n}",
+                   JAX_PLATFORMS="cpu")
     procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), *argv, "--process-id", str(i),
-                               "--coordinator", f"localhost:{port}"], env=env) for i in range(n)]
+                               "--coordinator", f"localhost:{port}"],
+                              env=dict(env, **(common.emulated_host_env(i) if shared_gpu else {})))
+             for i in range(n)]
     codes = [p.wait() for p in procs]
     return next((c for c in codes if c), 0)
 
@@ -295,6 +309,12 @@ def main(argv=None):
                     help="XLA:CPU: run the job as this many jax.distributed processes of this host "
                          "(8 devices in all); on a cluster, start one process per host yourself "
                          "with --process-id and --coordinator")
+    ap.add_argument("--shared-gpu", action="store_true",
+                    help="with --processes N: the N processes share GPU 0, each an emulated host (its own "
+                         "NCCL_HOSTID, NCCL over loopback sockets): correctness and overheads, not bandwidth")
+    ap.add_argument("--nodes", type=int, default=0,
+                    help="TIDE's topology: this many nodes of world/nodes ranks (0: one node of up to 8; "
+                         "with --shared-gpu: one per process)")
     ap.add_argument("--process-id", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--coordinator", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -303,42 +323,51 @@ def main(argv=None):
         ap.error(f"--steps must be >= 1, got {args.steps}")
     if args.warmup < 0 or args.warmup >= args.steps:
         ap.error(f"--warmup {args.warmup} leaves no timed step of --steps {args.steps}")
-    if args.processes > 1 and args.process_id is None:
-        raise SystemExit(launch_processes(args.processes, sys.argv[1:] if argv is None else list(argv)))
-    if args.process_id is not None:
-        jax.distributed.initialize(coordinator_address=args.coordinator, num_processes=args.processes,
-                                   process_id=args.process_id, initialization_timeout=60)
-    lead = jax.process_index() == 0
-    out = print if lead else (lambda *a, **k: None)
+    if args.shared_gpu and args.processes < 2:
+        ap.error("--shared-gpu: with --processes N >= 2")
+    if args.shared_gpu and args.nodes == 0:
+        args.nodes = args.processes
     names = [r for r in args.runs.split(",") if r]
     for r in names:
         if r not in RUNS:
             ap.error(f"--runs: unknown run {r!r} (known: {', '.join(RUNS)})")
-    devices = sorted(jax.devices(), key=lambda d: d.id)  # every process's, process-major
-    if len(devices) < 2 and devices[0].platform == "cpu":
-        raise SystemExit("needs several devices: "
-                         "XLA_FLAGS=--xla_force_host_platform_device_count=8")
-    n = min(8, len(devices))
-    if args.separate and len(names) > 1:
+    separate = args.separate and len(names) > 1 and args.process_id is None
+    if args.processes > 1 and args.process_id is None and not separate:
+        raise SystemExit(launch_processes(args.processes, sys.argv[1:] if argv is None else list(argv),
+                                          args.shared_gpu))
+    if args.process_id is not None:
+        jax.distributed.initialize(coordinator_address=args.coordinator, num_processes=args.processes,
+                                   process_id=args.process_id, initialization_timeout=60)
+    lead = args.process_id in (None, 0)  # (jax.process_index() would start a backend here)
+    out = print if lead else (lambda *a, **k: None)
+    if separate:
+        # Each run in processes of its own; this one touches no backend (its memory is not counted).
         model_args = ["--size", args.size, "--seed", str(args.seed), "--steps", str(args.steps),
-                      "--warmup", str(args.warmup)]
+                      "--warmup", str(args.warmup), "--processes", str(args.processes), "--nodes", str(args.nodes)]
+        model_args += ["--shared-gpu"] if args.shared_gpu else []
         for k in common.FIELDS:
             model_args += [f"--{k.replace('_', '-')}", str(getattr(args, k))]
-        records = run_separately(names, model_args)
+        head, records = run_separately(names, model_args)
+        device_kind, n = head["device"], head["world"]
     else:
+        devices = sorted(jax.devices(), key=lambda d: d.id)  # every process's, process-major
+        if len(devices) < 2 and devices[0].platform == "cpu":
+            raise SystemExit("needs several devices: "
+                             "XLA_FLAGS=--xla_force_host_platform_device_count=8")
+        n, device_kind = min(8, len(devices)), devices[0].device_kind
         mesh = Mesh(np.array(devices[:n]), ("fsdp",))
         # numpy leaves: each run puts its own copy on the devices (a run donates its parameters
         # to its train step)
         model = Llama(args, dict(common.init_weights(args, args.seed)))
         graphdef, params = nnx.split(model, nnx.Param)
         count = sum(x.size for x in jax.tree.leaves(params))
-        out(f"Llama {args.size}: {count} parameters, {n} devices ({devices[0].device_kind}) in "
+        out(f"Llama {args.size}: {count} parameters, {n} devices ({device_kind}) in "
             f"{jax.process_count()} process(es), batch {args.batch} x {n} x {args.seq}")
         hp = common.ADAMW
         tx = optax.adamw(hp["lr"], b1=hp["betas"][0], b2=hp["betas"][1], eps=hp["eps"],
                          weight_decay=hp["weight_decay"])
         data = common.token_batches(args, args.steps, args.batch * n, args.seed)
-        records = [RUNS[r](mesh, graphdef, params, tx, data, args.warmup) for r in names]
+        records = [RUNS[r](mesh, graphdef, params, tx, data, args.warmup, args.nodes) for r in names]
     by_name = {r["name"]: r for r in records}
     if len(by_name) == 2:
         diff = max(abs(a - b) for a, b in zip(by_name["tide_xla"]["losses"],
@@ -346,7 +375,7 @@ def main(argv=None):
         out(f"max |loss difference| tide vs gspmd: {diff:.2e}")
     if args.json and lead:
         with open(args.json, "w") as f:
-            json.dump({"framework": "jax", "device": devices[0].device_kind, "world": n,
+            json.dump({"framework": "jax", "device": device_kind, "world": n,
                        "model": common.describe(args, n), "runs": records}, f, indent=1)
 
 

@@ -5,6 +5,9 @@ time, peak memory, loss and FSDP2's layout copies for each.
     python examples/fsdp2_llama.py --size small --json out.json
     torchrun --nproc-per-node 2 examples/fsdp2_llama.py --size 1b
 
+    # one GPU shared by 4 ranks, each an emulated host (NCCL over loopback), 2 nodes x 2
+    python examples/fsdp2_llama.py --world 4 --shared-gpu --nodes 2 --size tiny
+
     # CPU: 4 gloo ranks as processes on this machine, emulating 2 nodes x 2
     python examples/fsdp2_llama.py --device cpu
     python examples/fsdp2_llama.py --device cpu --world 4 --nodes 2 --steps 10 --variants stock,tide_slot_reuse
@@ -235,8 +238,10 @@ def main_worker(rank: int, world: int, init: str, args) -> None:
     # warning that a profile without a schedule keeps one cycle (it is one step).
     os.environ.setdefault("KINETO_LOG_LEVEL", "5")
     warnings.filterwarnings("ignore", message=".*Profiler clears events")
+    if args.device == "cuda" and args.shared_gpu:  # before NCCL starts: this rank is a host of its own
+        os.environ.update(common.emulated_host_env(rank))
     if args.device == "cuda":
-        local = int(os.environ.get("LOCAL_RANK", rank))
+        local = 0 if args.shared_gpu else int(os.environ.get("LOCAL_RANK", rank))
         torch.cuda.set_device(local)
         device = torch.device("cuda", local)
         backend = "nccl"
@@ -295,7 +300,11 @@ def main() -> None:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--world", type=int, default=None,
                     help="ranks to spawn without torchrun (CPU default 4, CUDA default 1)")
-    ap.add_argument("--nodes", type=int, default=0, help="emulated nodes (0: LOCAL_WORLD_SIZE)")
+    ap.add_argument("--nodes", type=int, default=0,
+                    help="emulated nodes (0: LOCAL_WORLD_SIZE; with --shared-gpu: one per rank)")
+    ap.add_argument("--shared-gpu", action="store_true",
+                    help="CUDA: the --world ranks share GPU 0, each an emulated host (its own NCCL_HOSTID, "
+                         "NCCL over loopback sockets): correctness and overheads, not bandwidth")
     ap.add_argument("--variants", default=",".join(VARIANTS),
                     help=f"comma-separated subset of {','.join(VARIANTS)}")
     ap.add_argument("--transport", default="auto",
@@ -324,9 +333,13 @@ def main() -> None:
         return
     if args.world is None:
         args.world = 4 if args.device == "cpu" else 1
-    if args.device == "cuda" and args.world > torch.cuda.device_count():
+    if args.shared_gpu and (args.device != "cuda" or "RANK" in os.environ):
+        ap.error("--shared-gpu: CUDA ranks this script spawns itself (not torchrun)")
+    if args.shared_gpu and args.nodes == 0:
+        args.nodes = args.world
+    if args.device == "cuda" and args.world > torch.cuda.device_count() and not args.shared_gpu:
         ap.error(f"--world {args.world} needs one GPU per rank; {torch.cuda.device_count()} "
-                 "visible (NCCL refuses two ranks on one GPU)")
+                 "visible (NCCL refuses two ranks on one GPU; --shared-gpu emulates one host per rank)")
     if args.device == "cpu" and args.nodes == 0 and args.world % 2 == 0:
         args.nodes = 2
     fd, path = tempfile.mkstemp(prefix="tide_example_pg_")

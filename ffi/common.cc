@@ -192,12 +192,6 @@ void run_group_call(const CallSpec& spec, int32_t device_ordinal, int64_t run_id
   io.rank = slot.rank;
   if (table_spans_processes(attrs.device_table, process)) {
     const std::string owners = rank_owners(attrs.device_table, slot.group, world);
-    if (spec.cuda)
-      throw Unimplemented(TIDE_STR_CAT(
-          "group ", slot.group, " spans processes (", owners, "): rank ", slot.rank,
-          " (device ", device_ordinal, " of process ", process, ") would need a cross-process "
-          "CUDA fabric, which tide_xla does not have yet; on CUDA every device of a TIDE group "
-          "must belong to one process"));
     if (attrs.where != nullptr &&
         (attrs.where[0] != slot.rank || (attrs.where[1] >= 0 && attrs.where[1] != slot.group)))
       throw PlanError(TIDE_STR_CAT(

@@ -19,9 +19,10 @@
 // arena) and the session. Counters are epochs and never reset, so the state lives as long as the
 // process; calls of one state are serialised by the session.
 //
-// A mesh spanning processes (XLA:CPU): one state per (collective, plan, mesh, group, rank) of this
-// process instead, a session over a CPU RankExecutor mapping every rank's shm segment; each device
-// runs RunRankCall for its own rank ([Note: cross-process ranks] below).
+// A mesh spanning processes: one state per (collective, plan, mesh, group, rank) of this process
+// instead, a session over a rank executor (XLA:CPU: a CPU RankExecutor mapping every rank's shm
+// segment; CUDA: executor_cuda.cc's CudaProcessRank); each device runs RunRankCall for its own
+// rank ([Note: cross-process ranks] below).
 #include <algorithm>
 #include <cstring>
 #include <map>
@@ -164,20 +165,16 @@ void CompleteRank(const GroupCall& call, int rank) {
 // keeps every XLA buffer of rank r to rank r's program), so nothing meets in this process: peers
 // in this or other processes synchronise through the counters in each other's segments, and the
 // rank executor's entry fence keeps call k+1 out of a peer still in call k (docs/rank_executor.md),
-// which also protects a landing until its rank has copied it out. Bytes out equal the in-process
-// cluster's: the same programs through the same op interpreter (step_ranks).
+// which also protects a landing until its rank has copied it out (on CUDA the copy is on XLA's
+// stream, whose prior work the next call's streams wait for before its fence). Bytes out equal
+// the in-process cluster's: the same programs through the same op interpreter (step_ranks) or
+// the same kernels.
 
 bool RankStateKey::operator<(const RankStateKey& o) const {
   return std::tie(op, plan_hash, table, group, rank) < std::tie(o.op, o.plan_hash, o.table, o.group, o.rank);
 }
 
 namespace {
-
-struct RankState {
-  std::shared_ptr<CpuRankExecutor> executor;
-  std::unique_ptr<GroupSession> session;
-  int64_t ring0 = -1;  // offset of region ring0 in the segment (AG)
-};
 
 std::mutex g_rank_mu;
 // Never destroyed (like the in-process states): the mappings live as long as the process.
@@ -189,8 +186,8 @@ CallKind call_kind(Collective op) {
 
 }  // namespace
 
-RankArena rank_arena(const Plan& plan, Collective op) {
-  const ArenaSpec a = GroupSession::own_arena(plan, {call_kind(op)});
+RankArena rank_arena(const Plan& plan, Collective op, Rails rails) {
+  const ArenaSpec a = GroupSession::own_arena(plan, {call_kind(op)}, rails);
   RankArena out;
   int64_t end = a.total;
   for (int k = static_cast<int>(BufKind::kRing0); k < kNumBufKinds; ++k) {
@@ -211,32 +208,37 @@ bool has_rank_state(const RankStateKey& key) {
   return g_rank_states->count(key) > 0;
 }
 
-void open_rank_state(const RankStateKey& key, std::shared_ptr<const Plan> plan,
-                     const std::vector<std::string>& segments, int64_t timeout_ms) {
-  TIDE_PLAN_CHECK(plan != nullptr && plan->hash == key.plan_hash, "open_rank_state: the plan does not match the key");
-  TIDE_PLAN_CHECK(timeout_ms > 0, "timeout_ms: must be > 0, got ", timeout_ms);
-  std::lock_guard<std::mutex> lock(g_rank_mu);
-  auto& slot = (*g_rank_states)[key];
-  if (slot) return;
-  const RankArena arena = rank_arena(*plan, key.op);
-  ExecutorOptions opt;
-  opt.timeout_s = static_cast<double>(timeout_ms) / 1000.0;
+void put_rank_state(const RankStateKey& key, std::shared_ptr<const Plan> plan, std::shared_ptr<CallExecutor> executor,
+                    const RankArena& arena, const uint8_t* own_arena, bool cuda) {
   auto st = std::make_unique<RankState>();
-  try {
-    auto ex = std::make_shared<RankExecutor>(key.rank, plan->topo, segments, arena.bytes, arena.regions, opt);
-    st->executor = std::make_shared<CpuRankExecutor>(ex, RegionTable{});  // own arena: counters from 0
-  } catch (...) {
-    g_rank_states->erase(key);
-    throw;
-  }
+  st->executor = std::move(executor);
   GroupPlacement p;
   p.kinds = {call_kind(key.op)};
   p.group = static_cast<int32_t>(key.group);
   p.resident = false;  // XLA owns the shards: read them in place (kShard)
-  st->session = std::make_unique<GroupSession>(plan, st->executor, p);
+  // An executor with an arena layout (CUDA) takes the programs' counters from the region's start.
+  if (st->executor->regions() != nullptr) p.counter_base[static_cast<int>(call_kind(key.op))] = 0;
+  st->session = std::make_unique<GroupSession>(std::move(plan), st->executor, p);
   auto ring = arena.regions.find("ring0");
   st->ring0 = ring == arena.regions.end() ? -1 : ring->second.first;
-  slot = std::move(st);
+  st->arena = own_arena;
+  st->cuda = cuda;
+  std::lock_guard<std::mutex> lock(g_rank_mu);
+  auto& slot = (*g_rank_states)[key];
+  if (!slot) slot = std::move(st);
+}
+
+void open_rank_state(const RankStateKey& key, std::shared_ptr<const Plan> plan,
+                     const std::vector<std::string>& segments, int64_t timeout_ms) {
+  TIDE_PLAN_CHECK(plan != nullptr && plan->hash == key.plan_hash, "open_rank_state: the plan does not match the key");
+  TIDE_PLAN_CHECK(timeout_ms > 0, "timeout_ms: must be > 0, got ", timeout_ms);
+  if (has_rank_state(key)) return;
+  const RankArena arena = rank_arena(*plan, key.op);
+  ExecutorOptions opt;
+  opt.timeout_s = static_cast<double>(timeout_ms) / 1000.0;
+  auto ex = std::make_shared<RankExecutor>(key.rank, plan->topo, segments, arena.bytes, arena.regions, opt);
+  auto call_ex = std::make_shared<CpuRankExecutor>(ex, RegionTable{});  // own arena: counters from 0
+  put_rank_state(key, std::move(plan), call_ex, arena, ex->segment(key.rank), false);
 }
 
 void RunRankCall(const GroupCall& call, uint64_t table, const RankIo& io) {
@@ -252,14 +254,33 @@ void RunRankCall(const GroupCall& call, uint64_t table, const RankIo& io) {
         "rank ", io.rank, " of group ", call.group, " (process ", process_index(), "): no cross-process state for this ",
         collective_name(call.spec.op), " (plan hash ", call.plan->hash, "); the mesh spans processes, so the call must "
         "be traced through tide_xla (gather / reduce_scatter), which prepares it on every process"));
-  seed_accumulator(call, io);
+  TIDE_CHECK(st->cuda == call.spec.cuda, "rank ", io.rank, ": a ", call.spec.cuda ? "CUDA" : "CPU", " call reached a ",
+             st->cuda ? "CUDA" : "CPU", " rank state");
+  // CUDA: the call is enqueued on XLA's stream (the rank executor's streams wait for its prior
+  // work, the accumulator copy included, and it waits for the call): no host synchronisation.
+  std::vector<uintptr_t> streams;
+  if (st->cuda) {
+#ifdef TIDE_WITH_CUDA
+    if (call.spec.op == Collective::kReduceScatter && call.spec.accumulate)
+      copy_accumulator_async(io, call.plan->layout.S_fp32);
+    streams.push_back(reinterpret_cast<uintptr_t>(io.stream));
+#endif
+  } else {
+    seed_accumulator(call, io);
+  }
   const std::vector<RankBindingList> b = {rank_bindings(call, io)};
   if (call.spec.op == Collective::kAllGather) {
-    st->session->all_gather(b);
-    TIDE_CHECK(st->ring0 >= 0, "cross-process TIDE-AG: the segment has no ring0 region");
-    copy_landing(call, st->executor->rank_executor().segment(io.rank) + st->ring0, io);
+    st->session->all_gather(b, streams);
+    TIDE_CHECK(st->ring0 >= 0, "cross-process TIDE-AG: the arena has no ring0 region");
+    if (!st->cuda) {
+      copy_landing(call, st->arena + st->ring0, io);
+    } else {
+#ifdef TIDE_WITH_CUDA
+      copy_landing_async(call, reinterpret_cast<const char*>(st->arena) + st->ring0, io);
+#endif
+    }
   } else {
-    st->session->reduce_scatter(call.spec.scale, call.spec.accumulate, b);
+    st->session->reduce_scatter(call.spec.scale, call.spec.accumulate, b, streams);
   }
 }
 

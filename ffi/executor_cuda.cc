@@ -4,7 +4,8 @@
 // ordinal; a virtual cluster puts every rank on one device), so the group runs on the core's CUDA
 // in-process executor (tide/cuda.h) through its GroupSession, exactly as the CUDA virtual cluster
 // runs it. Rank 0's handler thread enqueues the call for every rank after the rendezvous; nothing
-// here waits on the host.
+// here waits on the host. Several processes: each rank's own CudaProcessRank ([Note: CUDA rank
+// states] below), run by RunRankCall (executor.cc) on the rank's XLA stream.
 //
 // [Note: stream handoff] The session's executor takes every rank's XLA stream as that rank's
 // caller stream: the call's internal streams wait for the XLA stream's prior work (the other
@@ -21,6 +22,9 @@
 // error then becomes DEADLINE_EXCEEDED of the call).
 #ifdef TIDE_WITH_CUDA
 #include <cuda_runtime_api.h>
+
+#include <map>
+#include <mutex>
 
 #include "tide/cuda.h"
 #include "tide_ffi.h"
@@ -79,23 +83,85 @@ void ExecuteGroupCuda(const GroupCall& call) {
   run_session(cuda_state(call), call, streams);
 }
 
-void CompleteRankCuda(const GroupCall& call, int rank) {
-  if (call.spec.op != Collective::kAllGather) return;  // TIDE-RS wrote XLA's result in place
-  const RankIo& io = *call.ranks.at(static_cast<size_t>(rank));
-  GroupState& st = cuda_state(call);
+void copy_landing_async(const GroupCall& call, const char* ring, const RankIo& io) {
   DeviceGuard guard;
   TIDE_CHECK_CUDA(cudaSetDevice(io.device), "device ", io.device);
   // The one copy of the XLA face: rank r's landing rows [0, D_p) -> XLA result p.
   const GroupLayout& lay = call.plan->layout;
   const int b_ag = dtype_size(call.plan->sig.ag_dtype);
-  const char* ring = cuda_cluster_arena(st.session->executor(), rank) +
-                     st.arena.offset[static_cast<int>(BufKind::kRing0)];
   std::vector<DeviceCopy> copies;
   for (int p = 0; p < lay.P; ++p) {
     const ParamLayout& pl = lay.params[p];
     copies.push_back({io.out[p], ring + pl.o * lay.N, static_cast<size_t>(pl.D * pl.K * b_ag)});
   }
   copy_async(copies, reinterpret_cast<uintptr_t>(io.stream));
+}
+
+void CompleteRankCuda(const GroupCall& call, int rank) {
+  if (call.spec.op != Collective::kAllGather) return;  // TIDE-RS wrote XLA's result in place
+  const RankIo& io = *call.ranks.at(static_cast<size_t>(rank));
+  GroupState& st = cuda_state(call);
+  copy_landing_async(call, cuda_cluster_arena(st.session->executor(), rank) +
+                               st.arena.offset[static_cast<int>(BufKind::kRing0)], io);
+}
+
+// ---- Ranks across processes on CUDA ----------------------------------------------------------
+// [Note: CUDA rank states] One CudaProcessRank per (collective, plan, mesh, group, rank) of this
+// process: its own IPC arena, laid out as rank_arena() (the session's own layout plus the entry
+// fence's counter), and its own rail communicator. Between create and connect the handle and the
+// rail id travel through jax.distributed's store (tide_xla/processes.py); a rank waits there,
+// never here, so a missing process is a TimeoutError naming it. The states live as long as the
+// process (their peers may push into the arena until the last call of every process).
+namespace {
+
+struct PendingRank {
+  std::shared_ptr<const Plan> plan;
+  std::unique_ptr<CudaProcessRank> rank;
+  int64_t timeout_ms = 0;
+};
+
+std::mutex g_pending_mu;
+auto* g_pending = new std::map<RankStateKey, PendingRank>();
+
+Rails rails_for(const Plan& plan) { return plan.topo.nodes > 1 ? Rails::kTwoSided : Rails::kOneSided; }
+
+}  // namespace
+
+std::string create_cuda_rank_state(const RankStateKey& key, std::shared_ptr<const Plan> plan, int device,
+                                   int64_t timeout_ms) {
+  TIDE_PLAN_CHECK(plan != nullptr && plan->hash == key.plan_hash, "create_cuda_rank_state: the plan does not match");
+  TIDE_PLAN_CHECK(timeout_ms > 0, "timeout_ms: must be > 0, got ", timeout_ms);
+  std::lock_guard<std::mutex> lock(g_pending_mu);
+  auto it = g_pending->find(key);
+  if (it != g_pending->end()) return it->second.rank->ipc_handle();
+  const RankArena arena = rank_arena(*plan, key.op, rails_for(*plan));
+  PendingRank p;
+  p.rank = std::make_unique<CudaProcessRank>(key.rank, plan->topo, device, arena.bytes);
+  p.plan = std::move(plan);
+  p.timeout_ms = timeout_ms;
+  std::string handle = p.rank->ipc_handle();
+  g_pending->emplace(key, std::move(p));
+  return handle;
+}
+
+void connect_cuda_rank_state(const RankStateKey& key, const std::vector<std::string>& handles,
+                             const std::string& rail_id) {
+  PendingRank p;
+  {
+    std::lock_guard<std::mutex> lock(g_pending_mu);
+    auto it = g_pending->find(key);
+    TIDE_CHECK(it != g_pending->end(), "connect_cuda_rank_state: rank ", key.rank, " of group ", key.group,
+               " was not created (create_cuda_rank_state first)");
+    p = std::move(it->second);
+    g_pending->erase(it);
+  }
+  const RankArena arena = rank_arena(*p.plan, key.op, rails_for(*p.plan));
+  ExecutorOptions opt;
+  opt.timeout_s = static_cast<double>(p.timeout_ms) / 1000.0;
+  std::shared_ptr<CallExecutor> ex = p.rank->connect(handles, rail_id, arena.regions, opt);
+  const auto* base = reinterpret_cast<const uint8_t*>(p.rank->arena());
+  // The executor keeps the arena and the rail; the CudaProcessRank object itself may go.
+  put_rank_state(key, p.plan, std::move(ex), arena, base, true);
 }
 
 }  // namespace tide::xla_ffi

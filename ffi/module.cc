@@ -6,6 +6,9 @@
 #include <nanobind/stl/vector.h>
 
 #include "tide_ffi.h"
+#ifdef TIDE_WITH_CUDA
+#include "tide/cuda.h"
+#endif
 
 namespace nb = nanobind;
 
@@ -98,7 +101,7 @@ NB_MODULE(_ffi, m) {
   m.def("group_plan", [](const std::string& op, const std::vector<std::vector<int64_t>>& shapes,
                          const std::string& in, const std::string& out, int nodes, int gpus, int mode) {
     const auto plan = plan_for(op, shapes, in, out, nodes, gpus, mode);
-    const xf::RankArena arena = xf::rank_arena(*plan, collective_named(op));
+    const xf::RankArena arena = xf::rank_arena(*plan, collective_named(op));  // XLA:CPU: one host, one-sided
     nb::dict d;
     d["hash"] = plan->hash;
     d["segment_bytes"] = arena.bytes;
@@ -120,6 +123,37 @@ NB_MODULE(_ffi, m) {
         nb::arg("gpus_per_node"), nb::arg("mode"), nb::arg("table"), nb::arg("group"), nb::arg("rank"),
         nb::arg("segments"), nb::arg("timeout_ms"),
         "Maps every rank's segment for `rank` of `group` and builds its session (idempotent).");
+#ifdef TIDE_WITH_CUDA
+  // Ranks across processes on CUDA ([Note: CUDA rank states], executor_cuda.cc).
+  m.def("create_cuda_rank", [](const std::string& op, const std::vector<std::vector<int64_t>>& shapes,
+                               const std::string& in, const std::string& out, int nodes, int gpus, int mode,
+                               uint64_t table, int64_t group, int rank, int device, int64_t timeout_ms) {
+    const auto plan = plan_for(op, shapes, in, out, nodes, gpus, mode);
+    return nb::bytes(xf::create_cuda_rank_state(rank_key(op, plan->hash, table, group, rank), plan, device,
+                                                timeout_ms).c_str(), tide::kCudaIpcHandleBytes);
+  }, nb::arg("op"), nb::arg("shapes"), nb::arg("in_dtype"), nb::arg("out_dtype"), nb::arg("nodes"),
+        nb::arg("gpus_per_node"), nb::arg("mode"), nb::arg("table"), nb::arg("group"), nb::arg("rank"),
+        nb::arg("device"), nb::arg("timeout_ms"),
+        "Allocates `rank`'s CUDA-IPC arena on local `device` and returns its IPC handle (idempotent until "
+        "connected).");
+  m.def("connect_cuda_rank", [](const std::string& op, uint64_t plan_hash, uint64_t table, int64_t group, int rank,
+                                const std::vector<nb::bytes>& handles, const nb::bytes& rail_id) {
+    std::vector<std::string> h;
+    for (const nb::bytes& b : handles) h.emplace_back(b.c_str(), b.size());
+    const std::string id(rail_id.c_str(), rail_id.size());
+    nb::gil_scoped_release release;  // the rail's construction waits for its peers in other processes
+    xf::connect_cuda_rank_state(rank_key(op, plan_hash, table, group, rank), h, id);
+  }, nb::arg("op"), nb::arg("plan_hash"), nb::arg("table"), nb::arg("group"), nb::arg("rank"), nb::arg("handles"),
+        nb::arg("rail_id"),
+        "Opens the node's peers (handles[r] per rank, b'' for other nodes) and joins the NCCL rail (rail_id; "
+        "several nodes), then builds the rank's session.");
+  m.def("nccl_unique_id", []() {
+    const std::string id = tide::nccl_rail_unique_id();
+    return nb::bytes(id.data(), id.size());
+  }, "ncclGetUniqueId for a rail (loads NCCL).");
+  m.def("nccl_library_candidates", &tide::nccl_library_candidates, nb::arg("paths"),
+        "libnccl.so.2 paths tried after the framework's copy and the loader's path.");
+#endif
   m.def("executor_available", &tide::xla_ffi::executor_available,
         "True when this build's CPU handlers can run collectives (the executor is linked).");
   m.def("executor_description", &tide::xla_ffi::executor_description);

@@ -16,11 +16,12 @@
 //     Rendezvous (keyed by RunId, group, op_id, seq); then the group's per-rank programs run
 //     through ExecuteGroup()/CompleteRank() (executor.cc), the one place that calls TIDE's
 //     core: the group's GroupSession (tide/session.h).
-//   - A mesh that spans processes (XLA:CPU only): each rank runs its own program through a CPU
-//     RankExecutor over every rank's shared-memory segment, with no rendezvous
-//     (RunRankCall, executor.cc). Python (tide_xla/processes.py) prepares those rank states at
-//     trace time: the processes agree on the plan hash and exchange segment names through
-//     jax.distributed's key-value store, then open_rank_state() maps them here.
+//   - A mesh that spans processes: each rank runs its own program through a rank executor, with
+//     no rendezvous (RunRankCall, executor.cc): on XLA:CPU a CPU RankExecutor over every rank's
+//     shared-memory segment, on CUDA a CudaProcessRank (tide/cuda.h: its node's peers by CUDA
+//     IPC, other nodes over its NCCL rail). Python (tide_xla/processes.py) prepares those rank
+//     states at trace time: the processes agree on the plan hash and exchange segment names (CPU)
+//     or IPC handles and rail ids (CUDA) through jax.distributed's key-value store.
 //   - Every exception stops at the handler boundary (TIDE_FFI_BOUNDARY) and becomes ffi::Error:
 //     PlanError -> INVALID_ARGUMENT, TimeoutError -> DEADLINE_EXCEEDED, anything else -> INTERNAL.
 #pragma once
@@ -138,10 +139,12 @@ int64_t run_session(GroupState& st, const GroupCall& call, const std::vector<uin
 // executors apply TIDE_EXEC_OPTIONS themselves.
 ExecutorOptions executor_options_for(const GroupCall& call);
 
-// ---- Ranks across processes (XLA:CPU; executor.cc) --------------------------------------------
-// One rank of a group whose ranks live in several processes: its GroupSession over a CPU
-// RankExecutor that maps every rank's shared-memory segment. Keyed by (collective, plan hash,
-// device-table fingerprint, group, rank); opened at trace time, kept for the process' lifetime.
+// ---- Ranks across processes (executor.cc; CUDA: executor_cuda.cc) ----------------------------
+// One rank of a group whose ranks live in several processes: its GroupSession over a rank
+// executor (XLA:CPU: a CPU RankExecutor that maps every rank's shared-memory segment; CUDA: the
+// core's CudaProcessRank, its node's peers by CUDA IPC and other nodes over its NCCL rail).
+// Keyed by (collective, plan hash, device-table fingerprint, group, rank); opened at trace time,
+// kept for the process' lifetime.
 struct RankStateKey {
   Collective op = Collective::kAllGather;
   uint64_t plan_hash = 0;
@@ -156,8 +159,22 @@ struct RankArena {
   int64_t bytes = 0;
   RegionTable regions;
 };
-RankArena rank_arena(const Plan& plan, Collective op);
+// rails: two-sided when the ranks' topology has several nodes on CUDA (its lowering's counters).
+RankArena rank_arena(const Plan& plan, Collective op, Rails rails = Rails::kOneSided);
 bool has_rank_state(const RankStateKey& key);
+// A rank state once built (executor.cc keeps them): `arena` is this rank's arena (host segment or
+// device memory), `ring0` the offset of its landing region (AG), `cuda`: calls go on XLA's stream.
+struct RankState {
+  std::shared_ptr<CallExecutor> executor;
+  std::unique_ptr<GroupSession> session;
+  const uint8_t* arena = nullptr;
+  int64_t ring0 = -1;
+  bool cuda = false;
+};
+// Builds the state's session over `executor` (regions: the executor's arena layout, or empty for
+// the set's own) and keeps it under `key` (an existing one stays).
+void put_rank_state(const RankStateKey& key, std::shared_ptr<const Plan> plan, std::shared_ptr<CallExecutor> executor,
+                    const RankArena& arena, const uint8_t* own_arena, bool cuda);
 // Maps segments[r] (rank r's shm name) for rank key.rank and builds its session; throws Error
 // naming the rank and segment on failure. An existing state is kept (idempotent).
 void open_rank_state(const RankStateKey& key, std::shared_ptr<const Plan> plan,
@@ -171,6 +188,16 @@ void CompleteRank(const GroupCall& call, int rank);
 bool executor_available();
 std::string executor_description();
 #ifdef TIDE_WITH_CUDA
+// A CUDA rank state in two steps, because the IPC handles and the rail's unique id travel between
+// the processes in between (tide_xla/processes.py): create allocates the rank's IPC arena on
+// `device` and returns its handle; connect opens the node's peers (handles[r] per rank) and the
+// rail (rail_id; nodes > 1), then builds the state. Both throw Error naming the rank.
+std::string create_cuda_rank_state(const RankStateKey& key, std::shared_ptr<const Plan> plan, int device,
+                                   int64_t timeout_ms);
+void connect_cuda_rank_state(const RankStateKey& key, const std::vector<std::string>& handles,
+                             const std::string& rail_id);
+// TIDE-AG's landing rows [0, D_p) at `ring` (device memory) -> XLA's results, on io.stream.
+void copy_landing_async(const GroupCall& call, const char* ring, const RankIo& io);
 void ExecuteGroupCuda(const GroupCall& call);
 void CompleteRankCuda(const GroupCall& call, int rank);
 // RS with accumulate when XLA did not alias acc to out: out <- acc on XLA's stream.
@@ -264,7 +291,7 @@ auto BindVirtualCall(Binding b) {
 }
 
 // Fills io.rank; `sig` must already hold the parameter shapes and dtypes. A table spanning
-// processes runs RunRankCall (CPU) or fails with Unimplemented (CUDA), never the rendezvous.
+// processes runs RunRankCall, never the rendezvous.
 void run_group_call(const CallSpec& spec, int32_t device_ordinal, int64_t run_id,
                     const GroupAttrs& attrs, const GroupSignature& sig, RankIo& io);
 

@@ -8,7 +8,9 @@ is every device of the job in id order (process-major), so rank r is the same sh
 It writes OUT_DIR/p<PROCESS>.npz with its addressable shards of each result, keyed by the global
 row the shard starts at, or OUT_DIR/p<PROCESS>.err with the error text.
 
-CASE: "run" (AG forward, AG+RS gradient, RS with scale and accumulate), "other_model" (process 1
+The platform is JAX_PLATFORMS's (cpu, or cuda: one GPU per process, several processes may share
+it). CASE: "run" (AG forward, AG+RS gradient, RS with scale and accumulate), "exact" (the same with
+a loss whose gradient every platform computes to the same bits, for CPU against GPU), "other_model" (process 1
 groups the parameters into other TIDE calls), "skip" (the last process never calls), "no_run" (the
 last process traces and compiles the gather but never runs it), "no_shm" (process 1's /dev/shm
 has no room for its segments).
@@ -54,6 +56,8 @@ def main():
     def local_loss(s):
         full = tide_xla.gather(s, layout)
         r = jax.lax.axis_index("fsdp").astype(jnp.float32) + 1.0
+        if case == "exact":  # d/dv = 2 v r: exact products of a bf16 value, the same bits everywhere
+            return sum(jnp.sum(jnp.square(v.astype(jnp.float32)) * r) for v in full.values())
         return sum(jnp.sum(jnp.sin(v.astype(jnp.float32)) * r) for v in full.values())
 
     def rs(s):
@@ -73,7 +77,7 @@ def main():
         run_ag.lower(shards).compile()  # traced (the processes agree), never run
         return {}
     results = {"ag": run_ag(shards)}
-    if case == "run":
+    if case in ("run", "exact"):
         grad = jax.jit(jax.shard_map(jax.grad(local_loss), mesh=mesh, in_specs=(specs,),
                                      out_specs=specs))
         results["grad"] = grad(shards)

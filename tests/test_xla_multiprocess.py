@@ -6,59 +6,21 @@ and compares their addressable shards bitwise with one process holding all 8 dev
 """
 import json
 import os
-import socket
 import subprocess
 import sys
-import time
 
 import numpy as np
 import pytest
 
 pytest.importorskip("jax")
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-WORKER = os.path.join(REPO, "tests", "_xla_mp_worker.py")
-WAIT_S = 50  # per launch; a healthy launch takes a few seconds
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        return s.getsockname()[1]
+from xla_mp_helpers import REPO, assert_same_shards, launch
 
 
 def _launch(out_dir, processes: int, devices: int, case: str, topology: str | None = None):
-    """Runs the worker as `processes` processes of `devices` host devices each; returns
-    {process: (returncode, results npz or None, error text or "")}."""
-    os.makedirs(out_dir, exist_ok=True)
-    env = dict(os.environ, JAX_PLATFORMS="cpu",
-               XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
-               PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]))
-    port = str(_free_port())
-    args = [case] + ([topology] if topology else [])
-    procs = [subprocess.Popen([sys.executable, WORKER, str(out_dir), str(i), str(processes), port,
-                               *args], env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT)
-             for i in range(processes)]
-    deadline = time.monotonic() + WAIT_S
-    logs = {}
-    try:
-        for i, p in enumerate(procs):
-            out, _ = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
-            logs[i] = out.decode(errors="replace")
-    except subprocess.TimeoutExpired:
-        for p in procs:
-            p.kill()
-        pytest.fail(f"{processes} processes x {devices} devices ({case}) did not finish in "
-                    f"{WAIT_S} s")
-    res = {}
-    for i, p in enumerate(procs):
-        npz = os.path.join(out_dir, f"p{i}.npz")
-        err = os.path.join(out_dir, f"p{i}.err")
-        text = open(err).read() if os.path.exists(err) else ""
-        res[i] = (p.returncode, dict(np.load(npz)) if os.path.exists(npz) else None,
-                  text or logs[i][-3000:])
-    return res
+    """The worker as `processes` processes of `devices` host devices each (XLA:CPU)."""
+    env = dict(JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+    return launch(out_dir, processes, case, topology, env)
 
 
 _REFERENCE = {}
@@ -84,15 +46,7 @@ def test_processes_equal_one_process_bitwise(tmp_path, tmp_path_factory, process
     """TIDE-AG forward, the AG+RS gradient and RS with scale and an accumulator: every
     process's shards are bitwise the one-process run's."""
     ref = _reference(tmp_path_factory, topology)
-    res = _launch(tmp_path, processes, devices, "run", topology)
-    seen = set()
-    for i, (rc, data, err) in res.items():
-        assert rc == 0 and data is not None, f"process {i}: {err}"
-        for key, value in data.items():
-            assert key in ref, key
-            assert np.array_equal(value, ref[key]), f"process {i}: {key} differs"
-            seen.add(key)
-    assert seen == set(ref), sorted(set(ref) - seen)  # every rank's shard came from some process
+    assert_same_shards(_launch(tmp_path, processes, devices, "run", topology), ref)
 
 
 def test_a_process_with_another_model_fails_on_every_process_naming_it(tmp_path):

@@ -1,4 +1,4 @@
-"""TIDE groups whose ranks live in several processes (jax.distributed), on XLA:CPU.
+"""TIDE groups whose ranks live in several processes (jax.distributed), on XLA:CPU and CUDA.
 
 Contract
   - Processes are started with `jax.distributed.initialize(...)`; each holds its own host
@@ -15,6 +15,10 @@ Contract
     (one CPU RankExecutor per local rank, tide_xla._ffi.open_rank) and, once every process has
     mapped them, unlinks its own names (nothing outlives the processes; atexit unlinks what is
     left after a failure).
+  - On CUDA (one process per GPU; several processes may share one GPU) step (2) is instead: each
+    local rank allocates a CUDA-IPC arena and publishes its handle, node 0's rank of each local
+    index publishes its rail's NCCL unique id (several nodes), every rank opens its node's
+    arenas and joins its rail, and a barrier follows ([Note: CUDA rank states] below).
   - At run time each device's call runs only its rank's program over those segments
     ([Note: cross-process ranks] in ffi/executor.cc): same programs, same op interpreter, so the
     bytes equal one process holding every device.
@@ -141,12 +145,14 @@ def prepare(ctx, op: str, shapes: Sequence[Sequence[int]], in_dtype, out_dtype) 
     import jax
     from tide_xla.context import MODES
     platform = ctx.mesh.devices.flat[0].platform
-    if platform != "cpu":
+    cuda = platform in ("gpu", "cuda")
+    if not cuda and platform != "cpu":
         raise NotImplementedError(
             f"tide_xla: {op}: the mesh spans processes {list(ctx.processes)} on {platform}; "
-            f"tide_xla runs a mesh across processes on XLA:CPU only so far (one process per GPU "
-            f"needs a cross-process CUDA fabric, not there yet)")
+            f"tide_xla runs a mesh across processes on XLA:CPU and CUDA")
     ffi = ffi_module()
+    if cuda:
+        _check_cuda_slots(ctx, op)
     shapes = [[int(d) for d in s] for s in shapes]
     in_name, out_name = np.dtype(in_dtype).name, np.dtype(out_dtype).name
     plan_args = (op, shapes, in_name, out_name, ctx.nodes, ctx.gpus_per_node, MODES[ctx.mode])
@@ -157,7 +163,7 @@ def prepare(ctx, op: str, shapes: Sequence[Sequence[int]], in_dtype, out_dtype) 
             f"{out_name} on {ctx.nodes}x{ctx.gpus_per_node} ranks ({ctx.mode})")
     slots = [s for s in _local_slots(ctx)
              if not ffi.has_rank(op, info["hash"], table, *s)]
-    room = _shm_shortfall(len(slots) * int(info["segment_bytes"]), len(slots))
+    room = "" if cuda else _shm_shortfall(len(slots) * int(info["segment_bytes"]), len(slots))
     values = _exchange(f"{_PREFIX}/call/{n}", f"{info['hash']:016x}|{table:016x}|{room}|{desc}",
                        ctx.processes, ctx.timeout_ms, f"cross-process call #{n} ({desc})")
     short = {p: v.split("|", 3)[2] for p, v in values.items() if v.split("|", 3)[2]}
@@ -172,6 +178,9 @@ def prepare(ctx, op: str, shapes: Sequence[Sequence[int]], in_dtype, out_dtype) 
             f"(every process must trace the same model, parameters and mesh): "
             f"{_disagreement(values)}")
     if not slots:
+        return
+    if cuda:
+        _open_cuda_ranks(ctx, ffi, plan_args, info["hash"], table, slots, desc)
         return
     # Every process reaches this point for the same (collective, plan, mesh): one segment per rank.
     key = f"{_PREFIX}/seg/{op}/{info['hash']:016x}/{table:016x}"
@@ -200,16 +209,95 @@ def prepare(ctx, op: str, shapes: Sequence[Sequence[int]], in_dtype, out_dtype) 
             shm.unlink(name)
 
 
-def _exchange_ranks(client, key: str, ctx, group: int) -> list[str]:
-    """Every rank's segment name of `group` (published by its owning process)."""
+def _exchange_ranks(client, key: str, ctx, group: int, ranks=None) -> list[str]:
+    """Every rank's value under `key` for `group` (published by its owning process): the arena
+    segment names (CPU), IPC handles or rail ids (CUDA: ranks 0..L-1, node 0's)."""
     import jax
-    t = np.asarray(ctx.device_table, np.int64).reshape(-1, 5)
-    owner = {int(r): int(p) for p, _, _, g, r in t if g == group}
+    ranks = range(ctx.world) if ranks is None else ranks
+    owner = {int(r): int(p) for p, _, _, g, r in _rows(ctx) if g == group}
+    what = key.rsplit("/", 1)[-1]
+    what = {"ipc": "CUDA IPC handles", "rail": "NCCL rail ids"}.get(what, "arena segments")
 
     def late(missing):
         procs = sorted({owner[r] for r in missing})
         return TimeoutError(
             f"tide_xla: process {jax.process_index()} waited {ctx.timeout_ms / 1000:g} s for "
-            f"the arena segments of ranks {missing} of group {group} from processes {procs}")
-    got = _await_keys(client, key, range(ctx.world), ctx.timeout_ms, late)
-    return [got[r] for r in range(ctx.world)]
+            f"the {what} of ranks {missing} of group {group} from processes {procs}")
+    got = _await_keys(client, key, ranks, ctx.timeout_ms, late)
+    return [got[r] for r in ranks]
+
+
+# ---- CUDA ------------------------------------------------------------------------------------
+# [Note: CUDA rank states] in ffi/executor_cuda.cc: each local rank gets its own CUDA-IPC arena
+# and, with several nodes, its own NCCL rail; the handles and the rails' unique ids travel through
+# the key-value store. Peers of one node open each other's arenas by IPC (other GPUs of the host,
+# or other processes on the same GPU); other nodes are reached only through the rail.
+
+def _rows(ctx):
+    return np.asarray(ctx.device_table, np.int64).reshape(-1, 5)
+
+
+def _check_cuda_slots(ctx, op: str) -> None:
+    """A process may hold at most one rank of each topology node per group on CUDA: two ranks of
+    one node in one process would have to open each other's arena by CUDA IPC, which CUDA refuses
+    inside one process."""
+    import jax
+    me, L = jax.process_index(), ctx.gpus_per_node
+    seen: dict[tuple[int, int], int] = {}
+    for p, _, _, g, r in _rows(ctx):
+        if int(p) != me:
+            continue
+        node = int(r) // L
+        if (int(g), node) in seen:
+            raise NotImplementedError(
+                f"tide_xla: {op}: process {me} holds ranks {seen[(int(g), node)]} and {int(r)} of node {node} "
+                f"(group {int(g)}, topology {ctx.nodes}x{L}) in a mesh that spans processes; on CUDA "
+                f"tide_xla needs one process per GPU when the mesh spans processes (one process "
+                f"holding a whole node next to other processes is not supported yet)")
+        seen[(int(g), node)] = int(r)
+
+
+_nccl_paths_added = False
+
+
+def _add_nccl_candidates(ffi) -> None:
+    """The nvidia.nccl wheel's libnccl.so.2 for the rails (after the copy JAX has loaded)."""
+    global _nccl_paths_added
+    if _nccl_paths_added:
+        return
+    _nccl_paths_added = True
+    import importlib.util
+    try:
+        spec = importlib.util.find_spec("nvidia.nccl")
+    except ModuleNotFoundError:
+        spec = None
+    paths = [f"{loc}/lib/libnccl.so.2" for loc in (spec.submodule_search_locations or [])] if spec else []
+    ffi.nccl_library_candidates(paths)
+
+
+def _open_cuda_ranks(ctx, ffi, plan_args, plan_hash: int, table: int, slots, desc: str) -> None:
+    """Creates this process's rank states for one (collective, plan, mesh) on CUDA: arenas, handle
+    exchange, rails (see the note above), then a barrier once every process is connected."""
+    import jax
+    op = plan_args[0]
+    client = _client()
+    key = f"{_PREFIX}/cuda/{op}/{plan_hash:016x}/{table:016x}"
+    me, L = jax.process_index(), ctx.gpus_per_node
+    local = {(int(g), int(r)): int(dev) for p, _, dev, g, r in _rows(ctx) if int(p) == me}
+    if ctx.nodes > 1:
+        _add_nccl_candidates(ffi)
+    for group, rank in slots:
+        handle = ffi.create_cuda_rank(*plan_args, table, group, rank, local[(group, rank)], ctx.timeout_ms)
+        client.key_value_set(f"{key}/{group}/ipc/{rank}", bytes(handle).hex())
+        if ctx.nodes > 1 and rank < L:  # node 0's rank of local index `rank` names its rail
+            client.key_value_set(f"{key}/{group}/rail/{rank}", bytes(ffi.nccl_unique_id()).hex())
+    for group in sorted({g for g, _ in slots}):
+        handles = _exchange_ranks(client, f"{key}/{group}/ipc", ctx, group)
+        rails = _exchange_ranks(client, f"{key}/{group}/rail", ctx, group, range(L)) if ctx.nodes > 1 else None
+        for g, rank in slots:
+            if g == group:
+                # Collective over the rail's ranks (one per node, each in its own process): every
+                # process connects its ranks in the same (group, rank) order.
+                ffi.connect_cuda_rank(op, plan_hash, table, group, rank, [bytes.fromhex(h) for h in handles],
+                                      bytes.fromhex(rails[rank % L]) if rails else b"")
+    _exchange(f"{key}/connected", "1", ctx.processes, ctx.timeout_ms, f"connecting the CUDA ranks of {desc}")

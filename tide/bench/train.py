@@ -19,6 +19,9 @@ loss per step and each path's copies follow.
 Launch: CPU: torch on --world gloo ranks, jax on as many XLA:CPU host devices (one process
 each); GPUs: torchrun over every GPU (one GPU: world 1), jax on every GPU of one process (one
 GPU: a 1 x 1 topology), each jax run in its own process (--separate: its own peak memory).
+--shared-gpu N [--nodes M]: both frameworks as N processes on GPU 0, each an emulated host
+(torch: the example's own spawn, jax: N jax.distributed processes), TIDE's topology M x N/M;
+NCCL's loopback sockets carry the traffic, so step times show overheads, not bandwidth.
 `--torch-args` / `--jax-args` append arguments to one example (they win over the shared ones).
 """
 from __future__ import annotations
@@ -74,9 +77,18 @@ def model_args(args) -> list[str]:
     return out
 
 
-def _launch(framework, ctx, py, script, json_path, shared, extra, world):
+def _launch(framework, ctx, py, script, json_path, shared, extra, world, shared_gpu=None):
     env = dict(os.environ, PYTHONUNBUFFERED="1", NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1")
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    if ctx.kind != "cpu" and shared_gpu:  # N processes on GPU 0, one emulated host each
+        n, m = shared_gpu
+        where = f"1 GPU shared by {n} processes (emulated hosts, topology {m}x{n // m})"
+        if framework == "torch":
+            cmd = [py, script, "--device", "cuda", "--world", str(n), "--shared-gpu", "--nodes", str(m)]
+        else:
+            env.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+            cmd = [py, script, "--processes", str(n), "--shared-gpu", "--nodes", str(m), "--separate"]
+        return cmd + shared + ["--json", json_path] + shlex.split(extra or ""), env, where
     if framework == "torch":
         if ctx.kind == "cpu":
             cmd, where = [py, script, "--device", "cpu", "--world", str(world)], f"CPU, {world} gloo ranks"
@@ -100,11 +112,11 @@ def _launch(framework, ctx, py, script, json_path, shared, extra, world):
     return cmd + shared + ["--json", json_path] + shlex.split(extra or ""), env, where
 
 
-def run_example(framework, ctx, py, script, shared, extra, timeout, world=CPU_WORLD) -> dict:
-    """One example's JSON (validated), or {"framework", "error"}."""
+def run_example(framework, ctx, py, script, shared, extra, timeout, world=CPU_WORLD, shared_gpu=None) -> dict:
+    """One example's JSON (validated), or {"framework", "error"}. shared_gpu: (processes, nodes)."""
     with tempfile.TemporaryDirectory(prefix="tide_bench_train_") as d:
         path = os.path.join(d, f"{framework}.json")
-        cmd, env, where = _launch(framework, ctx, py, script, path, shared, extra, world)
+        cmd, env, where = _launch(framework, ctx, py, script, path, shared, extra, world, shared_gpu)
         ok, why = _supports_json(py, script, env, min(timeout, 120))
         if not ok:
             return dict(framework=framework, where=where, error=f"not available: {why}")
@@ -286,6 +298,11 @@ def main(argv=None) -> int:
     ap.add_argument("--world", type=int, default=None,
                     help=f"CPU: torch gloo ranks and XLA:CPU host devices (default {CPU_WORLD}); on GPUs "
                          "the world is every GPU")
+    ap.add_argument("--shared-gpu", type=int, default=0, metavar="N",
+                    help="GPU: run both frameworks as N processes sharing GPU 0, each an emulated host (its own "
+                         "NCCL_HOSTID, NCCL over loopback sockets): correctness and overheads, not bandwidth")
+    ap.add_argument("--nodes", type=int, default=0,
+                    help="with --shared-gpu: TIDE's topology nodes (default: one per process)")
     ap.add_argument("--torch-example", default=os.path.join(ROOT, "examples", "fsdp2_llama.py"))
     ap.add_argument("--jax-example", default=os.path.join(ROOT, "examples", "flax_fsdp.py"))
     ap.add_argument("--torch-args", default="", help="extra arguments for the torch example")
@@ -312,6 +329,14 @@ def main(argv=None) -> int:
         return 2
     if args.world is not None and ctx.kind != "cpu":
         ap.error(f"--world: only with --context cpu; on GPUs the world is every GPU ({ctx.gpus})")
+    shared_gpu = None
+    if args.shared_gpu or args.nodes:
+        if ctx.kind == "cpu" or args.shared_gpu < 2:
+            ap.error("--shared-gpu N (N >= 2) and --nodes: on a GPU (--context gpu)")
+        nodes = args.nodes or args.shared_gpu
+        if args.shared_gpu % nodes:
+            ap.error(f"--nodes {nodes} does not divide --shared-gpu {args.shared_gpu}")
+        shared_gpu = (args.shared_gpu, nodes)
     world = args.world or CPU_WORLD
     print(f"# tide bench train: {ctx.label.split(':')[0]}")
     shared = model_args(args)
@@ -319,7 +344,7 @@ def main(argv=None) -> int:
     for fw in frameworks:
         script = args.torch_example if fw == "torch" else args.jax_example
         extra = args.torch_args if fw == "torch" else args.jax_args
-        results.append(run_example(fw, ctx, sys.executable, script, shared, extra, args.timeout, world))
+        results.append(run_example(fw, ctx, sys.executable, script, shared, extra, args.timeout, world, shared_gpu))
     rows = tabulate(results)
     same, why = same_model(results)
     print(f"model: {' '.join(shared)}; same model, weights and tokens in every framework: "

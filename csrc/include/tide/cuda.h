@@ -7,6 +7,10 @@
 //     (cudaStream_t as uintptr_t): the call's streams wait for the caller's prior work and every
 //     caller stream waits for the whole call (no host synchronisation).
 //   - copy_async(): device-to-device copies on a stream through the executors' copy path.
+//   - CudaProcessRank: one rank of a job whose ranks are processes (one per GPU, or several
+//     processes sharing a GPU), for faces that have no Python fabric objects (ffi/): its
+//     CUDA-IPC arena, the arenas of its topology node's peers, its NCCL rail to the other nodes,
+//     and its CUDA rank executor over them.
 //   - multicast_allowed() and DeviceGuard: what the fabrics (csrc/fabric) share with the
 //     executors; the executors' own headers (csrc/exec/cuda) stay private to them.
 //   - Only in a build with CUDA (TIDE_WITH_CUDA); callers guard with that macro.
@@ -14,8 +18,10 @@
 
 #include <cstdint>
 #include <memory>
+#include <string>
 #include <vector>
 
+#include "tide/exec_cpu.h"
 #include "tide/exec_options.h"
 #include "tide/session.h"
 
@@ -32,6 +38,38 @@ struct DeviceCopy {
   size_t bytes = 0;
 };
 void copy_async(const std::vector<DeviceCopy>& copies, uintptr_t stream);
+
+// Rank `rank` of topology `topo`, held by this process on `device`, its peers in other processes.
+// Construction allocates the zeroed CUDA-IPC arena of `arena_bytes` (refused above the device's
+// free memory); ipc_handle() is what its node's peers open. connect() opens the arenas of the
+// ranks of its topology node (handles[q] for every rank q; other nodes' entries are ignored:
+// they are reached only through the rail) and, when topo.nodes > 1, joins the NCCL rail of its
+// local index (rail_id: ncclGetUniqueId of that rail's node-0 rank; collective over the rail's
+// ranks, one per node, in every process in the same order), and returns its CudaRankExecutor as
+// a CallExecutor over `regions` (two-sided rails when topo.nodes > 1: [Note: two-sided rails]).
+// The arena and the rail live as long as this object or the executor, whichever is last.
+constexpr size_t kCudaIpcHandleBytes = 64;  // sizeof(cudaIpcMemHandle_t)
+
+class CudaProcessRank {
+ public:
+  CudaProcessRank(int rank, const Topology& topo, int device, int64_t arena_bytes);
+  std::string ipc_handle() const;
+  char* arena() const;  // this rank's arena (device pointer)
+  int device() const;
+  std::shared_ptr<CallExecutor> connect(const std::vector<std::string>& handles, const std::string& rail_id,
+                                        const RegionTable& regions, ExecutorOptions opt);
+
+ private:
+  struct Impl;
+  std::shared_ptr<Impl> impl_;
+};
+
+// ncclGetUniqueId for a rail (NCCL is loaded at first use: fabric/nccl.h); throws naming what is
+// missing in a build without NCCL headers.
+std::string nccl_rail_unique_id();
+// Extra libnccl.so.2 paths tried after the framework's copy and the loader's path (the
+// nvidia.nccl wheel's lib/, which the face knows).
+void nccl_library_candidates(const std::vector<std::string>& paths);
 
 }  // namespace tide
 
