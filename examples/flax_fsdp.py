@@ -20,7 +20,7 @@ times show overheads, not the network. When jax has a GPU backend the mesh is th
 --json PATH writes {"framework": "jax", "device": device_kind, "world": N, "model"
 (_llama_common.describe), "runs": [{"name",
 "step_ms" (median after --warmup steps; the first compiles), "peak_bytes" (memory_stats()
-["peak_bytes_in_use"] of device 0, or null), "final_loss", "losses", "params_sha256" (the final
+["peak_bytes_in_use"] of device 0, plus for tide_xla its arenas there, or null), "final_loss", "losses", "params_sha256" (the final
 parameters' bytes), "layout_copies" ({op: {"calls", "bytes"}} per step and device, or null where
 not counted), "copies_source"}]}. --processes N (XLA:CPU) runs the same job as N jax.distributed
 processes of this host, 8/N devices each; TIDE's parameters end bitwise equal to one process's
@@ -182,6 +182,8 @@ def train_tide(mesh, graphdef, params, tx, data, warmup, nodes=0):
     copies = {"tide_xla landing -> XLA result (added)": {  # bytes: each group gathered once
         "calls": calls, "bytes": total if calls == len(layout.groups) else None}}
     record = run("tide_xla", step, shards, opt_state, mesh, data, warmup)
+    if record["peak_bytes"] is not None:  # TIDE's arenas are outside XLA's allocator
+        record["peak_bytes"] += tide_xla.arena_bytes(mesh.devices.flat[0])
     record.update(layout_copies=copies, copies_source="tide_xla layout, per device: "
                   "the bf16 parameters each TIDE-AG call copies out of its landing")
     return record

@@ -51,14 +51,30 @@ std::vector<int> devices_of(const GroupCall& call) {
   return d;
 }
 
+std::mutex g_arena_mu;
+auto* g_arena_bytes = new std::map<int, int64_t>();  // device -> bytes of TIDE arenas on it
+
+void count_arena(int device, int64_t bytes) {
+  std::lock_guard<std::mutex> lock(g_arena_mu);
+  (*g_arena_bytes)[device] += bytes;
+}
+
 GroupState& cuda_state(const GroupCall& call) {
   const std::vector<int> devices = devices_of(call);
   return group_state(call, &devices, [&](const ArenaSpec& spec) {
-    return make_cuda_cluster_executor(devices, spec.total, executor_options_for(call));
+    auto ex = make_cuda_cluster_executor(devices, spec.total, executor_options_for(call));
+    for (int d : devices) count_arena(d, spec.total);
+    return ex;
   });
 }
 
 }  // namespace
+
+int64_t device_arena_bytes(int device) {
+  std::lock_guard<std::mutex> lock(g_arena_mu);
+  auto it = g_arena_bytes->find(device);
+  return it == g_arena_bytes->end() ? 0 : it->second;
+}
 
 void copy_accumulator_async(const RankIo& io, int64_t bytes) {
   if (io.acc.empty() || io.acc[0] == io.out[0]) return;  // XLA aliased it: in place already
@@ -137,6 +153,7 @@ std::string create_cuda_rank_state(const RankStateKey& key, std::shared_ptr<cons
   const RankArena arena = rank_arena(*plan, key.op, rails_for(*plan));
   PendingRank p;
   p.rank = std::make_unique<CudaProcessRank>(key.rank, plan->topo, device, arena.bytes);
+  count_arena(device, arena.bytes);
   p.plan = std::move(plan);
   p.timeout_ms = timeout_ms;
   std::string handle = p.rank->ipc_handle();

@@ -147,6 +147,9 @@ NB_MODULE(_ffi, m) {
         nb::arg("rail_id"),
         "Opens the node's peers (handles[r] per rank, b'' for other nodes) and joins the NCCL rail (rail_id; "
         "several nodes), then builds the rank's session.");
+  m.def("device_arena_bytes", &xf::device_arena_bytes, nb::arg("device"),
+        "Bytes of the TIDE arenas this process allocated on local CUDA device `device` (outside XLA's "
+        "allocator).");
   m.def("nccl_unique_id", []() {
     const std::string id = tide::nccl_rail_unique_id();
     return nb::bytes(id.data(), id.size());

@@ -196,6 +196,9 @@ std::string create_cuda_rank_state(const RankStateKey& key, std::shared_ptr<cons
                                    int64_t timeout_ms);
 void connect_cuda_rank_state(const RankStateKey& key, const std::vector<std::string>& handles,
                              const std::string& rail_id);
+// Bytes of the TIDE arenas this process allocated on local CUDA device `device` (plain
+// cudaMalloc, outside XLA's allocator: its memory statistics do not count them).
+int64_t device_arena_bytes(int device);
 // TIDE-AG's landing rows [0, D_p) at `ring` (device memory) -> XLA's results, on io.stream.
 void copy_landing_async(const GroupCall& call, const char* ring, const RankIo& io);
 void ExecuteGroupCuda(const GroupCall& call);

@@ -176,3 +176,13 @@ def context_for(mesh: Mesh, axis: str) -> TideContext:
         raise ValueError(
             f"no TIDE context for axis {axis!r} of mesh {tuple(mesh.shape.items())}: call "
             f"tide_xla.init(mesh, axis={axis!r}) first (initialised: {known or 'none'})") from None
+
+
+def arena_bytes(device) -> int:
+    """Bytes of the TIDE arenas this process holds on `device` (a jax GPU device of this process):
+    plain cudaMalloc outside XLA's allocator, so `device.memory_stats()` does not count them.
+    0 on XLA:CPU (the arenas are host memory) and before the first TIDE call on `device`."""
+    if device.platform == "cpu":
+        return 0
+    ffi = ffi_module()
+    return int(ffi.device_arena_bytes(int(device.local_hardware_id))) if ffi.built_with_cuda else 0
