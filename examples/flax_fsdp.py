@@ -38,7 +38,6 @@ import functools
 import glob
 import hashlib
 import json
-import math
 import os
 import subprocess
 import sys
@@ -173,19 +172,22 @@ def train_tide(mesh, graphdef, params, tx, data, warmup, nodes=0):
         updates, opt_state = tx.update(grads, opt_state, shards)
         return optax.apply_updates(shards, updates), opt_state, loss
 
-    # The one copy the XLA face adds (docs/xla.md): each TIDE-AG call copies its landing into
-    # XLA's result buffers, the group's unsharded bf16 parameters. Calls per step: the
-    # tide_all_gather custom calls of the lowered step.
+    # The copy the XLA face adds where TIDE-AG cannot land in XLA's results (docs/xla.md): the
+    # group's unsharded bf16 parameters, copied out of the arena landing; 0 for a group that
+    # lands there by pulling (one node, fp32 shards). Calls per step: the tide_all_gather custom
+    # calls of the lowered step (each group gathered once).
     hlo = step.lower(shards, opt_state, jax.ShapeDtypeStruct(data[0].shape, jnp.int32)).as_text()
     calls = hlo.count("@tide_all_gather")
-    total = sum(math.prod(leaf.shape) for leaf in layout.leaves) * layout.ag_dtype.itemsize
-    copies = {"tide_xla landing -> XLA result (added)": {  # bytes: each group gathered once
-        "calls": calls, "bytes": total if calls == len(layout.groups) else None}}
+    out_bytes = tide_xla.copy_out_bytes(layout)
+    copies = {"tide_xla landing -> XLA result (added)": {
+        "calls": sum(1 for b in out_bytes.values() if b), "bytes": sum(out_bytes.values())
+        if calls == len(layout.groups) else None}}
     record = run("tide_xla", step, shards, opt_state, mesh, data, warmup)
     if record["peak_bytes"] is not None:  # TIDE's arenas are outside XLA's allocator
         record["peak_bytes"] += tide_xla.arena_bytes(mesh.devices.flat[0])
-    record.update(layout_copies=copies, copies_source="tide_xla layout, per device: "
-                  "the bf16 parameters each TIDE-AG call copies out of its landing")
+    record.update(layout_copies=copies, copies_source="tide_xla.copy_out_bytes, per device: "
+                  "the bf16 parameters each TIDE-AG call copies out of its arena landing (0: pulled into "
+                  "XLA's results)")
     return record
 
 

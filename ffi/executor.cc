@@ -34,6 +34,8 @@
 
 namespace tide::xla_ffi {
 
+bool pull_landing(const Plan& plan) { return plan.topo.nodes == 1 && plan.sig.needs_cast(); }
+
 GroupState& group_state(const GroupCall& call, const std::vector<int>* devices,
                         const std::function<std::shared_ptr<CallExecutor>(const ArenaSpec&)>& make) {
   std::ostringstream key;
@@ -55,6 +57,7 @@ GroupState& group_state(const GroupCall& call, const std::vector<int>* devices,
     p.kinds = {kind};
     p.group = static_cast<int32_t>(call.group);
     p.resident = false;  // XLA owns the shards: read them in place (kShard)
+    p.pull_landing = kind == CallKind::kAllGather && pull_landing(*call.plan);
     s->session = std::make_unique<GroupSession>(call.plan, make(s->arena), p);
     st = std::move(s);
   }
@@ -69,9 +72,12 @@ RankBindingList rank_bindings(const GroupCall& call, const RankIo& io) {
   const GroupLayout& lay = plan.layout;
   RankBindingList l;
   if (call.spec.op == Collective::kAllGather) {
-    const int b_shard = dtype_size(plan.sig.shard_dtype);
+    const int b_shard = dtype_size(plan.sig.shard_dtype), b_ag = dtype_size(plan.sig.ag_dtype);
     for (int p = 0; p < lay.P; ++p)
       l.push_back({BufKind::kShard, p, const_cast<void*>(io.in[p]), lay.params[p].e * b_shard});
+    if (pull_landing(plan))  // XLA's results are the landing: nothing to copy out
+      for (int p = 0; p < lay.P; ++p)
+        l.push_back({BufKind::kLanding, p, io.out[p], lay.params[p].D * lay.params[p].K * b_ag});
   } else {
     const int b_grad = dtype_size(plan.sig.grad_dtype);
     for (int p = 0; p < lay.P; ++p)
@@ -154,7 +160,8 @@ void CompleteRank(const GroupCall& call, int rank) {
 #endif
     return;
   }
-  if (call.spec.op != Collective::kAllGather) return;  // TIDE-RS wrote XLA's result in place
+  // TIDE-RS wrote XLA's result in place; a pull landing wrote XLA's AG results in place.
+  if (call.spec.op != Collective::kAllGather || pull_landing(*call.plan)) return;
   GroupState& st = cpu_state(call);
   auto& ex = static_cast<CpuClusterExecutor&>(st.session->executor());
   copy_landing(call, ex.arena().region(rank, BufKind::kRing0), *call.ranks[static_cast<size_t>(rank)]);
@@ -216,6 +223,7 @@ void put_rank_state(const RankStateKey& key, std::shared_ptr<const Plan> plan, s
   p.kinds = {call_kind(key.op)};
   p.group = static_cast<int32_t>(key.group);
   p.resident = false;  // XLA owns the shards: read them in place (kShard)
+  p.pull_landing = key.op == Collective::kAllGather && pull_landing(*plan);
   // An executor with an arena layout (CUDA) takes the programs' counters from the region's start.
   if (st->executor->regions() != nullptr) p.counter_base[static_cast<int>(call_kind(key.op))] = 0;
   st->session = std::make_unique<GroupSession>(std::move(plan), st->executor, p);
@@ -271,6 +279,7 @@ void RunRankCall(const GroupCall& call, uint64_t table, const RankIo& io) {
   const std::vector<RankBindingList> b = {rank_bindings(call, io)};
   if (call.spec.op == Collective::kAllGather) {
     st->session->all_gather(b, streams);
+    if (pull_landing(*call.plan)) return;  // landed in XLA's results
     TIDE_CHECK(st->ring0 >= 0, "cross-process TIDE-AG: the arena has no ring0 region");
     if (!st->cuda) {
       copy_landing(call, st->arena + st->ring0, io);

@@ -114,7 +114,8 @@ void copy_landing_async(const GroupCall& call, const char* ring, const RankIo& i
 }
 
 void CompleteRankCuda(const GroupCall& call, int rank) {
-  if (call.spec.op != Collective::kAllGather) return;  // TIDE-RS wrote XLA's result in place
+  // TIDE-RS wrote XLA's result in place; a pull landing wrote XLA's AG results in place.
+  if (call.spec.op != Collective::kAllGather || pull_landing(*call.plan)) return;
   const RankIo& io = *call.ranks.at(static_cast<size_t>(rank));
   GroupState& st = cuda_state(call);
   copy_landing_async(call, cuda_cluster_arena(st.session->executor(), rank) +

@@ -105,11 +105,13 @@ NB_MODULE(_ffi, m) {
     nb::dict d;
     d["hash"] = plan->hash;
     d["segment_bytes"] = arena.bytes;
+    d["pull_landing"] = collective_named(op) == xf::Collective::kAllGather && xf::pull_landing(*plan);
     return d;
   }, nb::arg("op"), nb::arg("shapes"), nb::arg("in_dtype"), nb::arg("out_dtype"), nb::arg("nodes"),
         nb::arg("gpus_per_node"), nb::arg("mode"),
-        "{'hash', 'segment_bytes'} of the plan the handlers build for this call and the shared-memory "
-        "segment each rank needs for it.");
+        "{'hash', 'segment_bytes', 'pull_landing'} of the plan the handlers build for this call, the "
+        "shared-memory segment each rank needs for it, and whether TIDE-AG lands in XLA's results by pulling "
+        "(no copy-out).");
   m.def("has_rank", [](const std::string& op, uint64_t plan_hash, uint64_t table, int64_t group, int rank) {
     return xf::has_rank_state(rank_key(op, plan_hash, table, group, rank));
   });

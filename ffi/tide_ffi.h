@@ -128,6 +128,10 @@ struct GroupCall {
 // One (plan, collective, mesh group, virtual device[, rank devices]) of the process: its
 // session over its executor (executor.cc); `make` builds the executor for the session's arena the
 // first time. run_session: one call of the group through its session (streams: per rank, CUDA).
+// TIDE-AG lands in XLA's result buffers by pulling ([Note: pull landing] in tide/program.h) where
+// the plan allows it: one node and fp32 shards cast to the AG dtype (the stage the peers read).
+// Otherwise it lands in the arena's ring slot and the rank copies the landing out.
+bool pull_landing(const Plan& plan);
 struct GroupState {
   ArenaSpec arena;
   std::unique_ptr<GroupSession> session;

@@ -68,3 +68,64 @@ def test_decoupled_streams():
     # the caller never waits on the completion fence (the next call is not serialized on it).
     assert not any(o["tag"] in ("DoneWait", "Complete") for o in by("caller"))
     assert not any(o["kind"] == "WAIT" and (o["counter"] or "").startswith("DONE") for o in by("scatter"))
+
+
+# ---- the pull landing ([Note: pull landing] in tide/program.h) --------------------------------
+PULL_SHAPES = [(37, 8), (16,), (5, 3), (3,)]  # (3,) at N = 8: ranks 3..7 hold only padding rows
+DESC = re.compile(r"\{(\w+)@(\d+)\+(\d+) -> (\w+)@(\d+)\+(\d+) (\d+)x(\d+)\}")
+
+
+def copies(progs, r):
+    """(src kind, src rank, dst kind, dst rank, bytes) of every COPY/CAST descriptor of rank r."""
+    out = []
+    for line in progs.describe(r):
+        for sk, sr, _so, dk, dr, _do, w, h in DESC.findall(line):
+            out.append((sk, int(sr), dk, int(dr), int(w) * int(h)))
+    return out
+
+
+@pytest.mark.parametrize("L", [1, 2, 4, 8])
+def test_pull_landing_lands_in_own_user_buffers_and_checks(L):
+    """One node, fp32 shards cast to bf16: every rank writes only its own landing user buffers,
+    reads its peers' stage, and moves the push design's bytes without the face's copy-out; the
+    checker proves the set (expects: every landing byte is its source's cast)."""
+    _, plan = make_plan(1, L, shapes=PULL_SHAPES, shard_dtype="float32")
+    pull = _core.build_ag_programs(plan, resident=False, pull_landing=True)
+    push = _core.build_ag_programs(plan, resident=False)
+    ok, errors = pull.check(3)
+    assert ok, errors
+    lay = plan.layout
+    for r in range(L):
+        c = copies(pull, r)
+        assert {d[2] for d in c} <= {"stage", "landing"} and all(d[3] == r for d in c)  # own buffers only
+        assert {d[1] for d in c if d[0] == "stage"} == set(range(L))  # pulls from every local rank
+        landed = sum(b for sk, _, dk, _, b in c if dk == "landing")
+        assert landed == sum(p.D * p.K * 2 for p in lay.params)  # unpadded rows, each once
+        pushed = sum(b for _, _, dk, _, b in copies(push, r) if dk == "ring0")
+        assert pushed == L * lay.S  # the push design writes padded shards into every landing
+        assert landed <= pushed
+
+
+def test_pull_landing_faults_are_caught():
+    """A dropped stage gate (the next cast overwrites a stage a peer still pulls), a dropped
+    readiness wait (a pull before the peer staged) and a dropped credit are each caught."""
+    F, T = _core.fault_kinds, _core.op_tags
+    _, plan = make_plan(1, 4, shapes=PULL_SHAPES, shard_dtype="float32")
+    pull = _core.build_ag_programs(plan, resident=False, pull_landing=True)
+    for kind, tag, want in (("drop_wait", 0, "I3 race"), ("drop_wait", T["ReadyGate"], "I3 race"),
+                            ("drop_credit", 0, "I4 deadlock")):
+        bad = pull.copy()
+        assert bad.inject_fault(F[kind], 1, tag), kind
+        ok, errors = bad.check(3)
+        assert not ok and any(e.startswith(want) for e in errors), (kind, errors)
+
+
+def test_pull_landing_refuses_what_it_cannot_pull():
+    _, two_nodes = make_plan(2, 2, shapes=PULL_SHAPES, shard_dtype="float32")
+    with pytest.raises(_core.PlanError, match="pull_landing: one node only"):
+        _core.build_ag_programs(two_nodes, resident=False, pull_landing=True)
+    _, bf16 = make_plan(1, 4, shapes=PULL_SHAPES)
+    with pytest.raises(_core.PlanError, match="peers pull from a stage"):
+        _core.build_ag_programs(bf16, resident=False, pull_landing=True)
+    ok, errors = _core.build_ag_programs(bf16, resident=True, pull_landing=True).check(2)  # resident shards
+    assert ok, errors

@@ -131,6 +131,27 @@ def gather(shards, layout: ShardLayout, *, grad_scale: float = 1.0):
     return jax.tree_util.tree_unflatten(layout.treedef, out)
 
 
+def copy_out_bytes(layout: ShardLayout) -> dict[str, int]:
+    """{group name: bytes} that each device's TIDE-AG call of the group copies from its arena
+    landing into XLA's results: 0 where the group lands in XLA's results directly by pulling (one
+    node, fp32 shards cast to the AG dtype: [Note: pull landing] in tide/program.h), else its
+    unsharded parameters (docs/xla.md). Needs tide_xla.init() for the layout's mesh."""
+    import numpy as np
+
+    from tide_xla._registration import ffi_module
+    from tide_xla.context import MODES
+    ctx = context_for(layout.mesh, layout.axis)
+    out = {}
+    for grp in layout.groups:
+        shapes = [list(layout.leaves[i].shape) for i in grp.leaves]
+        info = ffi_module().group_plan("tide_all_gather", shapes, np.dtype(layout.shard_dtype).name,
+                                       np.dtype(layout.ag_dtype).name, ctx.nodes, ctx.gpus_per_node,
+                                       MODES[ctx.mode])
+        nbytes = sum(int(np.prod(s)) for s in shapes) * np.dtype(layout.ag_dtype).itemsize
+        out[grp.name] = 0 if info["pull_landing"] else nbytes
+    return out
+
+
 def reduce_scatter(grads, layout: ShardLayout, *, scale: float = 1.0, accumulate=None):
     """Full gradients (inside shard_map) -> one packed fp32 shard per group (a list, in
     `layout.groups` order), one TIDE-RS call per group; `unpack_grads` turns it into the tree.

@@ -1,6 +1,7 @@
 // TIDE-AG programs (Section 3): local push, paced Bruck rounds over rail l, strided scatters of
-// received stage slots into all L local landings, per-area credits, decoupled streams; and the
-// expert lane (L_sub = 1: recursive doubling landing to landing, no stage).
+// received stage slots into all L local landings, per-area credits, decoupled streams; the
+// expert lane (L_sub = 1: recursive doubling landing to landing, no stage); and the pull landing
+// of one node into the rank's own user buffers ([Note: pull landing]).
 //
 // [Note: AG streams and counters] Rank r = (n, l), call seq e:
 //   caller      [CAST own shard -> stage slot 0]; wait READY[*] >= e; local push (own shard into
@@ -160,6 +161,113 @@ Program base_program(const Plan& plan, const AgCallOptions& opt, int rank, int n
   return prog;
 }
 
+// [Note: pull landing] (program.h) Rank r = l of the one node, call seq e, all on the caller
+// stream (the counters reuse the push program's slots, so both reserve the same range):
+//   [wait PULLED[j] >= e-1 for every j: every puller has finished call e-1 with r's stage slot;
+//    CAST own fp32 shard -> stage slot 0; record SENDS (release)]
+//   SIGNAL STAGED[l] on every local rank (r's shard of call e is readable in its arena);
+//   for j = l, l+1, ... (mod L): wait STAGED[j] >= e (j != l); COPY j's rows [j R_p, min(D_p, (j+1) R_p))
+//   of every parameter from j's stage (or resident region) into r's own kLanding[p] (XLA's
+//   unpadded result); SIGNAL PULLED[l] on j;
+//   [resident: wait PULLED[j] >= e for every j (peers read r's resident shards until then);
+//    record SENDS]; record DONE.
+// Only r writes r's landing, and only after its caller stream's prior work (the face's previous
+// consumption of it), so no readiness round is needed. Bytes per rank and call: the cast (S/N)
+// and S of pulls, the push design's bytes without its copy-out of the arena landing.
+Program build_ag_pull_program(const Plan& plan, const AgCallOptions& opt, int rank) {
+  const Topology& topo = plan.topo;
+  const int L = topo.gpus_per_node;
+  const GroupLayout& lay = plan.layout;
+  const int P = lay.P;
+  const bool cast = plan.sig.needs_cast();
+  const bool resident = opt.resident && !cast;
+  TIDE_PLAN_CHECK(topo.nodes == 1, "AgCallOptions.pull_landing: one node only (M = 1), got ", topo.nodes, " nodes");
+  TIDE_PLAN_CHECK(cast || resident, "AgCallOptions.pull_landing: peers pull from a stage (a cast) or the resident "
+                  "region; a ", dtype_name(plan.sig.shard_dtype), " shard that is neither lives in a user buffer");
+  TIDE_PLAN_CHECK(!opt.expert_lane && !opt.multicast, "AgCallOptions.pull_landing: not with the expert lane or "
+                  "multicast");
+  AgCounters C{L, 0};
+  std::vector<std::string> names = C.names();
+  for (int j = 0; j < L; ++j) {
+    names[C.ready(j)] = TIDE_STR_CAT("STAGED[", j, "]");
+    names[C.done(j)] = TIDE_STR_CAT("PULLED[", j, "]");
+  }
+  Program prog = base_program(plan, opt, rank, C.count(), std::move(names));
+  prog.streams = {"caller"};
+  prog.release_event = C.ev_sends();
+  prog.done_event = C.ev_done();
+  const int b_ag = dtype_size(plan.sig.ag_dtype), b_shard = dtype_size(plan.sig.shard_dtype);
+  auto& landing_bytes = prog.user_buffer_bytes[static_cast<int>(BufKind::kLanding)];
+  landing_bytes.assign(P + 1, 0);
+  // Rank j's rows of parameter p that exist (the last ranks' padding rows are not landed).
+  auto rows = [&](int p, int j) { return std::max<int64_t>(0, std::min(lay.params[p].R, lay.params[p].D - j * lay.params[p].R)); };
+  auto src_of = [&](int p, int j) {
+    const auto& pl = lay.params[p];
+    return cast ? ref(BufKind::kStage, j, 0, pl.o, rows(p, j) * pl.K * b_ag)
+                : ref(BufKind::kResident, j, -1, pl.o, rows(p, j) * pl.K * b_ag);
+  };
+  auto dst_of = [&](int p, int j) {
+    const auto& pl = lay.params[p];
+    return ref(BufKind::kLanding, rank, p, j * pl.R * pl.K * b_ag, rows(p, j) * pl.K * b_ag);
+  };
+  for (int p = 0; p < P; ++p) {
+    const auto& pl = lay.params[p];
+    landing_bytes[static_cast<size_t>(p) + 1] = pl.D * pl.K * b_ag;
+    prog.user_outputs.push_back(ref(BufKind::kLanding, rank, p, 0, pl.D * pl.K * b_ag));
+    if (resident) prog.user_inputs.push_back(ref(BufKind::kResident, rank, -1, pl.o, pl.s));
+    else prog.user_inputs.push_back(ref(BufKind::kShard, rank, p, 0, pl.e * b_shard));
+    for (int j = 0; j < (opt.with_expects ? L : 0); ++j) {
+      if (rows(p, j) == 0) continue;
+      Expect ex;
+      ex.region = dst_of(p, j);
+      ex.region_dtype = plan.sig.ag_dtype;
+      ExpectSource es;
+      es.dtype = plan.sig.shard_dtype;
+      es.src = resident ? ref(BufKind::kResident, j, -1, pl.o, rows(p, j) * pl.K * b_ag)
+                        : ref(BufKind::kShard, j, p, 0, rows(p, j) * pl.K * b_shard);
+      ex.sources.push_back(es);
+      prog.expects.push_back(std::move(ex));
+    }
+  }
+  const int l = topo.local_of(rank);
+  if (cast) {
+    for (int j = 0; j < L; ++j)
+      prog.ops.push_back(wait_op(OpKind::kWait, kCaller, OpTag::kCastGate, rank, C.done(j), -1));
+    Op c;
+    c.kind = OpKind::kCast;
+    c.stream = kCaller;
+    c.tag = OpTag::kCast;
+    for (int p = 0; p < P; ++p) {
+      const auto& pl = lay.params[p];
+      c.copies.push_back({ref(BufKind::kShard, rank, p, 0, pl.e * 4), ref(BufKind::kStage, rank, 0, pl.o, pl.s)});
+    }
+    prog.ops.push_back(std::move(c));
+    prog.ops.push_back(wait_op(OpKind::kEventRecord, kCaller, OpTag::kRelease, rank, C.ev_sends(), 0));
+  }
+  for (int j = 0; j < L; ++j)
+    prog.ops.push_back(signal_op(OpKind::kSignal, kCaller, OpTag::kReadySignal, topo.rank(0, j), C.ready(l)));
+  for (int i = 0; i < L; ++i) {
+    const int j = (l + i) % L;
+    if (j != l)  // the own stage: written earlier on this stream
+      prog.ops.push_back(wait_op(OpKind::kWait, kCaller, OpTag::kReadyGate, rank, C.ready(j), 0));
+    Op pull;
+    pull.kind = OpKind::kCopy;
+    pull.stream = kCaller;
+    pull.tag = OpTag::kPull;
+    for (int p = 0; p < P; ++p)
+      if (rows(p, j) > 0) pull.copies.push_back({src_of(p, j), dst_of(p, j)});
+    if (!pull.copies.empty()) prog.ops.push_back(std::move(pull));
+    prog.ops.push_back(signal_op(OpKind::kCredit, kCaller, OpTag::kCreditSignal, topo.rank(0, j), C.done(l)));
+  }
+  if (!cast) {
+    for (int j = 0; j < L; ++j)
+      prog.ops.push_back(wait_op(OpKind::kWait, kCaller, OpTag::kCreditWait, rank, C.done(j), 0));
+    prog.ops.push_back(wait_op(OpKind::kEventRecord, kCaller, OpTag::kRelease, rank, C.ev_sends(), 0));
+  }
+  prog.ops.push_back(wait_op(OpKind::kEventRecord, kCaller, OpTag::kComplete, rank, C.ev_done(), 0));
+  return prog;
+}
+
 }  // namespace
 
 Program build_ag_program(const Plan& plan, const AgCallOptions& opt, int rank) {
@@ -170,6 +278,7 @@ Program build_ag_program(const Plan& plan, const AgCallOptions& opt, int rank) {
   const Topology& topo = plan.topo;
   const int M = topo.nodes, L = topo.gpus_per_node, N = topo.world(), R = plan.ag.rounds;
   TIDE_PLAN_CHECK(rank >= 0 && rank < N, "rank ", rank, " is outside [0, ", N, ")");
+  if (opt.pull_landing) return build_ag_pull_program(plan, opt, rank);
   TIDE_PLAN_CHECK(!opt.expert_lane || L == 1, "AgCallOptions.expert_lane: the L_sub = 1 lane needs a "
                   "plan with gpus_per_node = 1 (one rank per node), got L = ", L);
   TIDE_PLAN_CHECK(!opt.expert_lane || !plan.sig.needs_cast(), "AgCallOptions.expert_lane: the lane "

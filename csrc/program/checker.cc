@@ -250,7 +250,7 @@ struct Checker {
             }
           } else {
             for (const auto& cd : op.copies) {
-              check_ref(cd.src, false, false);
+              check_ref(cd.src, false, /*may_peer=*/op.kind == OpKind::kCopy);  // the pull landing
               check_ref(cd.dst, true, /*may_peer=*/true);  // local pushes, rail PUTs
               if (op.kind == OpKind::kPut && cd.dst.rank != op.counter.rank && op.counter.index >= 0)
                 bad("a PUT's descriptors and its signal target different ranks");

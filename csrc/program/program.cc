@@ -41,6 +41,7 @@ const char* op_tag_name(OpTag t) {
     case OpTag::kCast: return "Cast";
     case OpTag::kCastGate: return "CastGate";
     case OpTag::kLocalPush: return "LocalPush";
+    case OpTag::kPull: return "Pull";
     case OpTag::kCreditWait: return "CreditWait";
     case OpTag::kPaceWait: return "PaceWait";
     case OpTag::kPaceSignal: return "PaceSignal";

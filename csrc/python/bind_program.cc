@@ -135,10 +135,11 @@ void bind_program(nb::module_& m) {
   m.def("build_ag_programs", [](const Plan& plan, int ring_slot, bool resident, bool multicast,
                                 bool expert_lane, int group, int64_t head_bytes, bool with_expects,
                                 nb::object arena, const std::string& landing_region, int64_t landing_offset,
-                                int64_t resident_offset, int64_t counter_base) {
+                                int64_t resident_offset, int64_t counter_base, bool pull_landing) {
     AgCallOptions o;
     o.ring_slot = ring_slot; o.resident = resident; o.multicast = multicast;
     o.expert_lane = expert_lane; o.group = group; o.head_bytes = head_bytes; o.with_expects = with_expects;
+    o.pull_landing = pull_landing;
     auto ps = std::make_shared<ProgramSet>();
     ps->progs = build_ag_programs(plan, o);
     RegionTable regions;
@@ -154,7 +155,9 @@ void bind_program(nb::module_& m) {
      nb::arg("expert_lane") = false, nb::arg("group") = 0, nb::arg("head_bytes") = 0,
      nb::arg("with_expects") = true, nb::arg("arena") = nb::none(), nb::arg("landing_region") = "",
      nb::arg("landing_offset") = 0, nb::arg("resident_offset") = 0, nb::arg("counter_base") = 0,
-     "One TIDE-AG Program per rank. arena={name: (offset, nbytes)} binds the programs to the caller's "
+     nb::arg("pull_landing") = false,
+     "One TIDE-AG Program per rank (pull_landing: one node lands in each rank's own 'landing' user buffers "
+     "by pulling its peers' staged shards, [Note: pull landing]). arena={name: (offset, nbytes)} binds the programs to the caller's "
      "arena layout (landing_region/landing_offset: where ring<slot> lands, e.g. 'fixed'; resident_offset: "
      "the group's adopted shards in 'resident'); counter_base offsets every counter index.");
 

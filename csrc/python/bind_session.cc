@@ -131,13 +131,13 @@ void bind_session(nb::module_& m) {
                           const std::vector<std::string>& kinds, int group, int ring_slot, bool resident,
                           const std::string& landing_region, int64_t landing_offset, int64_t resident_offset,
                           bool multicast, bool expert_lane, nb::object counter_bases, nb::object members,
-                          int sum_ctas, int land_ctas, bool check, bool generate_rs) {
+                          int sum_ctas, int land_ctas, bool check, bool generate_rs, bool pull_landing) {
         GroupPlacement p;
         p.kinds.clear();
         for (const auto& s : kinds) p.kinds.push_back(kind_from(s));
         p.group = group; p.ring_slot = ring_slot; p.resident = resident;
         p.landing_region = landing_region; p.landing_offset = landing_offset; p.resident_offset = resident_offset;
-        p.multicast = multicast; p.expert_lane = expert_lane;
+        p.multicast = multicast; p.expert_lane = expert_lane; p.pull_landing = pull_landing;
         if (!counter_bases.is_none())
           for (auto kv : nb::borrow<nb::dict>(counter_bases))
             p.counter_base[static_cast<int>(kind_from(nb::cast<std::string>(kv.first)))] = nb::cast<int64_t>(kv.second);
@@ -151,7 +151,7 @@ void bind_session(nb::module_& m) {
          nb::arg("landing_offset") = 0, nb::arg("resident_offset") = 0, nb::arg("multicast") = false,
          nb::arg("expert_lane") = false, nb::arg("counter_bases") = nb::none(),
          nb::arg("members") = nb::none(), nb::arg("sum_ctas") = 0, nb::arg("land_ctas") = 0,
-         nb::arg("check") = false, nb::arg("generate_rs") = false)
+         nb::arg("check") = false, nb::arg("generate_rs") = false, nb::arg("pull_landing") = false)
       .def_prop_ro("sum_ctas", &GroupSession::sum_ctas)
       .def_prop_ro("land_ctas", &GroupSession::land_ctas)
       .def_prop_ro("executor", [](const GroupSession& s) -> CallExecutor& { return s.executor(); },

@@ -137,6 +137,7 @@ std::shared_ptr<ProgramSet> GroupSession::build(CallKind kind, int bank, float a
     o.group = placement_.group;
     o.multicast = placement_.multicast;
     o.expert_lane = placement_.expert_lane;
+    o.pull_landing = placement_.pull_landing;
     o.with_expects = false;
     set->progs = build_ag_programs(*plan_, o);
     b.landing_kind = static_cast<int>(placement_.ring_slot == 1 ? BufKind::kRing1 : BufKind::kRing0);

@@ -17,8 +17,9 @@
 //   - The push rule (makes multi-process and GPU execution possible):
 //       * a rank reads and writes user buffers of its own rank only;
 //       * every cross-rank access targets ARENA memory: a COPY/CAST may write a local peer's arena
-//         (NVLink push), a PUT writes a rail peer's arena, and LAND may read the aligned inbox
-//         blocks of local peers (the multimem ld_reduce shape);
+//         (NVLink push), a PUT writes a rail peer's arena, LAND may read the aligned inbox
+//         blocks of local peers (the multimem ld_reduce shape), and a COPY may read a local
+//         peer's arena (TIDE-AG's pull landing, [Note: pull landing]);
 //       * a PUT's counter bump becomes visible only after its data (release); a WAIT that sees
 //         the bump sees the data (acquire).
 //   - Counters (CounterRef): per rank, `num_counters` uint64 slots in the arena "counters" region.
@@ -193,6 +194,7 @@ enum class OpTag : uint16_t {
   kFence,          // event record/wait joining internal streams
   kRelease,        // read completion (sources may be rewritten)
   kComplete,       // consumable (the event the framework waits on)
+  kPull,           // pull landing: a local peer's staged or resident shard -> the own landing
   kRsFirst = 100,  // TIDE-RS tags start here (owned by the RS builder)
 };
 const char* op_tag_name(OpTag t);  // "LocalPush", ...; "rs+N" for TIDE-RS tags
@@ -318,6 +320,11 @@ struct AgCallOptions {
   int32_t group = 0;
   int64_t head_bytes = 0;     // per-round head bytes; 0 -> plan.opt.ag_head_bytes
   bool with_expects = true;   // fill Program::expects (N*P entries; off for large executor runs)
+  // [Note: pull landing] One node (M = 1) with a stage or resident shards: each rank lands the
+  // group in its own user buffers kLanding[p] (D_p rows, unpadded) by pulling every local peer's
+  // staged / resident shard (a COPY reading a local peer's arena), instead of peers pushing into
+  // its arena landing. For faces whose landing is not arena memory (XLA's result buffers).
+  bool pull_landing = false;
 };
 std::vector<Program> build_ag_programs(const Plan& plan, const AgCallOptions& opt);
 Program build_ag_program(const Plan& plan, const AgCallOptions& opt, int rank);
