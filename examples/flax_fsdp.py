@@ -59,6 +59,7 @@ from flax import nnx  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
 import tide_xla  # noqa: E402
+import tide_xla._registration  # noqa: E402
 import tide_xla.sharding  # noqa: E402
 
 import _llama_common as common  # noqa: E402 - examples/: the script's directory is on sys.path
@@ -182,7 +183,19 @@ def train_tide(mesh, graphdef, params, tx, data, warmup, nodes=0):
     copies = {"tide_xla landing -> XLA result (added)": {
         "calls": sum(1 for b in out_bytes.values() if b), "bytes": sum(out_bytes.values())
         if calls == len(layout.groups) else None}}
-    record = run("tide_xla", step, shards, opt_state, mesh, data, warmup)
+    ffi = tide_xla._registration.ffi_module()
+    record = run("tide_xla", step, shards, opt_state, mesh, data, warmup, at_warmup=ffi.reset_handler_stats)
+    # Where tide_xla's time goes on the host: the handlers' wall time on XLA's launch threads over
+    # the timed steps (every local device's calls), against the step itself.
+    timed = max(1, len(data) - warmup)
+    calls = sum(c for c, _ in ffi.handler_stats().values())
+    host_us = sum(ns for _, ns in ffi.handler_stats().values()) / 1e3 / timed
+    local = len(mesh.local_devices)
+    record["handler_host_us_per_step"] = host_us
+    if jax.process_index() == 0:
+        print(f"  tide_xla handlers: {calls / timed / local:.0f} calls per step and device, {host_us / local:.0f} us of "
+              f"host time per step and device ({host_us / max(1, calls / timed):.0f} us per call; the step "
+              f"is {record['step_ms'] * 1e3:.0f} us)")
     if record["peak_bytes"] is not None:  # TIDE's arenas are outside XLA's allocator
         record["peak_bytes"] += tide_xla.arena_bytes(mesh.devices.flat[0])
     record.update(layout_copies=copies, copies_source="tide_xla.copy_out_bytes, per device: "
@@ -214,11 +227,13 @@ def train_gspmd(mesh, graphdef, params, tx, data, warmup, nodes=0):
     return record
 
 
-def run(name, step, params, opt_state, mesh, data, warmup):
+def run(name, step, params, opt_state, mesh, data, warmup, at_warmup=None):
     say = print if jax.process_index() == 0 else (lambda *a, **k: None)
     data_sharding = NamedSharding(mesh, P("fsdp"))
     times, losses = [], []
     for i, tokens in enumerate(data):
+        if i == warmup and at_warmup:
+            at_warmup()
         tokens = jax.device_put(tokens, data_sharding)
         t0 = time.perf_counter()
         params, opt_state, loss = step(params, opt_state, tokens)

@@ -1,6 +1,7 @@
 // Shared pieces of the TIDE FFI handlers: device table, process index, plan cache, dtypes,
 // error boundary.
 #include <atomic>
+#include <chrono>
 #include <map>
 #include <mutex>
 #include <sstream>
@@ -176,8 +177,40 @@ Topology group_topology(const GroupAttrs& a) {
   return t;
 }
 
+namespace {
+
+// [Note: handler host time] Wall time on XLA's launch thread inside one handler call, from its
+// entry to its return: plan lookup, the rendezvous (in-process: waiting for the other ranks'
+// threads), the session and the executor's enqueue. On CUDA nothing waits for the GPU here, so
+// this is the host issue cost a step pays whenever the GPU work is shorter than it.
+std::atomic<int64_t> g_calls[2], g_ns[2];
+
+class HandlerTimer {
+ public:
+  explicit HandlerTimer(Collective c) : c_(static_cast<int>(c)), t0_(std::chrono::steady_clock::now()) {}
+  ~HandlerTimer() {
+    g_ns[c_] += std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0_).count();
+    ++g_calls[c_];
+  }
+
+ private:
+  int c_;
+  std::chrono::steady_clock::time_point t0_;
+};
+
+}  // namespace
+
+HandlerStats handler_stats(Collective c) {
+  return {g_calls[static_cast<int>(c)].load(), g_ns[static_cast<int>(c)].load()};
+}
+
+void reset_handler_stats() {
+  for (int i = 0; i < 2; ++i) g_calls[i] = g_ns[i] = 0;
+}
+
 void run_group_call(const CallSpec& spec, int32_t device_ordinal, int64_t run_id,
                     const GroupAttrs& attrs, const GroupSignature& sig, RankIo& io) {
+  const HandlerTimer timer(spec.op);
   const Topology topo = group_topology(attrs);
   const int world = topo.world();
   const int64_t process = process_index();
@@ -268,6 +301,7 @@ std::vector<RankIo> stacked_ranks(const RankIo& all, int world,
 
 void run_virtual_call(const CallSpec& spec, int32_t device_ordinal, const GroupAttrs& attrs,
                       const GroupSignature& sig, std::vector<RankIo>& ios) {
+  const HandlerTimer timer(spec.op);
   const Topology topo = group_topology(attrs);
   TIDE_PLAN_CHECK(attrs.mode == 0 || attrs.mode == 1, "mode: expected 0 (in_place) or 1 "
                   "(slot_reuse), got ", attrs.mode);

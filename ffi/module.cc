@@ -159,6 +159,15 @@ NB_MODULE(_ffi, m) {
   m.def("nccl_library_candidates", &tide::nccl_library_candidates, nb::arg("paths"),
         "libnccl.so.2 paths tried after the framework's copy and the loader's path.");
 #endif
+  m.def("handler_stats", []() {
+    nb::dict d;
+    for (auto c : {xf::Collective::kAllGather, xf::Collective::kReduceScatter}) {
+      const xf::HandlerStats st = xf::handler_stats(c);
+      d[c == xf::Collective::kAllGather ? "tide_all_gather" : "tide_reduce_scatter"] = nb::make_tuple(st.calls, st.ns);
+    }
+    return d;
+  }, "{target: (calls, host ns)} inside this process's TIDE handlers since the last reset (XLA's launch threads).");
+  m.def("reset_handler_stats", &xf::reset_handler_stats);
   m.def("executor_available", &tide::xla_ffi::executor_available,
         "True when this build's CPU handlers can run collectives (the executor is linked).");
   m.def("executor_description", &tide::xla_ffi::executor_description);

@@ -302,6 +302,15 @@ auto BindVirtualCall(Binding b) {
 void run_group_call(const CallSpec& spec, int32_t device_ordinal, int64_t run_id,
                     const GroupAttrs& attrs, const GroupSignature& sig, RankIo& io);
 
+// Host wall time inside this process's handler calls per collective ([Note: handler host time]
+// in common.cc): calls and nanoseconds since the last reset.
+struct HandlerStats {
+  int64_t calls = 0;
+  int64_t ns = 0;
+};
+HandlerStats handler_stats(Collective c);
+void reset_handler_stats();
+
 // Topology (M, L) from the attributes; PlanError when out of range.
 Topology group_topology(const GroupAttrs& attrs);
 
