@@ -126,9 +126,10 @@ void CompleteRankCuda(const GroupCall& call, int rank) {
 // [Note: CUDA rank states] One CudaProcessRank per (collective, plan, mesh, group, rank) of this
 // process: its own IPC arena, laid out as rank_arena() (the session's own layout plus the entry
 // fence's counter), and its own rail communicator. Between create and connect the handle and the
-// rail id travel through jax.distributed's store (tide_xla/processes.py); a rank waits there,
-// never here, so a missing process is a TimeoutError naming it. The states live as long as the
-// process (their peers may push into the arena until the last call of every process).
+// rail id travel through jax.distributed's store (tide_xla/processes.py); a rank waits there, so
+// a missing process is a TimeoutError naming it. Here only the rail's construction waits (NCCL's
+// init among the rail's processes, which have all passed that exchange). The states live as long
+// as the process (their peers may push into the arena until the last call of every process).
 namespace {
 
 struct PendingRank {

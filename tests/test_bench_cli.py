@@ -288,7 +288,7 @@ def test_bench_train_real_examples_tiny(capsys, tmp_path):
     the same weights and tokens: step-1 losses agree across frameworks (measured within 3e-5
     relative; bf16 kernels differ), TIDE's torch runs equal stock bit for bit and remove every
     FSDP2 layout copy, tide_xla's losses stay within 5e-4 of GSPMD's (measured 1e-4), and
-    tide_xla's landing copy is every parameter once in bf16."""
+    tide_xla adds no landing copy (one node, fp32 shards: TIDE-AG pulls into XLA's results)."""
     j, png = tmp_path / "t.json", tmp_path / "t.png"
     one_block = "--layers 1"
     rc, out, err = _run(capsys, ["train", "--context", "cpu", "--timeout", "240", "--world", "2", "--steps", "3",
@@ -309,8 +309,7 @@ def test_bench_train_real_examples_tiny(capsys, tmp_path):
         assert rows[("torch", mode)]["copy_bytes"] == 0
         assert rows[("torch", mode)]["copies_removed"] == sum(c["bytes"] for c in stock["layout_copies"].values())
     assert rows[("jax", "tide_xla")]["max_dloss"] < 5e-4
-    model = next(x["model"] for x in res["results"] if x["framework"] == "jax")
-    assert rows[("jax", "tide_xla")]["copy_bytes"] == 2 * model["parameters"]
+    assert rows[("jax", "tide_xla")]["copy_bytes"] == 0
     assert _png_ok(png)
 
 

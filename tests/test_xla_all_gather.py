@@ -119,3 +119,25 @@ def test_linen_variables_round_trip_and_apply():
                        x.astype(jnp.bfloat16))
     np.testing.assert_allclose(np.asarray(fn(sharded, x), np.float32),
                                np.asarray(want, np.float32), rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("topology,shard_dtype,pulls", [
+    ((1, 8), jnp.float32, True),    # one node, fp32 shards: TIDE-AG pulls into XLA's results
+    ((2, 4), jnp.float32, False),   # two nodes: the Bruck rounds land in the arena, one copy-out
+    ((1, 8), jnp.bfloat16, False),  # bf16 shards: no stage to pull from
+])
+def test_copy_out_bytes_says_where_the_landing_copy_remains(topology, shard_dtype, pulls):
+    """tide_xla.copy_out_bytes: 0 for a group that lands in XLA's results by pulling, else its
+    unsharded parameters in bf16; the gathers equal jax.lax.all_gather either way."""
+    mesh = Mesh(np.array(jax.devices()[:8]), ("fsdp",))
+    tide_xla.init(mesh, "fsdp", topology=topology)
+    sharded, layout = tide_xla.shard(params(2, shard_dtype), mesh, "fsdp", shard_dtype=shard_dtype)
+    out = tide_xla.copy_out_bytes(layout)
+    assert set(out) == {g.name for g in layout.groups}
+    for g in layout.groups:
+        full = sum(int(np.prod(layout.leaves[i].shape)) for i in g.leaves) * 2
+        assert out[g.name] == (0 if pulls else full), g.name
+    got = gathered_copies(mesh, "fsdp", layout, sharded, use_tide=True)
+    want = gathered_copies(mesh, "fsdp", layout, sharded, use_tide=False)
+    for k in SHAPES:
+        assert np.array_equal(np.asarray(got[k]).view(np.uint16), np.asarray(want[k]).view(np.uint16)), k

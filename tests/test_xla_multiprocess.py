@@ -125,3 +125,19 @@ def test_flax_example_across_processes_ends_bitwise_equal(tmp_path, flax_one_pro
     # The printed loss is XLA's pmean across processes (another summation order): close, not
     # necessarily bitwise; the parameters above are TIDE's.
     assert max(abs(x - y) for x, y in zip(a["losses"], b["losses"])) < 1e-5
+
+
+def test_cuda_refuses_two_ranks_of_one_node_in_one_process():
+    """On CUDA a process may hold one rank of each node per group (two ranks of one node would
+    open each other's arena by CUDA IPC inside one process, which CUDA refuses): refused at trace
+    time naming the ranks; one rank per node passes."""
+    from types import SimpleNamespace
+
+    from tide_xla import processes
+    # (process, device id, local device, group, rank) rows of a 2 x 2 topology over 2 processes
+    rows = lambda owners: tuple(v for r, p in enumerate(owners) for v in (p, r, 0, 0, r))  # noqa: E731
+    ctx = SimpleNamespace(device_table=rows([0, 0, 1, 1]), gpus_per_node=2, nodes=2)
+    with pytest.raises(NotImplementedError, match="process 0 holds ranks 0 and 1 of node 0"):
+        processes._check_cuda_slots(ctx, "tide_all_gather")
+    processes._check_cuda_slots(SimpleNamespace(device_table=rows([0, 1, 0, 1]), gpus_per_node=2, nodes=2),
+                                "tide_all_gather")

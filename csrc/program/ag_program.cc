@@ -161,6 +161,19 @@ Program base_program(const Plan& plan, const AgCallOptions& opt, int rank, int n
   return prog;
 }
 
+// Mixed precision: every fp32 shard of `rank` cast into its stage slot 0 (at the packed offset).
+Op cast_op(const GroupLayout& lay, int rank) {
+  Op c;
+  c.kind = OpKind::kCast;
+  c.stream = kCaller;
+  c.tag = OpTag::kCast;
+  for (int p = 0; p < lay.P; ++p) {
+    const auto& pl = lay.params[p];
+    c.copies.push_back({ref(BufKind::kShard, rank, p, 0, pl.e * 4), ref(BufKind::kStage, rank, 0, pl.o, pl.s)});
+  }
+  return c;
+}
+
 // [Note: pull landing] (program.h) Rank r = l of the one node, call seq e, all on the caller
 // stream (the counters reuse the push program's slots, so both reserve the same range):
 //   [wait PULLED[j] >= e-1 for every j: every puller has finished call e-1 with r's stage slot;
@@ -233,15 +246,7 @@ Program build_ag_pull_program(const Plan& plan, const AgCallOptions& opt, int ra
   if (cast) {
     for (int j = 0; j < L; ++j)
       prog.ops.push_back(wait_op(OpKind::kWait, kCaller, OpTag::kCastGate, rank, C.done(j), -1));
-    Op c;
-    c.kind = OpKind::kCast;
-    c.stream = kCaller;
-    c.tag = OpTag::kCast;
-    for (int p = 0; p < P; ++p) {
-      const auto& pl = lay.params[p];
-      c.copies.push_back({ref(BufKind::kShard, rank, p, 0, pl.e * 4), ref(BufKind::kStage, rank, 0, pl.o, pl.s)});
-    }
-    prog.ops.push_back(std::move(c));
+    prog.ops.push_back(cast_op(lay, rank));
     prog.ops.push_back(wait_op(OpKind::kEventRecord, kCaller, OpTag::kRelease, rank, C.ev_sends(), 0));
   }
   for (int j = 0; j < L; ++j)
@@ -380,17 +385,7 @@ Program build_ag_program(const Plan& plan, const AgCallOptions& opt, int rank) {
   }
 
   // ---- caller stream ----
-  if (cast) {
-    Op c;
-    c.kind = OpKind::kCast;
-    c.stream = kCaller;
-    c.tag = OpTag::kCast;
-    for (int p = 0; p < P; ++p) {
-      const auto& pl = lay.params[p];
-      c.copies.push_back({ref(BufKind::kShard, rank, p, 0, pl.e * 4), own_src(p)});
-    }
-    prog.ops.push_back(std::move(c));
-  }
+  if (cast) prog.ops.push_back(cast_op(lay, rank));
   for (int j = 0; j < L; ++j)
     prog.ops.push_back(wait_op(OpKind::kWait, kCaller, OpTag::kReadyGate, rank, C.ready(j), 0));
   {
