@@ -141,3 +141,18 @@ def test_copy_out_bytes_says_where_the_landing_copy_remains(topology, shard_dtyp
     want = gathered_copies(mesh, "fsdp", layout, sharded, use_tide=False)
     for k in SHAPES:
         assert np.array_equal(np.asarray(got[k]).view(np.uint16), np.asarray(want[k]).view(np.uint16)), k
+
+
+def test_handler_stats_count_every_devices_call():
+    """_ffi.handler_stats: one TIDE-AG call per group and device, with its host time; the reset
+    starts from zero (the Flax example reports them per step)."""
+    mesh = Mesh(np.array(jax.devices()[:8]), ("fsdp",))
+    tide_xla.init(mesh, "fsdp", topology=(2, 4))
+    sharded, layout = tide_xla.shard(params(3), mesh, "fsdp")
+    gathered_copies(mesh, "fsdp", layout, sharded, use_tide=True)  # compiles and creates the states
+    _ffi.reset_handler_stats()
+    assert _ffi.handler_stats() == {"tide_all_gather": (0, 0), "tide_reduce_scatter": (0, 0)}
+    gathered_copies(mesh, "fsdp", layout, sharded, use_tide=True)
+    calls, ns = _ffi.handler_stats()["tide_all_gather"]
+    assert calls == 8 * len(layout.groups) and ns > 0
+    assert _ffi.handler_stats()["tide_reduce_scatter"] == (0, 0)
