@@ -13,6 +13,7 @@ ml_dtypes = pytest.importorskip("ml_dtypes")
 import tide  # noqa: E402
 from tide import _core  # noqa: E402
 from tide.plan import rs_bank  # noqa: E402
+from rs_helpers import programs_without_waits  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -52,13 +53,7 @@ def _run_bad(M, L, opts, tag, who, stall_rank):
     plan = _plan(M, L, **opts)
     assert plan.rs_schedule.n_chunks > 2
     N = M * L
-    bad = {b: _core.build_rs_programs(plan, bank=b) for b in (0, 1)}
-    dropped = 0
-    for ps in bad.values():
-        for r in who:
-            while ps.inject_fault(FAULT["drop_wait"], r, TAGS[tag]):
-                dropped += 1
-    assert dropped > 0
+    bad = programs_without_waits(plan, who, tag)
     ex, binds, keep = _canary_executor(plan, bad[0], 5)
     ex.set_faults(stall_rank=stall_rank, stall_s=0.3)  # makes the race certain, whatever the timing
     seq = 1

@@ -8,6 +8,7 @@ import pytest
 import tide
 from tide import _core
 from tide.plan import rs_bank
+from rs_helpers import programs_without_waits
 
 TAGS = _core.rs_op_tags
 GEN = _core.op_tags
@@ -280,13 +281,7 @@ def test_staging_races_are_caught_by_the_executor_canary(M, L, opts, tag, who, w
     N = M * L
     rng = np.random.default_rng(5)
     grads = [[rng.integers(-4, 4, size=s).astype(ml_dtypes.bfloat16) for s in shapes] for _ in range(N)]
-    bad = {b: _core.build_rs_programs(plan, bank=b) for b in (0, 1)}
-    dropped = 0
-    for ps in bad.values():
-        for r in who:
-            while ps.inject_fault(FAULT["drop_wait"], r, TAGS[tag]):
-                dropped += 1
-    assert dropped > 0
+    bad = programs_without_waits(plan, who, tag)
     vc = tide.VirtualCluster(tide.Topology(M, L), check=False, timeout_s=5.0, ranks_as=ranks_as)
     first_sum = next(i for i, op in enumerate(bad[0].describe(0)) if " SUM " in op)
     outs = [np.zeros(plan.layout.E, np.float32) for _ in range(N)]
