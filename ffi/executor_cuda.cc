@@ -141,8 +141,6 @@ struct PendingRank {
 std::mutex g_pending_mu;
 auto* g_pending = new std::map<RankStateKey, PendingRank>();
 
-Rails rails_for(const Plan& plan) { return plan.topo.nodes > 1 ? Rails::kTwoSided : Rails::kOneSided; }
-
 }  // namespace
 
 std::string create_cuda_rank_state(const RankStateKey& key, std::shared_ptr<const Plan> plan, int device,
@@ -152,7 +150,7 @@ std::string create_cuda_rank_state(const RankStateKey& key, std::shared_ptr<cons
   std::lock_guard<std::mutex> lock(g_pending_mu);
   auto it = g_pending->find(key);
   if (it != g_pending->end()) return it->second.rank->ipc_handle();
-  const RankArena arena = rank_arena(*plan, key.op, rails_for(*plan));
+  const RankArena arena = rank_arena(*plan, key.op, CudaProcessRank::rails_for(plan->topo));
   PendingRank p;
   p.rank = std::make_unique<CudaProcessRank>(key.rank, plan->topo, device, arena.bytes);
   count_arena(device, arena.bytes);
@@ -174,7 +172,7 @@ void connect_cuda_rank_state(const RankStateKey& key, const std::vector<std::str
     p = std::move(it->second);
     g_pending->erase(it);
   }
-  const RankArena arena = rank_arena(*p.plan, key.op, rails_for(*p.plan));
+  const RankArena arena = rank_arena(*p.plan, key.op, CudaProcessRank::rails_for(p.plan->topo));
   ExecutorOptions opt;
   opt.timeout_s = static_cast<double>(p.timeout_ms) / 1000.0;
   std::shared_ptr<CallExecutor> ex = p.rank->connect(handles, rail_id, arena.regions, opt);

@@ -17,8 +17,6 @@ from rs_helpers import programs_without_waits  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
-TAGS = _core.rs_op_tags
-FAULT = _core.fault_kinds
 BF16 = np.dtype(ml_dtypes.bfloat16)
 
 

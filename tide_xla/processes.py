@@ -209,14 +209,13 @@ def prepare(ctx, op: str, shapes: Sequence[Sequence[int]], in_dtype, out_dtype) 
             shm.unlink(name)
 
 
-def _exchange_ranks(client, key: str, ctx, group: int, ranks=None) -> list[str]:
+def _exchange_ranks(client, key: str, ctx, group: int, ranks=None, what: str = "arena segments") -> list[str]:
     """Every rank's value under `key` for `group` (published by its owning process): the arena
-    segment names (CPU), IPC handles or rail ids (CUDA: ranks 0..L-1, node 0's)."""
+    segment names (CPU), IPC handles or rail ids (CUDA: ranks 0..L-1, node 0's); `what` names
+    them in the timeout."""
     import jax
     ranks = range(ctx.world) if ranks is None else ranks
     owner = {int(r): int(p) for p, _, _, g, r in _rows(ctx) if g == group}
-    what = key.rsplit("/", 1)[-1]
-    what = {"ipc": "CUDA IPC handles", "rail": "NCCL rail ids"}.get(what, "arena segments")
 
     def late(missing):
         procs = sorted({owner[r] for r in missing})
@@ -292,8 +291,9 @@ def _open_cuda_ranks(ctx, ffi, plan_args, plan_hash: int, table: int, slots, des
         if ctx.nodes > 1 and rank < L:  # node 0's rank of local index `rank` names its rail
             client.key_value_set(f"{key}/{group}/rail/{rank}", bytes(ffi.nccl_unique_id()).hex())
     for group in sorted({g for g, _ in slots}):
-        handles = _exchange_ranks(client, f"{key}/{group}/ipc", ctx, group)
-        rails = _exchange_ranks(client, f"{key}/{group}/rail", ctx, group, range(L)) if ctx.nodes > 1 else None
+        handles = _exchange_ranks(client, f"{key}/{group}/ipc", ctx, group, what="CUDA IPC handles")
+        rails = (_exchange_ranks(client, f"{key}/{group}/rail", ctx, group, range(L), what="NCCL rail ids")
+                 if ctx.nodes > 1 else None)
         for g, rank in slots:
             if g == group:
                 # Collective over the rail's ranks (one per node, each in its own process): every

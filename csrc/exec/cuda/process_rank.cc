@@ -49,7 +49,7 @@ std::shared_ptr<CallExecutor> CudaProcessRank::connect(const std::vector<std::st
     mine[static_cast<size_t>(q)] = handles[static_cast<size_t>(q)];
   }
   m.fabric->open_peers(mine);
-  opt.rails = m.topo.nodes > 1 ? Rails::kTwoSided : Rails::kOneSided;
+  opt.rails = rails_for(m.topo);
   auto ex = std::make_shared<cuda::CudaRankCallExecutor>(m.fabric, m.rank, m.topo, regions, opt);
   if (m.topo.nodes > 1) {
 #ifdef TIDE_WITH_NCCL

@@ -58,6 +58,9 @@ class CudaProcessRank {
   int device() const;
   std::shared_ptr<CallExecutor> connect(const std::vector<std::string>& handles, const std::string& rail_id,
                                         const RegionTable& regions, ExecutorOptions opt);
+  // How a rank of `topo` reaches other nodes: two-sided rails when there are any (what connect()
+  // sets, and what the arena's counters must be sized for).
+  static Rails rails_for(const Topology& topo) { return topo.nodes > 1 ? Rails::kTwoSided : Rails::kOneSided; }
 
  private:
   struct Impl;
