@@ -207,8 +207,20 @@ def test_reduce_scatter_bitwise_equals_cpu(M, L, options=None):
 def test_copy_lanes_bitwise_equals_cpu(M, L):
     """[Note: copy lanes] with EVERY COPY/PUT spread over 3 lanes (threshold 0): the same bytes as
     the CPU executor, call after call; a PUT's bump issued before its lanes joined would show as
-    stale landing or inbox bytes."""
-    options = tide.ExecutorOptions(copy_spread_bytes=0, copy_lanes=3)
+    stale landing or inbox bytes. Every copy on the copy engines: the lanes are theirs (copies
+    between ranks of one GPU would otherwise run on SMs, [Note: copies on SMs])."""
+    options = tide.ExecutorOptions(copy_spread_bytes=0, copy_lanes=3, copies_on="copy_engines")
+    test_all_gather_bitwise_equals_cpu(M, L, resident=True, options=options)
+    test_reduce_scatter_bitwise_equals_cpu(M, L, options=options)
+
+
+@pytest.mark.parametrize("copies_on", ["sms", "copy_engines"])
+@pytest.mark.parametrize("M,L", [(1, 8), (2, 4)])
+def test_copies_on_bitwise_equals_cpu(M, L, copies_on):
+    """[Note: copies on SMs]: every COPY/PUT on TIDE's copy kernel (3 CTAs: each CTA strides over
+    many units) or every one on the copy engines gives the CPU executor's bytes, call after call;
+    a PUT's bump before its kernel's stores would show as stale landing or inbox bytes."""
+    options = tide.ExecutorOptions(copies_on=copies_on, copy_ctas=3)
     test_all_gather_bitwise_equals_cpu(M, L, resident=True, options=options)
     test_reduce_scatter_bitwise_equals_cpu(M, L, options=options)
 

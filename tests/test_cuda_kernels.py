@@ -353,6 +353,46 @@ def test_copies_1d_2d(capture, mode_2d):
     assert torch.equal(dst.cpu(), ref)
 
 
+@pytest.mark.parametrize("ctas", [1, 16])
+@pytest.mark.parametrize("capture", [False, True])
+def test_copies_on_sms(capture, ctas):
+    """[Note: copies on SMs]: 60 copies (more than one launch holds), 1-D and strided, at offsets
+    and widths that give every unit (16, 8, 4, 2, 1 bytes) and rows narrower than the grid's
+    stride; bytes outside the copies keep their poison."""
+    gen = torch.Generator().manual_seed(ctas)
+    n = 8 << 20
+    src = torch.randint(0, 255, (n,), dtype=torch.uint8, generator=gen).to(DEV)
+    dst = torch.full((n,), 7, dtype=torch.uint8, device=DEV)
+    s, d = src.data_ptr(), dst.data_ptr()
+    ref = torch.full((n,), 7, dtype=torch.uint8)
+    sc = src.cpu()
+    descs, off, units = [], 0, set()
+    for i in range(60):
+        unit = (16, 8, 4, 2, 1)[i % 5]
+        w = unit * int(torch.randint(1, 4096, (1,), generator=gen)) if i % 7 else unit * 3
+        h = 1 if i % 3 else int(torch.randint(2, 40, (1,), generator=gen))
+        dp, sp = (w + 16 * (i % 4), w + unit * (i % 3)) if h > 1 else (0, 0)
+        so = off + (unit if unit < 16 else 0)
+        descs.append((d + off, s + so, w, h, dp, sp))
+        for r in range(h):
+            ref[off + r * dp:off + r * dp + w] = sc[so + r * sp:so + r * sp + w]
+        units.add(_core.cuda.sm_copy_unit(d + off, s + so, w, h, dp, sp))
+        off += (h - 1) * max(dp, sp) + w + 64
+        off += -off % 16
+    assert off <= n and units == {16, 8, 4, 2, 1}
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    if capture:
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, stream=side):
+            _core.cuda.copies(descs, side.cuda_stream, sm_ctas=ctas)
+        g.replay()
+    else:
+        _core.cuda.copies(descs, side.cuda_stream, sm_ctas=ctas)
+    torch.cuda.synchronize()
+    assert torch.equal(dst.cpu(), ref)
+
+
 @pytest.mark.parametrize("lanes", [2, 4])
 @pytest.mark.parametrize("capture", [False, True])
 def test_copies_spread_over_lanes(lanes, capture):

@@ -23,6 +23,8 @@ class ExecutorOptions:
     copy_lanes: int = 4                # CUDA: streams a large COPY/PUT is spread over, 1..8
     copy_spread_bytes: int = 8 << 20   # CUDA: an op moving fewer bytes stays on its stream, >= 0
     copy_2d: str = "batch"             # CUDA: eager 2-D copies: batch | per_copy
+    copies_on: str = "auto"            # CUDA: where copies run: auto | copy_engines | sms
+    copy_ctas: int = 32                # CUDA: CTAs of one op's copies on SMs, 1..4096
     sync_every_call: bool = False      # CUDA, debug: synchronise after every call
     staging_canary: bool = False       # CUDA in-process executor, debug: check staged pushes and SUMs for races
     trace: bool = False                # CPU: every executed op per rank to stderr

@@ -203,20 +203,33 @@ void bind_cuda_ops(nb::module_& m) {
         nb::arg("regions"), nb::arg("ctas") = 8, nb::arg("stream") = 0, "ZERO: clear (ptr, bytes) regions.");
   m.def("copies",
         [](const std::vector<std::tuple<uint64_t, uint64_t, size_t, size_t, size_t, size_t>>& d,
-           uint64_t stream, int lanes, const std::string& copy_2d) {
+           uint64_t stream, int lanes, const std::string& copy_2d, int sm_ctas) {
           std::vector<CopyDesc> v;
           v.reserve(d.size());
           for (auto& [dst, src, w, h, dp, sp] : d) v.push_back({ptr<void>(dst), ptr<const void>(src), w, h, dp, sp});
           TIDE_PLAN_CHECK(lanes >= 1 && lanes <= 8, "cuda.copies: lanes must be in [1, 8], got ", lanes);
           tide::ExecutorOptions o;
           tide::set_option(o, "copy_2d", copy_2d, "cuda.copies");
+          if (sm_ctas > 0) {
+            tide::set_option(o, "copy_ctas", std::to_string(sm_ctas), "cuda.copies: sm_ctas");
+            submit_copies_on_sms(strm(stream), v.data(), v.size(), o.copy_ctas);
+            return;
+          }
           submit_copies(strm(stream), v.data(), v.size(), lanes_for(lanes), o.copy_2d);
         },
         nb::arg("descs"), nb::arg("stream") = 0, nb::arg("lanes") = 1, nb::arg("copy_2d") = "batch",
+        nb::arg("sm_ctas") = 0,
         "COPY: (dst, src, width, height, dpitch, spitch) descriptors; batched when eager (copy_2d: the 2-D "
         "path, batch | per_copy); spread over "
         "`lanes` streams forked from `stream` when the call moves >= 8 MiB (the executors' default "
-        "copy_spread_bytes).");
+        "copy_spread_bytes). sm_ctas > 0: on SMs instead, TIDE's copy kernel at that many CTAs "
+        "(copies_on=sms).");
+  m.def("sm_copy_unit",
+        [](uint64_t dst, uint64_t src, int64_t w, int64_t h, int64_t dp, int64_t sp) {
+          return sm_copy_vec(ptr<void>(dst), ptr<const void>(src), w, h, dp, sp);
+        },
+        nb::arg("dst"), nb::arg("src"), nb::arg("width"), nb::arg("height"), nb::arg("dpitch"), nb::arg("spitch"),
+        "The unit (bytes) TIDE's copy kernel moves such a copy in: 16, 8, 4, 2 or 1.");
   m.def("signal",
         [](uint64_t counter, uint64_t value, uint64_t stream) { signal(strm(stream), ptr<uint64_t>(counter), value); },
         nb::arg("counter"), nb::arg("value"), nb::arg("stream") = 0);

@@ -21,6 +21,9 @@ const char* cta_split_name(CtaSplit s) {
 }
 const char* full_grid_name(FullGrid g) { return g == FullGrid::kWave ? "wave" : "tiles"; }
 const char* copy_2d_name(Copy2D c) { return c == Copy2D::kPerCopy ? "per_copy" : "batch"; }
+const char* copies_on_name(CopiesOn c) {
+  return c == CopiesOn::kCopyEngines ? "copy_engines" : c == CopiesOn::kSms ? "sms" : "auto";
+}
 const char* rails_name(Rails r) { return r == Rails::kTwoSided ? "two_sided" : "one_sided"; }
 
 namespace {
@@ -50,6 +53,10 @@ void validate(const ExecutorOptions& o) {
                   "ExecutorOptions.full_grid: unknown value ", static_cast<int>(o.full_grid));
   TIDE_PLAN_CHECK(o.copy_2d == Copy2D::kBatch || o.copy_2d == Copy2D::kPerCopy,
                   "ExecutorOptions.copy_2d: unknown value ", static_cast<int>(o.copy_2d));
+  TIDE_PLAN_CHECK(o.copies_on == CopiesOn::kAuto || o.copies_on == CopiesOn::kCopyEngines || o.copies_on == CopiesOn::kSms,
+                  "ExecutorOptions.copies_on: unknown value ", static_cast<int>(o.copies_on));
+  TIDE_PLAN_CHECK(o.copy_ctas >= 1 && o.copy_ctas <= kMaxCtas, "ExecutorOptions.copy_ctas: expected 1..", kMaxCtas, ", got ",
+                  o.copy_ctas);
   TIDE_PLAN_CHECK(o.rails == Rails::kOneSided || o.rails == Rails::kTwoSided, "ExecutorOptions.rails: unknown value ",
                   static_cast<int>(o.rails));
   TIDE_PLAN_CHECK(o.rail_ctas >= 1 && o.rail_ctas <= kMaxRailCtas, "ExecutorOptions.rail_ctas: expected 1..", kMaxRailCtas,
@@ -121,6 +128,11 @@ void set_option(ExecutorOptions& o, const std::string& name, const std::string& 
     o.copy_spread_bytes = parse_int(value, w);
   } else if (name == "copy_2d") {
     o.copy_2d = parse_enum<Copy2D>(value, w, {{"batch", Copy2D::kBatch}, {"per_copy", Copy2D::kPerCopy}});
+  } else if (name == "copies_on") {
+    o.copies_on = parse_enum<CopiesOn>(value, w, {{"auto", CopiesOn::kAuto}, {"copy_engines", CopiesOn::kCopyEngines},
+                                                  {"sms", CopiesOn::kSms}});
+  } else if (name == "copy_ctas") {
+    o.copy_ctas = parse_int_in(value, w, 1, kMaxCtas);
   } else if (name == "sync_every_call") {
     o.sync_every_call = parse_bool(value, w);
   } else if (name == "staging_canary") {
@@ -137,8 +149,8 @@ void set_option(ExecutorOptions& o, const std::string& name, const std::string& 
     o.rail_channels_per_peer = parse_int_in(value, w, 1, kMaxRailChannels);
   } else {
     throw PlanError(TIDE_STR_CAT(where, ": unknown field '", name, "' (fields: timeout_s, cast_ctas, zero_ctas, "
-                                 "cta_split, full_grid, copy_lanes, copy_spread_bytes, copy_2d, sync_every_call, "
-                                 "staging_canary, trace, workers, rails, rail_ctas, rail_channels_per_peer)"));
+                                 "cta_split, full_grid, copy_lanes, copy_spread_bytes, copy_2d, copies_on, copy_ctas, "
+                                 "sync_every_call, staging_canary, trace, workers, rails, rail_ctas, rail_channels_per_peer)"));
   }
 }
 
@@ -146,7 +158,8 @@ std::string describe(const ExecutorOptions& o) {
   return TIDE_STR_CAT("timeout_s=", o.timeout_s, ",cast_ctas=", o.cast_ctas, ",zero_ctas=", o.zero_ctas,
                       ",cta_split=", cta_split_name(o.cta_split), ",full_grid=", full_grid_name(o.full_grid),
                       ",copy_lanes=", o.copy_lanes, ",copy_spread_bytes=", o.copy_spread_bytes,
-                      ",copy_2d=", copy_2d_name(o.copy_2d), ",sync_every_call=", o.sync_every_call ? 1 : 0,
+                      ",copy_2d=", copy_2d_name(o.copy_2d),
+                      ",copies_on=", copies_on_name(o.copies_on), ",copy_ctas=", o.copy_ctas, ",sync_every_call=", o.sync_every_call ? 1 : 0,
                       ",staging_canary=", o.staging_canary ? 1 : 0, ",trace=", o.trace ? 1 : 0, ",workers=", o.workers, ",rails=", rails_name(o.rails),
                       ",rail_ctas=", o.rail_ctas, ",rail_channels_per_peer=", o.rail_channels_per_peer);
 }

@@ -12,10 +12,12 @@ them. Each row prints ms and x floor (its bytes over the measured device-to-devi
   land  rank 0's LAND ops (REDUCE on their run tables) in program order, the same budgets / options
   copy  rank 0's Level-1 pushes (tide._core.rs_level1_copies: the descriptors of its COPY ops, one
         submission per owner as the executor issues one COPY op per owner; each owner's staging
-        area a buffer of its own) under copy_lanes 1 / default / 8 x copy_2d batch / per_copy
+        area a buffer of its own) on the copy engines under copy_lanes 1 / default / 8 x copy_2d
+        batch / per_copy, and on SMs (TIDE's copy kernel, copies_on=sms) at 8 / 16 / default / 64 CTAs
   ref   torch's copy_ of the SUM's bytes (contiguous): what a plain kernel reaches at this size
   call  the whole reduce_scatter call of the virtual cluster (every rank, every op: staging, SUM,
-        ZERO, the rail's copies, LAND) at the solver's budgets, a full grid, and the full grid
+        ZERO, the rail's copies, LAND) at the solver's budgets (copies_on auto: the pushes between
+        ranks of this one GPU on SMs; and copies_on=copy_engines), a full grid, and the full grid
         under ranges / wave; under the table, the full-grid call's GPU time by kernel and copies
 Bytes: an op's run table (every present term read, the fp32 destination written), a copy's width
 x height read and written, a call's every COPY / PUT descriptor and run table over all ranks (ZERO
@@ -86,7 +88,8 @@ def main(argv=None) -> int:
     # ---- the whole call, per variant (the first one's session gives the programs below) ----
     ps, first, calls = None, None, {}
     same_bits = True
-    variants = [("solver budgets", {}, False), ("full grid, CTA ranges", dict(cta_split="ranges"), True),
+    variants = [("solver budgets", {}, False), ("solver budgets, copies on copy engines", dict(copies_on="copy_engines"), False),
+                ("full grid, CTA ranges", dict(cta_split="ranges"), True),
                 ("full grid, one wave", dict(full_grid="wave"), True), ("full grid", {}, True)]
     for label, opts, full in variants:
         vc = tide.VirtualCluster(tide.Topology(1, L), backend="cuda", check=False,
@@ -156,6 +159,9 @@ def main(argv=None) -> int:
         for ln in sorted({1, default.copy_lanes, 8}):
             timed("copy", f"{len(subs)} COPY ops, copy_2d {c2}, {ln} lane(s)",
                   lambda ln=ln, c2=c2: [core.cuda.copies(sub, st, ln, c2) for sub in subs], stage_b)
+    for ctas in sorted({8, 16, default.copy_ctas, 64}):
+        timed("copy", f"{len(subs)} COPY ops on SMs (copies_on=sms), {ctas} CTAs",
+              lambda ctas=ctas: [core.cuda.copies(sub, st, sm_ctas=ctas) for sub in subs], stage_b)
     del dsts, subs
 
     # ---- a plain kernel on the SUM's bytes ----

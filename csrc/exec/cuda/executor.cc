@@ -247,6 +247,19 @@ void* resolve(const IssueContext& c, const BufRef& ref) {
   return arena + a.offset[k] + ref.offset;
 }
 
+// Whether a COPY/PUT op's copies run on SMs ([Note: copies on SMs], runtime.h): copies_on=sms, or
+// auto and one of its copies goes between two ranks on one device.
+bool copies_on_sms(const IssueContext& c, const Op& op) {
+  const CopiesOn on = c.opt->copies_on;
+  if (on != CopiesOn::kAuto) return on == CopiesOn::kSms;
+  for (const auto& cp : op.copies) {
+    if (cp.src.rank == cp.dst.rank) continue;
+    const int a = c.fabric->device_of(fabric_rank(c, cp.src.rank));
+    if (a >= 0 && a == c.fabric->device_of(fabric_rank(c, cp.dst.rank))) return true;
+  }
+  return false;
+}
+
 // The counter value after a bump op (PUT/SIGNAL/CREDIT add, EVENT_RECORD raises to its target).
 uint64_t bumped(const Op& op, int64_t seq, uint64_t cur) {
   if (op.kind == OpKind::kEventRecord) return std::max(cur, static_cast<uint64_t>(std::max<int64_t>(0, op.target(seq))));
@@ -331,6 +344,11 @@ void issue(const IssueContext& c, int rank, int i, int64_t seq) {
         d.push_back({resolve(c, cp.dst), resolve(c, cp.src), static_cast<size_t>(cp.dst.width),
                      static_cast<size_t>(cp.dst.height), static_cast<size_t>(cp.dst.pitch),
                      static_cast<size_t>(cp.src.pitch)});
+      }
+      if (copies_on_sms(c, op)) {
+        submit_copies_on_sms(s, d.data(), d.size(), opt.copy_ctas);
+        if (op.kind == OpKind::kPut) bump();
+        break;
       }
       size_t bytes = 0;
       for (const CopyDesc& x : d) bytes += x.width * x.height;

@@ -6,7 +6,8 @@
 //     uploads all tables once (cached per set). Nothing is allocated or uploaded per call after.
 //   - run(set, seq, buffers): enqueues call `seq` and returns; user buffers are plain device
 //     pointers bound per call. synchronize() waits for what was enqueued (or throws).
-//   - Op mapping: COPY/PUT -> submit_copies (batched when eager); CAST/SUM/LAND/ZERO -> kernels;
+//   - Op mapping: COPY/PUT -> submit_copies (batched when eager; on SMs between ranks that share a
+//     device, runtime.h [Note: copies on SMs]); CAST/SUM/LAND/ZERO -> kernels;
 //     SIGNAL/CREDIT/PUT bumps and EVENT_RECORD -> cuStreamWriteValue64 of the counter's new
 //     absolute value (single producer per counter, so the host tracks it: "counter += v" is a
 //     write of shadow + v); WAIT/EVENT_WAIT -> cuStreamBatchMemOp WAIT_VALUE_64 GEQ.

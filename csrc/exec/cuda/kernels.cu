@@ -216,6 +216,64 @@ __global__ void __launch_bounds__(kZeroThreads) zero_kernel(const __grid_constan
   }
 }
 
+// One copy in units of T, grid-strided from unit `tid`: a cursor (row, col) steps by the stride
+// without a division per unit (q rows and r columns, wrapping at the row's end; a 1-D copy never
+// wraps). kSmCopyUnroll loads are in flight per thread before their stores: the copy is bound by
+// the bytes in flight, not by instructions.
+constexpr int kSmCopyUnroll = 4;
+template <typename T>
+__device__ __forceinline__ void sm_copy_one(const SmCopy& c, int64_t tid, int64_t stride) {
+  constexpr int64_t kSz = sizeof(T);
+  const int64_t per_row = c.width / kSz;
+  const int64_t total = per_row * c.height;
+  if (tid >= total) return;
+  const int64_t wrap = c.height > 1 ? per_row : INT64_MAX;
+  int64_t e = tid, row = 0, col = tid, q = 0, r = stride;
+  if (c.height > 1) {
+    row = tid / per_row;
+    col = tid - row * per_row;
+    q = stride / per_row;
+    r = stride - q * per_row;
+  }
+  while (e < total) {
+    T v[kSmCopyUnroll];
+    int64_t d_at[kSmCopyUnroll];
+#pragma unroll
+    for (int u = 0; u < kSmCopyUnroll; ++u) {
+      d_at[u] = -1;
+      if (e < total) {
+        d_at[u] = row * c.dpitch + col * kSz;
+        v[u] = __ldcs(reinterpret_cast<const T*>(c.src + row * c.spitch + col * kSz));
+        e += stride;
+        row += q;
+        col += r;
+        if (col >= wrap) {
+          col -= per_row;
+          ++row;
+        }
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kSmCopyUnroll; ++u)
+      if (d_at[u] >= 0) *reinterpret_cast<T*>(c.dst + d_at[u]) = v[u];
+  }
+}
+
+__global__ void __launch_bounds__(kCopyThreads) sm_copy_kernel(const __grid_constant__ SmCopyArgs a) {
+  const int64_t tid = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int i = 0; i < a.n; ++i) {
+    const SmCopy& c = a.copies[i];
+    switch (c.vec) {
+      case 16: sm_copy_one<uint4>(c, tid, stride); break;
+      case 8: sm_copy_one<uint2>(c, tid, stride); break;
+      case 4: sm_copy_one<unsigned int>(c, tid, stride); break;
+      case 2: sm_copy_one<unsigned short>(c, tid, stride); break;
+      default: sm_copy_one<unsigned char>(c, tid, stride); break;
+    }
+  }
+}
+
 int clamp_ctas(int ctas, int64_t work_items, int threads) {
   const int64_t need = (work_items + threads - 1) / threads;
   int64_t c = ctas > 0 ? ctas : 1;
@@ -315,7 +373,7 @@ void preload_kernels(int device) {
   (void)sum_kernel_attrs();
   // ...and the others.
   const void* rest[] = {reinterpret_cast<const void*>(cast_kernel), reinterpret_cast<const void*>(zero_kernel),
-                        reinterpret_cast<const void*>(stall_kernel)};
+                        reinterpret_cast<const void*>(sm_copy_kernel), reinterpret_cast<const void*>(stall_kernel)};
   for (const void* k : rest) {
     cudaFuncAttributes fa{};
     TIDE_CHECK_CUDA(cudaFuncGetAttributes(&fa, k), "loading the TIDE kernels on device ", device);
@@ -382,6 +440,29 @@ void launch_zero(const ZeroArgs& a, int ctas, cudaStream_t stream) {
   if (bytes == 0) return;
   zero_kernel<<<clamp_ctas(ctas, bytes / 16 + 1, kZeroThreads), kZeroThreads, 0, stream>>>(a);
   TIDE_CHECK_CUDA(cudaGetLastError(), "launching ZERO");
+}
+
+int sm_copy_vec(const void* dst, const void* src, int64_t width, int64_t height, int64_t dpitch, int64_t spitch) {
+  uint64_t bits = reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src) | static_cast<uint64_t>(width);
+  if (height > 1) bits |= static_cast<uint64_t>(dpitch) | static_cast<uint64_t>(spitch);
+  for (int v = 16; v > 1; v /= 2)
+    if ((bits & static_cast<uint64_t>(v - 1)) == 0) return v;
+  return 1;
+}
+
+void launch_sm_copies(const SmCopyArgs& a, int ctas, cudaStream_t stream) {
+  TIDE_CHECK(a.n >= 0 && a.n <= kMaxSmCopies, "COPY on SMs: ", a.n, " copies (at most ", kMaxSmCopies, ")");
+  int64_t units = 0;
+  for (int i = 0; i < a.n; ++i) {
+    const SmCopy& c = a.copies[i];
+    TIDE_CHECK(c.vec >= 1 && c.vec <= 16 && c.width % c.vec == 0, "COPY on SMs: copy ", i, " of width ", c.width,
+               " in units of ", c.vec);
+    units = std::max<int64_t>(units, c.width / c.vec * c.height);
+  }
+  if (units == 0) return;
+  const int grid = clamp_ctas(ctas, (units + kSmCopyUnroll - 1) / kSmCopyUnroll, kCopyThreads);
+  sm_copy_kernel<<<grid, kCopyThreads, 0, stream>>>(a);
+  TIDE_CHECK_CUDA(cudaGetLastError(), "launching COPY on SMs");
 }
 
 }  // namespace tide::cuda

@@ -31,6 +31,8 @@ constexpr int kMaxZeroRegions = 32; // stale blocks per launch
 constexpr int kSumThreads = 256;   // with sum_unroll() vectors per thread (kernels.cu)
 constexpr int kCastThreads = 256;
 constexpr int kZeroThreads = 256;
+constexpr int kMaxSmCopies = 48;    // copies per COPY-on-SMs launch
+constexpr int kCopyThreads = 256;
 
 // ---- SUM: fp32 node partial (Level 1) ------------------------------------------------------
 // dst[k] = ((stg_0[k] + stg_1[k]) + ... + stg_{n_staged-1}[k]) + own[k]   (fp32, left to right)
@@ -69,6 +71,25 @@ struct ZeroRegion {
 struct ZeroArgs {
   ZeroRegion regions[kMaxZeroRegions];
   int n_regions = 0;
+};
+
+// ---- COPY on SMs (exec/cuda/runtime.h [Note: copies on SMs]) --------------------------------
+// Each copy moves `height` rows of `width` bytes in units of `vec` bytes (16, 8, 4, 2 or 1: the
+// largest that divides both pointers, the width and, for 2-D copies, both pitches). Copies of
+// one launch are disjoint and unordered; bytes are moved, never interpreted.
+struct SmCopy {
+  char* dst = nullptr;
+  const char* src = nullptr;
+  int64_t width = 0;
+  int64_t height = 0;
+  int64_t dpitch = 0;
+  int64_t spitch = 0;
+  int32_t vec = 1;
+  int32_t pad_ = 0;
+};
+struct SmCopyArgs {
+  SmCopy copies[kMaxSmCopies];
+  int n = 0;
 };
 
 // ---- REDUCE: the executor's generic SUM/LAND over program terms (reduce.cu) -----------------
@@ -164,6 +185,9 @@ int resident_per_sm(const void* kernel, int threads);
 void launch_sum(const SumArgs& a, int ctas, const LaunchKnobs& knobs, cudaStream_t stream);
 void launch_cast(uint16_t* dst, const float* src, int64_t n, int ctas, cudaStream_t stream);
 void launch_zero(const ZeroArgs& a, int ctas, cudaStream_t stream);
+// The widest unit (16, 8, 4, 2, 1 bytes) a copy of these pointers, width and pitches can move.
+int sm_copy_vec(const void* dst, const void* src, int64_t width, int64_t height, int64_t dpitch, int64_t spitch);
+void launch_sm_copies(const SmCopyArgs& a, int ctas, cudaStream_t stream);
 
 
 }  // namespace tide::cuda

@@ -6,6 +6,7 @@
 #include <cstring>
 #include <string>
 
+#include "exec/cuda/kernels.h"
 #include "tide/errors.h"
 
 namespace tide::cuda {
@@ -174,6 +175,24 @@ void submit_copies(cudaStream_t stream, const CopyDesc* d, size_t n, Copy2D mode
   TIDE_CHECK_CUDA(cudaMemcpyBatchAsync(dsts.data(), srcs.data(), sizes.data(), dsts.size(), &attr,
                                        &attr_idx, 1, stream),
                   "COPY batch of ", dsts.size());
+}
+
+void submit_copies_on_sms(cudaStream_t stream, const CopyDesc* d, size_t n, int ctas) {
+  SmCopyArgs a;
+  auto flush = [&] {
+    launch_sm_copies(a, ctas, stream);
+    a.n = 0;
+  };
+  for (size_t i = 0; i < n; ++i) {
+    const CopyDesc& c = d[i];
+    if (c.width == 0 || c.height == 0) continue;
+    if (a.n == kMaxSmCopies) flush();
+    const auto w = static_cast<int64_t>(c.width), h = static_cast<int64_t>(c.height);
+    const auto dp = static_cast<int64_t>(c.dpitch), sp = static_cast<int64_t>(c.spitch);
+    a.copies[a.n++] = {static_cast<char*>(c.dst), static_cast<const char*>(c.src), w, h, dp, sp,
+                       sm_copy_vec(c.dst, c.src, w, h, dp, sp), 0};
+  }
+  if (a.n > 0) flush();
 }
 
 // ---- copy lanes ---------------------------------------------------------------------------------

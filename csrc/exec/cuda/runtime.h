@@ -75,6 +75,18 @@ struct CopyDesc {
 void submit_copies(cudaStream_t stream, const CopyDesc* d, size_t n, Copy2D mode = Copy2D::kBatch);
 bool stream_is_capturing(cudaStream_t stream);
 
+// [Note: copies on SMs]
+// The batch APIs above ask the driver for the copy engines (PreferOverlapWithCompute): between
+// GPUs they keep a copy off the SMs that the SUMs and the framework's compute use (paper §4.1).
+// Between two ranks that share one device (an emulated node: a virtual cluster's ranks on one
+// GPU) no link limits a copy, HBM does, and the copy engines reach only about half of it on an
+// H200 (BENCHMARKS.md, Run 55: rank 0's Level-1 pushes at 1.78x their byte floor, while a plain
+// copy kernel reaches 1.01x). submit_copies_on_sms runs such copies as TIDE's copy kernel
+// (kernels.h, SmCopy): kMaxSmCopies copies per launch, `ctas` CTAs each (ExecutorOptions
+// copy_ctas), all on `stream`, graph-capturable. ExecutorOptions copies_on picks: auto (SMs for
+// an op that copies between ranks sharing a device, copy engines otherwise), copy_engines, sms.
+void submit_copies_on_sms(cudaStream_t stream, const CopyDesc* d, size_t n, int ctas);
+
 // ---- copy lanes --------------------------------------------------------------------------------
 // [Note: copy lanes] A COPY/PUT op's descriptors are unordered with each other, so a large op is
 // spread over a few lanes: non-blocking streams forked from the issuing stream by an event and

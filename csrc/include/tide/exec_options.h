@@ -25,6 +25,10 @@ enum class CtaSplit : int8_t { kAuto = 0, kTiles = 1, kRanges = 2 };
 enum class FullGrid : int8_t { kTiles = 0, kWave = 1 };
 // Eager 2-D copies: one cudaMemcpy3DBatchAsync per op, or one cudaMemcpy2DAsync per copy.
 enum class Copy2D : int8_t { kBatch = 0, kPerCopy = 1 };
+// Where a COPY/PUT op's copies run (exec/cuda/runtime.h [Note: copies on SMs]): auto = on SMs when
+// the op copies between two ranks that share a device (an emulated node: the ranks of a virtual
+// cluster on one GPU), on the copy engines otherwise; or every copy on one of the two.
+enum class CopiesOn : int8_t { kAuto = 0, kCopyEngines = 1, kSms = 2 };
 // How an executor reaches other nodes ([Note: two-sided rails] in tide/program.h): one-sided, by
 // pointer into their arenas (PUT + SIGNAL; the virtual clusters, one host), or two-sided, through
 // the rail transport's send/recv only (programs lowered by lower_two_sided; another node's arena
@@ -41,6 +45,8 @@ struct ExecutorOptions {
   int copy_lanes = 4;                   // streams a large COPY/PUT is spread over, 1..8 (1: none)
   int64_t copy_spread_bytes = 8 << 20;  // an op moving fewer bytes stays on its own stream, >= 0
   Copy2D copy_2d = Copy2D::kBatch;
+  CopiesOn copies_on = CopiesOn::kAuto;
+  int copy_ctas = 32;                   // CTAs of one COPY/PUT op's copies on SMs, 1..4096
   bool sync_every_call = false;         // debug: synchronise after every call
   // Debug: the in-process executor checks every staged push and SUM against the staging races
   // (exec/cuda/staging_canary.h; two one-thread kernels per such op). The CPU executor with ranks
@@ -71,6 +77,7 @@ std::string describe(const ExecutorOptions& o);
 const char* cta_split_name(CtaSplit s);  // "auto", "tiles", "ranges"
 const char* full_grid_name(FullGrid g);  // "tiles", "wave"
 const char* copy_2d_name(Copy2D c);      // "batch", "per_copy"
+const char* copies_on_name(CopiesOn c);  // "auto", "copy_engines", "sms"
 const char* rails_name(Rails r);         // "one_sided", "two_sided"
 Rails parse_rails(const std::string& name, const std::string& where);  // PlanError naming `where`
 
