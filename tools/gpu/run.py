@@ -347,7 +347,7 @@ def stage_table(c: Ctx) -> dict:
         Stage("rsdiag", 150, [Step("rsdiag", [py, "tools/gpu/rsdiag.py"], 150)],
               "where the 70B RS call's time above its byte floor goes (tools/gpu/rsdiag.py)"),
         Stage("rssweep", 200, [Step("rssweep", [py, "tools/gpu/rssweep.py", "/", "/copies_on=copy_engines",
-                                                "/copy_ctas=8", "/copy_ctas=16", "/copy_ctas=64", "n_stg=4/",
+                                                "/copy_ctas=8", "/copy_ctas=16", "/copy_ctas=64", "n_stg=3/", "n_stg=4/",
                                                 "sum_ctas=16/", "sum_ctas=16/copy_ctas=16"], 200)],
               "the 70B RS call over plan / executor options, with its copy-kernel overlap (tools/gpu/rssweep.py)"),
         Stage("bench:layout", 200, [bench("bench:layout", "layout", limit=200, png="layout",

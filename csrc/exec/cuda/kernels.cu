@@ -216,30 +216,45 @@ __global__ void __launch_bounds__(kZeroThreads) zero_kernel(const __grid_constan
   }
 }
 
-// One copy in units of T, grid-strided from unit `tid`: a cursor (row, col) steps by the stride
-// without a division per unit (q rows and r columns, wrapping at the row's end; a 1-D copy never
-// wraps). kSmCopyUnroll loads are in flight per thread before their stores: the copy is bound by
-// the bytes in flight, not by instructions.
-constexpr int kSmCopyUnroll = 4;
+// One 1-D copy of n units of T, grid-strided from unit `tid`: kSmCopyUnroll1d loads in flight
+// per thread before their stores. A copy kernel with few CTAs is bound by the bytes it keeps in
+// flight, not by instructions (BENCHMARKS.md: ~40 GB/s per CTA at 16 KiB in flight per CTA).
+constexpr int kSmCopyUnroll1d = 8;
+constexpr int kSmCopyUnroll2d = 4;
 template <typename T>
-__device__ __forceinline__ void sm_copy_one(const SmCopy& c, int64_t tid, int64_t stride) {
+__device__ __forceinline__ void sm_copy_1d(const SmCopy& c, int64_t tid, int64_t stride) {
+  const T* __restrict__ src = reinterpret_cast<const T*>(c.src);
+  T* __restrict__ dst = reinterpret_cast<T*>(c.dst);
+  const int64_t n = c.width / static_cast<int64_t>(sizeof(T));
+  for (int64_t i = tid; i < n; i += stride * kSmCopyUnroll1d) {
+    T v[kSmCopyUnroll1d];
+#pragma unroll
+    for (int u = 0; u < kSmCopyUnroll1d; ++u)
+      if (i + u * stride < n) v[u] = __ldcs(src + i + u * stride);
+#pragma unroll
+    for (int u = 0; u < kSmCopyUnroll1d; ++u)
+      if (i + u * stride < n) dst[i + u * stride] = v[u];
+  }
+}
+
+// One 2-D copy in units of T, grid-strided from unit `tid`: a cursor (row, col) steps by the
+// stride without a division per unit (q rows and r columns, wrapping at the row's end).
+template <typename T>
+__device__ __forceinline__ void sm_copy_2d(const SmCopy& c, int64_t tid, int64_t stride) {
   constexpr int64_t kSz = sizeof(T);
   const int64_t per_row = c.width / kSz;
   const int64_t total = per_row * c.height;
   if (tid >= total) return;
-  const int64_t wrap = c.height > 1 ? per_row : INT64_MAX;
-  int64_t e = tid, row = 0, col = tid, q = 0, r = stride;
-  if (c.height > 1) {
-    row = tid / per_row;
-    col = tid - row * per_row;
-    q = stride / per_row;
-    r = stride - q * per_row;
-  }
+  int64_t e = tid;
+  int64_t row = tid / per_row;
+  int64_t col = tid - row * per_row;
+  const int64_t q = stride / per_row;
+  const int64_t r = stride - q * per_row;
   while (e < total) {
-    T v[kSmCopyUnroll];
-    int64_t d_at[kSmCopyUnroll];
+    T v[kSmCopyUnroll2d];
+    int64_t d_at[kSmCopyUnroll2d];
 #pragma unroll
-    for (int u = 0; u < kSmCopyUnroll; ++u) {
+    for (int u = 0; u < kSmCopyUnroll2d; ++u) {
       d_at[u] = -1;
       if (e < total) {
         d_at[u] = row * c.dpitch + col * kSz;
@@ -247,31 +262,45 @@ __device__ __forceinline__ void sm_copy_one(const SmCopy& c, int64_t tid, int64_
         e += stride;
         row += q;
         col += r;
-        if (col >= wrap) {
+        if (col >= per_row) {
           col -= per_row;
           ++row;
         }
       }
     }
 #pragma unroll
-    for (int u = 0; u < kSmCopyUnroll; ++u)
+    for (int u = 0; u < kSmCopyUnroll2d; ++u)
       if (d_at[u] >= 0) *reinterpret_cast<T*>(c.dst + d_at[u]) = v[u];
   }
 }
 
+// Every copy of the launch (all of unit T, all 1-D or all 2-D: one instantiation per shape keeps
+// the registers of the path it runs), one after the other, each over the whole grid (threads past
+// a small copy's end skip it).
+template <typename T, bool kStrided>
 __global__ void __launch_bounds__(kCopyThreads) sm_copy_kernel(const __grid_constant__ SmCopyArgs a) {
   const int64_t tid = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   for (int i = 0; i < a.n; ++i) {
-    const SmCopy& c = a.copies[i];
-    switch (c.vec) {
-      case 16: sm_copy_one<uint4>(c, tid, stride); break;
-      case 8: sm_copy_one<uint2>(c, tid, stride); break;
-      case 4: sm_copy_one<unsigned int>(c, tid, stride); break;
-      case 2: sm_copy_one<unsigned short>(c, tid, stride); break;
-      default: sm_copy_one<unsigned char>(c, tid, stride); break;
-    }
+    if constexpr (kStrided) sm_copy_2d<T>(a.copies[i], tid, stride);
+    else sm_copy_1d<T>(a.copies[i], tid, stride);
   }
+}
+
+// The instantiation for copies of `vec`-byte units, strided or not.
+using SmCopyKernel = void (*)(SmCopyArgs);
+template <bool kStrided>
+SmCopyKernel sm_copy_kernel_for(int vec) {
+  switch (vec) {
+    case 16: return sm_copy_kernel<uint4, kStrided>;
+    case 8: return sm_copy_kernel<uint2, kStrided>;
+    case 4: return sm_copy_kernel<unsigned int, kStrided>;
+    case 2: return sm_copy_kernel<unsigned short, kStrided>;
+    default: return sm_copy_kernel<unsigned char, kStrided>;
+  }
+}
+SmCopyKernel sm_copy_kernel_for(int vec, bool strided) {
+  return strided ? sm_copy_kernel_for<true>(vec) : sm_copy_kernel_for<false>(vec);
 }
 
 int clamp_ctas(int ctas, int64_t work_items, int threads) {
@@ -372,8 +401,10 @@ void preload_kernels(int device) {
   // cudaFuncGetAttributes loads a lazily loaded kernel: SUM and REDUCE here...
   (void)sum_kernel_attrs();
   // ...and the others.
-  const void* rest[] = {reinterpret_cast<const void*>(cast_kernel), reinterpret_cast<const void*>(zero_kernel),
-                        reinterpret_cast<const void*>(sm_copy_kernel), reinterpret_cast<const void*>(stall_kernel)};
+  std::vector<const void*> rest = {reinterpret_cast<const void*>(cast_kernel), reinterpret_cast<const void*>(zero_kernel),
+                                   reinterpret_cast<const void*>(stall_kernel)};
+  for (int vec = 1; vec <= 16; vec *= 2)
+    for (bool strided : {false, true}) rest.push_back(reinterpret_cast<const void*>(sm_copy_kernel_for(vec, strided)));
   for (const void* k : rest) {
     cudaFuncAttributes fa{};
     TIDE_CHECK_CUDA(cudaFuncGetAttributes(&fa, k), "loading the TIDE kernels on device ", device);
@@ -452,17 +483,27 @@ int sm_copy_vec(const void* dst, const void* src, int64_t width, int64_t height,
 
 void launch_sm_copies(const SmCopyArgs& a, int ctas, cudaStream_t stream) {
   TIDE_CHECK(a.n >= 0 && a.n <= kMaxSmCopies, "COPY on SMs: ", a.n, " copies (at most ", kMaxSmCopies, ")");
-  int64_t units = 0;
-  for (int i = 0; i < a.n; ++i) {
-    const SmCopy& c = a.copies[i];
-    TIDE_CHECK(c.vec >= 1 && c.vec <= 16 && c.width % c.vec == 0, "COPY on SMs: copy ", i, " of width ", c.width,
-               " in units of ", c.vec);
-    units = std::max<int64_t>(units, c.width / c.vec * c.height);
+  // One launch per shape (unit, strided) present, each with that shape's copies.
+  for (int vec = 1; vec <= 16; vec *= 2) {
+    for (bool strided : {false, true}) {
+      SmCopyArgs part;
+      int64_t units = 0;
+      for (int i = 0; i < a.n; ++i) {
+        const SmCopy& c = a.copies[i];
+        TIDE_CHECK(c.vec >= 1 && c.vec <= 16 && c.width % c.vec == 0, "COPY on SMs: copy ", i, " of width ",
+                   c.width, " in units of ", c.vec);
+        if (c.vec != vec || (c.height > 1) != strided || c.width == 0 || c.height == 0) continue;
+        part.copies[part.n++] = c;
+        units = std::max<int64_t>(units, c.width / c.vec * c.height);
+      }
+      if (part.n == 0) continue;
+      const int per_thread = strided ? kSmCopyUnroll2d : kSmCopyUnroll1d;
+      const int grid = clamp_ctas(ctas, (units + per_thread - 1) / per_thread, kCopyThreads);
+      sm_copy_kernel_for(vec, strided)<<<grid, kCopyThreads, 0, stream>>>(part);
+      TIDE_CHECK_CUDA(cudaGetLastError(), "launching COPY on SMs (", vec, "-byte units", strided ? ", strided" : "",
+                      ")");
+    }
   }
-  if (units == 0) return;
-  const int grid = clamp_ctas(ctas, (units + kSmCopyUnroll - 1) / kSmCopyUnroll, kCopyThreads);
-  sm_copy_kernel<<<grid, kCopyThreads, 0, stream>>>(a);
-  TIDE_CHECK_CUDA(cudaGetLastError(), "launching COPY on SMs");
 }
 
 }  // namespace tide::cuda

@@ -32,7 +32,7 @@ constexpr int kSumThreads = 256;   // with sum_unroll() vectors per thread (kern
 constexpr int kCastThreads = 256;
 constexpr int kZeroThreads = 256;
 constexpr int kMaxSmCopies = 48;    // copies per COPY-on-SMs launch
-constexpr int kCopyThreads = 256;
+constexpr int kCopyThreads = 512;
 
 // ---- SUM: fp32 node partial (Level 1) ------------------------------------------------------
 // dst[k] = ((stg_0[k] + stg_1[k]) + ... + stg_{n_staged-1}[k]) + own[k]   (fp32, left to right)
