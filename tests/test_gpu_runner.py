@@ -139,6 +139,10 @@ def test_safety_variables_are_set_in_exactly_one_place(tmp_path):
     assert {k: env[k] for k in run.SAFETY} == run.SAFETY
     assert env["CUDA_DEVICE_MAX_CONNECTIONS"] == "8" and env["XLA_PYTHON_CLIENT_PREALLOCATE"] == "false"
     assert run.child_env({})["CUDA_DEVICE_MAX_CONNECTIONS"] == "32"
+    # ...except the layout bench, which runs at the driver's default (what a training process gets)
+    for _ctx, table in _tables(tmp_path):
+        layout = [st for stage, st in _steps(table) if stage.name == "bench:layout"]
+        assert layout and all("CUDA_DEVICE_MAX_CONNECTIONS" in st.unset for st in layout)
     assert run.refused({"NCCL_NVLS_ENABLE": "1"}) and run.refused({"TIDE_ENABLE_MULTICAST": ""})
     assert not run.refused({"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}) and not run.refused({})
 

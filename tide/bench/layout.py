@@ -35,8 +35,11 @@ variant's outputs, on every rank, equal the CPU VirtualCluster's bit for bit (--
 it where its L arenas fit in half the host's free memory; elsewhere the reference is the stock
 output, which is exact: integer-valued bf16 gradients and alpha = 1/L, L a power of two, give the
 same bits in every association), and so do the stock outputs where the CPU cluster ran.
-On one GPU every copy is a same-device copy, which the driver runs on SMs; between GPUs the same
-descriptors run on copy engines. Peers' buffers live on the same GPU, so "peer" reads are local.
+On one GPU every copy is a same-device copy between ranks that share the device: the executors run
+those on TIDE's copy kernel (ExecutorOptions copies_on auto, exec/cuda/runtime.h [Note: copies on
+SMs]); between GPUs the same descriptors run on copy engines. Peers' buffers live on the same GPU,
+so "peer" reads are local. The GPU runner runs this bench with CUDA_DEVICE_MAX_CONNECTIONS unset
+(the driver's default, 8, what a training process gets): the header names the value in force.
 """
 from __future__ import annotations
 
@@ -589,10 +592,15 @@ def main(argv=None):
     torch.cuda.set_stream(torch.cuda.Stream())
     ceiling = measure_ceiling(torch)
     effective = tide.ExecutorOptions().effective()
+    # The L ranks' 2 L streams share the GPU's hardware queues: how many there are changes how
+    # their WAITs are serviced (BENCHMARKS.md, Runs 66-69), so the header names it.
+    connections = os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS", "unset (the driver's default, 8)")
     result = dict(device=props.name, sms=n_sm, ceiling_gbps=ceiling / 1e9, ranks=args.ranks, groups=[], rows=[],
-                  capabilities=core.cuda.capabilities(0), executor_options=effective)
+                  capabilities=core.cuda.capabilities(0), executor_options=effective,
+                  cuda_device_max_connections=connections)
     print(f"# {props.name}, {n_sm} SMs; device-to-device ceiling {ceiling / 1e9:.0f} GB/s (read+write); "
-          f"L = {args.ranks} virtual ranks on one GPU; executor options {effective}")
+          f"L = {args.ranks} virtual ranks on one GPU; CUDA_DEVICE_MAX_CONNECTIONS {connections}; "
+          f"executor options {effective}")
     if os.environ.get("TIDE_EXEC_OPTIONS"):
         print(f"# TIDE_EXEC_OPTIONS={os.environ['TIDE_EXEC_OPTIONS']} overrides every variant's options")
     for i, name in enumerate(groups):

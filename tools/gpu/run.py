@@ -51,6 +51,7 @@ MULTICAST_GATE = "TIDE_ENABLE_MULTICAST"  # unset for every child; refused when 
 # Defaults a caller may override. Many ranks' streams share one GPU: every hardware queue (the
 # executor's enqueue order is deadlock-free for any mapping, executor.h [Note: enqueue order]);
 # XLA must not grab the GPU's memory that torch tests and TIDE arenas (cudaMalloc) share.
+# bench:layout unsets CUDA_DEVICE_MAX_CONNECTIONS: its numbers are taken at the driver's default.
 DEFAULTS = {"CUDA_DEVICE_MAX_CONNECTIONS": "32", "XLA_PYTHON_CLIENT_PREALLOCATE": "false", "PYTHONUNBUFFERED": "1"}
 BUDGET_S = 570
 KILL_GRACE_S = 10
@@ -351,7 +352,8 @@ def stage_table(c: Ctx) -> dict:
                                                 "sum_ctas=16/", "sum_ctas=16/copy_ctas=16"], 200)],
               "the 70B RS call over plan / executor options, with its copy-kernel overlap (tools/gpu/rssweep.py)"),
         Stage("bench:layout", 200, [bench("bench:layout", "layout", limit=200, png="layout",
-                                          show=grep_lines(r"^(#|group|llama|qwen|wan|SUM| +[0-9])", 70))],
+                                          show=grep_lines(r"^(#|group|llama|qwen|wan|SUM| +[0-9])", 70),
+                                          unset=("CUDA_DEVICE_MAX_CONNECTIONS",))],
               "tide bench layout: one GPU, N virtual ranks"),
         Stage("bench:ag", lim(100, 160), [bench("bench:ag", "ag", "--reps", "10", "--warmup", "2", *topo, limit=lim(100, 160),
                                                 png="ag", detail=d_collective)], "tide bench ag (Table 7)"),
