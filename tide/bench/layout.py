@@ -27,9 +27,12 @@ read off the core's listings: each COPY / PUT descriptor (ProgramSet.describe, w
 each SUM / LAND run table (each present term read, the fp32 destination written); ZERO ops carry
 no size there and are not counted, so their time shows as time above the floor. x floor: ms over
 the time those bytes take at the measured device-to-device ceiling (a 4 GiB copy). kern / cpy /
-SM*ms: the torch profiler's kernels, copies and SM-milliseconds of one call (SMs of a kernel:
-min(CTAs, SMs); TIDE_BENCH_NO_PROFILE=1 skips the pass); the RS rows' time by kernel is printed
-under the table ("parts": summed durations, overlapping streams add up).
+SM*ms: with --profile, the torch profiler's kernels, copies and SM-milliseconds of one call (SMs
+of a kernel: min(CTAs, SMs)); the RS rows' time by kernel is printed under the table ("parts":
+summed durations, overlapping streams add up). Off by default: once the profiler has run, CUPTI
+stays attached to the process and every later TIDE call (hundreds of kernels and stream memory
+operations across 2 L streams) runs slower (BENCHMARKS.md, Run 70: the 70B RS call 11.8 ms
+without, 14.4 ms after a profile pass); the stock rows' few large kernels do not notice.
 Checks: every AG variant's landing, on every rank, equals the stock copy-out bit for bit. Every RS
 variant's outputs, on every rank, equal the CPU VirtualCluster's bit for bit (--cpu-check auto runs
 it where its L arenas fit in half the host's free memory; elsewhere the reference is the stock
@@ -146,8 +149,6 @@ def trace_events(torch, fn, gate_ms=None):
 def _profile_parts(torch, fn, n_sm):
     """Kernel count, copy count and SM*ms of one call of fn (SMs of a kernel = min(CTAs, SMs)), and
     its GPU time by kernel: {name: dict(count, ms, sm_ms)}, copies as 'memcpy' (summed durations)."""
-    if os.environ.get("TIDE_BENCH_NO_PROFILE") == "1":
-        return 0, 0, 0.0, {}
     events = trace_events(torch, fn)
     kernels = copies = 0
     sm_ms = 0.0
@@ -186,9 +187,13 @@ def measure_ceiling(torch, nbytes=4 << 30):
     return 2 * nbytes / ms * 1e3  # bytes/s, read + write
 
 
+# --profile: the layout rows' profiler pass (module docstring: it slows every later TIDE call).
+PROFILE_ROWS = False
+
+
 def _measure(torch, fn_enqueue, finish, profile_fn, nbytes, ceiling, n_sm, reps):
     ms, spread, enq = _call_ms(torch, fn_enqueue, finish, reps)
-    k, c, smms, parts = _profile_parts(torch, profile_fn, n_sm)
+    k, c, smms, parts = _profile_parts(torch, profile_fn, n_sm) if PROFILE_ROWS else (0, 0, 0.0, {})
     return dict(ms=ms, spread=spread, enqueue_ms=enq, bytes=nbytes, gbps=nbytes / ms / 1e6,
                 floor_ms=nbytes / ceiling * 1e3, kernels=k, copies=c, sm_ms=smms, parts=parts)
 
@@ -563,9 +568,13 @@ def main(argv=None):
                          "host memory)")
     ap.add_argument("--sweep-ctas", default="1,2,4,8,16,32,66,132,264", help="SUM sweep budgets (first group)")
     ap.add_argument("--no-sweep", action="store_true")
+    ap.add_argument("--profile", action="store_true",
+                    help="profile every row (kern / cpy / SM*ms, parts); slows the TIDE rows after the first profile")
     ap.add_argument("--json", default=None, help="write every figure here")
     ap.add_argument("--plot", default=None, metavar="PATH.png", help="draw a PNG (matplotlib)")
     args = ap.parse_args(argv)
+    global PROFILE_ROWS
+    PROFILE_ROWS = args.profile
     groups = [g for g in args.groups.split(",") if g]
     if not groups or any(g not in GROUPS for g in groups):
         ap.error(f"--groups: expected names of {', '.join(GROUPS)}, got {args.groups!r}")
@@ -597,10 +606,10 @@ def main(argv=None):
     connections = os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS", "unset (the driver's default, 8)")
     result = dict(device=props.name, sms=n_sm, ceiling_gbps=ceiling / 1e9, ranks=args.ranks, groups=[], rows=[],
                   capabilities=core.cuda.capabilities(0), executor_options=effective,
-                  cuda_device_max_connections=connections)
+                  cuda_device_max_connections=connections, profiled=args.profile)
     print(f"# {props.name}, {n_sm} SMs; device-to-device ceiling {ceiling / 1e9:.0f} GB/s (read+write); "
           f"L = {args.ranks} virtual ranks on one GPU; CUDA_DEVICE_MAX_CONNECTIONS {connections}; "
-          f"executor options {effective}")
+          f"executor options {effective}; profiler {'on (later TIDE rows run slower)' if args.profile else 'off'}")
     if os.environ.get("TIDE_EXEC_OPTIONS"):
         print(f"# TIDE_EXEC_OPTIONS={os.environ['TIDE_EXEC_OPTIONS']} overrides every variant's options")
     for i, name in enumerate(groups):

@@ -43,6 +43,8 @@ def main(argv=None) -> int:
     ap.add_argument("--ranks", type=int, default=8)
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--profile", action="store_true", help="the full-grid call's time by kernel (the profiler "
+                    "slows every later call: tide/bench/layout.py)")
     args = ap.parse_args(argv)
     if str(ROOT) not in sys.path:
         sys.path.insert(0, str(ROOT))  # run as a script from anywhere: the repo's tide
@@ -107,7 +109,7 @@ def main(argv=None) -> int:
             same_bits = same_bits and all(torch.equal(a.view(torch.int32), b.view(torch.int32))
                                           for a, b in zip(first, outs))
         ms, _, enq = _call_ms(torch, go.enqueue, ex.synchronize, args.reps)
-        parts = _profile_parts(torch, go, n_sm)[3]
+        parts = _profile_parts(torch, go, n_sm)[3] if args.profile else {}
         calls[label] = dict(ms=ms, enqueue_ms=enq, parts=parts, sum_ctas=s.sum_ctas, land_ctas=s.land_ctas)
         row("call", f"reduce_scatter, {label} (SUM {s.sum_ctas} / LAND {s.land_ctas} CTAs)", calls["bytes"], ms)
         del vc, go, outs, s, ex

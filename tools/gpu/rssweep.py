@@ -4,8 +4,8 @@
 in place (exit 2 without a GPU). One GPU emulates a node (tide.Topology(1, L)), as in rsdiag.py.
 A CASE is `plan-options/executor-options`, each a comma list of field=value, e.g.
 `n_stg=4/copy_lanes=1` or `/copy_lanes=2` or `chunk_bytes=33554432/`. Per case it prints the call's
-median ms and x floor (its programs' bytes over the measured device ceiling) and, from one profiled
-call, the share of the call's span in which copies run, kernels run, both, and neither (idle: waits
+median ms and x floor (its programs' bytes over the measured device ceiling) and, with --timeline,
+from one profiled call, the share of the call's span in which copies run, kernels run, both, and neither (idle: waits
 and launch gaps), and the largest idle gap. Every case's output is compared bitwise with the first.
 """
 from __future__ import annotations
@@ -94,7 +94,10 @@ def main(argv=None) -> int:
     ap.add_argument("--group", default="llama70b")
     ap.add_argument("--ranks", type=int, default=8)
     ap.add_argument("--reps", type=int, default=7)
-    ap.add_argument("--trace", default=None, help="write each case's GPU events to TRACE.<i>.json")
+    ap.add_argument("--trace", default=None, help="write each case's GPU events to TRACE.<i>.json (implies --timeline)")
+    ap.add_argument("--timeline", action="store_true",
+                    help="profile one call per case for the overlap columns; the profiler slows every later case "
+                         "(tide/bench/layout.py), so compare the ms of profiled cases only with each other")
     ap.add_argument("cases", nargs="*", default=["/"])
     args = ap.parse_args(argv)
     if str(ROOT) not in sys.path:
@@ -132,8 +135,10 @@ def main(argv=None) -> int:
         ps = s.programs("reduce_scatter", 1, 1.0 / L, False)
         floor_ms = program_bytes(core, ps, L) / ceiling * 1e3
         ms, _, _ = _call_ms(torch, go.enqueue, ex.synchronize, args.reps)
-        span, c, k, b, gap = timeline(torch, lambda: (go.enqueue(), ex.synchronize()),
-                                      f"{args.trace}.{ci}.json" if args.trace else None)
+        span = c = k = b = gap = 0
+        if args.timeline or args.trace:
+            span, c, k, b, gap = timeline(torch, lambda: (go.enqueue(), ex.synchronize()),
+                                          f"{args.trace}.{ci}.json" if args.trace else None)
         if first is None:
             first, ok = [o.clone() for o in outs], True
         else:
