@@ -31,8 +31,8 @@ SM*ms: with --profile, the torch profiler's kernels, copies and SM-milliseconds 
 of a kernel: min(CTAs, SMs)); the RS rows' time by kernel is printed under the table ("parts":
 summed durations, overlapping streams add up). Off by default: once the profiler has run, CUPTI
 stays attached to the process and every later TIDE call (hundreds of kernels and stream memory
-operations across 2 L streams) runs slower (BENCHMARKS.md, Run 70: the 70B RS call 11.8 ms
-without, 14.4 ms after a profile pass); the stock rows' few large kernels do not notice.
+operations across 2 L streams) runs slower (BENCHMARKS.md, the profiler's cost: the 70B RS call
+11.8 ms without, 14.4 ms after a profile pass); the stock rows' few large kernels do not notice.
 Checks: every AG variant's landing, on every rank, equals the stock copy-out bit for bit. Every RS
 variant's outputs, on every rank, equal the CPU VirtualCluster's bit for bit (--cpu-check auto runs
 it where its L arenas fit in half the host's free memory; elsewhere the reference is the stock
@@ -602,7 +602,7 @@ def main(argv=None):
     ceiling = measure_ceiling(torch)
     effective = tide.ExecutorOptions().effective()
     # The L ranks' 2 L streams share the GPU's hardware queues: how many there are changes how
-    # their WAITs are serviced (BENCHMARKS.md, Runs 66-69), so the header names it.
+    # their WAITs are serviced (BENCHMARKS.md, the hardware queues), so the header names it.
     connections = os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS", "unset (the driver's default, 8)")
     result = dict(device=props.name, sms=n_sm, ceiling_gbps=ceiling / 1e9, ranks=args.ranks, groups=[], rows=[],
                   capabilities=core.cuda.capabilities(0), executor_options=effective,

@@ -80,8 +80,8 @@ bool stream_is_capturing(cudaStream_t stream);
 // GPUs they keep a copy off the SMs that the SUMs and the framework's compute use (paper §4.1).
 // Between two ranks that share one device (an emulated node: a virtual cluster's ranks on one
 // GPU) no link limits a copy, HBM does, and the copy engines reach only about half of it on an
-// H200 (BENCHMARKS.md, Run 55: rank 0's Level-1 pushes at 1.78x their byte floor, while a plain
-// copy kernel reaches 1.01x). submit_copies_on_sms runs such copies as TIDE's copy kernel
+// H200 (BENCHMARKS.md, the one-node RS: rank 0's Level-1 pushes at 1.2-1.8x their byte floor,
+// a copy kernel at 64 CTAs 0.99x). submit_copies_on_sms runs such copies as TIDE's copy kernel
 // (kernels.h, SmCopy): kMaxSmCopies copies per launch, `ctas` CTAs each (ExecutorOptions
 // copy_ctas), all on `stream`, graph-capturable. ExecutorOptions copies_on picks: auto (SMs for
 // an op that copies between ranks sharing a device, copy engines otherwise), copy_engines, sms.
