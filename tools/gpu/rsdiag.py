@@ -90,7 +90,8 @@ def main(argv=None) -> int:
     # ---- the whole call, per variant (the first one's session gives the programs below) ----
     ps, first, calls = None, None, {}
     same_bits = True
-    variants = [("solver budgets", {}, False), ("solver budgets, copies on copy engines", dict(copies_on="copy_engines"), False),
+    variants = [("solver budgets", {}, False),
+                ("solver budgets, copies on copy engines", dict(copies_on="copy_engines"), False),
                 ("full grid, CTA ranges", dict(cta_split="ranges"), True),
                 ("full grid, one wave", dict(full_grid="wave"), True), ("full grid", {}, True)]
     for label, opts, full in variants:
