@@ -6,7 +6,8 @@ A CASE is `plan-options/executor-options`, each a comma list of field=value, e.g
 `n_stg=4/copy_lanes=1` or `/copy_lanes=2` or `chunk_bytes=33554432/`. Per case it prints the call's
 median ms and x floor (its programs' bytes over the measured device ceiling) and, with
 --timeline, from one profiled call, the share of the call's span in which copies run, kernels
-run, both, and neither (idle: waits and launch gaps), and the largest idle gap. Every case's output is compared bitwise with the first.
+run, both, and neither (idle: waits and launch gaps), and the largest idle gap. Every case's
+output is compared bitwise with the first.
 """
 from __future__ import annotations
 
