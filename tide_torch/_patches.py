@@ -1,6 +1,6 @@
 """Everything tied to FSDP2's internals, resolved per installed torch by signature and attribute.
 
-TIDE meets FSDP2 at four points (see ``shared/reference/fsdp2.md``):
+TIDE meets FSDP2 at these points (see ``shared/reference/fsdp2.md``):
 
 - ``_fsdp_param_group.foreach_all_gather``: patched in the param-group module's namespace,
   because ``_fsdp_param_group`` imports it by name. The TIDE all-gather lands shards in the
@@ -10,7 +10,9 @@ TIDE meets FSDP2 at four points (see ``shared/reference/fsdp2.md``):
   ``foreach_all_gather_copy_out(..., all_gather_output_fn=...)``; torch 2.15) TIDE sets it on the
   groups it serves; otherwise ``_fsdp_param_group.foreach_all_gather_copy_out`` is patched.
 - ``_fsdp_collectives.foreach_reduce_scatter_copy_in``: looked up at call time by
-  ``foreach_reduce``; TIDE keeps the per-parameter gradients instead of packing them.
+  ``foreach_reduce``; TIDE keeps the per-parameter gradients instead of packing them. And
+  ``_fsdp_param_group.foreach_reduce`` (imported there by name), wrapped only to tell a TIDE
+  group's comm which parameters the call reduces (reduce_scatter.py, [Note: RS parts]).
 - ``FSDPParam.free_unsharded_param`` (and at world 1 ``init_all_gather_outputs``): patched per
   *instance*, because an unsharded parameter that lives in an arena ring slot must not have its
   storage resized.
@@ -105,6 +107,7 @@ _INIT_OUTPUTS = ("self", "all_gather_input_numels", "all_gather_input_dtypes", "
                  "device")
 _SIGNATURES: dict[tuple[Any, str], tuple[tuple[str, ...], ...]] = {
     (_pg, "foreach_all_gather"): (_AG,),
+    (_pg, "foreach_reduce"): (_REDUCE_211, _REDUCE_215),
     (_pg, "foreach_all_gather_copy_out"): (_COPY_OUT, _COPY_OUT_SEAM),
     (_coll, "foreach_reduce_scatter_copy_in"): (
         ("unsharded_grads", "reduce_scatter_input", "world_size"),),
@@ -125,7 +128,7 @@ _PARAM_ATTRS = ("mp_policy",)
 # The stock functions, captured at import so that disable() always restores the real ones.
 _STOCK: dict[tuple[Any, str], Callable] = {
     key: fn for key in ((_pg, "foreach_all_gather"), (_pg, "foreach_all_gather_copy_out"),
-                        (_coll, "foreach_reduce_scatter_copy_in"))
+                        (_pg, "foreach_reduce"), (_coll, "foreach_reduce_scatter_copy_in"))
     if (fn := _attr(key[0], key[1])) is not None}
 
 
@@ -244,9 +247,9 @@ def stock(owner: Any, name: str) -> Callable:
     return _STOCK[(owner, name)]
 
 
-def _module_patches(all_gather: Callable, copy_out: Callable,
+def _module_patches(all_gather: Callable, copy_out: Callable, reduce: Callable,
                     rs_copy_in: Callable) -> dict[tuple[Any, str], Callable]:
-    patches = {(_pg, "foreach_all_gather"): all_gather,
+    patches = {(_pg, "foreach_all_gather"): all_gather, (_pg, "foreach_reduce"): reduce,
                (_coll, "foreach_reduce_scatter_copy_in"): rs_copy_in}
     if not copy_out_seam():
         patches[(_pg, "foreach_all_gather_copy_out")] = copy_out
@@ -256,13 +259,14 @@ def _module_patches(all_gather: Callable, copy_out: Callable,
 _installed: dict[tuple[Any, str], Callable] = {}
 
 
-def install(all_gather: Callable, copy_out: Callable, rs_copy_in: Callable) -> None:
+def install(all_gather: Callable, copy_out: Callable, reduce: Callable,
+            rs_copy_in: Callable) -> None:
     """Patches the module-level functions (the copy-out only where FSDP2 has no per-group seam:
     there ``set_copy_out`` serves each group)."""
     global _refcount
     with _lock:
         if _refcount == 0:
-            patches = _module_patches(all_gather, copy_out, rs_copy_in)
+            patches = _module_patches(all_gather, copy_out, reduce, rs_copy_in)
             for (owner, name) in patches:
                 if getattr(owner, name) is not _STOCK[(owner, name)]:
                     raise TideTorchVersionError(

@@ -38,10 +38,11 @@ def _served(fsdp_params: list, group: Any) -> Any | None:
     if tg is None or _patches.compiled_autograd_enabled():
         return None
     if group.size() != tg.world:  # e.g. re-gather from a post-forward (smaller) mesh
-        tg.runtime.stats["ag_stock"] += 1
+        tg.runtime.hand_back(tg, "ag", f"all-gather over {group.size()} ranks (the post-forward "
+                             f"mesh of reshard_after_forward=int), planned for {tg.world}")
         return None
     if any(fp.sharded_state != _patches.ShardedState.SHARDED for fp in fsdp_params):
-        tg.runtime.stats["ag_stock"] += 1
+        tg.runtime.hand_back(tg, "ag", "parameters not in their sharded state")
         return None
     return tg
 

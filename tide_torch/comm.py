@@ -7,10 +7,11 @@ The adapter hands the transport per-parameter tensors whose addresses the plan f
   casts into the group's receive-stage slot (mixed precision). ``landings[p]`` is the padded
   unsharded buffer (``N * e_p`` items at arena offset ``landing(p, 0)``). Afterwards every rank's
   shard r of p sits at ``landing(p, r)`` (Eq. 2): no copy-out.
-- ``reduce_scatter(tg, plan, grads, output, alpha)``: ``grads[p]`` is parameter p's unpadded
-  gradient (autograd's tensor for In-Place, the vacated ring slot for Slot-Reuse) in ``plan``'s
-  gradient dtype (the group's plan, or its fp32-gradient plan); ``output`` is FSDP2's
-  fp32 reduce-scatter output, whose ``as_strided`` views at ``o32_p`` are the sharded grads.
+- ``reduce_scatter(tg, plan, which, grads, output, alpha)``: ``grads[p]`` is the unpadded
+  gradient of ``plan``'s parameter p (autograd's tensor for In-Place, the vacated ring slot for
+  Slot-Reuse) in ``plan``'s gradient dtype (the group's plan, its fp32-gradient plan, or a
+  sub-plan; ``which`` names its session); ``output`` is the plan's fp32 slice of FSDP2's
+  reduce-scatter output, whose ``as_strided`` views at ``o32_p`` are the sharded grads.
   ``output = alpha * sum_r grads_r`` over this rank's rows, padding rows contributing zero.
 
 Every call goes through one ``tide._core.GroupSession`` per (group, collective, plan) over this
@@ -86,7 +87,8 @@ class ExecutorTransport:
         return None if ranks == list(range(self._world)) else ranks
 
     def session(self, tg: Any, plan: Any, which: str) -> Any:
-        """The group's session for `which` ("ag", "rs" or "rs32": the fp32-gradient plan)."""
+        """The group's session for `which` ("ag", "rs", "rs32": the fp32-gradient plan, or a
+        TIDE-RS sub-plan's "sub<k>", reduce_scatter.py [Note: RS parts])."""
         key = (tg.index, which)
         s = self._sessions.get(key)
         if s is None:
@@ -110,8 +112,7 @@ class ExecutorTransport:
         s = self.session(tg, tg.plan, "ag")
         diagnosed(lambda: s.all_gather([bindings], self._streams()), self._rank, self._timeout_s, _default_store)
 
-    def reduce_scatter(self, tg, plan, grads, output, alpha):
-        which = "rs" if plan is tg.plan else "rs32"
+    def reduce_scatter(self, tg, plan, which, grads, output, alpha):
         bindings = [_buffer("grad", p, g) for p, g in enumerate(grads)]
         bindings.append(_buffer("out", -1, output))
         s = self.session(tg, plan, which)

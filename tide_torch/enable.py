@@ -73,6 +73,12 @@ class TideHandle:
         """Calls served by TIDE vs. handed to stock FSDP2, per collective."""
         return dict(self._rt.stats)
 
+    @property
+    def hand_backs(self) -> dict[tuple[str, str, str], int]:
+        """(group FQN, "ag" | "rs", reason) -> calls of a served group handed to stock FSDP2
+        (each reason is logged once per group)."""
+        return dict(self._rt.hand_backs)
+
     def memory(self) -> dict[str, Any]:
         """Arena regions (bytes) and, per served group, its slot and sizes."""
         if self._rt.arena is None:
@@ -338,7 +344,7 @@ def enable(model: nn.Module, *, mode: str = "in_place", topology: tide.Topology 
         # mapping): unlink the names now, the peers' too, so nothing outlives the processes.
         _close_all(arena, peer_shm)
         _patches.install(all_gather.foreach_all_gather, all_gather.foreach_all_gather_copy_out,
-                         reduce_scatter.foreach_reduce_scatter_copy_in)
+                         reduce_scatter.foreach_reduce, reduce_scatter.foreach_reduce_scatter_copy_in)
         for g in served:
             g.runtime = rt
             _activate(g)

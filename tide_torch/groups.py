@@ -1,10 +1,21 @@
 """Finding FSDP2 parameter groups, deciding which ones TIDE serves, and planning them.
 
 A group is served by TIDE when it meets the TIDE contract (paper §2, fsdp2.md): dim-0 sharding
-over more than one rank (or a single-rank job, see [Note: world 1]), plain tensors (no
-``fsdp_pre_all_gather`` extension, no TP DTensor, no CPU offload), one parameter dtype, bf16 or
-fp32 all-gather, an fp32 reduce dtype, at most 256 parameters, and a shard group whose ranks are
-node-major on the topology. Everything else falls back to stock FSDP2 with one log line.
+over more than one rank (or a single-rank job, see [Note: world 1]), plain tensors or DTensor
+(tensor-parallel) parameters whose local tensors FSDP2 shards (no ``fsdp_pre_all_gather``
+extension, no CPU offload), one parameter dtype, bf16 or fp32 all-gather, a bf16, fp16 or fp32
+reduce dtype, at most 256 parameters, and a shard group whose ranks are node-major on the
+topology. Everything else falls back to stock FSDP2 with one log line. Gradients may differ in
+dtype per parameter and may be missing for some parameters (reduce_scatter.py, [Note: RS parts]).
+
+[Note: DTensor parameters]
+With tensor (or expert) parallelism, or on torchtitan's full SPMD mesh even at TP 1, FSDP2's
+parameters are DTensors: FSDP2 shards, gathers and reduces their *local* tensors over the shard
+(dp) sub-mesh, and wraps the gathered local tensor back into a DTensor with the TP placements
+(``init_unsharded_param``). TIDE works on the same local tensors, so nothing changes: the plan's
+shapes are the local shapes (``FSDPParam._orig_size``), the shard group is the dp sub-mesh's
+process group, its topology is that group's ranks on the job's topology (``_group_topology``),
+and the landing is the TP-local tensor.
 """
 from __future__ import annotations
 
@@ -73,7 +84,16 @@ class TideGroup:
     resident_views: list[torch.Tensor] = field(default_factory=list)
     runtime: Any = None
     previous_copy_out: Any = None  # the group's FSDP2 copy-out seam before TIDE (where it has one)
-    counter_bases: dict[str, int] = field(default_factory=dict)  # "ag"/"rs"/"rs32" -> first counter
+    counter_bases: dict[str, int] = field(default_factory=dict)  # "ag"/"rs"/"rs32"/"sub<k>" -> first counter
+    # TIDE-RS parts (reduce_scatter.py, [Note: RS parts])
+    mode: str = "in_place"
+    plan_options: dict[str, int] = field(default_factory=dict)
+    names: list[str] = field(default_factory=list)           # parameter FQNs, in group order
+    param_index: dict[int, int] = field(default_factory=dict)  # id(FSDPParam) -> group index
+    shard_numels: list[int] = field(default_factory=list)    # padded shard elements per parameter
+    counter_pool: list[int] = field(default_factory=list)    # free sub-plan counter ranges
+    counter_range: int = 0                                   # counters one RS range holds
+    sub_plans: dict[tuple, tuple[Any, str]] = field(default_factory=dict)
 
     @property
     def eligible(self) -> bool:
@@ -94,6 +114,49 @@ class TideGroup:
             return "stock"
         acc = f"+{self.plan_fp32_grads.hash:016x}" if self.plan_fp32_grads is not None else ""
         return f"tide:{self.plan.hash:016x}{acc}:{self.slot}"
+
+    def rs_plan(self, params: tuple[int, ...], dtype: torch.dtype) -> tuple[Any, str]:
+        """The TIDE-RS plan and session key for gradients of ``params`` (group indices, in
+        FSDP2's packing order) in ``dtype``; see [Note: RS parts] in reduce_scatter.py. Raises
+        reduce_scatter.HandBack when no plan can serve them."""
+        from tide_torch.reduce_scatter import HandBack
+        whole = params == tuple(range(len(self.shapes)))
+        if whole and dtype == self.param_dtype:
+            return self.plan, "rs"
+        if whole and dtype == torch.float32 and self.plan_fp32_grads is not None:
+            return self.plan_fp32_grads, "rs32"
+        key = (params, dtype)
+        got = self.sub_plans.get(key)
+        if got is not None:
+            return got
+        if dtype not in (torch.bfloat16, torch.float32):
+            raise HandBack(f"{dtype} gradients (TIDE-RS reads bf16 or fp32)")
+        sig = tide.GroupSignature(
+            shapes=[self.shapes[p] for p in params], ag_dtype=_DTYPE_NAMES[self.param_dtype],
+            grad_dtype=_DTYPE_NAMES[dtype], shard_dtype=_DTYPE_NAMES[self.orig_dtype],
+            names=tuple(self.names[p] for p in params))
+        try:
+            plan = tide.plan(sig, self.topology, mode=self.mode, **self.plan_options)
+        except tide.PlanError as e:
+            raise HandBack(f"sub-plan: {e}") from None
+        space = tide._core.CounterSpace()
+        space.reserve(plan, "reduce_scatter", rails=self.runtime.rails)
+        if space.used > self.counter_range:
+            raise HandBack(f"a sub-plan needs {space.used} counters, a pool range holds "
+                           f"{self.counter_range}")
+        arena = self.runtime.arena
+        for name in ("staging", "outbox", "inbox", "spare"):
+            need = region_bytes(plan, name)
+            if need > arena.region(name).nbytes:
+                raise HandBack(f"a sub-plan's {name} needs {need} B, the arena holds "
+                               f"{arena.region(name).nbytes} B")
+        if not self.counter_pool:
+            raise HandBack(f"all {len(self.sub_plans)} sub-plan counter ranges are in use "
+                           "(distinct gradient patterns of this group)")
+        which = f"sub{len(self.sub_plans)}"
+        self.counter_bases[which] = self.counter_pool.pop(0)
+        self.sub_plans[key] = (plan, which)
+        return plan, which
 
     def landing_address(self, p: int) -> int:
         """Planned address of parameter p's unsharded data (rank 0's landing of p, Eq. 2)."""
@@ -220,9 +283,7 @@ def _why_not(tg: TideGroup, names: dict[int, str]) -> str | None:
         if hasattr(fp._sharded_local_tensor, "fsdp_pre_all_gather"):
             return f"{who}: fsdp_pre_all_gather extension"
         if fp.offload_to_cpu:
-            return "CPU offload"
-        if fp.is_dtensor:
-            return f"{who}: DTensor (tensor-parallel) parameter"
+            return "CPU offload"  # See docs/fallbacks.md
     orig = {fp.sharded_param.dtype for fp in fsdp_params}
     if len(orig) != 1:
         return f"mixed parameter dtypes {sorted(map(str, orig))}"
@@ -237,8 +298,8 @@ def _why_not(tg: TideGroup, names: dict[int, str]) -> str | None:
     tg.param_dtype, tg.reduce_dtype = policies.pop()
     if tg.param_dtype not in (torch.bfloat16, torch.float32) or tg.orig_dtype not in _DTYPE_NAMES:
         return f"all-gather dtype {tg.param_dtype} (fp16 needs pre-division)"
-    if tg.reduce_dtype != torch.float32:
-        return f"reduce dtype {tg.reduce_dtype} (TIDE-RS reduces into fp32 shards)"
+    if tg.reduce_dtype not in _DTYPE_NAMES:
+        return f"reduce dtype {tg.reduce_dtype} (TIDE-RS sums in fp32 into bf16, fp16 or fp32)"
     return None
 
 
@@ -255,16 +316,21 @@ def plan_group(tg: TideGroup, topo: tide.Topology, mode: str, options: dict[str,
     if reason is None:
         fsdp_params = tg.pg.fsdp_params
         tg.shapes = [tuple(fp._orig_size) for fp in fsdp_params]
+        tg.names = [names.get(id(fp.sharded_param), "") for fp in fsdp_params]
+        tg.param_index = {id(fp): p for p, fp in enumerate(fsdp_params)}
+        tg.shard_numels = [fp.padded_sharded_param_size.numel() for fp in fsdp_params]
+        tg.mode, tg.plan_options = mode, dict(options)
         sig = tide.GroupSignature(
             shapes=tg.shapes, ag_dtype=_DTYPE_NAMES[tg.param_dtype],
             grad_dtype=_DTYPE_NAMES[tg.param_dtype], shard_dtype=_DTYPE_NAMES[tg.orig_dtype],
-            names=tuple(names.get(id(fp.sharded_param), "") for fp in fsdp_params))
+            names=tuple(tg.names))
         try:
             tg.plan = tide.plan(sig, tg.topology, mode=mode, **options)
-            if tg.casts:
-                # Gradients accumulated without sync arrive in the reduce dtype (fp32): a second
-                # plan with fp32 gradients keeps those reduce-scatters on TIDE-RS.
-                acc = dataclasses.replace(sig, grad_dtype=_DTYPE_NAMES[tg.reduce_dtype])
+            if tg.param_dtype != torch.float32:
+                # fp32 gradients (accumulated without sync in an fp32 reduce dtype, or what
+                # autograd produces for fp32-computed parameters) keep TIDE-RS through a second
+                # plan; it also sizes the TIDE-RS scratch that bounds every sub-plan.
+                acc = dataclasses.replace(sig, grad_dtype="float32")
                 tg.plan_fp32_grads = tide.plan(acc, tg.topology, mode=mode, **options)
         except tide.PlanError as e:
             reason = f"plan: {e}"
@@ -278,6 +344,13 @@ def plan_group(tg: TideGroup, topo: tide.Topology, mode: str, options: dict[str,
     if reason is not None:
         tg.fallback = reason
         tg.plan = tg.plan_fp32_grads = None
+
+
+def region_bytes(plan: Any, name: str) -> int:
+    try:
+        return int(plan.region(name)[1])
+    except (AttributeError, KeyError, ValueError, TypeError):
+        return 0  # planner without this region
 
 
 def log_fallback(tg: TideGroup) -> None:

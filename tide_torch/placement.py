@@ -8,14 +8,23 @@ is folded into the ring (ring-tail folding). The root group (live for the whole 
 non-resharding groups and groups that do not reshard after backward get ``fixed`` storage of
 their own; ``enable(..., ring=False)`` gives every group fixed storage.
 
-The runtime checks the assumption at every landing (``Runtime.acquire_slot``): landing into a
-slot whose previous group is still unsharded raises instead of corrupting parameters.
+[Note: ring depth]
+Explicit prefetching (``set_modules_to_forward_prefetch`` / ``..._backward_prefetch``) keeps more
+groups unsharded at once: a module that prefetches d modules has d + 1 groups live. ``enable()``
+reads the prefetch lists and gives the ring d + 1 slots (``ring0`` ... ``ring<d>``, group g in slot
+g mod (d + 1), each sized for its largest group), one slot more per module of depth.
+
+The runtime checks the assumption at every landing (``Runtime.acquire_slot``): a group that
+would land in a slot whose previous group is still unsharded (prefetch lists set after
+``enable()``, a manual ``unshard()`` of many modules, out-of-order execution) moves to storage of
+its own instead, before it lands (stock FSDP2's all-gather and storage from then on; its
+reduce-scatters stay TIDE-RS), with one log line; no live parameter is touched.
 """
 from __future__ import annotations
 
 import tide
 from tide_torch.arena import Arena, align_up
-from tide_torch.groups import TideGroup
+from tide_torch.groups import TideGroup, region_bytes
 
 
 def _unsharded_bytes(tg: TideGroup) -> int:
@@ -24,6 +33,15 @@ def _unsharded_bytes(tg: TideGroup) -> int:
 
 def _reshards_after_forward(tg: TideGroup) -> bool:
     return tg.pg.post_forward_mesh_info is not None
+
+
+def ring_depth(groups: list[TideGroup]) -> int:
+    """Ring slots the model's prefetching needs (see [Note: ring depth])."""
+    deepest = 1  # FSDP2's implicit prefetch: one module ahead
+    for g in groups:
+        for name in ("_states_to_forward_prefetch", "_states_to_backward_prefetch"):
+            deepest = max(deepest, len(getattr(g.state, name, None) or ()))
+    return deepest + 1
 
 
 def assign(groups: list[TideGroup], use_ring: bool = True, rails: str = "one_sided") -> dict[str, int]:
@@ -42,18 +60,23 @@ def assign(groups: list[TideGroup], use_ring: bool = True, rails: str = "one_sid
     # Ring-tail folding: the last non-resharding non-root group, if it is the last served group.
     if tail and served and tail[-1] is served[-1]:
         ring.append(tail.pop())
+    depth = ring_depth(served)
     for k, g in enumerate(sorted(ring, key=lambda g: g.index)):
-        g.ring_index, g.slot = k, f"ring{k % 2}"
+        g.ring_index, g.slot = k, f"ring{k % depth}"
     fixed = [g for g in served if g.slot == ""]
     for g in fixed:
         g.slot = "fixed"
 
-    sizes = {"ring0": 0, "ring1": 0, "fixed": 0, "resident": 0, "stage": 0}
-    # The planner's position-aware sizing: slot s holds the largest group g with g mod 2 = s.
+    sizes = {f"ring{s}": 0 for s in range(depth)}
+    sizes.update({"fixed": 0, "resident": 0, "stage": 0})
+    # The planner's position-aware sizing: slot s holds the largest group g with g mod 2 = s
+    # (with a deeper ring, g mod depth = s).
     ring_order = sorted((g for g in served if g.slot != "fixed"), key=lambda g: g.ring_index)
-    if ring_order:
+    if ring_order and depth == 2:
         slots = tide._core.ag_ring_slot_bytes([align_up(_unsharded_bytes(g)) for g in ring_order])
         sizes["ring0"], sizes["ring1"] = int(slots[0]), int(slots[1])
+    for g in ring_order if depth > 2 else ():
+        sizes[g.slot] = max(sizes[g.slot], align_up(_unsharded_bytes(g)))
     stage_slot = 0
     for g in served:
         if g.slot == "fixed":
@@ -72,7 +95,7 @@ def assign(groups: list[TideGroup], use_ring: bool = True, rails: str = "one_sid
     # TIDE-RS scratch (staging/outbox/inbox/spare): reduce-scatters run one group at a time in
     # collective order, so one set sized for the largest group serves all of them.
     for name in EXECUTOR_REGIONS:
-        sizes[name] = max((_plan_region_bytes(pl, name) for g in served
+        sizes[name] = max((region_bytes(pl, name) for g in served
                            for pl in (g.plan, g.plan_fp32_grads) if pl is not None), default=0)
     # Counters: every group's ranges from one CounterSpace, in group order (the same on every
     # rank); the region also holds the executors' entry fence (tide/session.h).
@@ -82,18 +105,21 @@ def assign(groups: list[TideGroup], use_ring: bool = True, rails: str = "one_sid
                            "rs": counters.reserve(g.plan, "reduce_scatter", rails=rails)}
         if g.plan_fp32_grads is not None:
             g.counter_bases["rs32"] = counters.reserve(g.plan_fp32_grads, "reduce_scatter", rails=rails)
+        # The group's sub-plan pool (reduce_scatter.py, [Note: RS parts]): a TIDE-RS program
+        # set's counters depend on the topology and passes, not on the parameters, so ranges
+        # sized by the group's plan hold any sub-plan's (checked when one is planned).
+        one = tide._core.CounterSpace()
+        one.reserve(g.plan, "reduce_scatter", rails=rails)
+        g.counter_range = one.used
+        g.counter_pool = [counters.reserve(g.plan, "reduce_scatter", rails=rails)
+                          for _ in range(SUB_PLANS)]
+        g.sub_plans = {}
     sizes["counters"] = counters.region_bytes
     return sizes
 
 
 EXECUTOR_REGIONS = ("staging", "outbox", "inbox", "spare")
-
-
-def _plan_region_bytes(plan, name: str) -> int:
-    try:
-        return int(plan.region(name)[1])
-    except (AttributeError, KeyError, ValueError, TypeError):
-        return 0  # planner without this region
+SUB_PLANS = 16  # TIDE-RS sub-plans a group may plan (distinct gradient patterns; 8 B a counter)
 
 
 def bind(groups: list[TideGroup], arena: Arena) -> None:

@@ -1,23 +1,51 @@
-"""TIDE-RS face for FSDP2: per-parameter gradients reduced straight into FSDP2's fp32 RS output.
+"""TIDE-RS face for FSDP2: per-parameter gradients reduced straight into FSDP2's RS output.
 
 FSDP2's ``foreach_reduce`` stays in charge (divide factors, HSDP all-reduce, all-reduce hook,
 accumulation into ``.grad``, post-accumulate hooks): TIDE only replaces the packing and the
 collective.
 
-1. ``TideReduceScatter.allocate`` is called first for the packed fp32 *input*: it returns a
+1. ``foreach_reduce`` (wrapped in the param-group module's namespace) tells the group's comm
+   which FSDPParams this call reduces, in FSDP2's packing order: every parameter that has a
+   gradient (frozen parameters and experts that got no token have none).
+2. ``TideReduceScatter.allocate`` is called first for the packed *input*: it returns a
    placeholder that owns no memory (the ``2NS``-byte ``_chunk_cat`` buffer never exists), then
-   for the output, which is a real fp32 tensor.
-2. ``foreach_reduce_scatter_copy_in`` (patched in ``_fsdp_collectives``) sees the placeholder and,
+   for the output, which is a real tensor in the reduce dtype.
+3. ``foreach_reduce_scatter_copy_in`` (patched in ``_fsdp_collectives``) sees the placeholder and,
    instead of ``_chunk_cat``, stages the gradients on it:
    - In-Place: keeps references to autograd's per-parameter gradients;
    - Slot-Reuse: copies them into the group's vacated all-gather ring slot (same byte geometry),
      so autograd's storage is freed when FSDP2 clears its list right after.
-   Gradients accumulated without sync arrive in fp32 and use the group's fp32-gradient plan
-   (read in place: they do not fit the bf16 slot); gradients that match neither plan (a frozen
-   subset of the group) keep FSDP2's packing for that call.
-3. ``TideReduceScatter.__call__`` runs TIDE-RS from the staged gradients into the output with
-   ``alpha`` derived from FSDP2's op: AVG -> 1/N, SUM (incl. force-sum, whose division FSDP2
-   applies afterwards) -> 1, PREMUL_SUM(1/f) for a custom divide factor f -> 1/f.
+   The call is cut into parts (see [Note: RS parts]); each part's gradients are read in place
+   in their own dtype.
+4. ``TideReduceScatter.__call__`` runs TIDE-RS part by part into FSDP2's output with ``alpha``
+   derived from FSDP2's op: AVG -> 1/N, SUM (incl. force-sum, whose division FSDP2 applies
+   afterwards) -> 1, PREMUL_SUM(1/f) for a custom divide factor f -> 1/f. A low-precision reduce
+   dtype (bf16, fp16) is written once from TIDE-RS's fp32 sum (see [Note: low-precision reduce]).
+
+[Note: RS parts]
+FSDP2's output holds, in packing order, each reduced parameter's padded shard. A run of
+consecutive parameters of that order with one gradient dtype (at most 256 of them) is one TIDE-RS
+plan whose output is a contiguous slice of FSDP2's output, so a call is one or more parts, each a
+TIDE-RS over its own gradients into its own slice:
+- the whole group in its order, gradients in the all-gather dtype: the group's plan (Slot-Reuse
+  may stage into the ring slot); in the reduce dtype (accumulated without sync): its fp32-gradient
+  plan;
+- anything else (bf16 weights with fp32 norm gradients, torch 2.15's per-parameter gradient
+  dtypes; a subset of the group: frozen parameters, experts without tokens): a sub-plan, planned
+  on first use with the group's options and kept per (parameters, dtype). Its counters come from
+  the group's pool reserved at enable() (placement.py, SUB_PLANS ranges) and its scratch must fit
+  the arena's TIDE-RS regions (sized for the group's fp32-gradient plan, which bounds any subset).
+  Every rank reduces the same parameters in the same order (FSDP2's own contract), so every rank
+  plans the same sub-plans in the same order and draws the same counter ranges.
+A call no part can serve (the pool is spent, a gradient that is not contiguous) is handed to
+stock FSDP2 whole, counted and logged once per group and reason (Runtime.hand_back).
+
+[Note: low-precision reduce]
+With ``reduce_dtype`` bf16 or fp16 FSDP2's output is in that dtype. TIDE-RS reads the per-parameter
+gradients, sums in fp32 and writes an fp32 shard; that shard is rounded into FSDP2's output once.
+One rounding of the fp32 sum: never further from the exact sum than a ring that rounds after
+every hop (NCCL's bf16 reduce-scatter), and equal to stock wherever stock's low-precision sum is
+exact. The fp32 shard is 1/N of the gradient (the packed input stock builds is N times larger).
 
 [Note: gradient lifetime]
 The staged gradients hang off the placeholder, which FSDP2 keeps in ``ReduceScatterState`` until
@@ -29,7 +57,7 @@ reduce-scatter's event on the slot, and the slot's next all-gather waits for it.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -37,13 +65,27 @@ import torch.distributed as dist
 
 from tide_torch import _patches
 
+MAX_PART = 256  # parameters per TIDE-RS plan (the planner's limit)
+
+
+@dataclass
+class _Part:
+    plan: Any                      # the TIDE-RS plan of these gradients
+    which: str                     # the session key ("rs", "rs32" or a sub-plan's)
+    grads: list[torch.Tensor]      # what TIDE-RS reads (None once read)
+    offset: int                    # first element of the part's slice of FSDP2's output
+    numel: int
+
 
 @dataclass
 class _Staged:
-    grads: list[torch.Tensor] | None = None        # what TIDE-RS reads
-    plan: Any = None                               # the plan matching the gradients' dtype
+    parts: list[_Part] = field(default_factory=list)
     stock_input: torch.Tensor | None = None        # packed input when this call falls back
     in_slot: bool = False                          # Slot-Reuse: grads live in the ring slot
+
+
+class HandBack(Exception):
+    """This call goes to stock FSDP2; the message is the reason (counted and logged once)."""
 
 
 def _placeholder(size, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -61,6 +103,7 @@ class TideReduceScatter(_patches.ReduceScatter):
         self.tg = tg
         self.previous = previous
         self._next_is_input = True
+        self.call_params: list | None = None  # set by foreach_reduce for the next call
 
     def allocate(self, size, *, dtype, device):
         if self._next_is_input:
@@ -80,51 +123,66 @@ class TideReduceScatter(_patches.ReduceScatter):
     def stage(self, unsharded_grads: list[torch.Tensor], placeholder: torch.Tensor,
               world_size: int) -> None:
         tg, rt = self.tg, self.tg.runtime
-        staged = _Staged(plan=self._plan_for(unsharded_grads, world_size))
+        params, self.call_params = self.call_params, None
         single = tg.world == 1  # See [Note: world 1] in groups.py
-        if staged.plan is None:
-            # e.g. frozen parameters (a subset of the group), or fp32 grads accumulated without
-            # sync: this call keeps FSDP2's packing and collective.
+        staged = _Staged()
+        try:
+            staged.parts = self._parts(unsharded_grads, params, world_size)
+        except HandBack as why:
             staged.stock_input = placeholder if single else torch.empty(
                 placeholder.shape, dtype=placeholder.dtype, device=placeholder.device)
             _patches.stock(_patches._coll, "foreach_reduce_scatter_copy_in")(
                 unsharded_grads, staged.stock_input, world_size)
-            rt.stats["rs_stock"] += 1
-        elif (rt.mode == "slot_reuse" and staged.plan is tg.plan  # fp32 grads outgrow the slot
-              and rt.slot_is_free(tg)):
+            rt.hand_back(tg, "rs", str(why))
+            placeholder._tide_staged = staged
+            return
+        first = staged.parts[0]
+        if (len(staged.parts) == 1 and first.plan is tg.plan and rt.mode == "slot_reuse"
+                and rt.slot_is_free(tg)):
             views = [lv.narrow(0, 0, g.numel()).view(g.shape)
-                     for lv, g in zip(tg.landing_views, unsharded_grads)]
-            torch._foreach_copy_(views, unsharded_grads)
-            staged.grads, staged.in_slot = views, True
+                     for lv, g in zip(tg.landing_views, first.grads)]
+            torch._foreach_copy_(views, first.grads)
+            first.grads, staged.in_slot = views, True
             rt.hold_slot_for_grads(tg)
-        else:
-            staged.grads = list(unsharded_grads)  # See [Note: gradient lifetime]
         placeholder._tide_staged = staged
-        if staged.stock_input is None and not single:
+        if not single:
             rt.issue_early_all_gather(tg)  # See [Note: early backward all-gather] (runtime.py)
-        if single and staged.stock_input is None:
-            # N = 1: TIDE-RS writes FSDP2's packed input (which FSDP2 copies into its output and
-            # divides by any divide factor itself), on the compute stream, alpha = 1.
-            rt.transport.reduce_scatter(tg, staged.plan, staged.grads, placeholder, 1.0)
-            if staged.in_slot:
-                rt.release_slot_after_rs(tg)
-            staged.grads = None  # read on this stream: autograd's storage may go now
-            rt.stats["rs_tide"] += 1
+            return
+        # N = 1: TIDE-RS writes FSDP2's packed input (which FSDP2 copies into its output and
+        # divides by any divide factor itself), on the compute stream, alpha = 1.
+        self._run(staged, placeholder, 1.0)
 
-    def _plan_for(self, grads: list[torch.Tensor], world_size: int) -> Any:
-        """The group's plan for these gradients (bf16 from autograd, or fp32 accumulated without
-        sync), or None when they do not match the group (e.g. frozen parameters)."""
+    def _parts(self, grads: list[torch.Tensor], params: list | None, world_size: int) -> list[_Part]:
+        """See [Note: RS parts]. Raises HandBack when the call cannot run through TIDE."""
         tg = self.tg
-        if world_size != tg.world or len(grads) != len(tg.shapes):
-            return None
-        if not all(tuple(g.shape) == s and g.is_contiguous() for g, s in zip(grads, tg.shapes)):
-            return None
-        dtypes = {g.dtype for g in grads}
-        if dtypes == {tg.param_dtype}:
-            return tg.plan
-        if dtypes == {tg.reduce_dtype} and tg.plan_fp32_grads is not None:
-            return tg.plan_fp32_grads
-        return None
+        if world_size != tg.world:
+            raise HandBack(f"reduce-scatter over {world_size} ranks, planned for {tg.world}")
+        if params is None:  # FSDP2 reached the copy-in without foreach_reduce's wrapper
+            if len(grads) != len(tg.shapes):
+                raise HandBack("the call's parameters are unknown (foreach_reduce not seen)")
+            index = list(range(len(grads)))
+        else:
+            index = [tg.param_index[id(fp)] for fp in params]
+        for p, g in zip(index, grads):
+            if tuple(g.shape) != tg.shapes[p]:
+                raise HandBack(f"parameter {tg.names[p]}: gradient shape {tuple(g.shape)}, "
+                               f"planned {tg.shapes[p]}")
+            if not g.is_contiguous():
+                raise HandBack(f"parameter {tg.names[p]}: gradient is not contiguous")
+        parts: list[_Part] = []
+        offset = 0
+        start = 0
+        while start < len(grads):
+            end = start + 1
+            while (end < len(grads) and end - start < MAX_PART
+                   and grads[end].dtype == grads[start].dtype):
+                end += 1
+            plan, which = tg.rs_plan(tuple(index[start:end]), grads[start].dtype)
+            numel = sum(tg.shard_numels[p] for p in index[start:end])
+            parts.append(_Part(plan, which, list(grads[start:end]), offset, numel))
+            offset += numel
+            start = end
+        return parts
 
     def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
         self._next_is_input = True
@@ -135,13 +193,24 @@ class TideReduceScatter(_patches.ReduceScatter):
         if staged.stock_input is not None:
             return dist.reduce_scatter_tensor(output_tensor, staged.stock_input, op=op,
                                               group=group, async_op=async_op)
-        rt = self.tg.runtime
-        rt.transport.reduce_scatter(self.tg, staged.plan, staged.grads, output_tensor,
-                                    self.alpha(op, group))
-        if staged.in_slot:
-            rt.release_slot_after_rs(self.tg)
-        rt.stats["rs_tide"] += 1
+        self._run(staged, output_tensor, self.alpha(op, group))
         return None
+
+    def _run(self, staged: _Staged, output: torch.Tensor, alpha: float) -> None:
+        """TIDE-RS of every part into its slice of ``output`` (on the current stream)."""
+        tg, rt = self.tg, self.tg.runtime
+        # See [Note: low-precision reduce]: the fp32 shard, rounded into the output once.
+        out32 = output if output.dtype == torch.float32 else torch.empty(
+            output.shape, dtype=torch.float32, device=output.device)
+        for part in staged.parts:
+            target = out32 if part.numel == out32.numel() else out32.narrow(0, part.offset, part.numel)
+            rt.transport.reduce_scatter(tg, part.plan, part.which, part.grads, target, alpha)
+            part.grads = None  # read on this stream: autograd's storage may go now
+        if out32 is not output:
+            output.copy_(out32)
+        if staged.in_slot:
+            rt.release_slot_after_rs(tg)
+        rt.stats["rs_tide"] += 1
 
     def alpha(self, op: Any, group: Any) -> float:
         if isinstance(op, dist.ReduceOp.RedOpType):
@@ -165,4 +234,15 @@ def foreach_reduce_scatter_copy_in(unsharded_grads, reduce_scatter_input, world_
     comm.stage(unsharded_grads, reduce_scatter_input, world_size)
 
 
+def foreach_reduce(fsdp_params, unsharded_grads, reduce_scatter_group, reduce_scatter_stream,
+                   reduce_scatter_comm, *args, **kwargs):
+    """FSDP2's foreach_reduce, telling a TIDE group's comm which parameters the call reduces."""
+    if isinstance(reduce_scatter_comm, TideReduceScatter):
+        reduce_scatter_comm.call_params = list(fsdp_params)
+    return _patches.stock(_patches._pg, "foreach_reduce")(
+        fsdp_params, unsharded_grads, reduce_scatter_group, reduce_scatter_stream,
+        reduce_scatter_comm, *args, **kwargs)
+
+
 foreach_reduce_scatter_copy_in._tide_hook = True
+foreach_reduce._tide_hook = True

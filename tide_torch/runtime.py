@@ -11,6 +11,7 @@ evaluation (App. F): it stays unsharded after forward, so TIDE reshards it befor
 """
 from __future__ import annotations
 
+import logging
 from collections import Counter
 from typing import Any
 
@@ -19,6 +20,7 @@ from torch.distributed.device_mesh import _get_device_handle
 
 from tide_torch import _patches
 
+logger = logging.getLogger("tide_torch")
 
 class Runtime:
     # [Note: early backward all-gather]
@@ -43,12 +45,24 @@ class Runtime:
         self.rail: Any = None      # two-sided: GlooRail (CPU) or tide._core.cuda.NcclRail
         self.stats: Counter = Counter(ag_tide=0, ag_stock=0, rs_tide=0, rs_stock=0,
                                             ag_early=0)
+        # (group, "ag" | "rs", reason) -> calls handed to stock FSDP2 (handle.hand_backs)
+        self.hand_backs: Counter = Counter()
         self._owner: dict[str, Any] = {}
         self._release_events: dict[str, list[Any]] = {}
         self._events = device.type != "cpu"  # CPU streams are synchronous
         self._by_pg = {id(g.pg): g for g in groups if g.eligible}
         self._tail = max((g for g in groups if g.eligible and g.slot.startswith("ring")),
                          key=lambda g: g.ring_index, default=None)
+
+    def hand_back(self, tg: Any, collective: str, reason: str) -> None:
+        """One call of ``tg``'s collective ("ag" or "rs") goes to stock FSDP2: counted in
+        ``stats`` and ``hand_backs``, logged once per group, collective and reason."""
+        self.stats[f"{collective}_stock"] += 1
+        key = (tg.fqn, collective, reason)
+        if key not in self.hand_backs:
+            what = "all-gathers" if collective == "ag" else "reduce-scatters"
+            logger.warning("tide_torch: group %s hands %s to stock FSDP2: %s", tg.fqn, what, reason)
+        self.hand_backs[key] += 1
 
     @staticmethod
     def _key(tg: Any) -> str:
