@@ -37,6 +37,9 @@ def _served(fsdp_params: list, group: Any) -> Any | None:
     tg = REGISTRY.get(id(fsdp_params))
     if tg is None or _patches.compiled_autograd_enabled():
         return None
+    if tg.ag_stock_reason is not None:
+        tg.runtime.hand_back(tg, "ag", tg.ag_stock_reason)
+        return None
     if group.size() != tg.world:  # e.g. re-gather from a post-forward (smaller) mesh
         tg.runtime.hand_back(tg, "ag", f"all-gather over {group.size()} ranks (the post-forward "
                              f"mesh of reshard_after_forward=int), planned for {tg.world}")
@@ -62,8 +65,13 @@ def foreach_all_gather(fsdp_params, group, async_op, all_gather_copy_in_stream,
         # positions earlier (or, under Slot-Reuse, holds its gradients until the reduce-scatter
         # has read them). acquire_slot checks that group is resharded and makes this stream wait
         # for the event that released the slot.
-        rt.acquire_slot(tg, all_gather_copy_in_stream)
-        inputs = _all_gather_inputs(tg)
+        landed = rt.acquire_slot(tg, all_gather_copy_in_stream)
+        inputs = _all_gather_inputs(tg) if landed else None
+    if not landed:  # tg has moved to its own storage (placement.py, [Note: ring depth])
+        rt.hand_back(tg, "ag", tg.ag_stock_reason)
+        return _patches.stock(_patches._pg, "foreach_all_gather")(
+            fsdp_params, group, async_op, all_gather_copy_in_stream, all_gather_stream, device,
+            all_gather_comm)
     all_gather_stream.wait_stream(all_gather_copy_in_stream)
     with handle.stream(all_gather_stream):
         landings = tg.landing_views
@@ -125,6 +133,17 @@ def unadopt_shard(tg: Any, p: int) -> None:
     fp.sharded_param._local_tensor = own.view(fp.padded_sharded_param_size).narrow(0, 0, length)
 
 
+def release_landing(tg: Any) -> None:
+    """tg's parameters leave their arena landing for FSDP2's own storage (tg is sharded: no live
+    parameter points there). FSDP2 allocates fresh all-gather outputs at the next unshard and
+    frees them at reshard, as stock does; the adopted shards stay where they are."""
+    for fp in tg.pg.fsdp_params:
+        _patches.unpatch_param_free(fp)
+        fp.all_gather_outputs = []
+        if hasattr(fp, "_unsharded_param"):
+            del fp._unsharded_param
+
+
 @torch.no_grad()
 def foreach_all_gather_copy_out(all_gather_result, fsdp_params, group):
     """The module-level copy-out, where FSDP2 has no per-group seam (see _patches)."""
@@ -167,7 +186,12 @@ def init_outputs_at_world_1(tg: Any, p: int) -> Any:
                                f"[{tg.plan.layout.params[p].e}]")
         if p == 0:
             handle = _get_device_handle(tg.runtime.device.type)
-            tg.runtime.acquire_slot(tg, handle.current_stream())
+            if not tg.runtime.acquire_slot(tg, handle.current_stream()):
+                # Moved to its own storage (release_landing restored every parameter's own
+                # method): this parameter's outputs are allocated as stock does.
+                tg.runtime.hand_back(tg, "ag", tg.ag_stock_reason)
+                return tg.pg.fsdp_params[p].init_all_gather_outputs(
+                    all_gather_input_numels, all_gather_input_dtypes, world_size, device)
             tg.runtime.stats["ag_tide"] += 1
     return init_all_gather_outputs
 

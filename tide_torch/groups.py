@@ -64,6 +64,7 @@ class TideGroup:
     state: Any = None              # the module's FSDPState (explicit prefetch lists)
     siblings: int = 1              # param groups of the same module (they unshard together)
     fallback: str | None = None    # reason when served by stock FSDP2
+    ag_stock_reason: str | None = None  # set when the group left the arena's landing at run time
     plan: Any = None               # tide Plan (None on fallback)
     plan_fp32_grads: Any = None    # same group, gradients in the reduce dtype (accumulated)
     world: int = 1

@@ -68,8 +68,10 @@ class Runtime:
     def _key(tg: Any) -> str:
         return tg.slot if tg.slot != "fixed" else f"fixed:{tg.index}"
 
-    def acquire_slot(self, tg: Any, stream: Any) -> None:
-        """Called on the copy-in stream before tg lands. See [Note: ring-slot ownership]."""
+    def acquire_slot(self, tg: Any, stream: Any) -> bool:
+        """Called on the copy-in stream before tg lands. See [Note: ring-slot ownership].
+        Returns False when tg cannot land in its slot (it has moved to its own storage: this
+        and later all-gathers are stock FSDP2's, see [Note: ring depth] in placement.py)."""
         key = self._key(tg)
         owner = self._owner.get(key)
         if owner is not None and owner is not tg and _is_live(owner):
@@ -79,15 +81,23 @@ class Runtime:
                     and owner.pg._all_gather_result is None):
                 owner.pg.reshard()  # the folded ring tail, during no-grad evaluation
             else:
-                raise RuntimeError(
-                    f"tide_torch: group {tg.fqn} would land in ring slot {tg.slot} while group "
-                    f"{owner.fqn} is still unsharded there. TIDE's 2-slot ring assumes FSDP2's "
-                    "prefetch depth 1, module order = execution order, and groups that reshard "
-                    "after backward (set_reshard_after_backward before enable()); use "
-                    "tide_torch.enable(..., ring=False) to give every group its own storage")
+                self.move_to_own_storage(
+                    tg, f"its ring slot {tg.slot} still holds group {owner.fqn} (more groups "
+                    "unsharded at once than the prefetch lists at enable() said)")
+                return False
         for event in self._release_events.pop(key, ()):
             stream.wait_event(event)
         self._owner[key] = tg
+        return True
+
+    def move_to_own_storage(self, tg: Any, why: str) -> None:
+        """tg (sharded: about to land) leaves the arena's landing for FSDP2's own storage: its
+        all-gathers go to stock from now on (counted per call); its reduce-scatters stay TIDE-RS
+        reading autograd's gradients (In-Place). One log line."""
+        from tide_torch import all_gather
+        all_gather.release_landing(tg)
+        tg.ag_stock_reason = f"moved to its own storage: {why}"
+        logger.warning("tide_torch: group %s %s", tg.fqn, tg.ag_stock_reason)
 
     def issue_early_all_gather(self, tg: Any) -> None:
         """See [Note: early backward all-gather]. Called on the compute stream from tg's
@@ -117,7 +127,8 @@ class Runtime:
 
     def slot_is_free(self, tg: Any) -> bool:
         """Whether tg's own landing storage may hold its gradients (Slot-Reuse)."""
-        return self._owner.get(self._key(tg)) is tg and tg.pg.is_sharded
+        return (tg.ag_stock_reason is None and self._owner.get(self._key(tg)) is tg
+                and tg.pg.is_sharded)
 
     def hold_slot_for_grads(self, tg: Any) -> None:
         self._owner[self._key(tg)] = tg

@@ -1,0 +1,239 @@
+"""tide_torch serves the FSDP2 configurations real jobs use (world 4 on CPU, gloo ranks as
+processes, 2 nodes x 2), each against stock FSDP2 on identical data, and TIDE did the work:
+every group served, every all-gather and reduce-scatter through TIDE (``handle.stats``), no
+FSDP2 layout op in a profiled step, parameters bitwise equal to stock (exact gradient sums).
+
+- torch's own ``nn.RMSNorm``: on torch 2.15 its weight gets fp32 gradients while the Linear
+  weights get bf16 ones (FSDP2 keeps what autograd produces): TIDE-RS in parts, each part in its
+  own dtype (reduce_scatter.py [Note: RS parts]);
+- a frozen parameter inside a group (a reduce-scatter with a subset of the gradients);
+- explicit prefetching two modules ahead (the ring grows, placement.py [Note: ring depth]);
+- a manual ``unshard()`` of every block before the forward: the group that finds its slot taken
+  moves to its own storage (one log line, its all-gathers handed back and counted), no error;
+- ``reduce_dtype=torch.bfloat16``: one rounding of TIDE-RS's fp32 sum, no further from the fp32
+  reference than stock's bf16 reduce-scatter ([Note: low-precision reduce]);
+- tensor parallelism: a 2-D (dp x tp) mesh with Colwise/Rowwise MLPs, and DTensor parameters on a
+  dp x tp mesh with TP 1 (torchtitan's SPMD layout) (groups.py [Note: DTensor parameters]);
+- what still goes to stock says why: ``reshard_after_forward=2``'s post-forward all-gathers
+  (counted per call in ``handle.hand_backs``) and an fp16 all-gather (``handle.fallbacks``).
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn as nn
+
+import tide
+import _torch_dist as td
+from _torch_dist import assert_same, batches, build, mesh_1d, spawn, train
+
+TOPO = tide.Topology(nodes=2, gpus_per_node=2)
+LAYOUT_OPS = ("split_with_sizes_copy", "chunk_cat", "all_gather_copy_in")
+
+
+def _served_everywhere(handle, what, *, ag_stock=0):
+    assert not handle.fallbacks, (what, handle.fallbacks)
+    s = handle.stats
+    assert s["ag_tide"] > 0 and s["rs_tide"] > 0, (what, s)
+    assert s["rs_stock"] == 0 and s["ag_stock"] == ag_stock, (what, s, handle.hand_backs)
+
+
+def _no_layout_ops(model, data, what):
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        train(model, data)
+    ops = sorted({e.name for e in prof.events() if any(b in e.name for b in LAYOUT_OPS)})
+    assert not ops, (what, ops)
+
+
+def _torch_norm():
+    td.RMSNorm = lambda dim, eps=1e-6: nn.RMSNorm(dim, eps=eps)
+
+
+def _configurations(rank, world):
+    import tide_torch
+    _torch_norm()
+    mesh = mesh_1d()
+    data = batches(3, same_on_all_ranks=True)
+
+    # torch's nn.RMSNorm (mixed gradient dtypes on torch 2.15), both modes, profiled.
+    stock = build(mesh=mesh)
+    train(stock, data[:2])
+    train(stock, data[2:])  # a fresh optimizer, as the profiled step has
+    for mode in ("in_place", "slot_reuse"):
+        model = build(mesh=mesh)
+        handle = tide_torch.enable(model, mode=mode, topology=TOPO)
+        train(model, data[:2])
+        _no_layout_ops(model, data[2:], f"nn.RMSNorm {mode}")
+        _served_everywhere(handle, f"nn.RMSNorm {mode}")
+        assert_same(model, stock, f"nn.RMSNorm {mode}")
+        for name, (planned, got) in handle.landings().items():
+            assert got == planned, (mode, name)
+        handle.disable()
+
+    # A frozen parameter inside a group: its reduce-scatters carry a subset of the gradients.
+    def frozen():
+        m = build(mesh=mesh)
+        m.layers[1].w3.weight.requires_grad_(False)
+        return m
+    stock = frozen()
+    train(stock, data)
+    model = frozen()
+    handle = tide_torch.enable(model, topology=TOPO)
+    train(model, data)
+    _served_everywhere(handle, "frozen")
+    assert_same(model, stock, "frozen")
+    group = next(g for g in handle.groups if g.fqn == "layers.1")
+    assert group.sub_plans, "the frozen group's reduce-scatters ran on a sub-plan"
+    handle.disable()
+
+    # Explicit prefetching two modules ahead, forward and backward: a ring of three slots.
+    def prefetching():
+        m = build(mesh=mesh, n_layers=4)
+        blocks = list(m.layers)
+        for i, b in enumerate(blocks):
+            b.set_modules_to_forward_prefetch(blocks[i + 1:i + 3])
+            b.set_modules_to_backward_prefetch(blocks[max(0, i - 2):i][::-1])
+        return m
+    stock = prefetching()
+    train(stock, data)
+    model = prefetching()
+    handle = tide_torch.enable(model, topology=TOPO)
+    train(model, data)
+    _served_everywhere(handle, "prefetch 2")
+    assert_same(model, stock, "prefetch 2")
+    slots = {g["slot"] for g in handle.memory()["groups"].values()}
+    assert {"ring0", "ring1", "ring2"} <= slots, slots
+    handle.disable()
+
+    # A manual unshard() of every block before the forward.
+    def unsharding_train(m):
+        for step in range(len(data)):
+            for b in m.layers:
+                b.unshard()
+            train(m, data[step:step + 1])
+    stock = build(mesh=mesh)
+    unsharding_train(stock)
+    model = build(mesh=mesh)
+    handle = tide_torch.enable(model, topology=TOPO)
+    unsharding_train(model)
+    assert_same(model, stock, "unshard all")
+    moved = [k for k in handle.hand_backs if k[1] == "ag" and "own storage" in k[2]]
+    assert moved, handle.hand_backs
+    assert handle.stats["rs_stock"] == 0 and handle.stats["ag_tide"] > 0, handle.stats
+    handle.disable()
+
+    # reshard_after_forward=2: the post-forward all-gathers over 2 ranks are handed back, counted.
+    stock = build(mesh=mesh, reshard_after_forward=2)
+    train(stock, data)
+    model = build(mesh=mesh, reshard_after_forward=2)
+    handle = tide_torch.enable(model, topology=TOPO)
+    train(model, data)
+    assert_same(model, stock, "raf=2")
+    reasons = {k[2] for k in handle.hand_backs if k[1] == "ag"}
+    assert reasons and all("post-forward" in r for r in reasons), handle.hand_backs
+    assert sum(handle.hand_backs.values()) == handle.stats["ag_stock"] > 0, handle.stats
+    handle.disable()
+
+    # fp16 all-gather: a documented fallback, named per group.
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+    model = build(mesh=mesh, mp_policy=MixedPrecisionPolicy(param_dtype=torch.float16))
+    handle = tide_torch.enable(model, topology=TOPO)
+    assert handle.fallbacks and all("float16" in r for r in handle.fallbacks.values()), handle.fallbacks
+    handle.disable()
+
+
+def test_configurations():
+    spawn(_configurations)
+
+
+def _grads(model, tokens):
+    logits = model(tokens[:, :-1])
+    loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, td.VOCAB),
+                                             tokens[:, 1:].reshape(-1))
+    loss.backward()
+    return {n: p.grad.to_local().detach().clone() for n, p in model.named_parameters()}
+
+
+def _bf16_reduce(rank, world):
+    import tide_torch
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+    mesh = mesh_1d()
+    tokens = batches(1, same_on_all_ranks=False)[0]  # per-rank data: inexact bf16 sums
+    bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
+    ref = _grads(build(mesh=mesh), tokens)  # fp32 reduce: the reference
+    stock = _grads(build(mesh=mesh, mp_policy=bf16), tokens)
+    model = build(mesh=mesh, mp_policy=bf16)
+    handle = tide_torch.enable(model, topology=TOPO)
+    got = _grads(model, tokens)
+    _served_everywhere(handle, "bf16 reduce")
+    for name, r in ref.items():
+        err, stock_err = (got[name] - r).abs(), (stock[name] - r).abs()
+        # One rounding of the fp32 sum: within half a bf16 ulp of the reference (the fp32 sums
+        # themselves may differ in their last bit: 2^-20 relative slack) ...
+        half_ulp = r.abs() * 2.0 ** -8 + 2.0 ** -133
+        assert (err <= half_ulp + r.abs() * 2.0 ** -20).all(), (name, (err - half_ulp).max())
+        # ... and never further from it than stock's bf16 reduce-scatter.
+        assert (err <= stock_err + r.abs() * 2.0 ** -20).all(), (name, (err - stock_err).max())
+        assert got[name].dtype == torch.float32
+    handle.disable()
+    # The same step with exact sums is bitwise equal to stock.
+    data = batches(2, same_on_all_ranks=True)
+    stock = build(mesh=mesh, mp_policy=bf16)
+    train(stock, data)
+    model = build(mesh=mesh, mp_policy=bf16)
+    handle = tide_torch.enable(model, topology=TOPO)
+    train(model, data)
+    _served_everywhere(handle, "bf16 reduce exact")
+    assert_same(model, stock, "bf16 reduce exact")
+    handle.disable()
+
+
+def test_bf16_reduce_dtype():
+    spawn(_bf16_reduce)
+
+
+def _tp_model(mesh2, *, colwise_rowwise: bool):
+    """The tiny Llama on a dp x tp mesh: its MLPs Colwise/Rowwise over tp (or every Linear a
+    DTensor replicated on a tp mesh of 1, as torchtitan's SPMD layout has at TP 1), FSDP over dp."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
+                                                   parallelize_module)
+    torch.manual_seed(0)
+    model = td.TinyLlama(3)
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    plan = ({"w1": ColwiseParallel(), "w3": ColwiseParallel(), "w2": RowwiseParallel()}
+            if colwise_rowwise else
+            {"w1": ColwiseParallel(), "w3": ColwiseParallel(), "w2": RowwiseParallel(),
+             "attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(),
+             "attention.wv": ColwiseParallel(), "attention.wo": RowwiseParallel()})
+    for layer in model.layers:
+        parallelize_module(layer, mesh2["tp"], plan)
+        fully_shard(layer, mesh=mesh2["dp"], mp_policy=mp)
+    fully_shard(model, mesh=mesh2["dp"], mp_policy=mp)
+    return model
+
+
+def _tensor_parallel(rank, world):
+    import tide_torch
+    from torch.distributed.device_mesh import init_device_mesh
+    data = batches(3, same_on_all_ranks=True)
+    for shape, colwise in (((2, 2), True), ((4, 1), False)):
+        mesh2 = init_device_mesh("cpu", shape, mesh_dim_names=("dp", "tp"))
+        stock = _tp_model(mesh2, colwise_rowwise=colwise)
+        train(stock, data)
+        model = _tp_model(mesh2, colwise_rowwise=colwise)
+        handle = tide_torch.enable(model, topology=TOPO)
+        train(model, data)
+        what = f"dp x tp = {shape}"
+        _served_everywhere(handle, what)
+        assert_same(model, stock, what)
+        dtensor_groups = {g.fqn for g in handle.groups
+                          if any(fp.is_dtensor for fp in g.pg.fsdp_params)}
+        assert dtensor_groups >= {"layers.0", "layers.1", "layers.2"}, dtensor_groups
+        handle.disable()
+
+
+def test_tensor_parallel():
+    logging.getLogger("tide_torch").setLevel(logging.ERROR)
+    spawn(_tensor_parallel)
