@@ -397,7 +397,7 @@ def test_cuda_transport_calls(monkeypatch):
 
     from tide_torch import comm, placement
     from tide_torch.arena import Arena
-    from tide_torch.groups import TideGroup
+    from tide_torch.groups import Chunk, TideGroup
 
     sig = tide.GroupSignature(shapes=[(37, 16), (16,), (24, 16)], ag_dtype="bfloat16",
                               grad_dtype="bfloat16", shard_dtype="float32")
@@ -405,7 +405,8 @@ def test_cuda_transport_calls(monkeypatch):
     tg = TideGroup(index=1, fqn="layers.0", is_root=False, world=2, topology=topo,
                    pg=SimpleNamespace(post_forward_mesh_info=object(),
                                       reshard_after_backward=True),
-                   plan=tide.plan(sig, topo, mode="in_place"), param_dtype=torch.bfloat16,
+                   chunks=[Chunk(0, 0, tide.plan(sig, topo, mode="in_place"))],
+                   param_dtype=torch.bfloat16,
                    orig_dtype=torch.float32, reduce_dtype=torch.float32,
                    shapes=[(37, 16), (16,), (24, 16)])
     arena = Arena(placement.assign([tg]), torch.device("cpu"))
@@ -432,8 +433,8 @@ def test_cuda_transport_calls(monkeypatch):
         t.all_gather(tg, shards, tg.landing_views)
         grads = [torch.zeros(s) for s in tg.shapes]
         out = torch.zeros(layout.E)
-        t.reduce_scatter(tg, tg.plan, grads, out, 0.5)
-        t.reduce_scatter(tg, tg.plan, grads, out, 0.5)
+        t.reduce_scatter(tg, tg.plan, "rs", grads, out, 0.5)
+        t.reduce_scatter(tg, tg.plan, "rs", grads, out, 0.5)
         t.synchronize()
         assert ex.syncs == 1
         ag, rs = _RecordingSession.made  # one session per collective, made at its first call
@@ -441,7 +442,7 @@ def test_cuda_transport_calls(monkeypatch):
         assert ag.executor is ex and rs.executor is ex
         assert ag.placement == dict(group=1, counter_bases={"all_gather": 0}, members=None, ring_slot=0,
                                     resident=False, landing_region=tg.slot,
-                                    landing_offset=tg.unsharded_offset - regions[tg.slot][0],
+                                    landing_offset=tg.chunks[0].unsharded_offset - regions[tg.slot][0],
                                     resident_offset=0)
         assert rs.placement == dict(group=1, counter_bases={"reduce_scatter": tg.counter_bases["rs"]},
                                     members=None)

@@ -237,3 +237,70 @@ def _tensor_parallel(rank, world):
 def test_tensor_parallel():
     logging.getLogger("tide_torch").setLevel(logging.ERROR)
     spawn(_tensor_parallel)
+
+
+class _Experts(nn.Module):
+    """A per-expert ``nn.Linear`` MoE layer as transformers 4.x writes it: more parameters than
+    one plan holds (groups.py [Note: chunks]); ``active`` picks the experts that got tokens."""
+
+    def __init__(self, n: int):
+        super().__init__()
+        self.experts = nn.ModuleList(nn.Linear(td.DIM, td.DIM, bias=False) for _ in range(n))
+        self.active: list[int] = list(range(n))
+
+    def forward(self, h):
+        return h + sum(self.experts[i](h) for i in self.active) / len(self.experts)
+
+
+class _WideModel(nn.Module):
+    def __init__(self, n_experts: int):
+        super().__init__()
+        self.tok_embeddings = nn.Embedding(td.VOCAB, td.DIM)
+        self.moe = _Experts(n_experts)
+        self.output = nn.Linear(td.DIM, td.VOCAB, bias=False)
+
+    def forward(self, tokens):
+        return self.output(self.moe(self.tok_embeddings(tokens)))
+
+
+def _wide(rank, world):
+    import tide_torch
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    mesh = mesh_1d()
+    data = batches(2, same_on_all_ranks=True)
+
+    def make():
+        torch.manual_seed(0)
+        m = _WideModel(300)
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        fully_shard(m.moe, mesh=mesh, mp_policy=mp)
+        fully_shard(m, mesh=mesh, mp_policy=mp)
+        return m
+
+    def routed(m, data):  # every step a different set of experts gets no token
+        losses = []
+        for step in range(len(data)):
+            m.moe.active = [i for i in range(300) if (i + step) % 3]
+            losses += train(m, data[step:step + 1])
+        return losses
+
+    for run in (train, routed):
+        stock = make()
+        run(stock, data)
+        for mode in ("in_place", "slot_reuse"):
+            model = make()
+            handle = tide_torch.enable(model, mode=mode, topology=TOPO)
+            run(model, data)
+            what = f"300 experts, {run.__name__}, {mode}"
+            _served_everywhere(handle, what)
+            assert_same(model, stock, what)
+            assert sorted(handle.plans) == ["<root>", "moe[0:256]", "moe[256:300]"], sorted(handle.plans)
+            for name, (planned, got) in handle.landings().items():
+                assert got == planned, (what, name)
+            moe = next(g for g in handle.groups if g.fqn == "moe")
+            assert bool(moe.sub_plans) == (run is routed), (what, list(moe.sub_plans))
+            handle.disable()
+
+
+def test_groups_over_256_parameters_and_experts_without_tokens():
+    spawn(_wide)

@@ -85,7 +85,7 @@ def foreach_all_gather(fsdp_params, group, async_op, all_gather_copy_in_stream,
             rt.transport.all_gather(tg, inputs, landings)
         event = all_gather_stream.record_event()
         rt.stats["ag_tide"] += 1
-        numels = [[pl.e] for pl in tg.plan.layout.params]
+        numels = [[e] for e in tg.elements]
         return TideAllGatherResult(
             all_gather_output=landings[0],
             all_gather_event=event,
@@ -179,11 +179,11 @@ def init_outputs_at_world_1(tg: Any, p: int) -> Any:
     See [Note: world 1] in groups.py."""
     def init_all_gather_outputs(all_gather_input_numels, all_gather_input_dtypes, world_size,
                                 device, force_recreate=False):
-        if force_recreate or list(all_gather_input_numels) != [tg.plan.layout.params[p].e]:
+        if force_recreate or list(all_gather_input_numels) != [tg.elements[p]]:
             raise RuntimeError(f"tide_torch: group {tg.fqn} parameter {p}: FSDP2 asked for "
                                f"all-gather outputs {list(all_gather_input_numels)} "
                                f"(force_recreate={force_recreate}); TIDE planned "
-                               f"[{tg.plan.layout.params[p].e}]")
+                               f"[{tg.elements[p]}]")
         if p == 0:
             handle = _get_device_handle(tg.runtime.device.type)
             if not tg.runtime.acquire_slot(tg, handle.current_stream()):

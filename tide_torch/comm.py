@@ -5,8 +5,9 @@ The adapter hands the transport per-parameter tensors whose addresses the plan f
 - ``all_gather(tg, inputs, landings)``: ``inputs[p]`` is this rank's padded shard of parameter
   p: the adopted resident shard (read in place), or the fp32 master shard that the transport
   casts into the group's receive-stage slot (mixed precision). ``landings[p]`` is the padded
-  unsharded buffer (``N * e_p`` items at arena offset ``landing(p, 0)``). Afterwards every rank's
-  shard r of p sits at ``landing(p, r)`` (Eq. 2): no copy-out.
+  unsharded buffer (``N * e_p`` items at arena offset ``landing(p, 0)`` of p's chunk). Afterwards
+  every rank's shard r of p sits at ``landing(p, r)`` (Eq. 2): no copy-out. A group of more
+  than 256 parameters runs one TIDE-AG per chunk (groups.py [Note: chunks]).
 - ``reduce_scatter(tg, plan, which, grads, output, alpha)``: ``grads[p]`` is the unpadded
   gradient of ``plan``'s parameter p (autograd's tensor for In-Place, the vacated ring slot for
   Slot-Reuse) in ``plan``'s gradient dtype (the group's plan, its fp32-gradient plan, or a
@@ -86,20 +87,21 @@ class ExecutorTransport:
         ranks = list(dist.get_process_group_ranks(self._group_of(tg)))
         return None if ranks == list(range(self._world)) else ranks
 
-    def session(self, tg: Any, plan: Any, which: str) -> Any:
-        """The group's session for `which` ("ag", "rs", "rs32": the fp32-gradient plan, or a
-        TIDE-RS sub-plan's "sub<k>", reduce_scatter.py [Note: RS parts])."""
+    def session(self, tg: Any, plan: Any, which: str, chunk: Any = None) -> Any:
+        """The group's session for `which` (a chunk's "ag", "rs", "rs32": the fp32-gradient
+        plan, or a TIDE-RS sub-plan's "sub<k>", reduce_scatter.py [Note: RS parts]); `chunk`:
+        the all-gather's chunk (its landing and resident shards, groups.py [Note: chunks])."""
         key = (tg.index, which)
         s = self._sessions.get(key)
         if s is None:
-            kind = AG if which == "ag" else RS
+            kind = AG if chunk is not None else RS
             placement: dict[str, Any] = {}
             if kind == AG:
                 region = self._regions[tg.slot]
                 placement = dict(ring_slot=tg.ring_index % 2 if tg.ring_index >= 0 else 0,
                                  resident=tg.adopts, landing_region=tg.slot,
-                                 landing_offset=tg.unsharded_offset - region[0],
-                                 resident_offset=(tg.resident_offset - self._regions["resident"][0]
+                                 landing_offset=chunk.unsharded_offset - region[0],
+                                 resident_offset=(chunk.resident_offset - self._regions["resident"][0]
                                                   if tg.adopts else 0))
             s = tide._core.GroupSession(plan, self._exec, [kind], group=tg.index,
                                         counter_bases={kind: tg.counter_bases[which]},
@@ -108,9 +110,13 @@ class ExecutorTransport:
         return s
 
     def all_gather(self, tg, inputs, landings):
-        bindings = [] if tg.adopts else [_buffer("shard", p, t) for p, t in enumerate(inputs)]
-        s = self.session(tg, tg.plan, "ag")
-        diagnosed(lambda: s.all_gather([bindings], self._streams()), self._rank, self._timeout_s, _default_store)
+        for c in tg.chunks:  # one TIDE-AG per chunk, in order on this stream
+            end = c.first + c.count
+            bindings = [] if tg.adopts else [_buffer("shard", p - c.first, inputs[p])
+                                             for p in range(c.first, end)]
+            s = self.session(tg, c.plan, c.key("ag"), chunk=c)
+            diagnosed(lambda: s.all_gather([bindings], self._streams()), self._rank, self._timeout_s,
+                      _default_store)
 
     def reduce_scatter(self, tg, plan, which, grads, output, alpha):
         bindings = [_buffer("grad", p, g) for p, g in enumerate(grads)]

@@ -37,8 +37,13 @@ class TideHandle:
 
     @property
     def plans(self) -> dict[str, Any]:
-        """Group FQN -> tide Plan, for the groups TIDE serves."""
-        return {g.fqn: g.plan for g in self._groups if g.eligible}
+        """Group FQN -> tide Plan, for the groups TIDE serves (a group of more than 256
+        parameters: ``FQN[first:end]`` -> each chunk's plan, groups.py [Note: chunks])."""
+        out = {}
+        for g in self._groups:
+            for c in g.chunks:
+                out[g.fqn if len(g.chunks) == 1 else f"{g.fqn}[{c.first}:{c.first + c.count}]"] = c.plan
+        return out
 
     @property
     def fallbacks(self) -> dict[str, str]:
@@ -209,7 +214,7 @@ def enable(model: nn.Module, *, mode: str = "in_place", topology: tide.Topology 
         served = [g for g in groups if g.eligible]
         if served and world == 1 and not serve_single_rank:
             for g in served:
-                g.fallback, g.plan, g.plan_fp32_grads = SINGLE_RANK, None, None
+                g.fall_back(SINGLE_RANK)
             served = []
         if served:
             device = served[0].pg.device
@@ -222,13 +227,13 @@ def enable(model: nn.Module, *, mode: str = "in_place", topology: tide.Topology 
             if transport == "executor":
                 raise TideEnableError(f"tide_torch.enable: transport='executor': {why}")
             for g in served:
-                g.fallback, g.plan, g.plan_fp32_grads = why, None, None
+                g.fall_back(why)
             served = []
         if served and device.type == "cuda" and rails_ == "two_sided" and fabric == "nccl":
             for g in served:
-                g.fallback, g.plan, g.plan_fp32_grads = (
+                g.fall_back(
                     "fabric='nccl' maps its LSA team, not one topology node: two-sided rails run on "
-                    "fabric='ipc' (a node's peers by CUDA IPC, other nodes over the NCCL rail)", None, None)
+                    "fabric='ipc' (a node's peers by CUDA IPC, other nodes over the NCCL rail)")
             served = []
         if served:
             sizes = placement.assign(groups, use_ring=ring, rails=rails_)
@@ -281,7 +286,7 @@ def enable(model: nn.Module, *, mode: str = "in_place", topology: tide.Topology 
                      "(rails='two_sided' reaches other hosts through the rail)")
     if served and why_hosts is not None:  # the same verdict on every rank (same records)
         for g in served:
-            g.fallback, g.plan, g.plan_fp32_grads = why_hosts, None, None
+            g.fall_back(why_hosts)
         served = []
         if arena is not None:
             arena.close()

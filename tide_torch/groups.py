@@ -4,8 +4,8 @@ A group is served by TIDE when it meets the TIDE contract (paper §2, fsdp2.md):
 over more than one rank (or a single-rank job, see [Note: world 1]), plain tensors or DTensor
 (tensor-parallel) parameters whose local tensors FSDP2 shards (no ``fsdp_pre_all_gather``
 extension, no CPU offload), one parameter dtype, bf16 or fp32 all-gather, a bf16, fp16 or fp32
-reduce dtype, at most 256 parameters, and a shard group whose ranks are node-major on the
-topology. Everything else falls back to stock FSDP2 with one log line. Gradients may differ in
+reduce dtype, and a shard group whose ranks are node-major on the topology. A group of more
+than 256 parameters (the planner's limit) is planned in chunks (see [Note: chunks]). Everything else falls back to stock FSDP2 with one log line. Gradients may differ in
 dtype per parameter and may be missing for some parameters (reduce_scatter.py, [Note: RS parts]).
 
 [Note: DTensor parameters]
@@ -16,6 +16,15 @@ parameters are DTensors: FSDP2 shards, gathers and reduces their *local* tensors
 shapes are the local shapes (``FSDPParam._orig_size``), the shard group is the dp sub-mesh's
 process group, its topology is that group's ranks on the job's topology (``_group_topology``),
 and the landing is the TP-local tensor.
+
+[Note: chunks]
+The planner takes at most 256 parameters (``tide::kMaxParams``; per-expert ``nn.Linear`` MoE
+layers have more). Such a group is cut into chunks of 256 consecutive parameters (the last one
+shorter), each planned on its own: one FSDP2 all-gather runs one TIDE-AG per chunk, back to back
+on the same stream, each landing in its own part of the group's landing storage, and a full
+reduce-scatter is one TIDE-RS part per chunk (reduce_scatter.py [Note: RS parts] cuts parts at
+the same 256-parameter boundaries). Every chunk has its own sessions and counter ranges; a group
+of at most 256 parameters is one chunk.
 """
 from __future__ import annotations
 
@@ -53,6 +62,30 @@ class TideEnableError(RuntimeError):
     """tide_torch.enable() cannot proceed (message says why and what to do)."""
 
 
+MAX_PARAMS = 256  # tide::kMaxParams: parameters per plan
+
+
+@dataclass(eq=False)
+class Chunk:
+    """Consecutive parameters ``first ..`` of a group with one plan (see [Note: chunks])."""
+
+    index: int                     # position among the group's chunks
+    first: int                     # the group index of its first parameter
+    plan: Any                      # tide Plan
+    plan_fp32_grads: Any = None    # the same parameters, fp32 gradients
+    unsharded_offset: int = -1     # arena byte offset of its parameter-major landing buffer
+    resident_offset: int = -1      # adopted shards (-1: not adopting)
+    stage_offset: int = -1         # receive-stage slot for the mixed-precision cast (-1: no cast)
+
+    @property
+    def count(self) -> int:
+        return len(self.plan.layout.params)
+
+    def key(self, which: str) -> str:
+        """Its session / counter key: "ag", "rs", "rs32" for chunk 0, "ag:1", ... after."""
+        return which if self.index == 0 else f"{which}:{self.index}"
+
+
 @dataclass(eq=False)
 class TideGroup:
     """TIDE's view of one FSDPParamGroup: its plan and where its bytes live in the arena."""
@@ -65,8 +98,7 @@ class TideGroup:
     siblings: int = 1              # param groups of the same module (they unshard together)
     fallback: str | None = None    # reason when served by stock FSDP2
     ag_stock_reason: str | None = None  # set when the group left the arena's landing at run time
-    plan: Any = None               # tide Plan (None on fallback)
-    plan_fp32_grads: Any = None    # same group, gradients in the reduce dtype (accumulated)
+    chunks: list[Chunk] = field(default_factory=list)  # its plans (empty on fallback)
     world: int = 1
     topology: tide.Topology | None = None
     param_dtype: torch.dtype | None = None   # all-gather / unsharded dtype
@@ -76,16 +108,14 @@ class TideGroup:
     # Placement (filled by placement.py)
     slot: str = ""                 # "ring0", "ring1" or "fixed"
     ring_index: int = -1
-    unsharded_offset: int = -1     # arena byte offset of the group's parameter-major buffer
-    resident_offset: int = -1      # adopted shards (-1: not adopting)
-    stage_offset: int = -1         # receive-stage slot for the mixed-precision cast (-1: no cast)
     # Runtime views (filled on activation)
     landing_views: list[torch.Tensor] = field(default_factory=list)
     input_views: list[torch.Tensor] = field(default_factory=list)
     resident_views: list[torch.Tensor] = field(default_factory=list)
     runtime: Any = None
     previous_copy_out: Any = None  # the group's FSDP2 copy-out seam before TIDE (where it has one)
-    counter_bases: dict[str, int] = field(default_factory=dict)  # "ag"/"rs"/"rs32"/"sub<k>" -> first counter
+    counter_bases: dict[str, int] = field(default_factory=dict)  # Chunk.key(...) or "sub<k>" -> first counter
+    elements: list[int] = field(default_factory=list)        # e_p: padded shard elements per parameter
     # TIDE-RS parts (reduce_scatter.py, [Note: RS parts])
     mode: str = "in_place"
     plan_options: dict[str, int] = field(default_factory=dict)
@@ -109,23 +139,41 @@ class TideGroup:
         return not self.casts
 
     @property
+    def plan(self) -> Any:
+        """The group's plan when it is one chunk (None on fallback or in chunks)."""
+        return self.chunks[0].plan if len(self.chunks) == 1 else None
+
+    @property
+    def unsharded_bytes(self) -> int:
+        return sum(c.plan.layout.S * c.plan.layout.N for c in self.chunks)
+
+    def fall_back(self, reason: str) -> None:
+        self.fallback, self.chunks = reason, []
+
+    @property
     def status(self) -> str:
-        """What ranks compare: same plan hash and slot, or stock."""
+        """What ranks compare: same plan hashes and slot, or stock."""
         if self.fallback is not None:
             return "stock"
-        acc = f"+{self.plan_fp32_grads.hash:016x}" if self.plan_fp32_grads is not None else ""
-        return f"tide:{self.plan.hash:016x}{acc}:{self.slot}"
+        hashes = "/".join(f"{c.plan.hash:016x}" + (f"+{c.plan_fp32_grads.hash:016x}"
+                                                    if c.plan_fp32_grads is not None else "")
+                          for c in self.chunks)
+        return f"tide:{hashes}:{self.slot}"
+
+    def chunk_of(self, p: int) -> Chunk:
+        return self.chunks[p // MAX_PARAMS]
 
     def rs_plan(self, params: tuple[int, ...], dtype: torch.dtype) -> tuple[Any, str]:
         """The TIDE-RS plan and session key for gradients of ``params`` (group indices, in
         FSDP2's packing order) in ``dtype``; see [Note: RS parts] in reduce_scatter.py. Raises
         reduce_scatter.HandBack when no plan can serve them."""
         from tide_torch.reduce_scatter import HandBack
-        whole = params == tuple(range(len(self.shapes)))
-        if whole and dtype == self.param_dtype:
-            return self.plan, "rs"
-        if whole and dtype == torch.float32 and self.plan_fp32_grads is not None:
-            return self.plan_fp32_grads, "rs32"
+        chunk = self.chunk_of(params[0])
+        if params == tuple(range(chunk.first, chunk.first + chunk.count)):
+            if dtype == self.param_dtype:
+                return chunk.plan, chunk.key("rs")
+            if dtype == torch.float32 and chunk.plan_fp32_grads is not None:
+                return chunk.plan_fp32_grads, chunk.key("rs32")
         key = (params, dtype)
         got = self.sub_plans.get(key)
         if got is not None:
@@ -161,7 +209,8 @@ class TideGroup:
 
     def landing_address(self, p: int) -> int:
         """Planned address of parameter p's unsharded data (rank 0's landing of p, Eq. 2)."""
-        return self.runtime.arena.base_ptr + self.unsharded_offset + self.plan.layout.landing(p, 0)
+        c = self.chunk_of(p)
+        return self.runtime.arena.base_ptr + c.unsharded_offset + c.plan.layout.landing(p - c.first, 0)
 
 
 def find_groups(model: nn.Module) -> list[TideGroup]:
@@ -272,8 +321,6 @@ def _why_not(tg: TideGroup, names: dict[int, str]) -> str | None:
     fsdp_params = pg.fsdp_params
     if len(fsdp_params) == 0:
         return "no parameters"
-    if len(fsdp_params) > 256:
-        return f"{len(fsdp_params)} parameters (> 256)"
     tg.world = pg.mesh_info.shard_process_group.size()
     if tg.world == 1 and dist.get_world_size() > 1:
         return "shard world size 1 inside a larger job"
@@ -306,7 +353,7 @@ def _why_not(tg: TideGroup, names: dict[int, str]) -> str | None:
 
 def plan_group(tg: TideGroup, topo: tide.Topology, mode: str, options: dict[str, int],
                names: dict[int, str]) -> None:
-    """Fills tg.plan, or tg.fallback with the reason. Never raises for an unsupported group."""
+    """Fills tg.chunks, or tg.fallback with the reason. Never raises for an unsupported group."""
     reason = _why_not(tg, names)
     if reason is None:
         shard_pg = tg.pg.mesh_info.shard_process_group
@@ -321,30 +368,38 @@ def plan_group(tg: TideGroup, topo: tide.Topology, mode: str, options: dict[str,
         tg.param_index = {id(fp): p for p, fp in enumerate(fsdp_params)}
         tg.shard_numels = [fp.padded_sharded_param_size.numel() for fp in fsdp_params]
         tg.mode, tg.plan_options = mode, dict(options)
-        sig = tide.GroupSignature(
-            shapes=tg.shapes, ag_dtype=_DTYPE_NAMES[tg.param_dtype],
-            grad_dtype=_DTYPE_NAMES[tg.param_dtype], shard_dtype=_DTYPE_NAMES[tg.orig_dtype],
-            names=tuple(tg.names))
         try:
-            tg.plan = tide.plan(sig, tg.topology, mode=mode, **options)
-            if tg.param_dtype != torch.float32:
-                # fp32 gradients (accumulated without sync in an fp32 reduce dtype, or what
-                # autograd produces for fp32-computed parameters) keep TIDE-RS through a second
-                # plan; it also sizes the TIDE-RS scratch that bounds every sub-plan.
-                acc = dataclasses.replace(sig, grad_dtype="float32")
-                tg.plan_fp32_grads = tide.plan(acc, tg.topology, mode=mode, **options)
+            for k, first in enumerate(range(0, len(fsdp_params), MAX_PARAMS)):
+                tg.chunks.append(_plan_chunk(tg, k, first, mode, options))
         except tide.PlanError as e:
             reason = f"plan: {e}"
         else:
+            tg.elements = [pl.e for c in tg.chunks for pl in c.plan.layout.params]
             for p, fp in enumerate(fsdp_params):
-                R = tg.plan.layout.params[p].R
+                c = tg.chunk_of(p)
+                R = c.plan.layout.params[p - c.first].R
                 if fp.padded_sharded_param_size[0] != R:
                     reason = (f"{names.get(id(fp.sharded_param), p)}: FSDP2 pads to "
                               f"{fp.padded_sharded_param_size[0]} rows, the plan to {R}")
                     break
     if reason is not None:
-        tg.fallback = reason
-        tg.plan = tg.plan_fp32_grads = None
+        tg.fall_back(reason)
+
+
+def _plan_chunk(tg: TideGroup, k: int, first: int, mode: str, options: dict[str, int]) -> Chunk:
+    end = min(first + MAX_PARAMS, len(tg.shapes))
+    sig = tide.GroupSignature(
+        shapes=tg.shapes[first:end], ag_dtype=_DTYPE_NAMES[tg.param_dtype],
+        grad_dtype=_DTYPE_NAMES[tg.param_dtype], shard_dtype=_DTYPE_NAMES[tg.orig_dtype],
+        names=tuple(tg.names[first:end]))
+    chunk = Chunk(k, first, tide.plan(sig, tg.topology, mode=mode, **options))
+    if tg.param_dtype != torch.float32:
+        # fp32 gradients (accumulated without sync in an fp32 reduce dtype, or what autograd
+        # produces for fp32-computed parameters) keep TIDE-RS through a second plan; it also
+        # sizes the TIDE-RS scratch that bounds every sub-plan.
+        acc = dataclasses.replace(sig, grad_dtype="float32")
+        chunk.plan_fp32_grads = tide.plan(acc, tg.topology, mode=mode, **options)
+    return chunk
 
 
 def region_bytes(plan: Any, name: str) -> int:

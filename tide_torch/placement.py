@@ -14,21 +14,22 @@ groups unsharded at once: a module that prefetches d modules has d + 1 groups li
 reads the prefetch lists and gives the ring d + 1 slots (``ring0`` ... ``ring<d>``, group g in slot
 g mod (d + 1), each sized for its largest group), one slot more per module of depth.
 
-The runtime checks the assumption at every landing (``Runtime.acquire_slot``): a group that
-would land in a slot whose previous group is still unsharded (prefetch lists set after
-``enable()``, a manual ``unshard()`` of many modules, out-of-order execution) moves to storage of
-its own instead, before it lands (stock FSDP2's all-gather and storage from then on; its
-reduce-scatters stay TIDE-RS), with one log line; no live parameter is touched.
+The runtime checks the assumption at every landing (``Runtime.acquire_slot``). A group moves to
+storage of its own (stock FSDP2's all-gather and storage from then on; its reduce-scatters stay
+TIDE-RS), with one log line, when it stops fitting the ring: it no longer reshards after backward
+(``set_reshard_after_backward(False)`` after ``enable()``), the prefetch lists now need more
+slots, or its slot is still held by a live group (a manual ``unshard()`` of many modules). It
+moves only before it lands and only while nothing refers to its landing: not unsharded, and
+either no autograd or its forward of this iteration not yet run (FSDP2's ``post_forward_order``).
+Between a group's forward and its backward, autograd has saved its unsharded tensors at the
+slot's address; a conflict there cannot be resolved without corrupting, and raises, naming both
+groups (set the lists before ``enable()``, or ``enable(..., ring=False)``).
 """
 from __future__ import annotations
 
 import tide
 from tide_torch.arena import Arena, align_up
 from tide_torch.groups import TideGroup, region_bytes
-
-
-def _unsharded_bytes(tg: TideGroup) -> int:
-    return tg.plan.layout.S * tg.plan.layout.N
 
 
 def _reshards_after_forward(tg: TideGroup) -> bool:
@@ -73,49 +74,59 @@ def assign(groups: list[TideGroup], use_ring: bool = True, rails: str = "one_sid
     # (with a deeper ring, g mod depth = s).
     ring_order = sorted((g for g in served if g.slot != "fixed"), key=lambda g: g.ring_index)
     if ring_order and depth == 2:
-        slots = tide._core.ag_ring_slot_bytes([align_up(_unsharded_bytes(g)) for g in ring_order])
+        slots = tide._core.ag_ring_slot_bytes([_landing_bytes(g) for g in ring_order])
         sizes["ring0"], sizes["ring1"] = int(slots[0]), int(slots[1])
     for g in ring_order if depth > 2 else ():
-        sizes[g.slot] = max(sizes[g.slot], align_up(_unsharded_bytes(g)))
+        sizes[g.slot] = max(sizes[g.slot], _landing_bytes(g))
     stage_slot = 0
     for g in served:
+        base = 0
         if g.slot == "fixed":
-            g.unsharded_offset = sizes["fixed"]
-            sizes["fixed"] += align_up(_unsharded_bytes(g))
-        else:
-            g.unsharded_offset = 0
-        if g.adopts:
-            g.resident_offset = sizes["resident"]
-            sizes["resident"] += align_up(g.plan.layout.S)
-        else:
-            stage_slot = max(stage_slot, align_up(g.plan.layout.S))
-    sizes["stage"] = max([2 * stage_slot] + [int(tide._core.plan_ag(g.plan).stage_bytes) for g in served])
+            base = sizes["fixed"]
+            sizes["fixed"] += _landing_bytes(g)
+        for c in g.chunks:  # a group's chunks land one after the other (groups.py [Note: chunks])
+            c.unsharded_offset = base
+            base += align_up(c.plan.layout.S * c.plan.layout.N)
+            if g.adopts:
+                c.resident_offset = sizes["resident"]
+                sizes["resident"] += align_up(c.plan.layout.S)
+            else:
+                stage_slot = max(stage_slot, align_up(c.plan.layout.S))
+    sizes["stage"] = max([2 * stage_slot] + [int(tide._core.plan_ag(c.plan).stage_bytes)
+                                             for g in served for c in g.chunks])
     if served and all(g.world == 1 for g in served):
         sizes["stage"] = 0  # a single-rank job never all-gathers (groups.py [Note: world 1])
     # TIDE-RS scratch (staging/outbox/inbox/spare): reduce-scatters run one group at a time in
     # collective order, so one set sized for the largest group serves all of them.
     for name in EXECUTOR_REGIONS:
-        sizes[name] = max((region_bytes(pl, name) for g in served
-                           for pl in (g.plan, g.plan_fp32_grads) if pl is not None), default=0)
+        sizes[name] = max((region_bytes(pl, name) for g in served for c in g.chunks
+                           for pl in (c.plan, c.plan_fp32_grads) if pl is not None), default=0)
     # Counters: every group's ranges from one CounterSpace, in group order (the same on every
     # rank); the region also holds the executors' entry fence (tide/session.h).
     counters = tide._core.CounterSpace()
     for g in served:
-        g.counter_bases = {"ag": counters.reserve(g.plan, "all_gather", rails=rails),
-                           "rs": counters.reserve(g.plan, "reduce_scatter", rails=rails)}
-        if g.plan_fp32_grads is not None:
-            g.counter_bases["rs32"] = counters.reserve(g.plan_fp32_grads, "reduce_scatter", rails=rails)
+        g.counter_bases = {}
+        for c in g.chunks:
+            g.counter_bases[c.key("ag")] = counters.reserve(c.plan, "all_gather", rails=rails)
+            g.counter_bases[c.key("rs")] = counters.reserve(c.plan, "reduce_scatter", rails=rails)
+            if c.plan_fp32_grads is not None:
+                g.counter_bases[c.key("rs32")] = counters.reserve(c.plan_fp32_grads, "reduce_scatter",
+                                                                  rails=rails)
         # The group's sub-plan pool (reduce_scatter.py, [Note: RS parts]): a TIDE-RS program
         # set's counters depend on the topology and passes, not on the parameters, so ranges
         # sized by the group's plan hold any sub-plan's (checked when one is planned).
         one = tide._core.CounterSpace()
-        one.reserve(g.plan, "reduce_scatter", rails=rails)
+        one.reserve(g.chunks[0].plan, "reduce_scatter", rails=rails)
         g.counter_range = one.used
-        g.counter_pool = [counters.reserve(g.plan, "reduce_scatter", rails=rails)
+        g.counter_pool = [counters.reserve(g.chunks[0].plan, "reduce_scatter", rails=rails)
                           for _ in range(SUB_PLANS)]
         g.sub_plans = {}
     sizes["counters"] = counters.region_bytes
     return sizes
+
+
+def _landing_bytes(g: TideGroup) -> int:
+    return sum(align_up(c.plan.layout.S * c.plan.layout.N) for c in g.chunks)
 
 
 EXECUTOR_REGIONS = ("staging", "outbox", "inbox", "spare")
@@ -130,28 +141,29 @@ def bind(groups: list[TideGroup], arena: Arena) -> None:
         if not g.eligible:
             continue
         region = arena.region(g.slot)
-        g.unsharded_offset += region.offset
-        layout = g.plan.layout
-        N = layout.N
-        g.landing_views = []
-        for p, pl in enumerate(layout.params):
-            # Parameter-major: p's padded unsharded tensor starts at o_p*N (Eq. 2, r = 0).
-            g.landing_views.append(
-                arena.view(g.unsharded_offset + layout.landing(p, 0), N * pl.e, g.param_dtype))
+        g.landing_views, g.resident_views, g.input_views = [], [], []
+        for c in g.chunks:
+            c.unsharded_offset += region.offset
+            layout = c.plan.layout
+            N = layout.N
+            for p, pl in enumerate(layout.params):
+                # Parameter-major: p's padded unsharded tensor starts at o_p*N (Eq. 2, r = 0).
+                g.landing_views.append(
+                    arena.view(c.unsharded_offset + layout.landing(p, 0), N * pl.e, g.param_dtype))
+            if g.adopts:
+                c.resident_offset += arena.region("resident").offset
+                g.resident_views += [arena.view(c.resident_offset + pl.o, pl.e, g.orig_dtype)
+                                     for pl in layout.params]
+            elif stage.nbytes:  # (world 1 never all-gathers: no stage)
+                # [Note: stage parity] consecutive all-gathers (groups, and a group's chunks)
+                # use different stage slots, so the cast of the next never writes the slot the
+                # current all-gather still reads.
+                parity = ((g.ring_index if g.ring_index >= 0 else g.index) + c.index) % 2
+                c.stage_offset = stage.offset + parity * half
+                g.input_views += [arena.flat(c.stage_offset + pl.o, pl.e, g.param_dtype)
+                                  for pl in layout.params]
         if g.adopts:
-            g.resident_offset += arena.region("resident").offset
-            g.resident_views = [arena.view(g.resident_offset + pl.o, pl.e, g.orig_dtype)
-                                for pl in layout.params]
             g.input_views = g.resident_views
-        elif stage.nbytes == 0:  # world 1: never all-gathered
-            g.input_views = []
-        else:
-            # [Note: stage parity] consecutive groups use different stage slots, so the cast of
-            # the next group never writes the slot the current all-gather still reads.
-            parity = (g.ring_index if g.ring_index >= 0 else g.index) % 2
-            g.stage_offset = stage.offset + parity * half
-            g.input_views = [arena.flat(g.stage_offset + pl.o, pl.e, g.param_dtype)
-                             for pl in layout.params]
 
 
 def region_summary(groups: list[TideGroup], arena: Arena) -> dict:
@@ -160,13 +172,15 @@ def region_summary(groups: list[TideGroup], arena: Arena) -> dict:
     for g in groups:
         if not g.eligible:
             continue
-        ns = _unsharded_bytes(g)
+        ns = g.unsharded_bytes
         stock_ag += ns
+        layouts = [c.plan.layout for c in g.chunks]
         out["groups"][g.fqn] = {
-            "slot": g.slot, "unsharded_bytes": ns, "S": g.plan.layout.S,
-            "rs_output_bytes": g.plan.layout.S_fp32, "stock_rs_input_bytes": g.plan.layout.B_pack,
+            "slot": g.slot, "unsharded_bytes": ns, "S": sum(x.S for x in layouts),
+            "rs_output_bytes": sum(x.S_fp32 for x in layouts),
+            "stock_rs_input_bytes": sum(x.B_pack for x in layouts), "chunks": len(layouts),
         }
-        model = getattr(g.plan, "memory", None)
+        model = getattr(g.plan, "memory", None)  # one chunk: the plan's memory model
         if model is not None:
             m = model()
             out["groups"][g.fqn].update(

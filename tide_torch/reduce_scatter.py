@@ -27,9 +27,9 @@ FSDP2's output holds, in packing order, each reduced parameter's padded shard. A
 consecutive parameters of that order with one gradient dtype (at most 256 of them) is one TIDE-RS
 plan whose output is a contiguous slice of FSDP2's output, so a call is one or more parts, each a
 TIDE-RS over its own gradients into its own slice:
-- the whole group in its order, gradients in the all-gather dtype: the group's plan (Slot-Reuse
-  may stage into the ring slot); in the reduce dtype (accumulated without sync): its fp32-gradient
-  plan;
+- a whole chunk in its order (groups.py [Note: chunks]; a group of at most 256 parameters is one),
+  gradients in the all-gather dtype: the chunk's plan (Slot-Reuse may stage a one-chunk group into
+  the ring slot); in fp32 (accumulated without sync): its fp32-gradient plan;
 - anything else (bf16 weights with fp32 norm gradients, torch 2.15's per-parameter gradient
   dtypes; a subset of the group: frozen parameters, experts without tokens): a sub-plan, planned
   on first use with the group's options and kept per (parameters, dtype). Its counters come from
@@ -137,8 +137,8 @@ class TideReduceScatter(_patches.ReduceScatter):
             placeholder._tide_staged = staged
             return
         first = staged.parts[0]
-        if (len(staged.parts) == 1 and first.plan is tg.plan and rt.mode == "slot_reuse"
-                and rt.slot_is_free(tg)):
+        if (len(staged.parts) == 1 and first.which == "rs" and len(tg.chunks) == 1
+                and rt.mode == "slot_reuse" and rt.slot_is_free(tg)):
             views = [lv.narrow(0, 0, g.numel()).view(g.shape)
                      for lv, g in zip(tg.landing_views, first.grads)]
             torch._foreach_copy_(views, first.grads)

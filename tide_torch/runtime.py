@@ -5,9 +5,11 @@ A ring slot belongs to the group that last landed in it. Before group g lands, t
 owner must be resharded (its unsharded parameters are dead) — FSDP2's prefetch depth of 1 makes
 that true for groups in slot g mod 2 — and, under Slot-Reuse, the reduce-scatter that reads the
 previous owner's gradients out of the slot must have finished: the copy-in stream waits for the
-event recorded after that reduce-scatter. A violated assumption raises instead of silently
-overwriting live parameters. The one tolerated case is the folded ring tail under no-grad
-evaluation (App. F): it stays unsharded after forward, so TIDE reshards it before reusing its slot.
+event recorded after that reduce-scatter. A violated assumption never overwrites live
+parameters: the landing group moves to its own storage where it still may, and raises where it
+may not (placement.py [Note: ring depth]). The one tolerated case is the folded ring tail under
+no-grad evaluation (App. F): it stays unsharded after forward, so TIDE reshards it before reusing
+its slot.
 """
 from __future__ import annotations
 
@@ -53,6 +55,9 @@ class Runtime:
         self._by_pg = {id(g.pg): g for g in groups if g.eligible}
         self._tail = max((g for g in groups if g.eligible and g.slot.startswith("ring")),
                          key=lambda g: g.ring_index, default=None)
+        ring = [g for g in groups if g.eligible and g.ring_index >= 0]
+        self.ring_slots = len({g.slot for g in ring})
+        self._ring_shared = len(ring) > self.ring_slots  # some slot holds several groups
 
     def hand_back(self, tg: Any, collective: str, reason: str) -> None:
         """One call of ``tg``'s collective ("ag" or "rs") goes to stock FSDP2: counted in
@@ -70,8 +75,13 @@ class Runtime:
 
     def acquire_slot(self, tg: Any, stream: Any) -> bool:
         """Called on the copy-in stream before tg lands. See [Note: ring-slot ownership].
-        Returns False when tg cannot land in its slot (it has moved to its own storage: this
+        Returns False when tg does not land in its slot: it has moved to its own storage (this
         and later all-gathers are stock FSDP2's, see [Note: ring depth] in placement.py)."""
+        if tg.ring_index >= 0 and _may_move(tg):
+            why = self._ring_outgrown(tg)
+            if why is not None:
+                self.move_to_own_storage(tg, why)
+                return False
         key = self._key(tg)
         owner = self._owner.get(key)
         if owner is not None and owner is not tg and _is_live(owner):
@@ -80,20 +90,41 @@ class Runtime:
                     and owner.pg._training_state == _patches.TrainingState.IDLE
                     and owner.pg._all_gather_result is None):
                 owner.pg.reshard()  # the folded ring tail, during no-grad evaluation
-            else:
-                self.move_to_own_storage(
-                    tg, f"its ring slot {tg.slot} still holds group {owner.fqn} (more groups "
-                    "unsharded at once than the prefetch lists at enable() said)")
+            elif _may_move(tg):
+                self.move_to_own_storage(tg, f"its ring slot {tg.slot} still holds group "
+                                             f"{owner.fqn} (more groups unsharded at once than "
+                                             "the ring has slots)")
                 return False
+            else:
+                # tg's unsharded tensors from its forward are saved for backward at this slot's
+                # address: neither tg nor the owner can move now (see [Note: ring depth]).
+                raise RuntimeError(
+                    f"tide_torch: group {tg.fqn} would land in ring slot {tg.slot} while group "
+                    f"{owner.fqn} is still unsharded there, between {tg.fqn}'s forward and its "
+                    "backward, where its parameters cannot move. Set prefetch lists and "
+                    "set_reshard_after_backward before enable(), or use "
+                    "tide_torch.enable(..., ring=False) to give every group its own storage")
         for event in self._release_events.pop(key, ()):
             stream.wait_event(event)
         self._owner[key] = tg
         return True
 
+    def _ring_outgrown(self, tg: Any) -> str | None:
+        """Why tg can no longer share the ring (checked when it may still move), or None."""
+        if not tg.pg.reshard_after_backward:
+            return "it no longer reshards after backward (set_reshard_after_backward(False))"
+        from tide_torch.placement import ring_depth
+        depth = ring_depth([g for g in self.groups if g.eligible])
+        if depth > self.ring_slots and self._ring_shared:
+            return (f"the prefetch lists now keep {depth} groups unsharded, the ring has "
+                    f"{self.ring_slots} slots (set prefetch lists before enable())")
+        return None
+
     def move_to_own_storage(self, tg: Any, why: str) -> None:
-        """tg (sharded: about to land) leaves the arena's landing for FSDP2's own storage: its
-        all-gathers go to stock from now on (counted per call); its reduce-scatters stay TIDE-RS
-        reading autograd's gradients (In-Place). One log line."""
+        """tg leaves the arena's landing for FSDP2's own storage before it lands (only where
+        ``_may_move``: nothing refers to its landing): its all-gathers go to stock from now on
+        (counted per call); its reduce-scatters stay TIDE-RS reading autograd's gradients. One
+        log line."""
         from tide_torch import all_gather
         all_gather.release_landing(tg)
         tg.ag_stock_reason = f"moved to its own storage: {why}"
@@ -147,6 +178,19 @@ class Runtime:
         handle = _get_device_handle(self.device.type)
         self._release_events.setdefault(self._key(tg), []).append(
             handle.current_stream().record_event())
+
+
+def _may_move(tg: Any) -> bool:
+    """Whether tg's landing may move now: nothing saved for backward refers to it (no autograd,
+    or tg has not run its forward of this iteration yet) and it is not unsharded."""
+    pg = tg.pg
+    if _is_live(tg) or pg._training_state not in (_patches.TrainingState.IDLE,
+                                                  _patches.TrainingState.FORWARD):
+        return False
+    if not torch.is_grad_enabled():
+        return True
+    order = getattr(getattr(pg, "comm_ctx", None), "post_forward_order", None) or ()
+    return not any(g is pg for g in order)
 
 
 def _is_live(tg: Any) -> bool:
