@@ -12,8 +12,9 @@ FSDP2 layout op in a profiled step, parameters bitwise equal to stock (exact gra
   moves to its own storage (one log line, its all-gathers handed back and counted), no error;
 - ``reduce_dtype=torch.bfloat16``: one rounding of TIDE-RS's fp32 sum, no further from the fp32
   reference than stock's bf16 reduce-scatter ([Note: low-precision reduce]);
-- tensor parallelism: a 2-D (dp x tp) mesh with Colwise/Rowwise MLPs, and DTensor parameters on a
-  dp x tp mesh with TP 1 (torchtitan's SPMD layout) (groups.py [Note: DTensor parameters]);
+- tensor parallelism: a 2-D (dp x tp) mesh with Colwise/Rowwise MLPs, DTensor parameters on a
+  dp x tp mesh with TP 1 (torchtitan's SPMD layout), and HSDP x TP on a 3-D mesh (replicate x
+  shard x tp) (groups.py [Note: DTensor parameters]);
 - what still goes to stock says why: ``reshard_after_forward=2``'s post-forward all-gathers
   (counted per call in ``handle.hand_backs``) and an fp16 all-gather (``handle.fallbacks``).
 """
@@ -148,11 +149,28 @@ def test_configurations():
 
 
 def _grads(model, tokens):
+    device = next(model.parameters()).device
+    tokens = tokens.to(device)
     logits = model(tokens[:, :-1])
     loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, td.VOCAB),
                                              tokens[:, 1:].reshape(-1))
     loss.backward()
     return {n: p.grad.to_local().detach().clone() for n, p in model.named_parameters()}
+
+
+def check_one_rounding(got, stock, ref):
+    """TIDE-RS with a bf16 reduce dtype ([Note: low-precision reduce]) against the fp32-reduce
+    reference: per element within half a bf16 ulp, and no further than stock's bf16 result."""
+    for name, r in ref.items():
+        err, stock_err = (got[name].cpu() - r.cpu()).abs(), (stock[name].cpu() - r.cpu()).abs()
+        r = r.cpu()
+        # One rounding of the fp32 sum: within half a bf16 ulp of the reference (the fp32 sums
+        # themselves may differ in their last bit: 2^-20 relative slack) ...
+        half_ulp = r.abs() * 2.0 ** -8 + 2.0 ** -133
+        assert (err <= half_ulp + r.abs() * 2.0 ** -20).all(), (name, (err - half_ulp).max())
+        # ... and never further from it than stock's bf16 reduce-scatter.
+        assert (err <= stock_err + r.abs() * 2.0 ** -20).all(), (name, (err - stock_err).max())
+        assert got[name].dtype == torch.float32
 
 
 def _bf16_reduce(rank, world):
@@ -167,15 +185,7 @@ def _bf16_reduce(rank, world):
     handle = tide_torch.enable(model, topology=TOPO)
     got = _grads(model, tokens)
     _served_everywhere(handle, "bf16 reduce")
-    for name, r in ref.items():
-        err, stock_err = (got[name] - r).abs(), (stock[name] - r).abs()
-        # One rounding of the fp32 sum: within half a bf16 ulp of the reference (the fp32 sums
-        # themselves may differ in their last bit: 2^-20 relative slack) ...
-        half_ulp = r.abs() * 2.0 ** -8 + 2.0 ** -133
-        assert (err <= half_ulp + r.abs() * 2.0 ** -20).all(), (name, (err - half_ulp).max())
-        # ... and never further from it than stock's bf16 reduce-scatter.
-        assert (err <= stock_err + r.abs() * 2.0 ** -20).all(), (name, (err - stock_err).max())
-        assert got[name].dtype == torch.float32
+    check_one_rounding(got, stock, ref)
     handle.disable()
     # The same step with exact sums is bitwise equal to stock.
     data = batches(2, same_on_all_ranks=True)
@@ -193,14 +203,17 @@ def test_bf16_reduce_dtype():
     spawn(_bf16_reduce)
 
 
-def _tp_model(mesh2, *, colwise_rowwise: bool):
+def _tp_model(mesh2, *, colwise_rowwise: bool, device=None):
     """The tiny Llama on a dp x tp mesh: its MLPs Colwise/Rowwise over tp (or every Linear a
-    DTensor replicated on a tp mesh of 1, as torchtitan's SPMD layout has at TP 1), FSDP over dp."""
+    DTensor on a tp mesh of 1, as torchtitan's SPMD layout has at TP 1), FSDP (or HSDP, where
+    ``mesh2["dp"]`` is 2-D) over dp."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
                                                    parallelize_module)
     torch.manual_seed(0)
     model = td.TinyLlama(3)
+    if device is not None:
+        model = model.to(device)
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     plan = ({"w1": ColwiseParallel(), "w3": ColwiseParallel(), "w2": RowwiseParallel()}
             if colwise_rowwise else
@@ -218,8 +231,11 @@ def _tensor_parallel(rank, world):
     import tide_torch
     from torch.distributed.device_mesh import init_device_mesh
     data = batches(3, same_on_all_ranks=True)
-    for shape, colwise in (((2, 2), True), ((4, 1), False)):
-        mesh2 = init_device_mesh("cpu", shape, mesh_dim_names=("dp", "tp"))
+    for shape, colwise in (((2, 2), True), ((4, 1), False), ((2, 2, 1), False)):
+        names = ("dp", "tp") if len(shape) == 2 else ("rep", "shard", "tp")
+        mesh2 = init_device_mesh("cpu", shape, mesh_dim_names=names)
+        if len(shape) == 3:  # HSDP x TP: replicate over "rep", shard over "shard"
+            mesh2 = {"dp": mesh2["rep", "shard"], "tp": mesh2["tp"]}
         stock = _tp_model(mesh2, colwise_rowwise=colwise)
         train(stock, data)
         model = _tp_model(mesh2, colwise_rowwise=colwise)

@@ -297,6 +297,11 @@ def stage_table(c: Ctx) -> dict:
                    show=grep_lines(r"^rails:|passed|failed", 6))],
               "two-sided rails on emulated hosts (one NCCL_HOSTID per process, NET/Socket on loopback): the CUDA "
               "rank executor's AG/RS vs the CPU VirtualCluster, a dead peer, tide_torch 2 x 2 vs stock FSDP2"),
+        Stage("matrix", 300, [
+            pytest("matrix_gpu", "-q", "-s", "-rs", "-x", "-m", "gpu", "tests/test_torch_matrix_gpu.py", limit=300,
+                   show=grep_lines(r"^matrix:|passed|failed", 8))],
+              "the configuration matrix's rows (nn.RMSNorm, bf16 reduce, TP + FSDP) on 2 x 2 emulated hosts, "
+              "bitwise vs stock FSDP2"),
         Stage("nccl", 150, [
             Step("diag", [py, "-c", core + ', "nccl headers", _core.cuda.nccl_header_version()); '
                           'print("nccl", _core.cuda.nccl_version(), _core.cuda.nccl_library_path())'], 60, kind="info"),
