@@ -205,7 +205,10 @@ class TideReduceScatter(_patches.ReduceScatter):
         for part in staged.parts:
             target = out32 if part.numel == out32.numel() else out32.narrow(0, part.offset, part.numel)
             rt.transport.reduce_scatter(tg, part.plan, part.which, part.grads, target, alpha)
-            part.grads = None  # read on this stream: autograd's storage may go now
+            if tg.world == 1:
+                # Read on the compute stream, where autograd made them: their storage may go
+                # now. Otherwise the placeholder keeps them (see [Note: gradient lifetime]).
+                part.grads = None
         if out32 is not output:
             output.copy_(out32)
         if staged.in_slot:
