@@ -27,7 +27,7 @@ const char* copies_on_name(CopiesOn c) {
 const char* rails_name(Rails r) { return r == Rails::kTwoSided ? "two_sided" : "one_sided"; }
 
 namespace {
-// The other integer fields' ranges (tide/exec_options.h lists them; README's option table too).
+// The other integer fields' ranges (tide/exec_options.h lists them; docs/options.md's table too).
 constexpr int kMaxCopyLanes = 8;
 constexpr int kMaxWorkers = 1024;
 constexpr int kMaxRailCtas = 64;

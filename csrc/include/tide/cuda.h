@@ -78,7 +78,7 @@ void nccl_library_candidates(const std::vector<std::string>& paths);
 
 namespace tide::cuda {
 
-// The multicast gate (ARCHITECTURE.md, Safety): true only when TIDE_ENABLE_MULTICAST=1 AND the
+// The multicast gate (docs/multicast.md): true only when TIDE_ENABLE_MULTICAST=1 AND the
 // driver reports MULTICAST_SUPPORTED AND NCCL_NVLS_ENABLE != 0 (and set) AND
 // TORCH_SYMM_MEM_DISABLE_MULTICAST is unset. Querying the attribute is safe.
 bool multicast_allowed(int device);

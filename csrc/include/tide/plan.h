@@ -88,7 +88,7 @@ struct Options {
   int64_t ag_head_bytes = 8ll << 20;  // total head bytes of a paced AG round (head/tail split)
 };
 
-// Option ranges, checked by validate_inputs (and listed in README's option table). Each bound
+// Option ranges, checked by validate_inputs (and listed in docs/options.md's table). Each bound
 // keeps the plan's tables and the programs built from it small; none limits a useful plan.
 //   n_part <= kMaxPasses: the planner needs at most kMaxAutoPasses (Fig. 10b); each pass adds
 //     M-1 remote blocks and their rounds per call while the staging it saves shrinks as 1/n_part,
