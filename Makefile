@@ -15,7 +15,7 @@ TORCH_TESTS := $(wildcard tests/test_torch_*.py) tests/test_demo.py
 .PHONY: demo test test-torch-newest build venv venv-torch-newest clean
 
 demo: build
-	$(PY) -m tide demo
+	$(PY) -m tide_apps demo
 
 test: build venv-torch-newest
 	$(PY) -m pytest -q tests $(PYTEST_ARGS)

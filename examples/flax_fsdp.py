@@ -5,7 +5,7 @@
     python examples/flax_fsdp.py --size small --json out.json --separate   # on GPUs: those present
 
 The model, its initial weights (numpy, --seed), the tokens and AdamW's hyperparameters come from
-examples/_llama_common.py, as in the PyTorch example, so that both frameworks train the same
+tide_apps/llama_spec.py, as in the PyTorch example, so that both frameworks train the same
 model from the same bytes (--size and the per-field overrides are the same flags; --batch is
 sequences per device, so the global batch is batch x devices in both). Both runs shard the fp32
 parameters on dim 0 over an "fsdp" mesh axis of up to 8 devices and compute in bf16 (FSDP2's
@@ -18,7 +18,7 @@ times show overheads, not the network. When jax has a GPU backend the mesh is th
 (up to 8; one GPU is a 1 x 1 topology) and TIDE runs through the CUDA handlers.
 
 --json PATH writes {"framework": "jax", "device": device_kind, "world": N, "model"
-(_llama_common.describe), "runs": [{"name",
+(llama_spec.describe), "runs": [{"name",
 "step_ms" (median after --warmup steps; the first compiles), "peak_bytes" (memory_stats()
 ["peak_bytes_in_use"] of device 0, plus for tide_xla its arenas there, or null), "final_loss", "losses", "params_sha256" (the final
 parameters' bytes), "layout_copies" ({op: {"calls", "bytes"}} per step and device, or null where
@@ -62,7 +62,7 @@ import tide_xla  # noqa: E402
 import tide_xla._registration  # noqa: E402
 import tide_xla.sharding  # noqa: E402
 
-import _llama_common as common  # noqa: E402 - examples/: the script's directory is on sys.path
+from tide_apps import llama_spec as common  # noqa: E402
 
 F32 = jnp.float32
 
@@ -123,7 +123,7 @@ class Block(nnx.Module):
 
 
 class Llama(nnx.Module):
-    """fsdp2_llama.py's Llama, built from _llama_common's weights (numpy, by torch name)."""
+    """fsdp2_llama.py's Llama, built from llama_spec's weights (numpy, by torch name)."""
 
     def __init__(self, cfg, w: dict):
         self.tok_embeddings = Embedding(w["tok_embeddings.weight"])
@@ -293,7 +293,7 @@ def run_separately(names, argv_rest):
 def launch_processes(n, argv, shared_gpu=False):
     """--processes N: N processes on this host joined by jax.distributed on a free localhost port;
     on XLA:CPU 8/N host devices each, with --shared-gpu every process on GPU 0 as an emulated host
-    (_llama_common.emulated_host_env). Process 0 prints and writes --json. Returns the first
+    (llama_spec.emulated_host_env). Process 0 prints and writes --json. Returns the first
     non-zero exit status (0 when all succeeded)."""
     import socket
     with socket.socket() as s:
