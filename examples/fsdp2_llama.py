@@ -17,8 +17,8 @@ with PyTorch's fused attention). Its sizes, initial weights, tokens and AdamW hy
 come from tide_apps/llama_spec.py, shared with examples/flax_fsdp.py (the same model in JAX):
 every run starts from the same numpy weights (--seed) with MixedPrecisionPolicy(bf16, fp32),
 rank r trains on rows [r B, (r + 1) B) of the same global batches (B = --batch), and the loss
-printed is the mean over every rank's tokens. Step time is the median over the steps after ``--warmup`` (each step ends with
-torch.cuda.synchronize), the profiled step left out. Peak memory is
+printed is the mean over every rank's tokens. Step time is the median over the steps after
+``--warmup`` (each step ends with torch.cuda.synchronize), the profiled step left out. Peak memory is
 torch.cuda.max_memory_allocated (reset between runs, counted above what the run found allocated,
 so that an earlier variant's leftovers do not count) plus, for TIDE, the arena: on the CUDA-IPC
 fabric it is a cudaMalloc outside torch's allocator and holds the unsharded parameters that

@@ -25,8 +25,9 @@ def test_launcher_runs_tide_plan_from_anywhere(tmp_path):
     assert os.access(tide, os.X_OK)
     assert pathlib.Path(site, "tide-checkout.pth").read_text().strip() == str(ROOT)
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    r = subprocess.run([tide, "plan", "--model", "llama3.1-70b", "--nodes", "8", "--gpus-per-node", "8"],
-                       capture_output=True, text=True, cwd=tmp_path, env=env, timeout=120)
+    r = subprocess.run([tide, "plan", "--model", "llama3.1-70b", "--nodes", "8",
+                        "--gpus-per-node", "8"], capture_output=True, text=True, cwd=tmp_path,
+                       env=env, timeout=120)
     assert r.returncode == 0, r.stderr
     assert "TIDE plan: llama3.1-70b / block" in r.stdout
     r = subprocess.run([tide, "--help"], capture_output=True, text=True, cwd=tmp_path, env=env)
@@ -38,5 +39,6 @@ def test_launcher_refuses_a_python_outside_a_venv():
         base = pathlib.Path(sys.base_prefix) / "bin" / "python3"
     else:
         base = pathlib.Path(sys.executable)
-    r = subprocess.run([base, ROOT / "tools" / "install_launcher.py"], capture_output=True, text=True)
+    r = subprocess.run([base, ROOT / "tools" / "install_launcher.py"], capture_output=True,
+                       text=True)
     assert r.returncode == 2 and "not in a virtual environment" in r.stderr

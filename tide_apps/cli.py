@@ -13,7 +13,6 @@ import sys
 from tide import cli as plan_cli
 
 
-
 def _cmd_demo(args: argparse.Namespace) -> int:
     from tide_apps import demo
     if args.steps < 2:

@@ -6,8 +6,8 @@ CPU: 4 gloo ranks as processes, emulating 2 nodes x 2 GPUs (TIDE's programs run 
 per-rank process-mode executor). CUDA: one process per GPU over NCCL (world = number of GPUs),
 or world 1 on one GPU. Rank 0 writes what it measured as JSON for the parent to print.
 
-Imported by tide_apps/demo.py only when it trains (``tide demo --no-train`` needs no torch). The
-model, its FSDP2 wrapping and the training loop are tide_apps/llama.py's.
+Imported by tide_apps/demo.py only when it trains (``tide demo --no-train`` needs no torch).
+The model, its FSDP2 wrapping and the training loop are tide_apps/llama.py's.
 """
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 import tide
 from tide_apps import llama
-from tide_apps.llama import COPY_OPS, compare_shards  # noqa: F401 - re-exported for the demo's tests
+from tide_apps.llama import COPY_OPS, compare_shards  # noqa: F401 - re-exported (the tests)
 
 RUNS = ("stock", "in_place", "slot_reuse")
 

@@ -56,7 +56,8 @@ class Block(nn.Module):
         super().__init__()
         if attention not in ATTENTION:
             raise ValueError(f"Llama: attention must be one of {ATTENTION}, got {attention!r}")
-        self.heads, self.kv_heads, self.hd, self.attention = heads, kv_heads, dim // heads, attention
+        self.heads, self.kv_heads, self.hd = heads, kv_heads, dim // heads
+        self.attention = attention
         self.attention_norm = RMSNorm(dim, eps)
         self.wq = nn.Linear(dim, heads * self.hd, bias=False)
         self.wk = nn.Linear(dim, kv_heads * self.hd, bias=False)

@@ -44,7 +44,7 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--json", default=None)
     ap.add_argument("--profile", action="store_true", help="the full-grid call's time by kernel (the profiler "
-                    "slows every later call: tide/bench/layout.py)")
+                    "slows every later call: tide_apps/bench/layout.py)")
     args = ap.parse_args(argv)
     if str(ROOT) not in sys.path:
         sys.path.insert(0, str(ROOT))  # run as a script from anywhere: the repo's tide

@@ -98,7 +98,7 @@ def main(argv=None) -> int:
     ap.add_argument("--trace", default=None, help="write each case's GPU events to TRACE.<i>.json (implies --timeline)")
     ap.add_argument("--timeline", action="store_true",
                     help="profile one call per case for the overlap columns; the profiler slows every later case "
-                         "(tide/bench/layout.py), so compare the ms of profiled cases only with each other")
+                         "(tide_apps/bench/layout.py), so compare the ms of profiled cases only with each other")
     ap.add_argument("cases", nargs="*", default=["/"])
     args = ap.parse_args(argv)
     if str(ROOT) not in sys.path:
