@@ -6,8 +6,9 @@ The model: token embedding (vocab, dim); per block RMSNorm, grouped-query attent
 wo; causal, no positional encoding), RMSNorm and a SwiGLU MLP (w2(silu(w1 x) * w3 x)); a final
 RMSNorm and an untied output head. Parameter names, shapes and order are
 tide_apps/llama_spec.param_specs' (the JAX twin in examples/flax_fsdp.py has the same). RMSNorm
-computes its statistics in fp32 and returns the input's dtype (so under
-MixedPrecisionPolicy(bf16, fp32) its gradients stay bf16, as FSDP2's reduce-scatter expects).
+is hand-written (not nn.RMSNorm): statistics and the weight's product in fp32, the result cast
+back to the input's dtype (bf16 under MixedPrecisionPolicy(bf16, fp32)), the numbers every
+caller's bitwise comparisons were taken with.
 Attention, chosen per caller and kept so (their results are compared bit for bit):
   "explicit": softmax(q k^T / sqrt(hd) + causal mask) in fp32, cast back (the demo, the tests:
               deterministic on CUDA too);
