@@ -1,7 +1,8 @@
 # Two commands for a newcomer (README): `make demo` runs the main job, `make test` runs the tests.
-# Both set up .venv (Python 3.12) and build the C++/CUDA core in place first. `make test` then
-# runs the tide_torch tests and the demo's tests a second time on the newest torch release
-# (.venv-torch-newest, requirements/torch-newest.txt), next to the same in-place core.
+# Both set up .venv (Python 3.12), build the C++/CUDA core in place and install the `tide`
+# command (.venv/bin/tide, the checkout on the venv's path: tools/install_launcher.py) first.
+# `make test` then runs the tide_torch tests and the demo's tests a second time on the newest
+# torch release (.venv-torch-newest, requirements/torch-newest.txt), next to the same core.
 SHELL := /bin/bash
 export PYENV_VERSION ?= 3.12.1
 PYTHON312 ?= $(shell command -v python3.12 || command -v python3)
@@ -15,7 +16,7 @@ TORCH_TESTS := $(wildcard tests/test_torch_*.py) tests/test_demo.py
 .PHONY: demo test test-torch-newest build venv venv-torch-newest clean
 
 demo: build
-	$(PY) -m tide demo
+	$(PY) -m tide_apps demo
 
 test: build venv-torch-newest
 	$(PY) -m pytest -q tests $(PYTEST_ARGS)
@@ -27,6 +28,7 @@ test-torch-newest: build venv-torch-newest
 
 build: $(VENV)/.stamp
 	PYTHON=$(PY) tools/build.sh
+	$(PY) tools/install_launcher.py
 
 venv: $(VENV)/.stamp
 

@@ -12,12 +12,13 @@ time, peak memory, loss and FSDP2's layout copies for each.
     python examples/fsdp2_llama.py --device cpu
     python examples/fsdp2_llama.py --device cpu --world 4 --nodes 2 --steps 10 --variants stock,tide_slot_reuse
 
-Model, initial weights, tokens and AdamW hyperparameters come from examples/_llama_common.py,
-shared with examples/flax_fsdp.py (the same model in JAX): every run starts from the same numpy
-weights (--seed) with MixedPrecisionPolicy(bf16, fp32), rank r trains on rows [r B, (r + 1) B)
-of the same global batches (B = --batch), and the loss printed is the mean over every rank's
-tokens. Step time is the median over the steps after ``--warmup`` (each step ends with
-torch.cuda.synchronize), the profiled step left out. Peak memory is
+The model and its training loop are tide_apps/llama.py's (the demo's and the tests' too; here
+with PyTorch's fused attention). Its sizes, initial weights, tokens and AdamW hyperparameters
+come from tide_apps/llama_spec.py, shared with examples/flax_fsdp.py (the same model in JAX):
+every run starts from the same numpy weights (--seed) with MixedPrecisionPolicy(bf16, fp32),
+rank r trains on rows [r B, (r + 1) B) of the same global batches (B = --batch), and the loss
+printed is the mean over every rank's tokens. Step time is the median over the steps after
+``--warmup`` (each step ends with torch.cuda.synchronize), the profiled step left out. Peak memory is
 torch.cuda.max_memory_allocated (reset between runs, counted above what the run found allocated,
 so that an earlier variant's leftovers do not count) plus, for TIDE, the arena: on the CUDA-IPC
 fabric it is a cudaMalloc outside torch's allocator and holds the unsharded parameters that
@@ -25,7 +26,7 @@ stock FSDP2 allocates through it. On CPU the table shows the process's peak RSS 
 between runs) and the JSON has null. Layout copies: FSDP2's all-gather copy-in, copy-out
 (split_with_sizes_copy) and reduce-scatter pack (_chunk_cat), calls and bytes written in one
 step on rank 0, counted by torch.profiler (step 1; step 0 builds the unsharded parameters).
-``--json PATH`` (rank 0) writes {"framework", "device", "world", "model" (_llama_common.describe),
+``--json PATH`` (rank 0) writes {"framework", "device", "world", "model" (llama_spec.describe),
 "runs": [{"name", "step_ms",
 "peak_bytes", "final_loss", "losses", "layout_copies": {op: {"calls", "bytes"}},
 "copies_source"}]}.
@@ -33,7 +34,6 @@ step on rank 0, counted by torch.profiler (step 1; step 0 builds the unsharded p
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gc
 import glob
 import json
@@ -41,15 +41,11 @@ import os
 import statistics
 import sys
 import tempfile
-import time
 import warnings
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-import torch.nn.functional as F
-
-import _llama_common as common  # examples/: the script's directory is on sys.path
 
 # A checkout whose core is built in place (make build) runs from the checkout; otherwise the
 # installed packages (pip install .) are used.
@@ -57,72 +53,26 @@ _ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 if glob.glob(os.path.join(_ROOT, "tide", "_core*.so")):
     sys.path.insert(0, _ROOT)
 
+from tide_apps import llama  # noqa: E402 - the checkout's, when its core is built in place
+from tide_apps import llama_spec as common  # noqa: E402
+
 VARIANTS = {"stock": None, "tide_in_place": "in_place", "tide_slot_reuse": "slot_reuse"}
 PROFILE_STEP = 1  # step 0 builds the unsharded parameters: the layout copies of a later one
 
 
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float = common.RMS_EPS):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x):
-        x32 = x.float()
-        y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (y * self.weight.float()).type_as(x)
-
-
-class Block(nn.Module):
-    def __init__(self, dim: int, heads: int, kv_heads: int, hidden: int):
-        super().__init__()
-        self.heads, self.kv_heads, self.hd = heads, kv_heads, dim // heads
-        self.attention_norm = RMSNorm(dim)
-        self.wq = nn.Linear(dim, heads * self.hd, bias=False)
-        self.wk = nn.Linear(dim, kv_heads * self.hd, bias=False)
-        self.wv = nn.Linear(dim, kv_heads * self.hd, bias=False)
-        self.wo = nn.Linear(heads * self.hd, dim, bias=False)
-        self.ffn_norm = RMSNorm(dim)
-        self.w1 = nn.Linear(dim, hidden, bias=False)
-        self.w2 = nn.Linear(hidden, dim, bias=False)
-        self.w3 = nn.Linear(dim, hidden, bias=False)
-
-    def forward(self, x):
-        b, t, _ = x.shape
-        h = self.attention_norm(x)
-        q = self.wq(h).view(b, t, self.heads, self.hd).transpose(1, 2)
-        k = self.wk(h).view(b, t, self.kv_heads, self.hd).transpose(1, 2)
-        v = self.wv(h).view(b, t, self.kv_heads, self.hd).transpose(1, 2)
-        rep = self.heads // self.kv_heads
-        y = F.scaled_dot_product_attention(q, k.repeat_interleave(rep, 1),
-                                           v.repeat_interleave(rep, 1), is_causal=True)
-        x = x + self.wo(y.transpose(1, 2).reshape(b, t, -1))
-        n = self.ffn_norm(x)
-        return x + self.w2(F.silu(self.w1(n)) * self.w3(n))
-
-
-class Llama(nn.Module):
-    def __init__(self, vocab: int, dim: int, layers: int, heads: int, kv_heads: int, hidden: int):
-        super().__init__()
-        self.tok_embeddings = nn.Embedding(vocab, dim)
-        self.layers = nn.ModuleList(Block(dim, heads, kv_heads, hidden) for _ in range(layers))
-        self.norm = RMSNorm(dim)
-        self.output = nn.Linear(dim, vocab, bias=False)
-
-    def forward(self, tokens):
-        h = self.tok_embeddings(tokens)
-        for layer in self.layers:
-            h = layer(h)
-        return self.output(self.norm(h))
+def Llama(vocab: int, dim: int, layers: int, heads: int, kv_heads: int, hidden: int) -> nn.Module:
+    """The example's Llama: tide_apps.llama's model with PyTorch's fused attention (SDPA)."""
+    return llama.Llama(vocab, dim, layers, heads, kv_heads, hidden, attention="sdpa",
+                       eps=common.RMS_EPS)
 
 
 def load_weights(model: nn.Module, args) -> None:
-    """Fills `model` (parameters still unsharded) with _llama_common's numpy weights, checking
+    """Fills `model` (parameters still unsharded) with llama_spec's numpy weights, checking
     that its parameters are the shared specification's, name by name and shape by shape."""
     params = dict(model.named_parameters())
     specs = common.param_specs(args)
     if [(n, tuple(p.shape)) for n, p in params.items()] != [(n, s) for n, s, _ in specs]:
-        raise RuntimeError("the torch Llama's parameters differ from _llama_common.param_specs")
+        raise RuntimeError("the torch Llama's parameters differ from llama_spec.param_specs")
     with torch.no_grad():
         for name, w in common.init_weights(args, args.seed):
             params[name].copy_(torch.from_numpy(w))
@@ -131,9 +81,7 @@ def load_weights(model: nn.Module, args) -> None:
 def run(args, device: torch.device, variant: str) -> tuple[dict, dict]:
     import tide
     import tide_torch
-    from tide_torch.demo_train import layout_copies
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     cuda = device.type == "cuda"
     # What an earlier variant left allocated in this process is not this run's: peaks are counted
@@ -149,10 +97,7 @@ def run(args, device: torch.device, variant: str) -> tuple[dict, dict]:
     model.to_empty(device=device)
     load_weights(model, args)
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    for layer in model.layers:
-        fully_shard(layer, mesh=mesh, mp_policy=mp)
-    fully_shard(model, mesh=mesh, mp_policy=mp)
+    llama.fully_shard_llama(model, mesh)  # MixedPrecisionPolicy(bf16, fp32)
     handle = None
     if VARIANTS[variant] is not None:
         topo = None
@@ -172,7 +117,6 @@ def run(args, device: torch.device, variant: str) -> tuple[dict, dict]:
     if cuda:
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
-    times, losses = [], []
     phases = {}  # --phases: the largest peak of each step phase over the steps (CUDA)
 
     def phase(name):
@@ -181,31 +125,10 @@ def run(args, device: torch.device, variant: str) -> tuple[dict, dict]:
             phases[name] = max(phases.get(name, 0), torch.cuda.max_memory_allocated(device) - base)
             torch.cuda.reset_peak_memory_stats(device)
 
-    copies = None
-    for i, tokens in enumerate(data):
-        profiling = rank == 0 and i == min(PROFILE_STEP, args.steps - 1)
-        with (torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
-                                     record_shapes=True) if profiling
-              else contextlib.nullcontext()) as prof:
-            t0 = time.perf_counter()
-            logits = model(tokens[:, :-1])
-            loss = F.cross_entropy(logits.float().reshape(-1, args.vocab),
-                                   tokens[:, 1:].reshape(-1))
-            del logits
-            phase("forward")
-            loss.backward()
-            phase("backward")
-            opt.step()
-            opt.zero_grad()
-            phase("optimizer")
-            if cuda:
-                torch.cuda.synchronize(device)
-            times.append(time.perf_counter() - t0)
-        if profiling:
-            copies = layout_copies(prof, world)
-        mean = loss.detach().clone()  # this rank's tokens' mean -> every rank's (equal counts)
-        dist.all_reduce(mean)
-        losses.append(mean.item() / world)
+    profile_step = min(PROFILE_STEP, args.steps - 1)
+    done = llama.train(model, data, opt, device=device, phase=phase, mean_over_ranks=True,
+                       profile_step=profile_step if rank == 0 else None)
+    times, losses, copies = done.times, done.losses, done.copies
     arena = handle.memory()["arena_bytes"] if handle else 0
     if cuda:
         peak = max([torch.cuda.max_memory_allocated(device) - base] + list(phases.values()))
@@ -218,7 +141,7 @@ def run(args, device: torch.device, variant: str) -> tuple[dict, dict]:
     stats = {"name": variant, "step_ms": statistics.median(timed or times[-1:]) * 1e3,
              "peak_bytes": int(peak), "final_loss": losses[-1], "losses": losses,
              "layout_copies": copies,
-             "copies_source": f"torch.profiler, rank 0, step {min(PROFILE_STEP, args.steps - 1)}",
+             "copies_source": f"torch.profiler, rank 0, step {profile_step}",
              # printed, not in the JSON:
              "arena_bytes": arena, "transport": handle.transport if handle else "stock",
              "fallbacks": handle.fallbacks if handle else {}, "phases": phases,
@@ -301,8 +224,12 @@ def main_worker(rank: int, world: int, init: str, args) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    intro, usage = __doc__.split("\n\nThe model")[0].split("\n\n", 1)  # whole paragraphs
+    ap = argparse.ArgumentParser(description=intro, epilog="examples:\n" + usage,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                    choices=("cuda", "cpu"),
+                    help="cuda: NCCL, one GPU per rank (default when torch sees a GPU); cpu: gloo")
     ap.add_argument("--world", type=int, default=None,
                     help="ranks to spawn without torchrun (CPU default 4, CUDA default 1)")
     ap.add_argument("--nodes", type=int, default=0,
@@ -312,15 +239,16 @@ def main() -> None:
                          "NCCL over loopback sockets): correctness and overheads, not bandwidth")
     ap.add_argument("--variants", default=",".join(VARIANTS),
                     help=f"comma-separated subset of {','.join(VARIANTS)}")
-    ap.add_argument("--transport", default="auto",
-                    choices=("auto", "executor"))
+    ap.add_argument("--transport", default="auto", choices=("auto", "executor"),
+                    help="tide_torch.enable(transport=...): auto (TIDE's executor for the model's "
+                         "device, stock FSDP2 where it cannot run) or executor (raise instead)")
     ap.add_argument("--serve-single-rank", action="store_true",
                     help="world 1: run TIDE's path anyway (tide_torch.enable(serve_single_rank=True)); "
                          "without it a one-rank job keeps stock FSDP2")
     ap.add_argument("--fabric", default="auto", choices=("auto", "ipc", "nccl"),
                     help="the CUDA executor's fabric (tide_torch.enable(fabric=...))")
     common.add_args(ap)  # --size, --vocab ... --batch (per rank), --seq, --seed
-    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--steps", type=int, default=10, help="AdamW steps per variant (default 10)")
     ap.add_argument("--warmup", type=int, default=3, help="steps left out of the median")
     ap.add_argument("--json", default=None, help="write the results (rank 0) to this path")
     ap.add_argument("--phases", action="store_true",

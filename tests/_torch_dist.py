@@ -1,12 +1,14 @@
 """Helpers for tide_torch's multi-process CPU tests: a tiny Llama, FSDP2 set-up, a spawner.
 
+The model, its FSDP2 wrapping and the training loop are tide_apps/llama.py's (the demo's and the
+example's too); this file picks the tests' sizes and keeps their call signatures.
+
 Ranks are processes (torch.multiprocessing, forkserver by default; TIDE_TEST_START=fork|spawn)
 on a gloo process group initialised from a file, so concurrent test runs never fight over ports.
 World 4 by default.
 """
 from __future__ import annotations
 
-import math
 import os
 import tempfile
 import traceback
@@ -16,7 +18,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn as nn
-import torch.nn.functional as F
+
+from tide_apps.llama import Llama, fully_shard_llama, local_shards, reshard
+from tide_apps.llama import train as llama_train
 
 VOCAB = 37      # dim 0 not divisible by the world size
 DIM = 16
@@ -25,72 +29,9 @@ N_KV = 2        # GQA
 HIDDEN = 24
 
 
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float = 1e-6):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))  # 1-D
-
-    def forward(self, x):
-        x32 = x.float()
-        y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (y * self.weight.float()).type_as(x)
-
-
-class Attention(nn.Module):
-    def __init__(self):
-        super().__init__()
-        hd = DIM // N_HEADS
-        self.wq = nn.Linear(DIM, N_HEADS * hd, bias=False)
-        self.wk = nn.Linear(DIM, N_KV * hd, bias=False)
-        self.wv = nn.Linear(DIM, N_KV * hd, bias=False)
-        self.wo = nn.Linear(N_HEADS * hd, DIM, bias=False)
-
-    def forward(self, x):
-        b, t, _ = x.shape
-        hd = DIM // N_HEADS
-        q = self.wq(x).view(b, t, N_HEADS, hd).transpose(1, 2)
-        k = self.wk(x).view(b, t, N_KV, hd).transpose(1, 2)
-        v = self.wv(x).view(b, t, N_KV, hd).transpose(1, 2)
-        rep = N_HEADS // N_KV
-        k = k.repeat_interleave(rep, dim=1)
-        v = v.repeat_interleave(rep, dim=1)
-        att = (q @ k.transpose(-2, -1)) / math.sqrt(hd)
-        mask = torch.full((t, t), float("-inf"), device=x.device).triu(1)
-        att = F.softmax(att.float() + mask, dim=-1).type_as(q)
-        y = (att @ v).transpose(1, 2).reshape(b, t, N_HEADS * hd)
-        return self.wo(y)
-
-
-class Block(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.attention_norm = RMSNorm(DIM)
-        self.attention = Attention()
-        self.ffn_norm = RMSNorm(DIM)
-        self.w1 = nn.Linear(DIM, HIDDEN, bias=False)
-        self.w2 = nn.Linear(HIDDEN, DIM, bias=False)
-        self.w3 = nn.Linear(DIM, HIDDEN, bias=False)
-
-    def forward(self, x):
-        h = x + self.attention(self.attention_norm(x))
-        n = self.ffn_norm(h)
-        return h + self.w2(F.silu(self.w1(n)) * self.w3(n))
-
-
-class TinyLlama(nn.Module):
-    def __init__(self, n_layers: int = 3):
-        super().__init__()
-        self.tok_embeddings = nn.Embedding(VOCAB, DIM)
-        self.layers = nn.ModuleList(Block() for _ in range(n_layers))
-        self.norm = RMSNorm(DIM)
-        self.output = nn.Linear(DIM, VOCAB, bias=False)
-
-    def forward(self, tokens):
-        h = self.tok_embeddings(tokens)
-        for layer in self.layers:
-            h = layer(h)
-        return self.output(self.norm(h))
+def TinyLlama(n_layers: int = 3) -> nn.Module:
+    """The tests' Llama: tide_apps.llama's model at these sizes, explicit-softmax attention."""
+    return Llama(VOCAB, DIM, n_layers, N_HEADS, N_KV, HIDDEN, attention="explicit")
 
 
 def mesh_1d(device_type: str = "cpu"):
@@ -103,21 +44,14 @@ def build(seed: int = 0, *, n_layers: int = 3, mesh=None, reshard_after_forward:
           dtype=torch.float32, device=None) -> nn.Module:
     """``device``: where the model lives (default CPU); initial values are drawn on CPU, so
     they are the same on every device."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     torch.manual_seed(seed)
     model = TinyLlama(n_layers).to(dtype)
     if device is not None:
         model = model.to(device)
-    if mp_policy is None:
-        mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    for i, layer in enumerate(model.layers):
-        raf = reshard_after_forward
-        if last_no_reshard and i == n_layers - 1:
-            raf = False
-        fully_shard(layer, mesh=mesh, reshard_after_forward=raf, mp_policy=mp_policy,
-                    shard_placement_fn=shard_placement_fn if i == 0 else None)
-    fully_shard(model, mesh=mesh, mp_policy=mp_policy)
-    return model
+    return fully_shard_llama(model, mesh, mp_policy=mp_policy,
+                             reshard_after_forward=reshard_after_forward,
+                             last_no_reshard=last_no_reshard,
+                             shard_placement_fn=shard_placement_fn)
 
 
 def batches(n: int, *, same_on_all_ranks: bool, seed: int = 1, batch: int = 2, seq: int = 8):
@@ -129,37 +63,13 @@ def batches(n: int, *, same_on_all_ranks: bool, seed: int = 1, batch: int = 2, s
 def train(model: nn.Module, data: list, *, accumulate: int = 1, lr: float = 1e-2,
           set_sync: bool = False, loss_scale: float = 1.0, device=None,
           optimizer: str = "adamw") -> list[float]:
+    """tide_apps.llama.train with AdamW (weight decay 0.1) or SGD; the loss of every batch."""
     if optimizer == "adamw":
         opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1)
     else:  # linear in the gradients: no sign amplification when comparing devices
         opt = torch.optim.SGD(model.parameters(), lr=lr)
-    losses = []
-    for step in range(len(data) // accumulate):
-        for micro in range(accumulate):
-            tokens = data[step * accumulate + micro]
-            if device is not None:
-                tokens = tokens.to(device)
-            if set_sync:
-                model.set_requires_gradient_sync(micro == accumulate - 1)
-            logits = model(tokens[:, :-1])
-            loss = F.cross_entropy(logits.float().reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
-            (loss * loss_scale if loss_scale != 1.0 else loss).backward()
-            losses.append(loss.item())
-        opt.step()
-        opt.zero_grad()
-    return losses
-
-
-def local_shards(model: nn.Module) -> dict[str, torch.Tensor]:
-    """This rank's parameter shards, on CPU."""
-    return {n: p.to_local().detach().cpu().clone() for n, p in model.named_parameters()}
-
-
-def reshard(model: nn.Module) -> None:
-    from torch.distributed.fsdp import FSDPModule
-    for m in model.modules():
-        if isinstance(m, FSDPModule):
-            m.reshard()
+    return llama_train(model, data, opt, accumulate=accumulate, set_sync=set_sync,
+                       loss_scale=loss_scale, device=device).losses
 
 
 def assert_same(model: nn.Module, stock: nn.Module, what: str) -> None:
@@ -201,7 +111,8 @@ def _start_method() -> str:
     if method == "forkserver":
         import multiprocessing
         multiprocessing.set_forkserver_preload(
-            ["torch", "torch.distributed.fsdp", "tide", "tide_torch", "_torch_dist"])
+            ["torch", "torch.distributed.fsdp", "tide", "tide_torch", "tide_apps.llama",
+             "_torch_dist"])
     return method
 
 

@@ -12,9 +12,9 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("matplotlib")
 
-from tide import cli  # noqa: E402
-from tide.bench import collectives as coll  # noqa: E402
-from tide.bench import common  # noqa: E402
+from tide_apps import cli  # noqa: E402
+from tide_apps.bench import collectives as coll  # noqa: E402
+from tide_apps.bench import common  # noqa: E402
 
 PNG = b"\x89PNG\r\n\x1a\n"
 TINY = ["--context", "cpu", "--reps", "2", "--warmup", "1"]
@@ -144,7 +144,7 @@ def test_bench_rs_on_node_splits(capsys, tmp_path):
 
 def test_bench_interference_nccl_cta_limits_are_parsed():
     """--nccl-ctas (Table 4's NCCL <= 8 / <= 4 CTA rows): parsed, a bad value is refused early."""
-    from tide.bench.interference import _nccl_ctas
+    from tide_apps.bench.interference import _nccl_ctas
     assert _nccl_ctas("default,8,4") == [None, 8, 4]
     assert _nccl_ctas(None) == [None]
     with pytest.raises(SystemExit, match="'0' is neither"):
@@ -409,7 +409,7 @@ def test_ce_proof_runs_bounded(capsys, tmp_path):
 
 def test_layout_plot_from_a_result(tmp_path):
     """`tide bench layout --plot`: the figure is drawn from the measured rows (no GPU needed)."""
-    from tide.bench.layout import plot_layout
+    from tide_apps.bench.layout import plot_layout
     steps = {"AG stock: rank-major + split_with_sizes_copy": 1.7,
              "AG TIDE: direct landing, P strided copies, 4 lane(s)": 1.1,
              "AG TIDE: direct landing, N*P batched copies, 4 lane(s)": 1.0,

@@ -1,4 +1,4 @@
-"""`tide plan` / `tide demo` and the built-in model groups."""
+"""`tide plan` / `tide demo` (the `tide` command: tide_apps.cli) and the built-in model groups."""
 import json
 import re
 from math import prod
@@ -6,7 +6,8 @@ from math import prod
 import pytest
 
 import tide
-from tide import _core, cli, models
+from tide import _core, models
+from tide_apps import cli
 
 
 def _run(capsys, *argv):

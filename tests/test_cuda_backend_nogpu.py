@@ -27,7 +27,7 @@ def test_multicast_gate_closed_without_opt_in(monkeypatch):
 
 
 def test_bench_layout_module_imports_without_gpu():
-    from tide.bench import layout
+    from tide_apps.bench import layout
     import tide
     from tide import models
     plan = tide.plan(models.signature(layout.GROUPS["llama70b"], "block"), tide.Topology(1, 8))
@@ -151,7 +151,7 @@ def test_layout_bench_reads_the_programs_tables(group):
     if not _core.built_with_cuda:
         pytest.skip("no CUDA build (the run tables are the CUDA executor's)")
     from tide import models
-    from tide.bench import layout
+    from tide_apps.bench import layout
     L = 8
     plan = tide.plan(models.signature(layout.GROUPS[group], "block"), tide.Topology(1, L))
     NS = L * 2 * plan.layout.E
@@ -175,7 +175,7 @@ def test_layout_bench_reads_the_programs_tables(group):
 def test_layout_bench_bit_diff():
     """bit_diff names the first differing element and its block row."""
     torch = pytest.importorskip("torch")
-    from tide.bench import layout
+    from tide_apps.bench import layout
     want = torch.arange(32, dtype=torch.float32)
     assert layout.bit_diff(torch, want, want.clone(), 16) == (True, None)
     bad = want.clone()

@@ -1,7 +1,8 @@
-"""examples/_llama_common.py and the two Llama examples built on it: the torch and the Flax model
-are one model (parameter names and shapes, the forward pass from the same weights and tokens),
-and the shared weights and tokens are deterministic. The examples' distributed runs side by
-side: tests/test_bench_cli.py (`tide bench train`)."""
+"""tide_apps/llama_spec.py and the two Llama examples built on it: the torch model
+(tide_apps/llama.py, as examples/fsdp2_llama.py builds it) and the Flax one are one model
+(parameter names and shapes, the forward pass from the same weights and tokens), and the shared
+weights and tokens are deterministic. The examples' distributed runs side by side:
+tests/test_bench_cli.py (`tide bench train`)."""
 from __future__ import annotations
 
 import importlib.util
@@ -31,7 +32,8 @@ def _load(name):
 def mods():
     before = os.environ.get("XLA_FLAGS")  # flax_fsdp.py asks for 8 host devices if unset
     try:
-        return _load("_llama_common"), _load("fsdp2_llama"), _load("flax_fsdp")
+        from tide_apps import llama_spec
+        return llama_spec, _load("fsdp2_llama"), _load("flax_fsdp")
     finally:
         if before is None:
             os.environ.pop("XLA_FLAGS", None)

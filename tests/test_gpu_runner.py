@@ -77,7 +77,7 @@ def _check_pytest_args(args, where):
 
 def test_every_stage_command_refers_to_things_that_exist(tmp_path):
     bench_choices = set(re.search(r'bp\.add_argument\("which", choices=\[([^\]]*)\]',
-                                  (ROOT / "tide" / "cli.py").read_text()).group(1).replace('"', "").replace(" ", "").split(","))
+                                  (ROOT / "tide_apps" / "cli.py").read_text()).group(1).replace('"', "").replace(" ", "").split(","))
     seen_pytest = 0
     for (ngpu, multi), table in _tables(tmp_path):
         assert set(table) >= {"build", "smoke", "suite", "kernels", "executor", "cudaipc",
@@ -94,7 +94,8 @@ def test_every_stage_command_refers_to_things_that_exist(tmp_path):
                 assert _check_pytest_args(cmd[3:], where), f"{where}: selects no path"
                 seen_pytest += 1
                 continue
-            if cmd[:3] == ["python3", "-m", "tide"]:
+            assert cmd[:3] != ["python3", "-m", "tide"] or cmd[3] == "plan", where  # demo, bench: tide_apps
+            if cmd[:3] == ["python3", "-m", "tide_apps"]:
                 assert cmd[3] in ("bench", "demo"), where
                 if cmd[3] == "bench":
                     assert cmd[4] in bench_choices, f"{where}: tide bench {cmd[4]} is not a bench"

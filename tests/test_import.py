@@ -1,13 +1,16 @@
-"""The house rules of the Python packages: `tide` never loads a framework, and no module of
-tide / tide_torch / tide_xla imports itself back through another (lazy imports included)."""
+"""The house rules of the Python packages: `tide` never loads a framework and imports no face
+(tide_torch, tide_xla) nor tide_apps, not even lazily; tide_apps' CLI, demo and benches load a
+framework only when they run; and no module of tide / tide_torch / tide_xla / tide_apps imports
+itself back through another (lazy imports included)."""
 import ast
 import pathlib
 import subprocess
 import sys
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-PACKAGES = ("tide", "tide_torch", "tide_xla")
+PACKAGES = ("tide", "tide_torch", "tide_xla", "tide_apps")
 FRAMEWORKS = ("torch", "jax", "jaxlib", "flax", "tide_torch", "tide_xla")
+ABOVE_CORE = ("tide_torch", "tide_xla", "tide_apps")  # what `tide` must never import
 
 
 def test_import_without_frameworks():
@@ -19,16 +22,44 @@ def test_import_without_frameworks():
     assert "plan" in out.stdout
 
 
-def test_import_tide_loads_no_framework():
-    """With torch and jax installed, `import tide` (and its CLI, demo, benches) loads neither."""
-    mods = ["tide", "tide.cli", "tide.demo", "tide.report", "tide.cluster", "tide.options"]
-    mods += [f"tide.bench.{p.stem}" for p in sorted((ROOT / "tide" / "bench").glob("*.py")) if p.stem != "__init__"]
+def _loaded_frameworks(mods: list[str]) -> str:
     code = ("import importlib, sys\n"
             f"for m in {mods!r}: importlib.import_module(m)\n"
             f"print(sorted(k for k in sys.modules if k.split('.')[0] in {FRAMEWORKS!r}))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "[]", f"framework modules loaded by tide: {out.stdout}"
+    return out.stdout.strip()
+
+
+def test_import_tide_loads_no_framework():
+    """With torch and jax installed, `import tide` (and its CLI) loads neither."""
+    mods = [_module_name(p) for p in sorted((ROOT / "tide").rglob("*.py")) if p.stem != "__main__"]
+    got = _loaded_frameworks(mods)
+    assert got == "[]", f"framework modules loaded by tide: {got}"
+
+
+def test_apps_cli_demo_and_benches_load_no_framework_until_they_run():
+    """`tide plan`, `tide demo --no-train` and `tide bench --help` need no framework: tide_apps'
+    CLI, demo and benches import torch / jax only inside the functions that use them."""
+    mods = ["tide_apps", "tide_apps.cli", "tide_apps.demo", "tide_apps.llama_spec"]
+    mods += [f"tide_apps.bench.{p.stem}" for p in sorted((ROOT / "tide_apps" / "bench").glob("*.py"))
+             if p.stem != "__init__"]
+    got = _loaded_frameworks(mods)
+    assert got == "[]", f"framework modules loaded by tide_apps' CLI, demo or benches: {got}"
+
+
+def test_tide_imports_no_face_and_no_apps_even_lazily():
+    """Arrows point down: tide_apps -> tide_torch / tide_xla -> tide. Every import statement of
+    every tide module (in functions too) is checked."""
+    bad = {}
+    for p in (ROOT / "tide").rglob("*.py"):
+        for n in ast.walk(ast.parse(p.read_text())):
+            names = ([a.name for a in n.names] if isinstance(n, ast.Import) else
+                     [n.module or ""] if isinstance(n, ast.ImportFrom) and n.level == 0 else [])
+            hits = [m for m in names if m.split(".")[0] in ABOVE_CORE]
+            if hits:
+                bad.setdefault(str(p.relative_to(ROOT)), []).extend(hits)
+    assert not bad, f"tide imports a face or tide_apps: {bad}"
 
 
 def _module_name(path: pathlib.Path) -> str:
@@ -108,7 +139,7 @@ def _cycle(graph):
 
 def test_module_graph_has_no_cycles():
     graph = _import_graph()
-    assert "tide.cli" in graph and "tide.demo" in graph and "tide_torch.comm" in graph
+    assert "tide.cli" in graph and "tide_apps.demo" in graph and "tide_torch.comm" in graph
     assert _cycle(graph) is None, " -> ".join(_cycle(graph))
 
 

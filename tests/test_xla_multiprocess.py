@@ -96,20 +96,21 @@ def test_a_process_that_traces_but_never_runs_times_out_naming_its_ranks(tmp_pat
 EXAMPLE = os.path.join(REPO, "examples", "flax_fsdp.py")
 
 
-def _example(tmp_path, processes: int) -> dict:
+def _example(tmp_path, processes: int, check: bool = False) -> tuple[dict, str]:
+    """The example's --json and its stdout; `check`: with its own one-process check."""
     out = tmp_path / f"flax_{processes}.json"
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=8",
                PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]))
     r = subprocess.run([sys.executable, EXAMPLE, "--steps", "3", "--runs", "tide_xla", "--processes",
-                        str(processes), "--json", str(out)], env=env, capture_output=True, text=True,
-                       timeout=240)
+                        str(processes), "--json", str(out), *([] if check else ["--no-check"])],
+                       env=env, capture_output=True, text=True, timeout=360 if check else 240)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
-    return json.loads(out.read_text())
+    return json.loads(out.read_text()), r.stdout
 
 
 @pytest.fixture(scope="module")
 def flax_one_process(tmp_path_factory):
-    return _example(tmp_path_factory.mktemp("flax"), 1)
+    return _example(tmp_path_factory.mktemp("flax"), 1)[0]
 
 
 @pytest.mark.parametrize("processes", [2, 4])
@@ -117,7 +118,11 @@ def test_flax_example_across_processes_ends_bitwise_equal(tmp_path, flax_one_pro
     """examples/flax_fsdp.py --processes N: the tiny Llama's 3 AdamW steps through
     tide_xla end with the same parameter bytes as one process holding the 8 devices."""
     one = flax_one_process
-    many = _example(tmp_path, processes)
+    many, stdout = _example(tmp_path, processes, check=processes == 2)
+    if processes == 2:  # the example's own check, printed (and gloo's connection lines dropped)
+        assert ("parameter bytes after 3 steps, tide_xla: 2 processes vs 1 process: bitwise "
+                "equal") in stdout, stdout[-2000:]
+        assert "[Gloo]" not in stdout
     assert one["world"] == many["world"] == 8
     a, b = one["runs"][0], many["runs"][0]
     assert a["name"] == b["name"] == "tide_xla" and len(b["losses"]) == 3

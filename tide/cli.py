@@ -1,4 +1,8 @@
-"""`tide` command line: `tide plan`, `tide demo`, `tide bench ag|rs|interference|train|layout|hostcall`."""
+"""`tide plan`: the planner's command line (framework-free, like all of `tide`).
+
+`python -m tide plan ...` runs it alone; the `tide` command (the console script, from the
+applications package above the faces) adds `tide demo` and `tide bench ...` to it through
+add_plan_command. Nothing here imports a framework, a face or that package."""
 from __future__ import annotations
 
 import argparse
@@ -181,59 +185,23 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cmd_demo(args: argparse.Namespace) -> int:
-    from tide import demo
-    if args.steps < 2:
-        print("tide demo: error: --steps must be >= 2 (step 1 is the profiled one)",
-              file=sys.stderr)
-        return 2
-    return demo.main(device=args.device, train_steps=None if args.no_train else args.steps)
-
-
-def _cmd_bench(which: str, rest: list[str]) -> int:
-    if which in ("ag", "rs"):
-        from tide.bench import collectives
-        return collectives.main(rest, op=which) or 0
-    if which == "interference":
-        from tide.bench import interference
-        return interference.main(rest) or 0
-    if which == "train":
-        from tide.bench import train
-        return train.main(rest) or 0
-    if which == "hostcall":
-        from tide.bench import hostcall
-        return hostcall.main(rest) or 0
-    from tide.bench import layout
-    return layout.main(rest) or 0
+def add_plan_command(sub) -> None:
+    """Adds `plan` to an argparse sub-parser set (this CLI's, and the `tide` command's)."""
+    pp = sub.add_parser("plan", help="plan a parameter group and print the memory model")
+    _add_plan_args(pp)
+    pp.set_defaults(run=_cmd_plan)
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="tide", description=__doc__)
+    """`python -m tide plan ...`: the planner alone (`tide demo` and `tide bench` use a framework:
+    they are the `tide` command's, which has `plan` as well)."""
+    ap = argparse.ArgumentParser(prog="python -m tide", description=__doc__.split("\n\n")[0],
+                                 epilog="`tide demo` and `tide bench ...`: run the `tide` command "
+                                        "(.venv/bin/tide after make; pip's console script)")
     sub = ap.add_subparsers(dest="cmd", required=True)
-    pp = sub.add_parser("plan", help="plan a parameter group and print the memory model")
-    _add_plan_args(pp)
-    dp = sub.add_parser("demo", help="the main job: TIDE-AG/RS on a virtual cluster, checked; "
-                        "FSDP2 training with and without TIDE, checked bit for bit; the "
-                        "planner's view of Llama-3.1-70B on 8x8 GPUs")
-    dp.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
-                    help="where the training section runs (auto: the GPUs when the GPU path "
-                         "can run, else 2 nodes x 2 gloo processes on the CPU)")
-    dp.add_argument("--steps", type=int, default=4, help="AdamW steps per training run")
-    dp.add_argument("--no-train", action="store_true", help="skip the training section")
-    bp = sub.add_parser("bench", help="benchmarks: TIDE and the stock path side by side",
-                        add_help=False)
-    bp.add_argument("which", choices=["ag", "rs", "interference", "train", "layout", "hostcall"],
-                    help="ag/rs: latency tables (paper Tables 7, 8); interference: victim slowdown "
-                         "(Tables 4, 6); train: step time, memory, loss; layout: one GPU, N virtual "
-                         "ranks; hostcall: host time per call of tide_torch's CUDA path")
-    args, rest = ap.parse_known_args(argv)
-    if args.cmd == "bench":
-        return _cmd_bench(args.which, rest)
-    if rest:
-        ap.error(f"unrecognized arguments: {' '.join(rest)}")
-    if args.cmd == "plan":
-        return _cmd_plan(args)
-    return _cmd_demo(args)
+    add_plan_command(sub)
+    args = ap.parse_args(argv)
+    return args.run(args)
 
 
 if __name__ == "__main__":

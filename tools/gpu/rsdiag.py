@@ -8,7 +8,7 @@ them. Each row prints ms and x floor (its bytes over the measured device-to-devi
         packed by cuda.reduce_runs): as the executors launch it (kernels.cu's SUM for an op in the
         Level-1 shape, else REDUCE) and as REDUCE on the same table, at the solver's budget and a
         full grid (SMs x resident CTAs), at the full grid under ExecutorOptions(cta_split='ranges')
-        and (full_grid='wave') (tide.bench.layout.ReduceOp binds the table's slots to buffers)
+        and (full_grid='wave') (tide_apps.bench.layout.ReduceOp binds the table's slots to buffers)
   land  rank 0's LAND ops (REDUCE on their run tables) in program order, the same budgets / options
   copy  rank 0's Level-1 pushes (tide._core.rs_level1_copies: the descriptors of its COPY ops, one
         submission per owner as the executor issues one COPY op per owner; each owner's staging
@@ -22,7 +22,7 @@ them. Each row prints ms and x floor (its bytes over the measured device-to-devi
 Bytes: an op's run table (every present term read, the fp32 destination written), a copy's width
 x height read and written, a call's every COPY / PUT descriptor and run table over all ranks (ZERO
 ops carry no size in the listings: their time is time above the floor). ms: the median device time;
-a call's host enqueue is kept off the clock (tide.bench.layout._call_ms). Checks: a Level-1 SUM
+a call's host enqueue is kept off the clock (tide_apps.bench.layout._call_ms). Checks: a Level-1 SUM
 gives REDUCE's bits on the same table, and every call variant gives the first one's bits.
 """
 from __future__ import annotations
@@ -39,12 +39,12 @@ ROOT = Path(__file__).resolve().parents[2]
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="tools/gpu/rsdiag.py", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--group", default="llama70b", help="a group of tide.bench.layout.GROUPS")
+    ap.add_argument("--group", default="llama70b", help="a group of tide_apps.bench.layout.GROUPS")
     ap.add_argument("--ranks", type=int, default=8)
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--json", default=None)
     ap.add_argument("--profile", action="store_true", help="the full-grid call's time by kernel (the profiler "
-                    "slows every later call: tide/bench/layout.py)")
+                    "slows every later call: tide_apps/bench/layout.py)")
     args = ap.parse_args(argv)
     if str(ROOT) not in sys.path:
         sys.path.insert(0, str(ROOT))  # run as a script from anywhere: the repo's tide
@@ -52,8 +52,8 @@ def main(argv=None) -> int:
 
     import tide
     from tide import _core as core, models
-    from tide.bench.common import time_cuda
-    from tide.bench.layout import (GROUPS, ReduceOp, _call_ms, _profile_parts, _release, full_grid,
+    from tide_apps.bench.common import time_cuda
+    from tide_apps.bench.layout import (GROUPS, ReduceOp, _call_ms, _profile_parts, _release, full_grid,
                                    level1_matches_reduce, measure_ceiling, program_bytes, reduce_ops)
 
     if args.group not in GROUPS:

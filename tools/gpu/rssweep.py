@@ -62,7 +62,7 @@ def timeline(torch, fn, dump=None):
     """(span us, copy us, kernel us, both us, largest idle gap us) of one profiled call of fn,
     issued behind a spin kernel that outlasts its host enqueue (the spin is left out);
     dump: a path to write the call's GPU events to ([stream, start us, dur us, kind, name])."""
-    from tide.bench.layout import trace_events
+    from tide_apps.bench.layout import trace_events
     t = time.perf_counter()
     fn()
     torch.cuda.synchronize()
@@ -98,7 +98,7 @@ def main(argv=None) -> int:
     ap.add_argument("--trace", default=None, help="write each case's GPU events to TRACE.<i>.json (implies --timeline)")
     ap.add_argument("--timeline", action="store_true",
                     help="profile one call per case for the overlap columns; the profiler slows every later case "
-                         "(tide/bench/layout.py), so compare the ms of profiled cases only with each other")
+                         "(tide_apps/bench/layout.py), so compare the ms of profiled cases only with each other")
     ap.add_argument("cases", nargs="*", default=["/"])
     args = ap.parse_args(argv)
     if str(ROOT) not in sys.path:
@@ -107,7 +107,7 @@ def main(argv=None) -> int:
 
     import tide
     from tide import _core as core, models
-    from tide.bench.layout import GROUPS, _call_ms, _release, measure_ceiling, program_bytes
+    from tide_apps.bench.layout import GROUPS, _call_ms, _release, measure_ceiling, program_bytes
 
     if not core.cuda.available():
         print("rssweep: needs a CUDA GPU and a CUDA build of tide._core", file=sys.stderr)

@@ -237,7 +237,7 @@ def stage_table(c: Ctx) -> dict:
     def bench(stage, *args, limit, detail=None, png=None, **kw):
         j = str(c.tmp / (stage.replace(":", "_") + ".json"))
         plot = ["--plot", f"{out}/{png}.png"] if c.plots and png else []
-        return Step(stage.split(":")[1], [py, "-m", "tide", "bench", *args, "--json", j, *plot], limit, json=j,
+        return Step(stage.split(":")[1], [py, "-m", "tide_apps", "bench", *args, "--json", j, *plot], limit, json=j,
                     detail=detail, **kw)
 
     def fsdp2(name, launcher, size, steps, fabric, limit, env=None, detail=d_fsdp2, show=None):
@@ -270,7 +270,7 @@ def stage_table(c: Ctx) -> dict:
         Stage("executor", 240, [pytest("executor", *Q, "-x", "tests/test_cuda_executor.py", "tests/test_cuda_hardening.py",
                                           "-rs", *TO, limit=240)],
               "CUDA executor bitwise vs the CPU executor, faults, the staging canary", needs=("smoke",)),
-        Stage("demo", 120, [Step("demo", [py, "-m", "tide", "demo"], 120, detail=grep_last("Agreement check"),
+        Stage("demo", 120, [Step("demo", [py, "-m", "tide_apps", "demo"], 120, detail=grep_last("Agreement check"),
                                  show=lambda t: t.splitlines()[:4])],
               "`tide demo` on the GPU (README's first command)", needs=("smoke",)),
         Stage("sanitize", 240, [Step(tool, ["compute-sanitizer", "--tool", tool, "--error-exitcode", "9", py,
@@ -373,7 +373,7 @@ def stage_table(c: Ctx) -> dict:
         Stage("bench:ceproof", 90, [bench("bench:ceproof", "ag", "--ce-proof", "--spin-s", "2", "--sizes", "8", limit=90,
                                           png="ceproof", detail=d_ceproof)],
               "TIDE-AG's rows reach GPU 1 while a spinner holds GPU 0's SMs (INFO on one GPU)"),
-        Stage("bench:hostcall", 300, [Step(f"ranks{n}", [py, "-m", "tide", "bench", "hostcall", "--ranks", str(n), "--iters",
+        Stage("bench:hostcall", 300, [Step(f"ranks{n}", [py, "-m", "tide_apps", "bench", "hostcall", "--ranks", str(n), "--iters",
                                                          "30", "--json", js("hostcall", n)], 150, json=js("hostcall", n),
                                            key=True, detail=d_hostcall) for n in (2, 8)],
               "tide bench hostcall: host time per call of tide_torch's CUDA transport, 2 and 8 ranks"),

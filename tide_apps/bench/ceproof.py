@@ -16,8 +16,8 @@ import sys
 import threading
 import time
 
-from tide.bench import common
-from tide.bench.common import MIB, progress
+from tide_apps.bench import common
+from tide_apps.bench.common import MIB, progress
 
 _SPIN_SRC = r"""
 extern "C" __global__ void tide_spin(unsigned long long dur_ns, unsigned int* started) {

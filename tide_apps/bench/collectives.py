@@ -22,8 +22,8 @@ import argparse
 import os
 import sys
 
-from tide.bench import common
-from tide.bench.common import MIB, progress
+from tide_apps.bench import common
+from tide_apps.bench.common import MIB, progress
 
 STOCK = "FSDP2 stock"
 SYMM = "FSDP2+SymmMem"
@@ -490,7 +490,7 @@ def main(argv=None, op="ag") -> int:
         ap.add_argument("--spin-s", type=float, default=2.0, help="--ce-proof: spinner duration")
     args = ap.parse_args(argv)
     if op == "ag" and args.ce_proof:
-        from tide.bench import ceproof
+        from tide_apps.bench import ceproof
         return ceproof.main(args)
     try:
         with common.cpu_threads(args.context):

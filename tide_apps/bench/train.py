@@ -1,7 +1,7 @@
 """`tide bench train`: the same Llama-style model trained five ways, side by side.
 
 Runs the two examples as subprocesses with the same model and data arguments (--size, --steps,
---warmup, --seed, --batch, --seq; examples/_llama_common.py gives both the same initial weights,
+--warmup, --seed, --batch, --seq; tide_apps/llama_spec.py gives both the same initial weights,
 tokens and AdamW) and tabulates what each writes with `--json PATH`:
   examples/fsdp2_llama.py  stock (FSDP2), tide_in_place and tide_slot_reuse
   examples/flax_fsdp.py    gspmd (XLA's own sharding) and tide_xla
@@ -36,8 +36,8 @@ import sys
 import tempfile
 import time
 
-from tide.bench import common
-from tide.bench.common import progress
+from tide_apps.bench import common
+from tide_apps.bench.common import progress
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BASELINE = {"torch": "stock", "jax": "gspmd"}
@@ -45,14 +45,9 @@ CPU_WORLD = 4
 
 
 def _presets() -> dict:
-    """examples/_llama_common.SIZES (numpy only), or {} when the checkout has no examples."""
-    path = os.path.join(ROOT, "examples", "_llama_common.py")
-    if not os.path.exists(path):
-        return {}
-    spec = importlib.util.spec_from_file_location("_llama_common", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod.SIZES
+    """The examples' size presets (tide_apps.llama_spec.SIZES, numpy only)."""
+    from tide_apps import llama_spec
+    return llama_spec.SIZES
 
 
 def _supports_json(py, script, env, timeout) -> tuple[bool, str]:

@@ -1,8 +1,10 @@
 """What examples/fsdp2_llama.py (PyTorch) and examples/flax_fsdp.py (JAX) share, so that both
 train the same Llama-style model: the size presets, the initial weights, the tokens and the
-optimizer's hyperparameters. numpy only: importing it pulls in neither torch nor jax.
+optimizer's hyperparameters (`tide bench train` reads the presets too). numpy only: importing it
+pulls in neither torch nor jax.
 
-The model (written once per framework, in each example): token embedding (vocab, dim); per block
+The model (written once per framework: torch in tide_apps/llama.py, JAX in
+examples/flax_fsdp.py): token embedding (vocab, dim); per block
 RMSNorm, grouped-query attention (wq, wk, wv, wo; causal, no positional encoding), RMSNorm and a
 SwiGLU MLP (w2(silu(w1 x) * w3 x)); a final RMSNorm and an untied output head. Linear weights
 are (out_features, in_features) as nn.Linear stores them, in both frameworks, so both shard the
@@ -42,7 +44,8 @@ def emulated_host_env(process: int) -> dict[str, str]:
 
 def add_args(ap: argparse.ArgumentParser) -> None:
     """--size, one override per preset field (--vocab, --dim, ..., --batch, --seq) and --seed."""
-    ap.add_argument("--size", default="tiny", choices=tuple(SIZES))
+    ap.add_argument("--size", default="tiny", choices=tuple(SIZES),
+                    help="model and batch preset (default tiny; 1b: Llama-3.2-1B's shapes)")
     for k in FIELDS:
         what = "sequences per rank (device)" if k == "batch" else k
         ap.add_argument(f"--{k.replace('_', '-')}", type=int, default=None,

@@ -6,35 +6,28 @@ CPU: 4 gloo ranks as processes, emulating 2 nodes x 2 GPUs (TIDE's programs run 
 per-rank process-mode executor). CUDA: one process per GPU over NCCL (world = number of GPUs),
 or world 1 on one GPU. Rank 0 writes what it measured as JSON for the parent to print.
 
-Imported by ``tide.demo`` when it trains (the torch face holds it, so ``tide`` never imports torch)
-and by examples/fsdp2_llama.py (``layout_copies``).
+Imported by tide_apps/demo.py only when it trains (``tide demo --no-train`` needs no torch).
+The model, its FSDP2 wrapping and the training loop are tide_apps/llama.py's.
 """
 from __future__ import annotations
 
-import contextlib
 import json
-import math
 import os
 import shutil
 import statistics
 import tempfile
-import time
 import traceback
 import warnings
 from dataclasses import asdict, dataclass
 
 import torch
 import torch.distributed as dist
-import torch.nn as nn
-import torch.nn.functional as F
 
 import tide
+from tide_apps import llama
+from tide_apps.llama import COPY_OPS, compare_shards  # noqa: F401 - re-exported (the tests)
 
 RUNS = ("stock", "in_place", "slot_reuse")
-# FSDP2's layout copies, as torch.profiler names them (the aten op inside each fsdp:: wrapper;
-# all_gather_copy_in has no aten op of its own).
-COPY_OPS = ("aten::split_with_sizes_copy", "aten::_chunk_cat", "fsdp::all_gather_copy_in")
-_ELEM = {"c10::BFloat16": 2, "c10::Half": 2, "float": 4, "double": 8}
 
 
 @dataclass(frozen=True)
@@ -52,144 +45,35 @@ class Config:
     profile_step: int = 1  # step 0 builds the unsharded parameters; profile a steady step
 
 
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float = 1e-6):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x):
-        x32 = x.float()
-        y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (y * self.weight.float()).type_as(x)
-
-
-class Block(nn.Module):
-    """A Llama decoder block: RMSNorm, GQA attention (explicit softmax: deterministic on CUDA
-    too), RMSNorm, SwiGLU MLP."""
-
-    def __init__(self, c: Config):
-        super().__init__()
-        self.heads, self.kv_heads, self.hd = c.heads, c.kv_heads, c.dim // c.heads
-        self.attention_norm = RMSNorm(c.dim)
-        self.wq = nn.Linear(c.dim, c.heads * self.hd, bias=False)
-        self.wk = nn.Linear(c.dim, c.kv_heads * self.hd, bias=False)
-        self.wv = nn.Linear(c.dim, c.kv_heads * self.hd, bias=False)
-        self.wo = nn.Linear(c.heads * self.hd, c.dim, bias=False)
-        self.ffn_norm = RMSNorm(c.dim)
-        self.w1 = nn.Linear(c.dim, c.hidden, bias=False)
-        self.w2 = nn.Linear(c.hidden, c.dim, bias=False)
-        self.w3 = nn.Linear(c.dim, c.hidden, bias=False)
-
-    def forward(self, x):
-        b, t, _ = x.shape
-        h = self.attention_norm(x)
-        q = self.wq(h).view(b, t, self.heads, self.hd).transpose(1, 2)
-        k = self.wk(h).view(b, t, self.kv_heads, self.hd).transpose(1, 2)
-        v = self.wv(h).view(b, t, self.kv_heads, self.hd).transpose(1, 2)
-        rep = self.heads // self.kv_heads
-        k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
-        att = (q @ k.transpose(-2, -1)) / math.sqrt(self.hd)
-        mask = torch.full((t, t), float("-inf"), device=x.device).triu(1)
-        att = F.softmax(att.float() + mask, dim=-1).type_as(q)
-        x = x + self.wo((att @ v).transpose(1, 2).reshape(b, t, -1))
-        n = self.ffn_norm(x)
-        return x + self.w2(F.silu(self.w1(n)) * self.w3(n))
-
-
-class Llama(nn.Module):
-    def __init__(self, c: Config):
-        super().__init__()
-        self.tok_embeddings = nn.Embedding(c.vocab, c.dim)
-        self.layers = nn.ModuleList(Block(c) for _ in range(c.layers))
-        self.norm = RMSNorm(c.dim)
-        self.output = nn.Linear(c.dim, c.vocab, bias=False)
-
-    def forward(self, tokens):
-        h = self.tok_embeddings(tokens)
-        for layer in self.layers:
-            h = layer(h)
-        return self.output(self.norm(h))
-
-
-def layout_copies(prof, world: int) -> dict[str, dict[str, int]]:
-    """Calls of FSDP2's layout copies in a profile, and the bytes each wrote."""
-    out = {op: {"calls": 0, "bytes": 0} for op in COPY_OPS}
-    for e in prof.profiler.kineto_results.events():
-        name = e.name()
-        if name not in out:
-            continue
-        shapes, dtypes = e.shapes(), e.dtypes()
-        if name == "aten::split_with_sizes_copy":   # all-gather output -> unsharded params
-            i, frac = 0, 1
-        elif name == "aten::_chunk_cat":            # gradients -> packed fp32 RS input (out=)
-            i, frac = 3, 1
-        else:                                       # this rank's shards -> its AG input slot
-            i, frac = 1, world
-        out[name]["calls"] += 1
-        out[name]["bytes"] += math.prod(shapes[i]) * _ELEM.get(dtypes[i], 0) // frac
-    return out
-
-
-def compare_shards(ref: dict, got: dict) -> tuple[bool, float]:
-    """(bitwise equal, max |difference|) of two runs' local parameter shards, by name."""
-    if set(ref) != set(got):
-        raise ValueError(f"demo training: parameter names differ: {sorted(set(ref) ^ set(got))}")
-    same = all(torch.equal(got[n], t) for n, t in ref.items())
-    diff = max((got[n].double() - t.double()).abs().max().item() for n, t in ref.items())
-    return same, diff
+def model(c: Config) -> llama.Llama:
+    """The demo's Llama (explicit-softmax attention: deterministic on CUDA too)."""
+    return llama.Llama(c.vocab, c.dim, c.layers, c.heads, c.kv_heads, c.hidden,
+                       attention="explicit")
 
 
 def _train_one(name: str, cfg: Config, mesh, device, topo, data) -> dict:
-    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-
     import tide_torch
 
     torch.manual_seed(0)
-    model = Llama(cfg).to(device)
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    for layer in model.layers:
-        fully_shard(layer, mesh=mesh, mp_policy=mp)
-    fully_shard(model, mesh=mesh, mp_policy=mp)
+    net = llama.fully_shard_llama(model(cfg).to(device), mesh)
     # One GPU is world 1, where enable() keeps stock FSDP2 by default: the demo shows TIDE's path
     # (bitwise against stock) there too.
-    handle = None if name == "stock" else tide_torch.enable(model, mode=name, topology=topo,
+    handle = None if name == "stock" else tide_torch.enable(net, mode=name, topology=topo,
                                                             serve_single_rank=True)
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.1)
-    losses, times, ops, calls = [], [], None, None
-    for step, tokens in enumerate(data):
-        profiling = step == cfg.profile_step
-        before = handle.stats if handle is not None else None
-        with (torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
-                                     record_shapes=True) if profiling
-              else contextlib.nullcontext()) as prof:
-            t0 = time.perf_counter()
-            logits = model(tokens[:, :-1])
-            loss = F.cross_entropy(logits.float().reshape(-1, cfg.vocab),
-                                   tokens[:, 1:].reshape(-1))
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            times.append(time.perf_counter() - t0)
-            losses.append(loss.item())
-        if profiling:
-            ops = layout_copies(prof, dist.get_world_size())
-            if handle is not None:
-                calls = {k: v - before[k] for k, v in handle.stats.items()}
+    opt = torch.optim.AdamW(net.parameters(), lr=cfg.lr, weight_decay=0.1)
+    done = llama.train(net, data, opt, device=device, profile_step=cfg.profile_step,
+                       counters=(lambda: handle.stats) if handle is not None else None)
+    times = done.times
     # Step time: neither the first step (builds the unsharded parameters) nor the profiled one.
     steady = [t for i, t in enumerate(times) if i not in (0, cfg.profile_step)] or times
-    res = {"losses": losses, "step_ms": statistics.median(steady) * 1e3,
-           "copy_ops": ops, "tide_calls": calls, "transport": "stock", "fallbacks": {},
-           "memory": None}
+    res = {"losses": done.losses, "step_ms": statistics.median(steady) * 1e3,
+           "copy_ops": done.copies, "tide_calls": done.counters, "transport": "stock",
+           "fallbacks": {}, "memory": None}
     if handle is not None:
         res.update(transport=handle.transport, fallbacks=handle.fallbacks,
                    memory=handle.memory())
-    for m in model.modules():
-        if isinstance(m, FSDPModule):
-            m.reshard()
-    res["shards"] = {n: p.to_local().detach().cpu().clone() for n, p in model.named_parameters()}
+    llama.reshard(net)
+    res["shards"] = llama.local_shards(net)
     if handle is not None:
         handle.disable()
     return res
@@ -296,7 +180,7 @@ def run(device: str = "cpu", cfg: Config | None = None,
                          f"got {cfg.steps}")
     import multiprocessing
     multiprocessing.set_forkserver_preload(["torch", "torch.distributed.fsdp", "tide",
-                                            "tide_torch", "tide_torch.demo_train"])
+                                            "tide_torch", "tide_apps.demo_train"])
     tmp = tempfile.mkdtemp(prefix="tide_demo_")
     init_file, out_path = os.path.join(tmp, "pg"), os.path.join(tmp, "result.json")
     try:

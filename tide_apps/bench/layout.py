@@ -76,7 +76,7 @@ def _layout(plan):
 
 # ---- timing and profiles -----------------------------------------------------------------------
 def _median_ms(torch, fn, reps=10, warmup=3):
-    from tide.bench.common import time_cuda
+    from tide_apps.bench.common import time_cuda
     times = time_cuda(torch, fn, reps, warmup)
     return statistics.median(times), (min(times), max(times))
 
@@ -403,7 +403,7 @@ def run_ag(torch, tide, core, name, plan, L, ceiling, n_sm, lanes, copy_2d, reps
 
 # ---- RS -----------------------------------------------------------------------------------------
 def _np_grads(torch, grads):
-    from tide.bench.collectives import _np_bf16
+    from tide_apps.bench.collectives import _np_bf16
     return [[_np_bf16(x.cpu()) for x in row] for row in grads]
 
 
@@ -588,7 +588,7 @@ def main(argv=None):
     import tide
     from tide import _core as core
     from tide import models
-    from tide.bench.common import progress, write_json
+    from tide_apps.bench.common import progress, write_json
     default_lanes = tide.ExecutorOptions().copy_lanes
     lanes = sorted(set(_ints(args.lanes, "--lanes", 1, 8)) | {default_lanes})
     sweep = [] if args.no_sweep else _ints(args.sweep_ctas, "--sweep-ctas", 1, 65536)
@@ -703,7 +703,7 @@ def _print(result):
 def plot_layout(path, result) -> None:
     """Per group: ms per call of the stock layout path and TIDE's (AG: the faster copy_2d at the
     executors' default lanes; RS: the reduce_scatter call on the solver's budgets and on a full grid)."""
-    from tide.bench.common import bar_plot
+    from tide_apps.bench.common import bar_plot
     groups = {}
     for info in result["groups"]:
         rs = {r["step"]: r["ms"] for r in result["rows"] if r["group"] == info["group"]}

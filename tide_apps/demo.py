@@ -6,7 +6,7 @@
    Slot-Reuse), on the same data on every rank: parameters must agree bit for bit; what TIDE
    removed (FSDP2's layout copies counted by torch.profiler, their bytes, per-call buffers vs
    TIDE's arena). CPU: 2 nodes x 2 as gloo processes; with GPUs: one rank per GPU
-   (``tide_torch/demo_train.py``, imported only when it trains, so ``tide`` itself never imports torch);
+   (tide_apps/demo_train.py, imported only when it trains: without torch the rest still runs);
 3. what TIDE removes per call and the memory model (TIDE's and FSDP2's live bytes for the block
    at 1 x L and M x L), then the planner's view of Llama-3.1-70B.
 """
@@ -166,7 +166,7 @@ _OP_TITLES = {"aten::split_with_sizes_copy": "split_with_sizes_copy (AG copy-out
 
 def _pick_device(device: str) -> str:
     """"auto" -> "cuda" when the GPU path can run, else "cpu" (saying why when a GPU is there)."""
-    from tide_torch import demo_train
+    from tide_apps import demo_train
     if device == "cpu":
         return "cpu"
     why = demo_train.gpu_unavailable_reason()
@@ -179,11 +179,11 @@ def _pick_device(device: str) -> str:
 
 def train(device: str = "auto", cfg=None) -> dict | None:
     """The training section: prints it and returns the measured result (rank 0's JSON), or None
-    when torch is not installed. ``cfg``: a ``tide_torch.demo_train.Config``."""
+    when torch is not installed. ``cfg``: a ``tide_apps.demo_train.Config``."""
     if importlib.util.find_spec("torch") is None:
-        print("\n== Training with FSDP2: skipped (torch is not installed: pip install 'tide[torch]')")
+        print("\n== Training with FSDP2: skipped (torch is not installed: pip install '.[torch]')")
         return None
-    from tide_torch import demo_train
+    from tide_apps import demo_train
     print()
     device = _pick_device(device)
     res = None
@@ -293,7 +293,7 @@ def main(device: str = "auto", train_steps: int | None = 4) -> int:
         from dataclasses import replace
         cfg = None
         if importlib.util.find_spec("torch") is not None:
-            from tide_torch import demo_train
+            from tide_apps import demo_train
             cfg = replace(demo_train.Config(), steps=train_steps)
         tres = train(device, cfg)
         if tres is not None:

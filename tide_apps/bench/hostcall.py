@@ -9,7 +9,7 @@ each call (enqueue only: the GPU work is waited for outside the timed span, and 
 a gloo barrier before each call). The first call, which builds and registers the programs, is
 reported apart.
 
-    python -m tide.bench.hostcall --ranks 8 [--model llama3.1-70b] [--iters 30] [--json PATH]
+    python -m tide_apps.bench.hostcall --ranks 8 [--model llama3.1-70b] [--iters 30] [--json PATH]
 """
 from __future__ import annotations
 

@@ -23,9 +23,9 @@ import sys
 import threading
 import time
 
-from tide.bench import collectives as coll
-from tide.bench import common
-from tide.bench.common import MIB, progress
+from tide_apps.bench import collectives as coll
+from tide_apps.bench import common
+from tide_apps.bench.common import MIB, progress
 
 GPU_VICTIMS = {"one-wave GEMM": ("gemm", 256, 8192, 8192), "28-wave GEMM": ("gemm", 14848, 8192, 8192),
                "elementwise 256 MiB": ("ew", 64 * MIB)}
@@ -133,7 +133,7 @@ def _local_collectives(torch, ctx, args, shapes_rs, shapes_ag, N, cuda):
 
 
 def _measure(torch, name, call, ctas, victims, alone, args, cuda, n_sm, N, vstream):
-    from tide.bench.layout import _profile
+    from tide_apps.bench.layout import _profile
     row = dict(config=name, ctas=ctas)
     ts = common.time_wall(call, max(5, args.reps // 2), 2)
     row["alone_ms"] = statistics.median(ts)
@@ -154,7 +154,7 @@ def _nccl_worker(rank, world, shapes_rs, shapes_ag, vspec, reps, port, q, max_ct
         os.environ["NCCL_MAX_CTAS"] = str(max_ctas)
     import torch
     import torch.distributed as dist
-    from tide.bench.layout import _profile
+    from tide_apps.bench.layout import _profile
     dev = coll.nccl_init(rank, world, port)
     paths = {}
     for op, shapes in (("rs", shapes_rs), ("ag", shapes_ag)):

@@ -1,0 +1,3 @@
+from tide_apps.cli import main
+
+raise SystemExit(main())
