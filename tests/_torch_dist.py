@@ -29,9 +29,10 @@ N_KV = 2        # GQA
 HIDDEN = 24
 
 
-def TinyLlama(n_layers: int = 3) -> nn.Module:
-    """The tests' Llama: tide_apps.llama's model at these sizes, explicit-softmax attention."""
-    return Llama(VOCAB, DIM, n_layers, N_HEADS, N_KV, HIDDEN, attention="explicit")
+def TinyLlama(n_layers: int = 3, norm: str = "explicit") -> nn.Module:
+    """The tests' Llama: tide_apps.llama's model at these sizes, explicit-softmax attention;
+    ``norm="torch"``: torch's nn.RMSNorm."""
+    return Llama(VOCAB, DIM, n_layers, N_HEADS, N_KV, HIDDEN, attention="explicit", norm=norm)
 
 
 def mesh_1d(device_type: str = "cpu"):
@@ -41,11 +42,11 @@ def mesh_1d(device_type: str = "cpu"):
 
 def build(seed: int = 0, *, n_layers: int = 3, mesh=None, reshard_after_forward: Any = True,
           mp_policy=None, shard_placement_fn=None, last_no_reshard: bool = False,
-          dtype=torch.float32, device=None) -> nn.Module:
+          dtype=torch.float32, device=None, norm: str = "explicit") -> nn.Module:
     """``device``: where the model lives (default CPU); initial values are drawn on CPU, so
-    they are the same on every device."""
+    they are the same on every device. ``norm``: TinyLlama's."""
     torch.manual_seed(seed)
-    model = TinyLlama(n_layers).to(dtype)
+    model = TinyLlama(n_layers, norm).to(dtype)
     if device is not None:
         model = model.to(device)
     return fully_shard_llama(model, mesh, mp_policy=mp_policy,

@@ -15,7 +15,7 @@ import torch
 import tide
 from _torch_dist import assert_same, batches, build, mesh_1d, spawn, train
 from test_torch_gpu import EMULATED_HOSTS, _deterministic, needs_cuda_tide
-from test_torch_matrix import _grads, _served_everywhere, _torch_norm, _tp_model, check_one_rounding
+from test_torch_matrix import _grads, _served_everywhere, _tp_model, check_one_rounding
 
 TOPO = tide.Topology(nodes=2, gpus_per_node=2)
 
@@ -25,16 +25,15 @@ def _rows(rank, world, log_dir):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy
     _deterministic()
-    _torch_norm()
     device = torch.device("cuda", 0)
     mesh = mesh_1d("cuda")
     data = batches(3, same_on_all_ranks=True)
     done = []
 
-    stock = build(mesh=mesh, device=device)
+    stock = build(mesh=mesh, device=device, norm="torch")
     train(stock, data, device=device)
     for mode in ("in_place", "slot_reuse"):
-        model = build(mesh=mesh, device=device)
+        model = build(mesh=mesh, device=device, norm="torch")
         handle = tide_torch.enable(model, mode=mode, topology=TOPO)
         assert handle.rails == "two_sided" and handle.transport == "tide-cuda-executor"
         train(model, data, device=device)
@@ -48,9 +47,9 @@ def _rows(rank, world, log_dir):
     # check is the one-rounding bound, not bitwise equality with stock.)
     bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
     tokens = batches(1, same_on_all_ranks=False)[0]
-    ref = _grads(build(mesh=mesh, device=device), tokens)
-    stock_g = _grads(build(mesh=mesh, device=device, mp_policy=bf16), tokens)
-    model = build(mesh=mesh, device=device, mp_policy=bf16)
+    ref = _grads(build(mesh=mesh, device=device, norm="torch"), tokens)
+    stock_g = _grads(build(mesh=mesh, device=device, mp_policy=bf16, norm="torch"), tokens)
+    model = build(mesh=mesh, device=device, mp_policy=bf16, norm="torch")
     handle = tide_torch.enable(model, topology=TOPO)
     got = _grads(model, tokens)
     handle.synchronize()

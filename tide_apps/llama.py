@@ -5,10 +5,13 @@ tide_torch tests (tests/_torch_dist.py) all build and train this one.
 The model: token embedding (vocab, dim); per block RMSNorm, grouped-query attention (wq, wk, wv,
 wo; causal, no positional encoding), RMSNorm and a SwiGLU MLP (w2(silu(w1 x) * w3 x)); a final
 RMSNorm and an untied output head. Parameter names, shapes and order are
-tide_apps/llama_spec.param_specs' (the JAX twin in examples/flax_fsdp.py has the same). RMSNorm
-is hand-written (not nn.RMSNorm): statistics and the weight's product in fp32, the result cast
-back to the input's dtype (bf16 under MixedPrecisionPolicy(bf16, fp32)), the numbers every
-caller's bitwise comparisons were taken with.
+tide_apps/llama_spec.param_specs' (the JAX twin in examples/flax_fsdp.py has the same). RMSNorm,
+chosen per caller:
+  "explicit": hand-written: statistics and the weight's product in fp32, the result cast back to
+              the input's dtype (bf16 under MixedPrecisionPolicy(bf16, fp32)), the numbers every
+              caller's bitwise comparisons were taken with; its weight's gradient is bf16;
+  "torch":    torch's nn.RMSNorm, as users write it: on torch 2.15 its weight's gradient is fp32
+              while the Linear weights' are bf16 (FSDP2 keeps the dtype autograd produces).
 Attention, chosen per caller and kept so (their results are compared bit for bit):
   "explicit": softmax(q k^T / sqrt(hd) + causal mask) in fp32, cast back (the demo, the tests:
               deterministic on CUDA too);
@@ -31,6 +34,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 ATTENTION = ("explicit", "sdpa")
+NORMS = ("explicit", "torch")
 # FSDP2's layout copies, as torch.profiler names them (the aten op inside each fsdp:: wrapper;
 # all_gather_copy_in has no aten op of its own).
 COPY_OPS = ("aten::split_with_sizes_copy", "aten::_chunk_cat", "fsdp::all_gather_copy_in")
@@ -49,22 +53,28 @@ class RMSNorm(nn.Module):
         return (y * self.weight.float()).type_as(x)
 
 
+def _norm(kind: str, dim: int, eps: float) -> nn.Module:
+    if kind not in NORMS:
+        raise ValueError(f"Llama: norm must be one of {NORMS}, got {kind!r}")
+    return RMSNorm(dim, eps) if kind == "explicit" else nn.RMSNorm(dim, eps=eps)
+
+
 class Block(nn.Module):
     """A Llama decoder block: RMSNorm, GQA attention, RMSNorm, SwiGLU MLP."""
 
     def __init__(self, dim: int, heads: int, kv_heads: int, hidden: int,
-                 attention: str = "explicit", eps: float = 1e-6):
+                 attention: str = "explicit", eps: float = 1e-6, norm: str = "explicit"):
         super().__init__()
         if attention not in ATTENTION:
             raise ValueError(f"Llama: attention must be one of {ATTENTION}, got {attention!r}")
         self.heads, self.kv_heads, self.hd = heads, kv_heads, dim // heads
         self.attention = attention
-        self.attention_norm = RMSNorm(dim, eps)
+        self.attention_norm = _norm(norm, dim, eps)
         self.wq = nn.Linear(dim, heads * self.hd, bias=False)
         self.wk = nn.Linear(dim, kv_heads * self.hd, bias=False)
         self.wv = nn.Linear(dim, kv_heads * self.hd, bias=False)
         self.wo = nn.Linear(heads * self.hd, dim, bias=False)
-        self.ffn_norm = RMSNorm(dim, eps)
+        self.ffn_norm = _norm(norm, dim, eps)
         self.w1 = nn.Linear(dim, hidden, bias=False)
         self.w2 = nn.Linear(hidden, dim, bias=False)
         self.w3 = nn.Linear(dim, hidden, bias=False)
@@ -90,13 +100,13 @@ class Block(nn.Module):
 
 class Llama(nn.Module):
     def __init__(self, vocab: int, dim: int, layers: int, heads: int, kv_heads: int, hidden: int,
-                 *, attention: str = "explicit", eps: float = 1e-6):
+                 *, attention: str = "explicit", eps: float = 1e-6, norm: str = "explicit"):
         super().__init__()
         self.vocab = vocab
         self.tok_embeddings = nn.Embedding(vocab, dim)
-        self.layers = nn.ModuleList(Block(dim, heads, kv_heads, hidden, attention, eps)
+        self.layers = nn.ModuleList(Block(dim, heads, kv_heads, hidden, attention, eps, norm)
                                     for _ in range(layers))
-        self.norm = RMSNorm(dim, eps)
+        self.norm = _norm(norm, dim, eps)
         self.output = nn.Linear(dim, vocab, bias=False)
 
     def forward(self, tokens):
