@@ -10,6 +10,13 @@ FSDP2 and by TIDE in In-Place and Slot-Reuse, world 4 over gloo as 2 nodes x 2. 
 work: every group served (``handle.fallbacks`` empty), every all-gather and reduce-scatter through
 TIDE (``handle.stats``), no FSDP2 layout op in the profiled third step, parameters bitwise equal.
 
+Qwen3-MoE's 3-D experts run transformers' default experts implementation (``grouped_mm``), one
+expert per rank after dim-0 sharding. The per-expert variant has 16 experts (57 parameters a
+layer group): some get no token, so their layer's reduce-scatters run in parts (sub-plans). A
+real Qwen3-30B-A3B layer in that layout (128 experts: 393 parameters) is past TIDE's 256
+parameters a group (``kMaxParams``, plan.h) and keeps stock FSDP2 collectives, named in
+``handle.fallbacks`` ("393 parameters (> 256)"); it is not run here.
+
 One spawn runs every model: each rank imports transformers once (seconds on a small machine).
 """
 from __future__ import annotations
