@@ -13,9 +13,9 @@ TIDE (``handle.stats``), no FSDP2 layout op in the profiled third step, paramete
 Qwen3-MoE's 3-D experts run transformers' default experts implementation (``grouped_mm``), one
 expert per rank after dim-0 sharding. The per-expert variant has 16 experts (57 parameters a
 layer group): some get no token, so their layer's reduce-scatters run in parts (sub-plans). A
-real Qwen3-30B-A3B layer in that layout (128 experts: 393 parameters) is past TIDE's 256
-parameters a group (``kMaxParams``, plan.h) and keeps stock FSDP2 collectives, named in
-``handle.fallbacks`` ("393 parameters (> 256)"); it is not run here.
+second per-expert variant has 86 experts (267 parameters a layer group, as a Qwen3-30B-A3B layer
+in that layout has 393): past one plan's 256 parameters, each layer group is planned in two
+chunks (tide_torch/groups.py [Note: chunks]) and still served whole.
 
 One spawn runs every model: each rank imports transformers once (seconds on a small machine).
 """
@@ -42,6 +42,7 @@ VOCAB = 67  # dim 0 not divisible by the world size
 COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
 PER_EXPERT = 16  # experts of the per-expert-Linear variant: 3 * 16 + 9 = 57 parameters a layer
+WIDE = 86        # ... and of the wide one: 3 * 86 + 9 = 267 parameters a layer (> 256: two chunks)
 
 
 class PerExpertMLPs(nn.ModuleList):
@@ -71,7 +72,7 @@ def _config(name: str):
         return LlamaConfig(**COMMON)
     if name == "qwen2":  # q/k/v biases; tied embeddings (as Qwen2-0.5B)
         return Qwen2Config(**COMMON, tie_word_embeddings=True)
-    experts = 4 if name == "qwen3_moe_3d" else PER_EXPERT
+    experts = {"qwen3_moe_3d": 4, "qwen3_moe_linear": PER_EXPERT, "qwen3_moe_wide": WIDE}[name]
     return Qwen3MoeConfig(**COMMON, head_dim=8, num_experts=experts, num_experts_per_tok=2,
                           moe_intermediate_size=16, norm_topk_prob=True)
 
@@ -81,7 +82,7 @@ def _build(name: str, mesh) -> nn.Module:
     config = _config(name)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
-    if name == "qwen3_moe_linear":
+    if name in ("qwen3_moe_linear", "qwen3_moe_wide"):
         for layer in model.model.layers:
             layer.mlp.experts = PerExpertMLPs(config)
         for m in model.model.layers.modules():  # PreTrainedModel's nn.Linear init
@@ -117,7 +118,7 @@ def _no_layout_ops(model, data, what) -> None:
     assert not ops, (what, ops)
 
 
-MODELS = ("llama", "qwen2", "qwen3_moe_3d", "qwen3_moe_linear")
+MODELS = ("llama", "qwen2", "qwen3_moe_3d", "qwen3_moe_linear", "qwen3_moe_wide")
 
 
 def _hf_models(rank, world):
@@ -138,9 +139,13 @@ def _hf_models(rank, world):
             _no_layout_ops(model, data[2:], what)
             _served_everywhere(handle, what)
             assert_same(model, stock, what)
-            if name == "qwen3_moe_linear":  # experts without tokens: reduce-scatters in parts
+            if name != "qwen3_moe_3d" and name.startswith("qwen3_moe"):
+                # experts without tokens: reduce-scatters in parts
                 parts = {gr.fqn: len(gr.sub_plans) for gr in handle.groups}
                 assert any(parts.values()), (what, parts)
+            if name == "qwen3_moe_wide":  # > 256 parameters a layer: two plans each
+                assert "model.layers.0[0:256]" in handle.plans, sorted(handle.plans)
+                assert "model.layers.1[256:267]" in handle.plans, sorted(handle.plans)
             handle.disable()
 
 

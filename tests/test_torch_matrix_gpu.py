@@ -47,9 +47,9 @@ def _rows(rank, world, log_dir):
     # check is the one-rounding bound, not bitwise equality with stock.)
     bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
     tokens = batches(1, same_on_all_ranks=False)[0]
-    ref = _grads(build(mesh=mesh, device=device, norm="torch"), tokens)
-    stock_g = _grads(build(mesh=mesh, device=device, mp_policy=bf16, norm="torch"), tokens)
-    model = build(mesh=mesh, device=device, mp_policy=bf16, norm="torch")
+    ref = _grads(build(mesh=mesh, device=device), tokens)
+    stock_g = _grads(build(mesh=mesh, device=device, mp_policy=bf16), tokens)
+    model = build(mesh=mesh, device=device, mp_policy=bf16)
     handle = tide_torch.enable(model, topology=TOPO)
     got = _grads(model, tokens)
     handle.synchronize()
