@@ -1,7 +1,8 @@
 # Two commands for a newcomer (README): `make demo` runs the main job, `make test` runs the tests.
 # Both set up .venv (Python 3.12) and build the C++/CUDA core in place first. `make test` then
 # runs the tide_torch tests and the demo's tests a second time on the newest torch release
-# (.venv-torch-newest, requirements/torch-newest.txt), next to the same in-place core.
+# (.venv-torch-newest, requirements/torch-newest.txt; torch-newest-nodeps.txt, torchtitan for
+# tests/test_torch_titan.py, without its Trainer's dependencies), next to the same in-place core.
 SHELL := /bin/bash
 export PYENV_VERSION ?= 3.12.1
 PYTHON312 ?= $(shell command -v python3.12 || command -v python3)
@@ -39,10 +40,11 @@ $(VENV)/.stamp: requirements/base.txt requirements/frameworks.txt
 	$(PY) -m pip install -q -r requirements/frameworks.txt
 	touch $@
 
-$(VENV_NEWEST)/.stamp: requirements/base.txt requirements/torch-newest.txt
+$(VENV_NEWEST)/.stamp: requirements/base.txt requirements/torch-newest.txt requirements/torch-newest-nodeps.txt
 	test -x $(PY_NEWEST) || $(PYTHON312) -m venv $(VENV_NEWEST)
 	$(PY_NEWEST) -m pip install -q --upgrade pip
 	$(PY_NEWEST) -m pip install -q -r requirements/base.txt -r requirements/torch-newest.txt
+	$(PY_NEWEST) -m pip install -q --no-deps -r requirements/torch-newest-nodeps.txt
 	touch $@
 
 clean:
