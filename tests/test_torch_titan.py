@@ -4,12 +4,14 @@ World 4 on CPU (gloo ranks as processes), TIDE topology 2 nodes x 2. On each ran
 built the way torchtitan's Trainer builds it: ``llama3_configs["debugmodel"]``, the Llama3
 sharding config, meta init, ``parallelize_llama`` (``Module.parallelize`` on the SPMD mesh, then
 ``apply_fsdp_to_decoder``), ``to_empty`` and ``init_weights``. For each ``spmd_backend`` torchtitan
-offers with TP 1 (``"spmd_types"``, its default: every parameter a DTensor on the full
-dp x cp x tp storage mesh; and ``"partial_dtensor"``: FSDP on the flattened ``fsdp`` mesh), a
-stock FSDP2 run and a TIDE run (In-Place and Slot-Reuse) train on the same tokens on every rank
-(exact gradient sums), and TIDE did the work: every group served, every all-gather and
-reduce-scatter through TIDE (``handle.stats``), no FSDP2 layout op in a profiled step, parameters
-bitwise equal to stock.
+offers (TP 1, FSDP over the 4 ranks): ``"spmd_types"``, its default (every parameter a DTensor on
+the full dp_shard x tp storage mesh, the inputs spmd_types-annotated), ``"partial_dtensor"``
+(DTensors for model-parallel axes only: FSDP on the flattened ``fsdp`` mesh) and
+``"full_dtensor"`` (parameters and inputs DTensors on the full mesh), a stock FSDP2 run and TIDE
+runs (In-Place and Slot-Reuse; full_dtensor In-Place only) train on the same tokens on every rank
+(exact gradient sums) from the same initial shards, and TIDE did the work: every group served,
+every all-gather and reduce-scatter through TIDE (``handle.stats``), no FSDP2 layout op in a
+profiled step, parameters bitwise equal to stock.
 
 What a user on CPU changes, and nothing else:
 - torchtitan picks its device type from the accelerators present ("cuda" when there are none):
@@ -31,7 +33,7 @@ test is skipped, the reason naming what is missing.
 from __future__ import annotations
 
 import dataclasses
-import logging
+import warnings
 
 import pytest
 import torch
@@ -58,7 +60,11 @@ from _torch_dist import spawn  # noqa: E402
 
 TOPO = tide.Topology(nodes=2, gpus_per_node=2)
 LAYOUT_OPS = ("split_with_sizes_copy", "chunk_cat", "all_gather_copy_in")
-BACKENDS = ("spmd_types", "partial_dtensor")
+# spmd_backend -> the TIDE modes run: torchtitan's default and the DTensor-for-TP-only backend in
+# both modes; its third, full_dtensor (inputs DTensors too), In-Place only.
+BACKENDS = {"spmd_types": ("in_place", "slot_reuse"),
+            "partial_dtensor": ("in_place", "slot_reuse"),
+            "full_dtensor": ("in_place",)}
 BATCH, SEQ, STEPS = 2, 16, 3
 VOCAB = 2048  # the debugmodel's
 
@@ -68,7 +74,8 @@ _PARALLEL_DIMS: dict = {}
 
 def _titan_model(spmd_backend: str, world: int):
     """The debugmodel, built and sharded as torchtitan's Trainer does (TP 1, FSDP over all
-    ranks); returns (model, the spmd context manager factory)."""
+    ranks); returns (model, its forward/backward context (the Trainer's ``train_context``),
+    the ParallelDims)."""
     import torchtitan.distributed.parallel_dims as tpd
     from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
     from torchtitan.distributed import ParallelDims
@@ -121,12 +128,15 @@ def _tokens(n: int):
 def _train(model, context, parallel_dims, data, opt):
     import spmd_types as spmd
     from torchtitan.components.loss import cross_entropy_loss
+    from torchtitan.distributed.full_dtensor import parallelize_inputs
     from torchtitan.distributed.spmd_types import annotate_input_spmd_types
     from torchtitan.distributed.utils import get_spmd_backend
     for tokens in data:
         inputs, labels = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
         if get_spmd_backend() == "spmd_types":
             inputs, labels, _ = annotate_input_spmd_types(parallel_dims, inputs, labels, {})
+        elif get_spmd_backend() == "full_dtensor":
+            inputs, labels, _ = parallelize_inputs(parallel_dims, inputs, labels, {})
         with context():
             pred = model(inputs)
             loss = cross_entropy_loss(pred, labels) / labels.numel()
@@ -190,22 +200,24 @@ def _served_everywhere(handle, what):
     return report
 
 
-def _titan(rank, world):
+def _titan(rank, world, backends):
+    warnings.filterwarnings("ignore", message="DTensor random operators may not have complete")
     data = _tokens(STEPS)
-    for spmd_backend in BACKENDS:
+    for spmd_backend in backends:
+        modes = BACKENDS[spmd_backend]
         ref, _, init = _run(spmd_backend, world, data, None)
-        for mode in ("in_place", "slot_reuse"):
+        for mode in modes:
             what = (spmd_backend, mode)
             got, handle, _ = _run(spmd_backend, world, data, init, mode=mode,
                                   profile=mode == "in_place")
             report = _served_everywhere(handle, what)
             # tok_embeddings, the 6 layers, [norm, lm_head]: the root holds no parameter of its own
             assert len(handle.groups) == 8, (what, report)
-            # What this configuration exercises (issue 32's two causes): spmd_types' parameters
-            # are DTensors on the full SPMD mesh (TP 1) in every group; the blocks' and the
+            # What this configuration exercises (issue 32's two causes): spmd_types' (and
+            # full_dtensor's) parameters are DTensors on the full SPMD mesh (TP 1) in every group; the blocks' and the
             # [norm, lm_head] group's gradients come in two dtypes (bf16 Linear weights, fp32
             # RMSNorm weights): their TIDE-RS runs in parts.
-            if spmd_backend == "spmd_types":
+            if spmd_backend != "partial_dtensor":
                 assert len(report["dtensor_groups"]) == 8, (what, report)
             parts = {f"layers.{i}" for i in range(6)} | {"norm"}
             assert parts <= set(report["rs_in_parts"]), (what, report)
@@ -213,6 +225,11 @@ def _titan(rank, world):
                 assert torch.equal(got[name], t), (what, name, (got[name] - t).abs().max())
 
 
-def test_torchtitan_llama3_debugmodel():
-    logging.getLogger("tide_torch").setLevel(logging.WARNING)
-    spawn(_titan)
+# full_dtensor runs on ranks of its own: after a spmd_types model in the same process torchtitan
+# distributes full_dtensor's parameters on the earlier ParallelDims' dp_shard mesh, and
+# fully_shard refuses them ("Expected param's DTensor mesh to be the same mesh passed to
+# fully_shard"), stock and TIDE alike. The Trainer has one backend per process.
+@pytest.mark.parametrize("backends", [("spmd_types", "partial_dtensor"), ("full_dtensor",)],
+                         ids="+".join)
+def test_torchtitan_llama3_debugmodel(backends):
+    spawn(_titan, backends)
