@@ -225,10 +225,11 @@ def _titan(rank, world, backends):
                 assert torch.equal(got[name], t), (what, name, (got[name] - t).abs().max())
 
 
-# full_dtensor runs on ranks of its own: after a spmd_types model in the same process torchtitan
-# distributes full_dtensor's parameters on the earlier ParallelDims' dp_shard mesh, and
-# fully_shard refuses them ("Expected param's DTensor mesh to be the same mesh passed to
-# fully_shard"), stock and TIDE alike. The Trainer has one backend per process.
+# full_dtensor runs on ranks of its own: after a spmd_types model in the same process (and vice
+# versa) its parameters reach fully_shard as DTensors on the earlier ParallelDims' dp_shard mesh
+# (an equal mesh, another object; not traced further), which fully_shard refuses ("Expected
+# param's DTensor mesh to be the same mesh passed to fully_shard"), before TIDE is involved.
+# The Trainer has one backend per process.
 @pytest.mark.parametrize("backends", [("spmd_types", "partial_dtensor"), ("full_dtensor",)],
                          ids="+".join)
 def test_torchtitan_llama3_debugmodel(backends):
