@@ -40,7 +40,8 @@ $(VENV)/.stamp: requirements/base.txt requirements/frameworks.txt
 	$(PY) -m pip install -q -r requirements/frameworks.txt
 	touch $@
 
-$(VENV_NEWEST)/.stamp: requirements/base.txt requirements/torch-newest.txt requirements/torch-newest-nodeps.txt
+$(VENV_NEWEST)/.stamp: requirements/base.txt requirements/torch-newest.txt \
+		requirements/torch-newest-nodeps.txt
 	test -x $(PY_NEWEST) || $(PYTHON312) -m venv $(VENV_NEWEST)
 	$(PY_NEWEST) -m pip install -q --upgrade pip
 	$(PY_NEWEST) -m pip install -q -r requirements/base.txt -r requirements/torch-newest.txt

@@ -214,9 +214,9 @@ def _titan(rank, world, backends):
             # tok_embeddings, the 6 layers, [norm, lm_head]: the root holds no parameter of its own
             assert len(handle.groups) == 8, (what, report)
             # What this configuration exercises (issue 32's two causes): spmd_types' (and
-            # full_dtensor's) parameters are DTensors on the full SPMD mesh (TP 1) in every group; the blocks' and the
-            # [norm, lm_head] group's gradients come in two dtypes (bf16 Linear weights, fp32
-            # RMSNorm weights): their TIDE-RS runs in parts.
+            # full_dtensor's) parameters are DTensors on the full SPMD mesh (TP 1) in every
+            # group; the blocks' and the [norm, lm_head] group's gradients come in two dtypes
+            # (bf16 Linear weights, fp32 RMSNorm weights): their TIDE-RS runs in parts.
             if spmd_backend != "partial_dtensor":
                 assert len(report["dtensor_groups"]) == 8, (what, report)
             parts = {f"layers.{i}" for i in range(6)} | {"norm"}
