@@ -2,7 +2,9 @@
 # Both set up .venv (Python 3.12), build the C++/CUDA core in place and install the `tide`
 # command (.venv/bin/tide, the checkout on the venv's path: tools/install_launcher.py) first.
 # `make test` then runs the tide_torch tests and the demo's tests a second time on the newest
-# torch release (.venv-torch-newest, requirements/torch-newest.txt), next to the same core.
+# torch release (.venv-torch-newest, requirements/torch-newest.txt; torch-newest-nodeps.txt,
+# torchtitan for tests/test_torch_titan.py, without its Trainer's dependencies), next to the
+# same core.
 SHELL := /bin/bash
 export PYENV_VERSION ?= 3.12.1
 PYTHON312 ?= $(shell command -v python3.12 || command -v python3)
@@ -41,10 +43,12 @@ $(VENV)/.stamp: requirements/base.txt requirements/frameworks.txt
 	$(PY) -m pip install -q -r requirements/frameworks.txt
 	touch $@
 
-$(VENV_NEWEST)/.stamp: requirements/base.txt requirements/torch-newest.txt
+$(VENV_NEWEST)/.stamp: requirements/base.txt requirements/torch-newest.txt \
+		requirements/torch-newest-nodeps.txt
 	test -x $(PY_NEWEST) || $(PYTHON312) -m venv $(VENV_NEWEST)
 	$(PY_NEWEST) -m pip install -q --upgrade pip
 	$(PY_NEWEST) -m pip install -q -r requirements/base.txt -r requirements/torch-newest.txt
+	$(PY_NEWEST) -m pip install -q --no-deps -r requirements/torch-newest-nodeps.txt
 	touch $@
 
 clean:
