@@ -96,8 +96,7 @@ CudaExecutor::Entry& CudaExecutor::prepare(const std::shared_ptr<const ProgramSe
 }
 
 cudaStream_t CudaExecutor::stream(int rank, int s) const {
-  TIDE_CHECK(rank >= 0 && static_cast<size_t>(rank) < fs_->slots(), "CudaExecutor.stream: rank ", rank);
-  return fs_->streams(static_cast<size_t>(rank)).at(static_cast<size_t>(s));
+  return fs_->all_streams().at(static_cast<size_t>(rank)).at(static_cast<size_t>(s));
 }
 
 uint64_t* CudaExecutor::counter_ptr(const ProgramSet& set, int rank, int index) const {

@@ -57,8 +57,6 @@ class FailStopStreams {
   FailStopStreams& operator=(const FailStopStreams&) = delete;
 
   // ---- streams
-  size_t slots() const { return streams_.size(); }
-  int device(size_t slot) const { return devices_[slot]; }
   void ensure_streams(size_t slot, size_t n);
   const std::vector<cudaStream_t>& streams(size_t slot) const { return streams_[slot]; }
   const std::vector<std::vector<cudaStream_t>>& all_streams() const { return streams_; }  // [slot][stream]
