@@ -10,7 +10,7 @@
 
 namespace tide::xla_ffi {
 
-const char* collective_name(Collective c) {
+const char* target_name(Collective c) {
   return c == Collective::kAllGather ? "tide_all_gather" : "tide_reduce_scatter";
 }
 

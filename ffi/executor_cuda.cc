@@ -1,11 +1,13 @@
 // TIDE's CUDA executor behind the XLA FFI handlers ([Note: the executor boundary], executor.cc).
+// Called only from executor.cc (and the handlers' accumulator copy); it calls only the session
+// states (session_state.cc) and the core, never back into executor.cc.
 //
 // One process: the ranks of a group are XLA devices of this process (rank r on its device
 // ordinal; a virtual cluster puts every rank on one device), so the group runs on the core's CUDA
 // in-process executor (tide/cuda.h) through its GroupSession, exactly as the CUDA virtual cluster
 // runs it. Rank 0's handler thread enqueues the call for every rank after the rendezvous; nothing
 // here waits on the host. Several processes: each rank's own CudaProcessRank ([Note: CUDA rank
-// states] below), run by RunRankCall (executor.cc) on the rank's XLA stream.
+// states] below), whose calls RunRankCall (executor.cc) runs on the rank's XLA stream.
 //
 // [Note: stream handoff] The session's executor takes every rank's XLA stream as that rank's
 // caller stream: the call's internal streams wait for the XLA stream's prior work (the other
@@ -33,18 +35,6 @@ namespace tide::xla_ffi {
 
 namespace {
 
-// Restores the calling thread's CUDA device (XLA's threads keep their own).
-class DeviceGuard {
- public:
-  DeviceGuard() { TIDE_CHECK_CUDA(cudaGetDevice(&prev_)); }
-  ~DeviceGuard() { cudaSetDevice(prev_); }
-  DeviceGuard(const DeviceGuard&) = delete;
-  DeviceGuard& operator=(const DeviceGuard&) = delete;
-
- private:
-  int prev_ = 0;
-};
-
 std::vector<int> devices_of(const GroupCall& call) {
   std::vector<int> d;
   for (const RankIo* io : call.ranks) d.push_back(io->device);
@@ -70,6 +60,11 @@ GroupState& cuda_state(const GroupCall& call) {
 
 }  // namespace
 
+std::string cuda_executor_missing() {
+  const int n = cuda::device_count();
+  return n > 0 ? std::string() : "no CUDA device is visible (cudaGetDeviceCount found none)";
+}
+
 int64_t device_arena_bytes(int device) {
   std::lock_guard<std::mutex> lock(g_arena_mu);
   auto it = g_arena_bytes->find(device);
@@ -78,15 +73,13 @@ int64_t device_arena_bytes(int device) {
 
 void copy_accumulator_async(const RankIo& io, int64_t bytes) {
   if (io.acc.empty() || io.acc[0] == io.out[0]) return;  // XLA aliased it: in place already
-  DeviceGuard guard;
-  TIDE_CHECK_CUDA(cudaSetDevice(io.device), "device ", io.device);
+  cuda::DeviceGuard guard(io.device, "the accumulator copy: ");  // XLA's threads keep their own device
   TIDE_CHECK_CUDA(cudaMemcpyAsync(io.out[0], io.acc[0], static_cast<size_t>(bytes),
                                   cudaMemcpyDeviceToDevice, static_cast<cudaStream_t>(io.stream)),
                   "accumulator -> result");
 }
 
 void ExecuteGroupCuda(const GroupCall& call) {
-  DeviceGuard guard;
   const int N = call.plan->layout.N;
   TIDE_CHECK(static_cast<int>(call.ranks.size()) == N, "ExecuteGroupCuda: ", call.ranks.size(),
              " ranks for a group of ", N);
@@ -96,12 +89,12 @@ void ExecuteGroupCuda(const GroupCall& call) {
     TIDE_CHECK(io.device >= 0 && io.stream != nullptr, "rank ", r, ": no device or XLA stream");
     streams.push_back(reinterpret_cast<uintptr_t>(io.stream));
   }
+  cuda::DeviceGuard guard(call.ranks[0]->device, "ExecuteGroupCuda: ");  // XLA's threads keep their own device
   run_session(cuda_state(call), call, streams);
 }
 
 void copy_landing_async(const GroupCall& call, const char* ring, const RankIo& io) {
-  DeviceGuard guard;
-  TIDE_CHECK_CUDA(cudaSetDevice(io.device), "device ", io.device);
+  cuda::DeviceGuard guard(io.device, "the landing copy: ");  // XLA's threads keep their own device
   // The one copy of the XLA face: rank r's landing rows [0, D_p) -> XLA result p.
   const GroupLayout& lay = call.plan->layout;
   const int b_ag = dtype_size(call.plan->sig.ag_dtype);

@@ -34,9 +34,9 @@ tide::DType dtype_named(const std::string& name) {
   throw tide::PlanError("dtype " + name + " is not supported (TIDE moves bfloat16, float16, float32)");
 }
 
-xf::Collective collective_named(const std::string& op) {
-  if (op == "tide_all_gather") return xf::Collective::kAllGather;
-  if (op == "tide_reduce_scatter") return xf::Collective::kReduceScatter;
+tide::Collective collective_named(const std::string& op) {
+  if (op == "tide_all_gather") return tide::Collective::kAllGather;
+  if (op == "tide_reduce_scatter") return tide::Collective::kReduceScatter;
   throw tide::PlanError("unknown collective " + op);
 }
 
@@ -105,7 +105,7 @@ NB_MODULE(_ffi, m) {
     nb::dict d;
     d["hash"] = plan->hash;
     d["segment_bytes"] = arena.bytes;
-    d["pull_landing"] = collective_named(op) == xf::Collective::kAllGather && xf::pull_landing(*plan);
+    d["pull_landing"] = collective_named(op) == tide::Collective::kAllGather && xf::pull_landing(*plan);
     return d;
   }, nb::arg("op"), nb::arg("shapes"), nb::arg("in_dtype"), nb::arg("out_dtype"), nb::arg("nodes"),
         nb::arg("gpus_per_node"), nb::arg("mode"),
@@ -161,14 +161,16 @@ NB_MODULE(_ffi, m) {
 #endif
   m.def("handler_stats", []() {
     nb::dict d;
-    for (auto c : {xf::Collective::kAllGather, xf::Collective::kReduceScatter}) {
+    for (auto c : {tide::Collective::kAllGather, tide::Collective::kReduceScatter}) {
       const xf::HandlerStats st = xf::handler_stats(c);
-      d[c == xf::Collective::kAllGather ? "tide_all_gather" : "tide_reduce_scatter"] = nb::make_tuple(st.calls, st.ns);
+      d[xf::target_name(c)] = nb::make_tuple(st.calls, st.ns);
     }
     return d;
   }, "{target: (calls, host ns)} inside this process's TIDE handlers since the last reset (XLA's launch threads).");
   m.def("reset_handler_stats", &xf::reset_handler_stats);
-  m.def("executor_available", &tide::xla_ffi::executor_available,
-        "True when this build's CPU handlers can run collectives (the executor is linked).");
-  m.def("executor_description", &tide::xla_ffi::executor_description);
+  m.def("executor_available", &tide::xla_ffi::executor_available, nb::arg("kind"),
+        "True when executor `kind` ('cpu' or 'cuda') can run collectives here: 'cpu' always; 'cuda' when "
+        "this module was built with CUDA and a CUDA device is visible.");
+  m.def("executor_description", &tide::xla_ffi::executor_description, nb::arg("kind"),
+        "The executor that runs `kind`'s calls, or exactly what keeps it from running here.");
 }

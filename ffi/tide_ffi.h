@@ -14,8 +14,10 @@
 //   - A group whose devices all belong to this process is one in-process virtual cluster: XLA runs
 //     each device's call on its own thread, concurrently, so the ranks of a group meet in the
 //     Rendezvous (keyed by RunId, group, op_id, seq); then the group's per-rank programs run
-//     through ExecuteGroup()/CompleteRank() (executor.cc), the one place that calls TIDE's
-//     core: the group's GroupSession (tide/session.h).
+//     through ExecuteGroup()/CompleteRank() (executor.cc), the one entry into TIDE's core: the
+//     group's GroupSession (tide/session.h). The call path runs one way: executor.cc ->
+//     executor_cuda.cc (CUDA calls) -> session_state.cc (the sessions), and executor.cc ->
+//     session_state.cc; nothing calls back up.
 //   - A mesh that spans processes: each rank runs its own program through a rank executor, with
 //     no rendezvous (RunRankCall, executor.cc): on XLA:CPU a CPU RankExecutor over every rank's
 //     shared-memory segment, on CUDA a CudaProcessRank (tide/cuda.h: its node's peers by CUDA
@@ -51,8 +53,9 @@ namespace ffi = ::xla::ffi;
 // The handlers' first operand: (index along the FSDP axis, group index), int32.
 using WhereBuffer = ffi::Buffer<ffi::DataType::S32, 1>;
 
-enum class Collective : int { kAllGather = 0, kReduceScatter = 1 };
-const char* collective_name(Collective c);
+// Collective: tide::Collective (tide/program.h); the handlers run kAllGather and kReduceScatter.
+// The FFI target of a collective: "tide_all_gather" or "tide_reduce_scatter".
+const char* target_name(Collective c);
 
 // ---------------------------------------------------------------------------------------------
 // Static attributes shared by both ops.
@@ -120,13 +123,13 @@ struct GroupCall {
   int64_t virtual_device = -1;          // >= 0: a virtual cluster, every rank on this device
 };
 
-// [Note: the executor boundary] executor.cc is the only file of ffi/ that reaches TIDE's
-// executor. ExecuteGroup runs one call of the group's per-rank TIDE programs over every rank's
+// [Note: the executor boundary] executor.cc (with executor_cuda.cc and session_state.cc below
+// it) is the only part of ffi/ that reaches TIDE's executors. ExecuteGroup runs one call of the group's per-rank TIDE programs over every rank's
 // buffers; the rendezvous calls it on rank 0 of the group once all ranks joined. CompleteRank
 // then runs on every rank (its own thread) after ExecuteGroup returned, for per-rank completion
 // work. Both throw tide::Error / TimeoutError / Unimplemented.
 // One (plan, collective, mesh group, virtual device[, rank devices]) of the process: its
-// session over its executor (executor.cc); `make` builds the executor for the session's arena the
+// session over its executor (session_state.cc); `make` builds the executor for the session's arena the
 // first time. run_session: one call of the group through its session (streams: per rank, CUDA).
 // TIDE-AG lands in XLA's result buffers by pulling ([Note: pull landing] in tide/program.h) where
 // the plan allows it: one node and fp32 shards cast to the AG dtype (the stage the peers read).
@@ -143,7 +146,7 @@ int64_t run_session(GroupState& st, const GroupCall& call, const std::vector<uin
 // executors apply TIDE_EXEC_OPTIONS themselves.
 ExecutorOptions executor_options_for(const GroupCall& call);
 
-// ---- Ranks across processes (executor.cc; CUDA: executor_cuda.cc) ----------------------------
+// ---- Ranks across processes (session_state.cc; entry: executor.cc; CUDA: executor_cuda.cc) -----
 // One rank of a group whose ranks live in several processes: its GroupSession over a rank
 // executor (XLA:CPU: a CPU RankExecutor that maps every rank's shared-memory segment; CUDA: the
 // core's CudaProcessRank, its node's peers by CUDA IPC and other nodes over its NCCL rail).
@@ -166,7 +169,7 @@ struct RankArena {
 // rails: two-sided when the ranks' topology has several nodes on CUDA (its lowering's counters).
 RankArena rank_arena(const Plan& plan, Collective op, Rails rails = Rails::kOneSided);
 bool has_rank_state(const RankStateKey& key);
-// A rank state once built (executor.cc keeps them): `arena` is this rank's arena (host segment or
+// A rank state once built (session_state.cc keeps them): `arena` is this rank's arena (host segment or
 // device memory), `ring0` the offset of its landing region (AG), `cuda`: calls go on XLA's stream.
 struct RankState {
   std::shared_ptr<CallExecutor> executor;
@@ -179,6 +182,10 @@ struct RankState {
 // the set's own) and keeps it under `key` (an existing one stays).
 void put_rank_state(const RankStateKey& key, std::shared_ptr<const Plan> plan, std::shared_ptr<CallExecutor> executor,
                     const RankArena& arena, const uint8_t* own_arena, bool cuda);
+RankState* find_rank_state(const RankStateKey& key);  // null: none was built
+// Rank `io.rank`'s XLA buffers as its session's bindings (AG: shards, and the landings when
+// pulled; RS: gradients and the fp32 output).
+RankBindingList rank_bindings(const GroupCall& call, const RankIo& io);
 // Maps segments[r] (rank r's shm name) for rank key.rank and builds its session; throws Error
 // naming the rank and segment on failure. An existing state is kept (idempotent).
 void open_rank_state(const RankStateKey& key, std::shared_ptr<const Plan> plan,
@@ -186,11 +193,15 @@ void open_rank_state(const RankStateKey& key, std::shared_ptr<const Plan> plan,
 // Runs `io.rank`'s program of one call (AG: then copies its landing into XLA's results).
 void RunRankCall(const GroupCall& call, uint64_t table, const RankIo& io);
 
-// With call.spec.cuda both forward to ExecuteGroupCuda/CompleteRankCuda (executor_cuda.cc).
+// With call.spec.cuda both forward to ExecuteGroupCuda/CompleteRankCuda (executor_cuda.cc,
+// which never calls back into executor.cc).
 void ExecuteGroup(const GroupCall& call);
 void CompleteRank(const GroupCall& call, int rank);
-bool executor_available();
-std::string executor_description();
+// Whether executor `kind` ("cpu" or "cuda") can run calls here: "cpu" always; "cuda" when the
+// module was built with CUDA and a CUDA device is visible. PlanError on another kind.
+// executor_description(kind) says which executor runs, or exactly what is missing.
+bool executor_available(const std::string& kind);
+std::string executor_description(const std::string& kind);
 #ifdef TIDE_WITH_CUDA
 // A CUDA rank state in two steps, because the IPC handles and the rail's unique id travel between
 // the processes in between (tide_xla/processes.py): create allocates the rank's IPC arena on
@@ -209,6 +220,8 @@ void ExecuteGroupCuda(const GroupCall& call);
 void CompleteRankCuda(const GroupCall& call, int rank);
 // RS with accumulate when XLA did not alias acc to out: out <- acc on XLA's stream.
 void copy_accumulator_async(const RankIo& io, int64_t bytes);
+// Why the CUDA executor cannot run in this process ("" when it can: a device is visible).
+std::string cuda_executor_missing();
 #endif
 
 // ---------------------------------------------------------------------------------------------

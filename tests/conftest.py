@@ -3,17 +3,29 @@ import os
 import pytest
 
 
-def pytest_collection_modifyitems(config, items):
-    """GPU tests run only where a CUDA device is usable (tools/gpu/run.py on the GPU machine)."""
+def cuda_missing() -> str:
+    """What keeps the CUDA path from running here, named exactly ("" when nothing does): the one
+    source of the "gpu" marker's skip reason."""
     try:
         from tide import _core
-        have_gpu = _core.cuda.available()
-    except Exception:  # noqa: BLE001 - an unbuilt core also means "no GPU path"
-        have_gpu = False
+    except Exception as e:  # noqa: BLE001 - an unbuilt core also means "no GPU path"
+        return f"tide._core does not import ({type(e).__name__}: {e}); build it with tools/build.sh"
+    if not _core.cuda.built:
+        return "tide._core was built without CUDA (TIDE_CUDA=off, or no nvcc at build time)"
+    if _core.cuda.device_count() == 0:
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        hint = f"; CUDA_VISIBLE_DEVICES={visible!r}" if visible is not None else ""
+        return f"no CUDA GPU visible (tide._core.cuda.device_count() == 0: cudaGetDeviceCount found none{hint})"
+    return ""
+
+
+def pytest_collection_modifyitems(config, items):
+    """GPU tests run only where a CUDA device is usable (tools/gpu/run.py on the GPU machine)."""
+    missing = cuda_missing()
     slow = os.environ.get("TIDE_SLOW") == "1"
     for item in items:
-        if "gpu" in item.keywords and not have_gpu:
-            item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU and a CUDA build of tide._core"))
+        if "gpu" in item.keywords and missing:
+            item.add_marker(pytest.mark.skip(reason=missing))
         if "slow" in item.keywords and not slow:
             item.add_marker(pytest.mark.skip(reason="slow opt-in run: set TIDE_SLOW=1"))
 

@@ -102,7 +102,7 @@ def test_run_tables_address_what_the_cpu_reads(M, L, expert, bank, accumulate):
 
 
 def _level1_shape(n_terms, mask, runs):
-    """executor.h [Note: Level-1 SUM on kernels.cu's SUM], from the runs: all bf16, the first
+    """exec/cuda/issue.h [Note: Level-1 SUM on kernels.cu's SUM], from the runs: all bf16, the first
     n_terms - 1 terms present everywhere, each from one slot laid out like dst, the last term a
     gradient piece (slot < 256, element-aligned) or absent."""
     if mask or not 2 <= n_terms <= 8:

@@ -32,6 +32,7 @@ import torch.distributed as dist
 
 import tide
 from _torch_dist import batches, build, local_shards, mesh_1d, spawn, train
+from conftest import cuda_missing
 
 STEPS = 5
 MODES = ("in_place", "slot_reuse")
@@ -47,7 +48,8 @@ def _cuda_tide() -> bool:
 
 
 needs_cuda_tide = pytest.mark.skipif(
-    not _cuda_tide(), reason="no CUDA path here: tide._core.cuda lacks RankExecutor / IpcFabric, or no GPU is usable")
+    not _cuda_tide(), reason=cuda_missing() or "no CUDA path here: tide_torch.comm.cuda_executor_available() is "
+                                               "False (tide._core.cuda lacks RankExecutor / IpcFabric)")
 
 
 def _nccl_fabric_missing() -> str | None:

@@ -15,7 +15,7 @@ from tide_xla import _ffi  # noqa: E402
 
 pytestmark = [
     pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 host devices (XLA_FLAGS)"),
-    pytest.mark.skipif(not _ffi.executor_available(), reason=_ffi.executor_description()),
+    pytest.mark.skipif(not _ffi.executor_available("cpu"), reason=_ffi.executor_description("cpu")),
 ]
 
 SHAPES = {"a": (10, 3), "b": (5,), "c": (16, 8), "d": (3, 2, 2), "e": (1, 7)}

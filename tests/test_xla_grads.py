@@ -18,7 +18,7 @@ from tide_xla import _ffi  # noqa: E402
 
 pytestmark = [
     pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 host devices (XLA_FLAGS)"),
-    pytest.mark.skipif(not _ffi.executor_available(), reason=_ffi.executor_description()),
+    pytest.mark.skipif(not _ffi.executor_available("cpu"), reason=_ffi.executor_description("cpu")),
 ]
 
 VOCAB, DIM, HEADS, FF, LAYERS, SEQ = 37, 16, 2, 20, 1, 8

@@ -15,7 +15,7 @@ import tide  # noqa: E402
 from tide_xla import _ffi  # noqa: E402
 from tide_xla.virtual import stack_shards, virtual_all_gather, virtual_reduce_scatter  # noqa: E402
 
-pytestmark = pytest.mark.skipif(not _ffi.executor_available(), reason=_ffi.executor_description())
+pytestmark = pytest.mark.skipif(not _ffi.executor_available("cpu"), reason=_ffi.executor_description("cpu"))
 
 SHAPES = [(10, 3), (5,), (16, 8), (3, 2, 2), (1, 7)]
 BF16 = np.dtype(ml_dtypes.bfloat16)

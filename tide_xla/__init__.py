@@ -33,9 +33,9 @@ tests and one-GPU machines. docs/xla.md describes both paths (XLA:CPU and CUDA).
 """
 from tide_xla.context import TideContext, arena_bytes, init
 from tide_xla.gather import copy_out_bytes, gather, packed_sizes, reduce_scatter, unpack_grads, zeros_packed
-from tide_xla.sharding import ShardLayout, TideGroup, default_group_key, shard
+from tide_xla.sharding import ShardGroup, ShardLayout, default_group_key, shard
 
-__all__ = ["ShardLayout", "TideContext", "TideGroup", "arena_bytes", "copy_out_bytes", "default_group_key", "gather",
+__all__ = ["ShardGroup", "ShardLayout", "TideContext", "arena_bytes", "copy_out_bytes", "default_group_key", "gather",
            "init",
            "packed_sizes", "reduce_scatter", "shard", "unpack_grads", "zeros_packed"]
 __version__ = "0.1.0"

@@ -22,12 +22,6 @@ from tide_xla.all_gather import next_op_id
 from tide_xla.context import TideContext
 
 
-def packed_offsets(shapes: Sequence[Sequence[int]], world: int) -> list[tuple[int, int]]:
-    """(o32_p, e_p) for every parameter of a group: e_p = R_p K_p, o32_p its prefix offset (the
-    planner's layout, tide.layout)."""
-    return [(p.o32, p.e) for p in tide.layout(shapes, world).params]
-
-
 def unpack(packed: jax.Array, shapes: Sequence[Sequence[int]], world: int) -> list[jax.Array]:
     """A local packed fp32 shard -> one (R_p, ...) shard per parameter (slices of `packed`)."""
     return [packed[p.o32:p.o32 + p.e].reshape(p.R, *s[1:])

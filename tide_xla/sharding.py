@@ -8,7 +8,7 @@ the N R_p - D_p padding rows are zero, as FSDP2 pads them. Leaves are grouped in
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Hashable, Sequence
+from typing import Any, Callable, Hashable
 
 import jax
 import jax.numpy as jnp
@@ -29,7 +29,9 @@ class LeafLayout:
 
 
 @dataclasses.dataclass(frozen=True)
-class TideGroup:
+class ShardGroup:
+    """One TIDE group of a ShardLayout: the leaves its collectives gather and reduce together."""
+
     name: str
     leaves: tuple[int, ...]   # indices into ShardLayout.leaves (flattened tree order)
 
@@ -43,7 +45,7 @@ class ShardLayout:
     world: int                            # N
     treedef: Any
     leaves: tuple[LeafLayout, ...]
-    groups: tuple[TideGroup, ...]
+    groups: tuple[ShardGroup, ...]
     shard_dtype: Any                      # dtype of the sharded (master) leaves
     ag_dtype: Any                         # dtype of gathered parameters (and their gradients)
 
@@ -145,7 +147,7 @@ def shard(params, mesh: Mesh, axis: str = "fsdp", *, shard_dtype=jnp.float32,
                                                       if len(idx) > max_group_params else "")
             for i in chunk:
                 leaf_group[i] = len(groups)
-            groups.append(TideGroup(name=gname, leaves=chunk))
+            groups.append(ShardGroup(name=gname, leaves=chunk))
     rows = [0] * len(leaves)
     for grp in groups:  # R_p from the planner's layout of each group
         for i, pl in zip(grp.leaves, tide.layout([leaves[i][1] for i in grp.leaves], n).params):
@@ -164,7 +166,3 @@ def shard(params, mesh: Mesh, axis: str = "fsdp", *, shard_dtype=jnp.float32,
 
     sharded = [jax.device_put(pad(x, l), target) for x, l in zip(arrays, layouts)]
     return jax.tree_util.tree_unflatten(treedef, sharded), layout
-
-
-def group_leaves(layout: ShardLayout, flat: Sequence[Any], g: int) -> tuple:
-    return tuple(flat[i] for i in layout.groups[g].leaves)

@@ -10,7 +10,7 @@
 //   - issued(r, n): the host mirror of the value last *issued* to each counter of rank r's arena
 //     by this process. Counters have a single producing (rank, stream), so "counter += v" is
 //     issued as a write of issued + v by the one process that owns the producer; rank executors
-//     also keep their simulation of peers' counters here (executor.h, [Note: enqueue order]).
+//     also keep their simulation of peers' counters here (exec/cuda/issue.h, [Note: enqueue order]).
 //   - No fabric ever creates a multicast object: multicast() is false.
 #pragma once
 

@@ -18,12 +18,6 @@ const ArenaRegion& MemoryModel::region(const std::string& name) const {
                            "' (regions: ", have, ")"));
 }
 
-bool MemoryModel::has_region(const std::string& name) const {
-  for (const auto& r : arena)
-    if (r.name == name) return true;
-  return false;
-}
-
 int64_t live_bytes_besides_rs(const Plan& plan) {
   const GroupLayout& g = plan.layout;
   const bool in_place = plan.opt.mode == Mode::kInPlace;

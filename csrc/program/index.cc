@@ -12,8 +12,6 @@ bool op_produces(const Op& op) {
          ((op.kind == OpKind::kPut || op.kind == OpKind::kRecv) && op.counter.index >= 0);
 }
 
-bool op_waits(const Op& op) { return op.kind == OpKind::kWait || op.kind == OpKind::kEventWait; }
-
 ProgramUse::ProgramUse() { std::fill(arena_end, arena_end + kNumBufKinds, int64_t{-1}); }
 
 const CounterProducer& ProgramIndex::producer_of(const CounterRef& c) const {
@@ -21,16 +19,6 @@ const CounterProducer& ProgramIndex::producer_of(const CounterRef& c) const {
   if (c.rank < 0 || static_cast<size_t>(c.rank) >= producer.size()) return none;
   const auto& v = producer[static_cast<size_t>(c.rank)];
   return c.index >= 0 && static_cast<size_t>(c.index) < v.size() ? v[static_cast<size_t>(c.index)] : none;
-}
-
-std::vector<std::vector<int>> stream_ops_of(const Program& pr) {
-  std::vector<std::vector<int>> so(std::max<size_t>(1, pr.streams.size()));
-  for (size_t i = 0; i < pr.ops.size(); ++i) {
-    const size_t s = pr.ops[i].stream;
-    TIDE_PLAN_CHECK(s < so.size(), "rank ", pr.rank, " op ", i, ": stream ", s, " of ", pr.streams.size());
-    so[s].push_back(static_cast<int>(i));
-  }
-  return so;
 }
 
 namespace {

@@ -13,6 +13,15 @@ const char* buf_kind_name(BufKind k) {
   return i >= 0 && i < kNumBufKinds ? names[i] : "?";
 }
 
+const char* collective_name(Collective c) {
+  switch (c) {
+    case Collective::kAllGather: return "all_gather";
+    case Collective::kReduceScatter: return "reduce_scatter";
+    case Collective::kReduceScatterExpert: return "reduce_scatter_expert";
+  }
+  return "?";
+}
+
 const char* op_kind_name(OpKind k) {
   switch (k) {
     case OpKind::kCopy: return "COPY";

@@ -24,6 +24,14 @@
 
 namespace tide {
 
+const char* rails_name(Rails r) { return r == Rails::kTwoSided ? "two_sided" : "one_sided"; }
+
+Rails parse_rails(const std::string& name, const std::string& where) {
+  if (name == "one_sided") return Rails::kOneSided;
+  if (name == "two_sided") return Rails::kTwoSided;
+  throw PlanError(TIDE_STR_CAT(where, ": expected one of one_sided, two_sided, got '", name, "'"));
+}
+
 int rail_peer(const Op& op) {
   if (op.copies.empty()) return -1;
   return op.kind == OpKind::kRecv ? op.copies.front().src.rank : op.copies.front().dst.rank;

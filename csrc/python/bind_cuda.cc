@@ -204,7 +204,7 @@ void bind_cuda_ops(nb::module_& m) {
   m.def("copies",
         [](const std::vector<std::tuple<uint64_t, uint64_t, size_t, size_t, size_t, size_t>>& d,
            uint64_t stream, int lanes, const std::string& copy_2d, int sm_ctas) {
-          std::vector<CopyDesc> v;
+          std::vector<ResolvedCopy> v;
           v.reserve(d.size());
           for (auto& [dst, src, w, h, dp, sp] : d) v.push_back({ptr<void>(dst), ptr<const void>(src), w, h, dp, sp});
           TIDE_PLAN_CHECK(lanes >= 1 && lanes <= 8, "cuda.copies: lanes must be in [1, 8], got ", lanes);

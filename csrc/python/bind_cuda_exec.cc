@@ -14,7 +14,7 @@
 #include <vector>
 
 #include "exec/cuda/call_executors.h"
-#include "exec/cuda/executor.h"
+#include "exec/cuda/issue.h"  // build_run_table, level1_sum_shape
 #include "fabric/inprocess.h"
 #include "fabric/ipc.h"
 #ifdef TIDE_WITH_NCCL
@@ -95,31 +95,31 @@ void bind_cuda_exec(nb::module_& m, nb::module_& testing) {
         f.open_peers(v);
       }, nb::arg("handles"), "handles[r]: every rank's handle() (the own entry is ignored).");
 
-  nb::class_<cuda::CudaClusterExecutor, CallExecutor>(
+  nb::class_<cuda::CudaClusterCallExecutor, CallExecutor>(
       m, "ClusterExecutor",
       "Every rank of an in-process fabric on CUDA streams (the CUDA virtual cluster, the XLA devices of one "
       "process), as a GroupSession's executor.")
-      .def("__init__", [](cuda::CudaClusterExecutor* self, std::shared_ptr<fabric::InProcessFabric> f, nb::object options) {
+      .def("__init__", [](cuda::CudaClusterCallExecutor* self, std::shared_ptr<fabric::InProcessFabric> f, nb::object options) {
         TIDE_PLAN_CHECK(f != nullptr, "tide._core.cuda.ClusterExecutor: fabric is None");
-        new (self) cuda::CudaClusterExecutor(std::move(f), options_from_python(options));
+        new (self) cuda::CudaClusterCallExecutor(std::move(f), options_from_python(options));
       }, nb::arg("fabric"), nb::arg("options") = nb::none())
-      .def("stream", [](cuda::CudaClusterExecutor& e, int r, int s) { return addr(e.executor().stream(r, s)); },
+      .def("stream", [](cuda::CudaClusterCallExecutor& e, int r, int s) { return addr(e.executor().stream(r, s)); },
            nb::arg("rank"), nb::arg("stream"))
-      .def("counter_ptr", [](cuda::CudaClusterExecutor& e, const ProgramSet& ps, int r, int i) {
+      .def("counter_ptr", [](cuda::CudaClusterCallExecutor& e, const ProgramSet& ps, int r, int i) {
         return addr(e.executor().counter_ptr(ps, r, i));
       }, nb::arg("programs"), nb::arg("rank"), nb::arg("index"))
-      .def_prop_ro("cached_program_sets", [](cuda::CudaClusterExecutor& e) { return e.executor().cached_program_sets(); })
-      .def("run", [](cuda::CudaClusterExecutor& ex, std::shared_ptr<ProgramSet> ps, int64_t seq,
+      .def_prop_ro("cached_program_sets", [](cuda::CudaClusterCallExecutor& e) { return e.executor().cached_program_sets(); })
+      .def("run", [](cuda::CudaClusterCallExecutor& ex, std::shared_ptr<ProgramSet> ps, int64_t seq,
                      const nb::list& buffers) {
         TIDE_PLAN_CHECK(ps != nullptr, "ClusterExecutor.run: programs is None");
-        std::vector<RankBindingList> b;
-        for (auto row : buffers) b.push_back(bindings_from_python(row, "ClusterExecutor.run"));
+        std::vector<RankBindings> b;
+        for (auto row : buffers) b.push_back(to_rank_bindings(bindings_from_python(row, "ClusterExecutor.run")));
         nb::gil_scoped_release release;
         ex.run(ps, seq, {}, b, {});
       }, nb::arg("programs"), nb::arg("seq"), nb::arg("buffers"),
          "Tests: enqueues call `seq` of a hand-built set on every rank's executor streams (sessions call it "
          "through GroupSession). buffers[r]: [(buf_kind, index, data_ptr, nbytes), ...].")
-      .def("set_faults", [](cuda::CudaClusterExecutor& e, int dead_rank, int stall_rank, double stall_s) {
+      .def("set_faults", [](cuda::CudaClusterCallExecutor& e, int dead_rank, int stall_rank, double stall_s) {
         auto& o = e.executor().options();
         o.dead_rank = dead_rank;
         o.stall_rank = stall_rank;
@@ -151,7 +151,7 @@ void bind_cuda_exec(nb::module_& m, nb::module_& testing) {
       .def("run", [](cuda::CudaRankCallExecutor& ex, std::shared_ptr<ProgramSet> ps, int64_t seq, const nb::list& buffers,
                      uint64_t stream, nb::object ranks) {
         TIDE_PLAN_CHECK(ps != nullptr, "RankExecutor.run: programs is None");
-        RankBindingList b = bindings_from_python(buffers, "RankExecutor.run");
+        RankBindings b = to_rank_bindings(bindings_from_python(buffers, "RankExecutor.run"));
         std::vector<int> members;
         if (!ranks.is_none())
           for (auto r : ranks) members.push_back(nb::cast<int>(r));

@@ -15,9 +15,9 @@ using namespace tide;
 
 namespace {
 
-CallKind kind_from(const std::string& name) {
-  for (int k = 0; k < kNumCallKinds; ++k)
-    if (name == call_kind_name(static_cast<CallKind>(k))) return static_cast<CallKind>(k);
+Collective kind_from(const std::string& name) {
+  for (int k = 0; k < kNumCollectives; ++k)
+    if (name == collective_name(static_cast<Collective>(k))) return static_cast<Collective>(k);
   throw PlanError(TIDE_STR_CAT("collective: expected all_gather, reduce_scatter or reduce_scatter_expert, got '",
                                name, "'"));
 }
@@ -65,7 +65,7 @@ void bind_session(nb::module_& m) {
   }, nb::arg("plan"), nb::arg("collective"), nb::arg("rails") = "one_sided",
      "Counters the collective's programs of `plan` use (rails='two_sided': lowered).");
   m.def("session_arena", [](const Plan& plan, const std::vector<std::string>& kinds, const std::string& rails) {
-    std::vector<CallKind> k;
+    std::vector<Collective> k;
     for (const auto& s : kinds) k.push_back(kind_from(s));
     const ArenaSpec a = GroupSession::own_arena(plan, k, parse_rails(rails, "session_arena"));
     nb::dict d;
@@ -94,21 +94,21 @@ void bind_session(nb::module_& m) {
       .def("synchronize", &CallExecutor::synchronize, nb::call_guard<nb::gil_scoped_release>())
       .def("set_timeout", &CallExecutor::set_timeout, nb::arg("timeout_s"), "The deadline of later calls' waits.");
 
-  nb::class_<CpuClusterExecutor, CallExecutor>(m, "CpuClusterExecutor",
-                                                "The CPU virtual cluster: every rank's arena here (threads) or in "
-                                                "forked processes over shared memory.")
-      .def("__init__", [](CpuClusterExecutor* self, int world, const Plan& plan, const std::vector<std::string>& kinds,
+  nb::class_<CpuClusterCallExecutor, CallExecutor>(m, "CpuClusterExecutor",
+                                                    "The CPU virtual cluster: every rank's arena here (threads) or "
+                                                    "in forked processes over shared memory.")
+      .def("__init__", [](CpuClusterCallExecutor* self, int world, const Plan& plan, const std::vector<std::string>& kinds,
                           bool processes, nb::object options) {
-        std::vector<CallKind> k;
+        std::vector<Collective> k;
         for (const auto& s : kinds) k.push_back(kind_from(s));
         const ExecutorOptions o = options_from_python(options);
-        new (self) CpuClusterExecutor(world, GroupSession::own_arena(plan, k, o.rails), processes, o);
+        new (self) CpuClusterCallExecutor(world, GroupSession::own_arena(plan, k, o.rails), processes, o);
         self->run_options().interrupted = python_interrupt_check();  // Ctrl-C reaches a blocked call
       }, nb::arg("world"), nb::arg("plan"), nb::arg("collectives"), nb::arg("processes") = false,
          nb::arg("options") = nb::none(),
          "An arena laid out for a session of `plan` running `collectives` (GroupSession.own_arena).")
-      .def_prop_ro("arena", [](CpuClusterExecutor& e) -> CpuArena& { return e.arena(); }, nb::rv_policy::reference_internal)
-      .def("set_faults", [](CpuClusterExecutor& e, int stall_rank, int64_t stall_op, double stall_s, int dead_rank,
+      .def_prop_ro("arena", [](CpuClusterCallExecutor& e) -> CpuArena& { return e.arena(); }, nb::rv_policy::reference_internal)
+      .def("set_faults", [](CpuClusterCallExecutor& e, int stall_rank, int64_t stall_op, double stall_s, int dead_rank,
                             int64_t dead_op, bool verify_agreement) {
         CpuRunOptions& o = e.run_options();
         o.stall_rank = stall_rank; o.stall_op = stall_op; o.stall_s = stall_s;
@@ -116,11 +116,11 @@ void bind_session(nb::module_& m) {
       }, nb::arg("stall_rank") = -1, nb::arg("stall_op") = 0, nb::arg("stall_s") = 0.0, nb::arg("dead_rank") = -1,
          nb::arg("dead_op") = 0, nb::arg("verify_agreement") = true, "Executor-level fault injection (tests).");
 
-  nb::class_<CpuRankExecutor, CallExecutor>(m, "CpuRankExecutor",
-                                             "One rank of a job whose ranks are processes (RankExecutor), as a "
-                                             "GroupSession's executor.")
-      .def("__init__", [](CpuRankExecutor* self, std::shared_ptr<RankExecutor> ex, nb::object regions) {
-        new (self) CpuRankExecutor(std::move(ex), regions.is_none() ? RegionTable{} : regions_from_python(regions));
+  nb::class_<CpuRankCallExecutor, CallExecutor>(m, "CpuRankExecutor",
+                                                 "One rank of a job whose ranks are processes (RankExecutor), as "
+                                                 "a GroupSession's executor.")
+      .def("__init__", [](CpuRankCallExecutor* self, std::shared_ptr<RankExecutor> ex, nb::object regions) {
+        new (self) CpuRankCallExecutor(std::move(ex), regions.is_none() ? RegionTable{} : regions_from_python(regions));
       }, nb::arg("rank_executor"), nb::arg("regions") = nb::none(),
          "regions: the shared arena layout every group's programs are bound to.");
 

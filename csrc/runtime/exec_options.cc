@@ -24,7 +24,6 @@ const char* copy_2d_name(Copy2D c) { return c == Copy2D::kPerCopy ? "per_copy" :
 const char* copies_on_name(CopiesOn c) {
   return c == CopiesOn::kCopyEngines ? "copy_engines" : c == CopiesOn::kSms ? "sms" : "auto";
 }
-const char* rails_name(Rails r) { return r == Rails::kTwoSided ? "two_sided" : "one_sided"; }
 
 namespace {
 // The other integer fields' ranges (tide/exec_options.h lists them; docs/options.md's table too).
@@ -102,10 +101,6 @@ E parse_enum(const std::string& v, const std::string& where, const std::vector<s
 }
 
 }  // namespace
-
-Rails parse_rails(const std::string& name, const std::string& where) {
-  return parse_enum<Rails>(name, where, {{"one_sided", Rails::kOneSided}, {"two_sided", Rails::kTwoSided}});
-}
 
 void set_option(ExecutorOptions& o, const std::string& name, const std::string& value, const std::string& where) {
   const std::string w = TIDE_STR_CAT(where, ": ", name);

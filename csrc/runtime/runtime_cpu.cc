@@ -18,22 +18,11 @@ CpuRunOptions cpu_run_options(const ExecutorOptions& opt, bool processes) {
 
 }  // namespace
 
-RankBindings to_rank_bindings(const RankBindingList& l) {
-  RankBindings b;
-  for (const Binding& x : l) {
-    TIDE_PLAN_CHECK(is_user_buffer(x.kind), "bindings: ", buf_kind_name(x.kind), " is an arena region, not a user "
-                    "buffer");
-    TIDE_PLAN_CHECK(x.bytes >= 0, "bindings: ", buf_kind_name(x.kind), "[", x.index, "] has negative size ", x.bytes);
-    b.bind(x.kind, x.kind == BufKind::kOut ? -1 : x.index, x.data, x.bytes);
-  }
-  return b;
-}
-
-CpuClusterExecutor::CpuClusterExecutor(int world, const ArenaSpec& spec, bool processes, const ExecutorOptions& opt)
+CpuClusterCallExecutor::CpuClusterCallExecutor(int world, const ArenaSpec& spec, bool processes, const ExecutorOptions& opt)
     : arena_(world, spec, processes), opt_(cpu_run_options(opt, processes)) {}
 
-void CpuClusterExecutor::run(const std::shared_ptr<const ProgramSet>& set, int64_t seq, const std::vector<int>& members,
-                             const std::vector<RankBindingList>& buffers, const std::vector<uintptr_t>& streams) {
+void CpuClusterCallExecutor::run(const std::shared_ptr<const ProgramSet>& set, int64_t seq, const std::vector<int>& members,
+                             const std::vector<RankBindings>& buffers, const std::vector<uintptr_t>& streams) {
   TIDE_PLAN_CHECK(set != nullptr && !set->progs.empty(), "CpuClusterExecutor.run: empty program set");
   const int n = arena_.world();
   TIDE_PLAN_CHECK(members.empty(), "CpuClusterExecutor.run: a virtual cluster runs "
@@ -46,11 +35,9 @@ void CpuClusterExecutor::run(const std::shared_ptr<const ProgramSet>& set, int64
                   "layout (", set->progs[0].arena.total, " bytes) differs from this arena's (", arena_.spec().total, ")");
   (void)streams;
   std::vector<std::vector<Call>> per_rank(static_cast<size_t>(n));
-  std::vector<RankBindings> b(static_cast<size_t>(n));
-  for (int r = 0; r < n; ++r) {
+  std::vector<RankBindings> b = buffers;  // processes mode bounces their slots
+  for (int r = 0; r < n; ++r)
     per_rank[static_cast<size_t>(r)].push_back({&set->progs[static_cast<size_t>(r)], seq, set->generator.get()});
-    b[static_cast<size_t>(r)] = to_rank_bindings(buffers[static_cast<size_t>(r)]);
-  }
   std::lock_guard<std::mutex> lock(mu_);
   if (!failed_.empty())
     throw Error(TIDE_STR_CAT("CpuClusterExecutor: call seq ", seq, " refused: an earlier call failed and left the "
@@ -65,7 +52,7 @@ void CpuClusterExecutor::run(const std::shared_ptr<const ProgramSet>& set, int64
   }
 }
 
-void CpuClusterExecutor::run_locked(std::vector<std::vector<Call>>& per_rank, std::vector<RankBindings>& b) {
+void CpuClusterCallExecutor::run_locked(std::vector<std::vector<Call>>& per_rank, std::vector<RankBindings>& b) {
   if (opt_.rails == Rails::kOneSided) {
     run_cpu(arena_, per_rank, b, opt_);
     return;
@@ -79,25 +66,25 @@ void CpuClusterExecutor::run_locked(std::vector<std::vector<Call>>& per_rank, st
   run_cpu(arena_, per_rank, b, o);
 }
 
-void CpuClusterExecutor::set_timeout(double timeout_s) {
+void CpuClusterCallExecutor::set_timeout(double timeout_s) {
   const double t = checked_timeout(timeout_s);
   std::lock_guard<std::mutex> lock(mu_);
   opt_.timeout_s = t;
 }
 
-void CpuRankExecutor::set_timeout(double timeout_s) { ex_->set_timeout(timeout_s); }
+void CpuRankCallExecutor::set_timeout(double timeout_s) { ex_->set_timeout(timeout_s); }
 
-CpuRankExecutor::CpuRankExecutor(std::shared_ptr<RankExecutor> ex, RegionTable regions)
+CpuRankCallExecutor::CpuRankCallExecutor(std::shared_ptr<RankExecutor> ex, RegionTable regions)
     : ex_(std::move(ex)), regions_(std::move(regions)) {
   TIDE_PLAN_CHECK(ex_ != nullptr, "CpuRankExecutor: no RankExecutor");
 }
 
-void CpuRankExecutor::run(const std::shared_ptr<const ProgramSet>& set, int64_t seq, const std::vector<int>& members,
-                          const std::vector<RankBindingList>& buffers, const std::vector<uintptr_t>& streams) {
+void CpuRankCallExecutor::run(const std::shared_ptr<const ProgramSet>& set, int64_t seq, const std::vector<int>& members,
+                          const std::vector<RankBindings>& buffers, const std::vector<uintptr_t>& streams) {
   TIDE_PLAN_CHECK(set != nullptr, "CpuRankExecutor.run: no program set");
   TIDE_PLAN_CHECK(buffers.size() == 1, "CpuRankExecutor.run: one buffer list (this rank's), got ", buffers.size());
   (void)streams;
-  ex_->run(*set, seq, to_rank_bindings(buffers[0]), members.empty() ? nullptr : &members);
+  ex_->run(*set, seq, buffers[0], members.empty() ? nullptr : &members);
 }
 
 }  // namespace tide

@@ -7,14 +7,6 @@
 
 namespace tide {
 
-const char* call_kind_name(CallKind k) {
-  switch (k) {
-    case CallKind::kAllGather: return "all_gather";
-    case CallKind::kReduceScatter: return "reduce_scatter";
-    default: return "reduce_scatter_expert";
-  }
-}
-
 int rs_bank(int64_t seq) {
   TIDE_PLAN_CHECK(seq >= 1, "TIDE-RS call sequence numbers start at 1 (got seq=", seq, ")");
   return static_cast<int>((seq - 1) % 2);
@@ -23,45 +15,45 @@ int rs_bank(int64_t seq) {
 namespace {
 
 // The one-sided program set of `kind` (rs->expert_lane set for the expert lane).
-std::vector<Program> build_programs(const Plan& plan, CallKind kind, const AgCallOptions* ag, const RsCallOptions* rs) {
-  return kind == CallKind::kAllGather ? build_ag_programs(plan, *ag) : build_rs_programs(plan, *rs);
+std::vector<Program> build_programs(const Plan& plan, Collective kind, const AgCallOptions* ag, const RsCallOptions* rs) {
+  return kind == Collective::kAllGather ? build_ag_programs(plan, *ag) : build_rs_programs(plan, *rs);
 }
 
 }  // namespace
 
-int program_counters(const Plan& plan, CallKind kind, Rails rails) {
+int program_counters(const Plan& plan, Collective kind, Rails rails) {
   AgCallOptions ag;
   ag.with_expects = false;
   RsCallOptions rs;
-  rs.expert_lane = kind == CallKind::kReduceScatterExpert;
+  rs.expert_lane = kind == Collective::kReduceScatterExpert;
   if (rails == Rails::kTwoSided && plan.topo.nodes > 1) {  // the lowering's counters need every rank
     std::vector<Program> progs = build_programs(plan, kind, &ag, &rs);
     lower_two_sided(progs);
     return progs[0].num_counters;
   }
-  if (kind == CallKind::kAllGather) return build_ag_program(plan, ag, 0).num_counters;
-  if (kind == CallKind::kReduceScatterExpert) return build_rs_expert_program(plan, rs, 0).num_counters;
+  if (kind == Collective::kAllGather) return build_ag_program(plan, ag, 0).num_counters;
+  if (kind == Collective::kReduceScatterExpert) return build_rs_expert_program(plan, rs, 0).num_counters;
   // The header alone: no ops are built (the plan outlives the generator, hence no ownership).
   const std::shared_ptr<const Plan> view(&plan, [](const Plan*) {});
   return RsProgramGenerator(view, rs).header(0, false).num_counters;
 }
 
-int64_t CounterSpace::reserve(const Plan& plan, CallKind kind, Rails rails) {
+int64_t CounterSpace::reserve(const Plan& plan, Collective kind, Rails rails) {
   const int64_t base = used_;
   used_ += program_counters(plan, kind, rails);
   return base;
 }
 
-ArenaSpec GroupSession::own_arena(const Plan& plan, const std::vector<CallKind>& kinds, Rails rails) {
+ArenaSpec GroupSession::own_arena(const Plan& plan, const std::vector<Collective>& kinds, Rails rails) {
   TIDE_PLAN_CHECK(!kinds.empty(), "GroupSession: a session runs at least one collective");
-  const bool expert = std::find(kinds.begin(), kinds.end(), CallKind::kReduceScatterExpert) != kinds.end();
+  const bool expert = std::find(kinds.begin(), kinds.end(), Collective::kReduceScatterExpert) != kinds.end();
   if (expert) {
     TIDE_PLAN_CHECK(kinds.size() == 1, "GroupSession: the expert lane has its own arena layout; give it a session "
                     "of its own");
     RsCallOptions o;
     o.expert_lane = true;
     ArenaSpec a = build_rs_expert_program(plan, o, 0).arena;
-    const int64_t need = 8ll * program_counters(plan, CallKind::kReduceScatterExpert, rails);
+    const int64_t need = 8ll * program_counters(plan, Collective::kReduceScatterExpert, rails);
     if (a.counters_bytes < need) {  // the lowering's counters: the region ends the arena
       a.counters_bytes = need;
       a.total = std::max(a.total, a.counters_offset + need);
@@ -69,7 +61,7 @@ ArenaSpec GroupSession::own_arena(const Plan& plan, const std::vector<CallKind>&
     return a;
   }
   int total = 0;
-  for (CallKind k : kinds) total += program_counters(plan, k, rails);
+  for (Collective k : kinds) total += program_counters(plan, k, rails);
   return arena_spec_for(plan, total);
 }
 
@@ -110,10 +102,10 @@ GroupSession::GroupSession(std::shared_ptr<const Plan> plan, std::shared_ptr<Cal
   if (const RegionTable* r = executor_->regions()) regions_ = *r;
   // Counter ranges: given (a shared arena), or laid out from 0 in `kinds` order (its own arena).
   int64_t next = 0;
-  for (CallKind k : placement_.kinds) {
+  for (Collective k : placement_.kinds) {
     int64_t& base = placement_.counter_base[static_cast<int>(k)];
     if (base < 0) {
-      TIDE_PLAN_CHECK(regions_.empty(), "GroupPlacement.counter_base[", call_kind_name(k), "]: a group in a shared "
+      TIDE_PLAN_CHECK(regions_.empty(), "GroupPlacement.counter_base[", collective_name(k), "]: a group in a shared "
                       "arena needs a range from the arena's CounterSpace");
       base = next;
       next += program_counters(*plan_, k, rails_);
@@ -121,16 +113,16 @@ GroupSession::GroupSession(std::shared_ptr<const Plan> plan, std::shared_ptr<Cal
   }
 }
 
-std::shared_ptr<ProgramSet> GroupSession::build(CallKind kind, int bank, float alpha, bool accumulate) const {
+std::shared_ptr<ProgramSet> GroupSession::build(Collective kind, int bank, float alpha, bool accumulate) const {
   const int k = static_cast<int>(kind);
   TIDE_PLAN_CHECK(std::find(placement_.kinds.begin(), placement_.kinds.end(), kind) != placement_.kinds.end(),
-                  "GroupSession: this session does not run ", call_kind_name(kind), " (its placement names ",
+                  "GroupSession: this session does not run ", collective_name(kind), " (its placement names ",
                   placement_.kinds.size(), " collective(s))");
   auto set = std::make_shared<ProgramSet>();
   ArenaBindOptions b;
   if (!regions_.empty()) b.regions = &regions_;
   b.counter_base = placement_.counter_base[k];
-  if (kind == CallKind::kAllGather) {
+  if (kind == Collective::kAllGather) {
     AgCallOptions o;
     o.ring_slot = placement_.ring_slot;
     o.resident = placement_.resident && !plan_->sig.needs_cast();
@@ -150,8 +142,8 @@ std::shared_ptr<ProgramSet> GroupSession::build(CallKind kind, int bank, float a
     o.alpha = alpha;
     o.accumulate = accumulate;
     o.group = placement_.group;
-    o.expert_lane = kind == CallKind::kReduceScatterExpert;
-    if (opt_.generate_rs && kind == CallKind::kReduceScatter) {
+    o.expert_lane = kind == Collective::kReduceScatterExpert;
+    if (opt_.generate_rs && kind == Collective::kReduceScatter) {
       TIDE_PLAN_CHECK(regions_.empty() && placement_.counter_base[k] == 0, "SessionOptions.generate_rs: generated "
                       "programs run in their own arena from counter 0");
       auto generator = std::make_shared<RsProgramGenerator>(plan_, o);
@@ -172,10 +164,10 @@ std::shared_ptr<ProgramSet> GroupSession::build(CallKind kind, int bank, float a
   return set;
 }
 
-void check_session_programs(CallKind kind, const std::vector<const ProgramSet*>& sets) {
-  const bool rs = kind != CallKind::kAllGather;
+void check_session_programs(Collective kind, const std::vector<const ProgramSet*>& sets) {
+  const bool rs = kind != Collective::kAllGather;
   TIDE_PLAN_CHECK(!sets.empty() && sets.size() == (rs ? 2u : 1u), "check_session_programs: ", sets.size(),
-                  " program sets for ", call_kind_name(kind), " (", rs ? 2 : 1, " expected: one per bank)");
+                  " program sets for ", collective_name(kind), " (", rs ? 2 : 1, " expected: one per bank)");
   for (const ProgramSet* s : sets) TIDE_PLAN_CHECK(s != nullptr, "check_session_programs: no program set");
   for (const ProgramSet* s : sets) s->require_built("the static checker");
   const size_t N = sets[0]->progs.size();
@@ -190,20 +182,20 @@ void check_session_programs(CallKind kind, const std::vector<const ProgramSet*>&
   if (!rep.ok) {
     std::string all;
     for (const auto& e : rep.errors) all += (all.empty() ? "" : "; ") + e;
-    throw Error("TIDE static checker rejected the " + std::string(call_kind_name(kind)) + " program: " + all);
+    throw Error("TIDE static checker rejected the " + std::string(collective_name(kind)) + " program: " + all);
   }
 }
 
-void GroupSession::check_new(CallKind kind, float alpha, bool accumulate) {
+void GroupSession::check_new(Collective kind, float alpha, bool accumulate) {
   std::vector<const ProgramSet*> sets;
-  for (int b = 0; b < (kind == CallKind::kAllGather ? 1 : 2); ++b)
+  for (int b = 0; b < (kind == Collective::kAllGather ? 1 : 2); ++b)
     sets.push_back(cache_.at(Key{static_cast<int>(kind), b, alpha, accumulate}).get());
   check_session_programs(kind, sets);
 }
 
-std::shared_ptr<const ProgramSet> GroupSession::programs(CallKind kind, int64_t seq, float alpha, bool accumulate) {
+std::shared_ptr<const ProgramSet> GroupSession::programs(Collective kind, int64_t seq, float alpha, bool accumulate) {
   std::lock_guard<std::mutex> lock(mu_);
-  const bool rs = kind != CallKind::kAllGather;
+  const bool rs = kind != Collective::kAllGather;
   const int bank = rs ? rs_bank(seq) : 0;
   if (!rs) {
     alpha = 1.0f;
@@ -214,7 +206,7 @@ std::shared_ptr<const ProgramSet> GroupSession::programs(CallKind kind, int64_t 
   if (it != cache_.end()) return it->second;
   // A new set: both banks of TIDE-RS at once, so the checker proves them together (a generated
   // set: only the bank this call uses).
-  const bool generated = opt_.generate_rs && kind == CallKind::kReduceScatter;
+  const bool generated = opt_.generate_rs && kind == Collective::kReduceScatter;
   const int banks = rs && !generated ? 2 : 1;
   for (int i = 0; i < banks; ++i) {
     const int b = banks == 1 ? bank : i;
@@ -232,29 +224,32 @@ std::shared_ptr<const ProgramSet> GroupSession::programs(CallKind kind, int64_t 
   return cache_.at(key);
 }
 
-int64_t GroupSession::calls(CallKind kind) const {
+int64_t GroupSession::calls(Collective kind) const {
   std::lock_guard<std::mutex> lock(mu_);
   return seq_[static_cast<int>(kind)];
 }
 
-int64_t GroupSession::call(CallKind kind, float alpha, bool accumulate, const std::vector<RankBindingList>& buffers,
+int64_t GroupSession::call(Collective kind, float alpha, bool accumulate, const std::vector<RankBindingList>& buffers,
                            const std::vector<uintptr_t>& streams) {
   const int64_t seq = calls(kind) + 1;
   const std::shared_ptr<const ProgramSet> set = programs(kind, seq, alpha, accumulate);
   std::lock_guard<std::mutex> lock(mu_);
   TIDE_CHECK(seq == seq_[static_cast<int>(kind)] + 1, "GroupSession: concurrent calls of one collective");
   seq_[static_cast<int>(kind)] = seq;
-  executor_->run(set, seq, placement_.members, buffers, streams);
+  std::vector<RankBindings> b;  // the one per-rank binding type below the session
+  b.reserve(buffers.size());
+  for (const RankBindingList& l : buffers) b.push_back(to_rank_bindings(l));
+  executor_->run(set, seq, placement_.members, b, streams);
   return seq;
 }
 
 int64_t GroupSession::all_gather(const std::vector<RankBindingList>& buffers, const std::vector<uintptr_t>& streams) {
-  return call(CallKind::kAllGather, 1.0f, false, buffers, streams);
+  return call(Collective::kAllGather, 1.0f, false, buffers, streams);
 }
 
 int64_t GroupSession::reduce_scatter(float alpha, bool accumulate, const std::vector<RankBindingList>& buffers,
                                      const std::vector<uintptr_t>& streams, bool expert_lane) {
-  return call(expert_lane ? CallKind::kReduceScatterExpert : CallKind::kReduceScatter, alpha, accumulate, buffers,
+  return call(expert_lane ? Collective::kReduceScatterExpert : Collective::kReduceScatter, alpha, accumulate, buffers,
               streams);
 }
 

@@ -246,7 +246,7 @@ def reduce_ops(core, ps, rank):
 
 def kernel_of(op, reduce=False):
     """(kernel, n_staged) for resident_ctas_per_sm of what an op runs on the CUDA executors
-    (executor.h [Note: Level-1 SUM on kernels.cu's SUM]): kernels.cu's SUM when the core reports
+    (exec/cuda/issue.h [Note: Level-1 SUM on kernels.cu's SUM]): kernels.cu's SUM when the core reports
     the Level-1 shape (unless `reduce`), else REDUCE with its bf16 or fp32 terms."""
     _, n_terms, fp32, _, _, level1, _, _ = op["table"]
     if level1 is not None and not reduce:

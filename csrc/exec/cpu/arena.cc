@@ -55,14 +55,6 @@ void check_arena_fits(int world, const ArenaSpec& spec, int64_t map_bytes) {
 }
 }  // namespace
 
-void RankBindings::bind(BufKind kind, int index, void* data, int64_t bytes) {
-  const int k = static_cast<int>(kind);
-  TIDE_PLAN_CHECK(is_user_buffer(kind), "bind: ", buf_kind_name(kind), " is an arena region, not a user buffer");
-  auto& v = by_kind[k];
-  if (static_cast<int>(v.size()) < index + 2) v.resize(index + 2);
-  v[index + 1] = {data, bytes};
-}
-
 CpuArena::CpuArena(int world, const ArenaSpec& spec, bool shared_memory)
     : world_(world), spec_(spec), shm_(shared_memory) {
   TIDE_PLAN_CHECK(world >= 1, "CpuArena: world must be >= 1, got ", world);

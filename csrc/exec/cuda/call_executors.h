@@ -1,5 +1,6 @@
 // The CUDA executors as CallExecutors of the call runtime (tide/session.h): one adapter per
-// executor kind, converting the runtime's binding lists into RankBuffers.
+// executor kind (the CPU twins, CpuClusterCallExecutor and CpuRankCallExecutor, are in
+// tide/session.h). The session's RankBindings go down to the executors as they are.
 #pragma once
 
 #include <memory>
@@ -13,16 +14,13 @@
 
 namespace tide::cuda {
 
-// One rank's user buffers from a binding list (sizes recorded for the bounds check).
-RankBuffers to_rank_buffers(const RankBindingList& l);
-
 // Every rank of an in-process fabric (CudaExecutor).
-class CudaClusterExecutor final : public CallExecutor {
+class CudaClusterCallExecutor final : public CallExecutor {
  public:
-  CudaClusterExecutor(std::shared_ptr<fabric::Fabric> fabric, const ExecutorOptions& opt);
+  CudaClusterCallExecutor(std::shared_ptr<fabric::Fabric> fabric, const ExecutorOptions& opt);
   int world() const override { return fabric_->world(); }
   void run(const std::shared_ptr<const ProgramSet>& set, int64_t seq, const std::vector<int>& members,
-           const std::vector<RankBindingList>& buffers, const std::vector<uintptr_t>& streams) override;
+           const std::vector<RankBindings>& buffers, const std::vector<uintptr_t>& streams) override;
   void synchronize() override { ex_.synchronize(); }
   std::string name() const override { return "cuda-cluster"; }
   void set_timeout(double timeout_s) override { ex_.set_timeout(timeout_s); }
@@ -42,7 +40,7 @@ class CudaRankCallExecutor final : public CallExecutor {
   int world() const override { return ex_.world(); }
   const RegionTable* regions() const override { return regions_.empty() ? nullptr : &regions_; }
   void run(const std::shared_ptr<const ProgramSet>& set, int64_t seq, const std::vector<int>& members,
-           const std::vector<RankBindingList>& buffers, const std::vector<uintptr_t>& streams) override;
+           const std::vector<RankBindings>& buffers, const std::vector<uintptr_t>& streams) override;
   void synchronize() override { ex_.synchronize(); }
   std::string name() const override { return "cuda-rank"; }
   void set_timeout(double timeout_s) override { ex_.set_timeout(timeout_s); }

@@ -1,169 +1,35 @@
-// TIDE CUDA executor: runs the same Programs as the CPU executor (program.h) on CUDA streams.
+// TIDE CUDA in-process executor: every rank of a fabric whose ranks all live in this process runs
+// the same Programs as the CPU executor (program.h) on CUDA streams, through the shared issue
+// path (issue.h: op mapping, [Note: enqueue order], fail-stop at enqueue time) over the shared
+// streams, watchdog and fail-stop (fail_stop.h).
 //
 // Contract
 //   - Registration: a program set's first run checks that every rank runs the same plan and
-//     group (FaultKind::kOtherPlan is refused here), cuts every SUM/LAND into a run table and
-//     uploads all tables once (cached per set). Nothing is allocated or uploaded per call after.
+//     group (FaultKind::kOtherPlan is refused here), admits every rank's program onto the layout
+//     (program_index.h admit()), cuts every SUM/LAND into a run table and uploads all tables once
+//     (cached per set). Nothing is allocated or uploaded per call after.
 //   - run(set, seq, buffers): enqueues call `seq` and returns; user buffers are plain device
-//     pointers bound per call. synchronize() waits for what was enqueued (or throws).
-//   - Op mapping: COPY/PUT -> submit_copies (batched when eager; on SMs between ranks that share a
-//     device, runtime.h [Note: copies on SMs]); CAST/SUM/LAND/ZERO -> kernels;
-//     SIGNAL/CREDIT/PUT bumps and EVENT_RECORD -> cuStreamWriteValue64 of the counter's new
-//     absolute value (single producer per counter, so the host tracks it: "counter += v" is a
-//     write of shadow + v); WAIT/EVENT_WAIT -> cuStreamBatchMemOp WAIT_VALUE_64 GEQ.
-//   - Fail-stop: a wait whose producer is never enqueued (dropped credit, dead peer) raises
-//     tide::TimeoutError at enqueue time; a wait whose producer is enqueued but late past the
-//     deadline (stalled peer) is raised by the watchdog. Messages name rank, op index, kind,
-//     tag and seq. After an error the executor refuses further calls.
-//
-// [Note: enqueue order]
-// Streams share a limited number of hardware queues, and a blocked stream wait also blocks the
-// unrelated streams queued behind it in the same hardware queue (NCCL #2238). The executor
-// therefore enqueues the ranks' ops in a topological order of the program's waits: a WAIT is
-// issued only after the op producing its target has been issued. By induction the oldest
-// unfinished op always has its producers and hardware-queue predecessors finished, so any
-// mapping of streams onto hardware queues makes progress.
-// A rank executor (rank_executor.h) issues only its local rank's ops, but it walks the same
-// global order: it simulates every peer's program (bumps only update the fabric's host mirror)
-// and enqueues its own ops where they fall in that order. Every process thus enqueues a
-// restriction of one global topological order, so the argument above holds per process (each
-// process has its own hardware queues). If the simulation stalls on a peer's stream, the local
-// waits on remote producers are enqueued ungated (the watchdog judges them); only a wait whose
-// LOCAL producer is never issued fails at enqueue time.
+//     pointers bound per call (RankBindings). synchronize() waits for what was enqueued (or throws).
+//   - Fail-stop: after an error the executor refuses further calls (fail_stop.h).
 #pragma once
 
 #include <cuda_runtime_api.h>
 
-#include <map>
-#include <mutex>
 #include <memory>
+#include <mutex>
 #include <string>
-#include <utility>
 #include <vector>
 
-#include "exec/cuda/kernels.h"
+#include "exec/cuda/fail_stop.h"
+#include "exec/cuda/issue.h"
 #include "exec/cuda/runtime.h"
 #include "exec/cuda/staging_canary.h"
 #include "fabric/fabric.h"
-#include "fabric/inprocess.h"
-#include "fabric/nccl.h"
+#include "tide/bindings.h"
 #include "tide/program.h"
-#include "tide/program_index.h"
 #include "tide/program_set.h"
 
 namespace tide::cuda {
-
-// A rank's user buffers for one call (device pointers; unused kinds may stay empty).
-struct RankBuffers {
-  std::vector<void*> shard;       // shard[p]
-  void* landing = nullptr;        // group landing (kLanding index -1)
-  std::vector<void*> landing_p;   // per-parameter landings (kLanding index p)
-  std::vector<void*> grad;        // grad[p]
-  void* out = nullptr;            // fp32 output shard
-  std::map<std::pair<int, int>, int64_t> bytes;  // bound sizes by (kind, index), where known
-};
-
-// What the issue path takes: the executor's options plus executor-level fault injection (tests):
-// a dead rank issues nothing; a stalled rank's streams all sleep `stall_s` seconds before its
-// first op. SUM/LAND budgets come from the programs (Program::sum_ctas / land_ctas).
-struct CudaRunOptions : ExecutorOptions {
-  int dead_rank = -1;
-  int stall_rank = -1;
-  double stall_s = 0.0;
-};
-// The budget an op runs with: the program's, or kDefault*Ctas for a program that carries none
-// (a hand-written program set; builders always stamp the plan's).
-constexpr int kDefaultSumCtas = 16;
-constexpr int kDefaultLandCtas = 4;
-
-// [Note: Level-1 SUM on kernels.cu's SUM]
-// A SUM whose first T-1 terms are bf16 slices laid out like its destination (in every run, from
-// one slot at one base offset) and whose last term is a bf16 gradient piece or absent is the
-// Level-1 node partial (paper §4.1: L-1 staged slices + the owner's own gradient). kernels.cu's
-// SUM takes exactly that operand shape with fewer live registers than REDUCE's general run walk
-// (5 against 4 words per term in flight at L = 8), so the executors run it for such ops:
-// 70B at a full grid 1.03-1.05x its byte floor against REDUCE's 1.09-1.13x (BENCHMARKS.md).
-// Same association (staged slices in order, then the own term; an absent own term is skipped),
-// so the bits do not change. Every other SUM and every LAND runs REDUCE.
-struct Level1Sum {
-  int n_staged = -1;                     // < 0: not this shape
-  int staged_slot[kMaxStaged] = {};      // slot (kernels.h: grad, out, arena of a rank) of slice j
-  int64_t staged_off[kMaxStaged] = {};   // byte offset of the slice's element 0 in that slot
-  int64_t seg_offset = 0;                // first SumSegment in ProgramTables::d_segs
-  int n_segs = 0;
-};
-
-// Cuts SUM/LAND op `op_index` of rank `rank` into REDUCE runs (kernels.h), appended to `table`.
-// Host only (no CUDA calls), so CPU tests can check the tables against the program's terms.
-struct ReduceOpInfo {
-  int64_t table_offset = 0;  // first run in the table
-  int n_runs = 0;
-  int n_terms = 0;
-  uint32_t fp32_terms = 0;
-  int64_t n = 0;             // dst elements
-  Level1Sum level1;          // SUM ops only: set by level1_sum_shape()
-};
-// `layout`: the arena offsets (symmetric); the first form uses programs[0].arena.
-ReduceOpInfo build_run_table(const std::vector<Program>& programs, int rank, int op_index,
-                             std::vector<ReduceRun>& table);
-ReduceOpInfo build_run_table(const std::vector<Program>& programs, const ArenaSpec& layout, int rank,
-                             int op_index, std::vector<ReduceRun>& table);
-
-// The Level-1 shape of a SUM's runs (table[ro.table_offset ...]), its own-term segments appended
-// to `segs`; level1.n_staged < 0 (and nothing appended) when the op has another shape. Host only.
-Level1Sum level1_sum_shape(const ReduceOpInfo& ro, const std::vector<ReduceRun>& table, std::vector<SumSegment>& segs);
-
-// One program set prepared for issue over a fabric: per-stream op lists, the producer of every
-// counter, and the local ranks' SUM/LAND run tables, uploaded once to `device`. Ranks are the
-// set's group ranks; members[i] is group rank i's fabric rank.
-struct ProgramTables {
-  std::vector<int> members;
-  std::vector<char> local;  // group rank i is issued by this executor
-  ArenaSpec layout;         // arena offsets on every rank
-  std::vector<std::vector<std::vector<int>>> stream_ops;  // [rank][stream] -> op indices
-  std::vector<std::vector<ReduceOpInfo>> reduce;          // [rank][op] (local ranks)
-  std::vector<std::vector<int>> producer;                 // [owner][counter] -> rank, -1: none
-  int device = 0;
-  ReduceRun* d_runs = nullptr;
-  SumSegment* d_segs = nullptr;  // the Level-1 SUMs' own-term segments
-  ProgramTables() = default;
-  ~ProgramTables();
-  ProgramTables(const ProgramTables&) = delete;
-  ProgramTables& operator=(const ProgramTables&) = delete;
-};
-std::unique_ptr<ProgramTables> make_program_tables(const std::vector<Program>& programs, const ProgramIndex& index,
-                                                   std::vector<int> members, std::vector<char> local,
-                                                   const ArenaSpec& layout, int device);
-
-// Enqueues call `seq` of the local ranks of `t` in the global topological order ([Note: enqueue
-// order]). streams[r][s]: local rank r's CUDA stream for program stream s. dead_rank (a group
-// rank; tests) issues nothing. Throws TimeoutError when a local wait's local producer is never
-// issued, tide::Error / PlanError on bad programs or buffers.
-struct IssueContext {
-  fabric::Fabric* fabric = nullptr;
-  const std::vector<Program>* programs = nullptr;
-  const ProgramTables* tables = nullptr;
-  const CudaRunOptions* opt = nullptr;
-  Watchdog* watchdog = nullptr;
-  const std::vector<std::vector<cudaStream_t>>* streams = nullptr;
-  const std::vector<RankBuffers>* buffers = nullptr;
-  CopyLaneTable* lanes = nullptr;  // [Note: copy lanes]; null: every copy on its op's stream
-  int dead_rank = -1;
-  // Two-sided programs ([Note: two-sided rails]): the rail of this rank's local index and the
-  // fabric's ranks per node (rail rank = fabric rank / rail_gpus_per_node).
-  std::shared_ptr<fabric::NcclRail> rail;
-  int rail_gpus_per_node = 0;
-  // ExecutorOptions::staging_canary (in-process executor only; staging_canary.h): the set's
-  // checks and the call's ordinal. Null: no canary.
-  StagingCanary* canary = nullptr;
-  const CanaryPlan* canary_plan = nullptr;
-  uint64_t canary_call = 0;
-};
-void issue_call(const IssueContext& c, int64_t seq);
-// "rank R op I (KIND, tag T[, round D][, counter NAME@rank Q >= V, produced by rank P]) seq S"
-// (fabric ranks).
-std::string describe_op(const IssueContext& c, int rank, int op_index, int64_t seq);
-uint64_t* counter_address(const IssueContext& c, int rank, int index);
 
 // The in-process executor: every rank of a fabric whose ranks all live in this process (an
 // InProcessFabric: a virtual cluster on one GPU, or the XLA devices of one process).
@@ -186,7 +52,7 @@ class CudaExecutor {
   CudaExecutor(const CudaExecutor&) = delete;
   CudaExecutor& operator=(const CudaExecutor&) = delete;
 
-  void run(const std::shared_ptr<const ProgramSet>& set, int64_t seq, const std::vector<RankBuffers>& buffers,
+  void run(const std::shared_ptr<const ProgramSet>& set, int64_t seq, const std::vector<RankBindings>& buffers,
            const std::vector<cudaStream_t>& caller_streams = {});
   void synchronize();
   int world() const { return fabric_->world(); }
@@ -200,20 +66,15 @@ class CudaExecutor {
  private:
   struct Entry;
   Entry& prepare(const std::shared_ptr<const ProgramSet>& set);
-  void ensure_streams(int rank, size_t n);
-  void fail(const std::string& msg);
   void check_canary();  // after the streams synchronised: a recorded staging race fails the executor
 
   std::shared_ptr<fabric::Fabric> fabric_;
   CudaRunOptions opt_;
-  std::vector<std::vector<cudaStream_t>> streams_;  // [rank][stream], grown as sets need
-  std::vector<std::vector<cudaEvent_t>> joined_;     // [rank][stream - 1]
-  std::vector<cudaEvent_t> ready_, done_;           // [rank]: caller -> call, call -> caller
+  std::unique_ptr<FailStopStreams> fs_;  // [rank] streams, the watchdog, fail-stop
+  std::vector<cudaEvent_t> ready_;       // [rank]: caller -> call
   CopyLaneTable lanes_;
-  std::vector<std::unique_ptr<Entry>> cache_;
-  std::unique_ptr<Watchdog> watchdog_;
+  SetCache<Entry> cache_;
   std::unique_ptr<StagingCanary> canary_;  // ExecutorOptions::staging_canary
-  std::string failed_;
   std::mutex mu_;
 };
 

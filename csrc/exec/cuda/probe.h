@@ -4,6 +4,8 @@
 
 #include <string>
 
+#include "tide/cuda.h"  // device_count()
+
 namespace tide::cuda {
 
 struct Capabilities {
@@ -19,7 +21,6 @@ struct Capabilities {
   bool multicast_allowed = false;    // the full safety gate (runtime.h multicast_allowed)
 };
 
-int device_count();
 Capabilities probe_capabilities(int device);
 
 }  // namespace tide::cuda

@@ -8,10 +8,7 @@
 
 namespace tide::cuda {
 
-struct CudaRankExecutor::Entry {
-  const void* key = nullptr;
-  std::weak_ptr<const void> owner;
-  uint64_t version = 0;            // ProgramSet::version when prepared
+struct CudaRankExecutor::Entry : CachedSet {
   std::vector<int> members;
   bool program_layout = false;
   int me = -1;                       // this rank's group rank
@@ -49,72 +46,40 @@ CudaRankExecutor::CudaRankExecutor(std::shared_ptr<fabric::Fabric> fabric, int r
   device_ = fabric_->device_of(rank);
   TIDE_CHECK_CUDA(cudaSetDevice(device_), "device ", device_);
   preload_kernels(device_);  // [Note: eager kernel loading]
-  watchdog_ = std::make_unique<Watchdog>(device_, opt_.timeout_s);
-  for (cudaEvent_t* e : {&ev_caller_, &ev_entry_, &ev_done_})
+  fs_ = std::make_unique<FailStopStreams>("CudaRankExecutor", std::vector<int>{device_}, opt_.timeout_s);
+  for (cudaEvent_t* e : {&ev_caller_, &ev_entry_})
     TIDE_CHECK_CUDA(cudaEventCreateWithFlags(e, cudaEventDisableTiming));
 }
 
 CudaRankExecutor::~CudaRankExecutor() {
   cudaSetDevice(device_);
-  for (auto s : streams_) cudaStreamSynchronize(s);  // stuck waits are released by the watchdog
-  watchdog_.reset();
+  fs_->quiesce();
   cache_.clear();
-  for (auto s : streams_) cudaStreamDestroy(s);
-  for (auto e : ev_join_) cudaEventDestroy(e);
-  for (cudaEvent_t e : {ev_caller_, ev_entry_, ev_done_})
+  for (cudaEvent_t e : {ev_caller_, ev_entry_})
     if (e) cudaEventDestroy(e);
 }
 
 void CudaRankExecutor::set_timeout(double timeout_s) {
-  const double t = checked_timeout(timeout_s);
   std::lock_guard<std::mutex> lock(mu_);
-  opt_.timeout_s = t;
-  watchdog_->set_timeout(t);
-}
-
-void CudaRankExecutor::fail(const std::string& msg) {
-  if (failed_.empty()) failed_ = msg;
-}
-
-void CudaRankExecutor::ensure_streams(size_t n) {
-  while (streams_.size() < n) {
-    // [Note: internal streams] non-blocking; the pool persists across calls and program sets,
-    // so stream s of one call queues behind stream s of the previous (as the IR assumes).
-    cudaStream_t s = nullptr;
-    cudaEvent_t e = nullptr;
-    TIDE_CHECK_CUDA(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "rank ", rank_, " stream");
-    streams_.push_back(s);
-    TIDE_CHECK_CUDA(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
-    ev_join_.push_back(e);
-  }
+  opt_.timeout_s = fs_->set_timeout(timeout_s);  // validated
 }
 
 CudaRankExecutor::Entry& CudaRankExecutor::prepare(const std::shared_ptr<const ProgramSet>& sp,
                                                    const std::vector<int>& members) {
   sp->require_built("CudaRankExecutor.run");
   const std::vector<Program>& progs = sp->progs;
-  const uint64_t version = sp->version;
   const bool program_layout = sp->arena_bound;
   // Stale: the set died, or was mutated in place (inject_fault) since it was prepared.
-  auto stale = [&](const std::unique_ptr<Entry>& e) {
-    return e->owner.expired() || (e->key == sp.get() && e->version != version);
-  };
-  if (std::any_of(cache_.begin(), cache_.end(), stale)) {
-    for (auto s : streams_) cudaStreamSynchronize(s);  // their run tables may still be read
-    cache_.erase(std::remove_if(cache_.begin(), cache_.end(), stale), cache_.end());
-  }
-  for (auto& e : cache_)
-    if (e->key == sp.get() && e->version == version && e->members == members && e->program_layout == program_layout)
-      return *e;
+  cache_.drop_stale(*sp, [&] { fs_->sync_all(); });  // their run tables may still be read
+  if (Entry* e = cache_.find(*sp, [&](const Entry& x) { return x.members == members && x.program_layout == program_layout; }))
+    return *e;
 
   const int N = static_cast<int>(members.size());
   TIDE_PLAN_CHECK(static_cast<int>(progs.size()) == N, "CudaRankExecutor.run: a program set of ", progs.size(),
                   " programs for ", N, " ranks", N == world() ? " (pass ranks= for a sub-group's programs)" : "");
   TIDE_PLAN_CHECK(N <= kMaxSlots - kSlotArena0, "CudaRankExecutor: at most ", kMaxSlots - kSlotArena0, " ranks");
   auto e = std::make_unique<Entry>();
-  e->key = sp.get();
-  e->owner = sp;
-  e->version = version;
+  e->bind(sp);
   e->members = members;
   e->program_layout = program_layout;
   e->index = sp->index();
@@ -166,30 +131,19 @@ CudaRankExecutor::Entry& CudaRankExecutor::prepare(const std::shared_ptr<const P
   local[static_cast<size_t>(e->me)] = 1;
   TIDE_CHECK_CUDA(cudaSetDevice(device_));
   e->tables = make_program_tables(progs, index, members, std::move(local), layout, device_);
-  cache_.push_back(std::move(e));
-  return *cache_.back();
+  return cache_.add(std::move(e));
 }
 
-void CudaRankExecutor::check_buffers(const Entry& e, const RankBuffers& b) const {
-  static const char* names[] = {"shard", "landing", "grad", "out"};
+void CudaRankExecutor::check_buffers(const Entry& e, const RankBindings& b) const {
   for (const auto& [ki, end] : e.needs) {
-    const int kind = ki.first, index = ki.second;
-    auto pick = [&](const std::vector<void*>& v) -> void* {
-      return index >= 0 && static_cast<size_t>(index) < v.size() ? v[static_cast<size_t>(index)] : nullptr;
-    };
-    void* p = nullptr;
-    switch (static_cast<BufKind>(kind)) {
-      case BufKind::kShard: p = pick(b.shard); break;
-      case BufKind::kLanding: p = index < 0 ? b.landing : pick(b.landing_p); break;
-      case BufKind::kGrad: p = pick(b.grad); break;
-      default: p = b.out; break;
-    }
-    const std::string what = TIDE_STR_CAT(names[kind], index >= 0 ? TIDE_STR_CAT("[", index, "]") : std::string());
-    TIDE_PLAN_CHECK(p != nullptr, "CudaRankExecutor.run: rank ", rank_, "'s program needs ", what, " (", end,
+    const BufKind kind = static_cast<BufKind>(ki.first);
+    const int index = ki.second;
+    const UserBuffer* u = b.find(kind, index);
+    const std::string what = TIDE_STR_CAT(buf_kind_name(kind), index >= 0 ? TIDE_STR_CAT("[", index, "]") : std::string());
+    TIDE_PLAN_CHECK(u != nullptr, "CudaRankExecutor.run: rank ", rank_, "'s program needs ", what, " (", end,
                     " bytes); none is bound");
-    auto it = b.bytes.find({kind, index});
-    TIDE_PLAN_CHECK(it == b.bytes.end() || it->second >= end, "CudaRankExecutor.run: rank ", rank_, ": ", what,
-                    " has ", it == b.bytes.end() ? 0 : it->second, " bytes, the program touches ", end);
+    TIDE_PLAN_CHECK(u->bytes >= end, "CudaRankExecutor.run: rank ", rank_, ": ", what, " has ", u->bytes,
+                    " bytes, the program touches ", end);
   }
 }
 
@@ -205,27 +159,22 @@ void CudaRankExecutor::fence(const Entry& e, int64_t seq, const std::vector<Prog
     TIDE_CHECK(arena != nullptr, "rank ", g, "'s arena is not open in this process (open_peers first)");
     return reinterpret_cast<uint64_t*>(arena + a.counters_offset) + e.fence_index;
   };
-  signal(streams_[0], fence_ptr(rank_), k);
+  const cudaStream_t s0 = fs_->streams(0)[0];
+  signal(s0, fence_ptr(rank_), k);
   for (int g : e.writes) {
     WaitSpec w{fence_ptr(g), k};
     const std::string what = TIDE_STR_CAT("rank ", rank_, " entry fence before op 0 (waits for rank ", g,
                                           " to start run #", k, "; counter fence@rank ", g, " >= ", k, ") seq ",
                                           seq, " group ", progs[0].group, ": rank ", g,
                                           " is behind (still in an earlier collective, stalled or dead)");
-    watchdog_->watched_wait(streams_[0], &w, 1, what);
+    fs_->watchdog().watched_wait(s0, &w, 1, what);
   }
 }
 
-void CudaRankExecutor::run(const std::shared_ptr<const ProgramSet>& set, int64_t seq, const RankBuffers& buffers,
+void CudaRankExecutor::run(const std::shared_ptr<const ProgramSet>& set, int64_t seq, const RankBindings& buffers,
                            cudaStream_t caller, const std::vector<int>* ranks) {
   std::lock_guard<std::mutex> lock(mu_);
-  if (!failed_.empty()) throw Error("CudaRankExecutor failed earlier (fail-stop): " + failed_);
-  try {
-    watchdog_->check();  // a timeout seen since the last call
-  } catch (const TimeoutError& e) {
-    fail(e.what());
-    throw;
-  }
+  fs_->check_usable();
   TIDE_PLAN_CHECK(set != nullptr && !set->progs.empty(), "CudaRankExecutor.run: empty program set");
   const std::vector<Program>* progs = &set->progs;
   TIDE_PLAN_CHECK(seq >= 1, "CudaRankExecutor.run: seq must be >= 1, got ", seq);
@@ -250,62 +199,42 @@ void CudaRankExecutor::run(const std::shared_ptr<const ProgramSet>& set, int64_t
                     "CudaRankExecutor.run: rank ", g, "'s arena is not open in this process (call open_peers first)");
   const size_t N = e.members.size();
   const size_t ns = e.tables->stream_ops[static_cast<size_t>(e.me)].size();
-  ensure_streams(ns);
+  fs_->ensure_streams(0, ns);
+  const std::vector<cudaStream_t>& own = fs_->streams(0);
 
   std::vector<std::vector<cudaStream_t>> streams(N);
-  streams[static_cast<size_t>(e.me)].assign(streams_.begin(), streams_.begin() + static_cast<long>(ns));
-  std::vector<RankBuffers> bufs(N);
+  streams[static_cast<size_t>(e.me)].assign(own.begin(), own.begin() + static_cast<long>(ns));
+  std::vector<RankBindings> bufs(N);
   bufs[static_cast<size_t>(e.me)] = buffers;
   IssueContext c;
   c.fabric = fabric_.get();
   c.programs = progs;
   c.tables = e.tables.get();
   c.opt = &opt_;
-  c.watchdog = watchdog_.get();
+  c.watchdog = &fs_->watchdog();
   c.streams = &streams;
   c.buffers = &bufs;
   c.lanes = &lanes_;
   c.rail = rail_;
   c.rail_gpus_per_node = topo_.gpus_per_node;
-  auto join = [&](bool check) {
-    // Every internal stream joins stream 0; the caller's stream waits for stream 0.
-    auto ok = [&](cudaError_t r, const char* what) {
-      if (check) TIDE_CHECK_CUDA(r, "rank ", rank_, " call seq ", seq, ": ", what);
-    };
-    for (size_t s = 1; s < ns; ++s) {
-      ok(cudaEventRecord(ev_join_[s], streams_[s]), "joining an internal stream");
-      ok(cudaStreamWaitEvent(streams_[0], ev_join_[s], 0), "joining an internal stream");
-    }
-    ok(cudaEventRecord(ev_done_, streams_[0]), "recording the call's completion");
-    ok(cudaStreamWaitEvent(caller, ev_done_, 0), "the caller stream waiting for the call");
-  };
+  const std::string call = TIDE_STR_CAT("rank ", rank_, " call seq ", seq);
   try {
     TIDE_CHECK_CUDA(cudaEventRecord(ev_caller_, caller), "recording the caller stream");
-    TIDE_CHECK_CUDA(cudaStreamWaitEvent(streams_[0], ev_caller_, 0));
+    TIDE_CHECK_CUDA(cudaStreamWaitEvent(own[0], ev_caller_, 0));
     ++runs_;
     if (fence_) fence(e, seq, *progs);
-    TIDE_CHECK_CUDA(cudaEventRecord(ev_entry_, streams_[0]));
-    for (size_t s = 1; s < ns; ++s) TIDE_CHECK_CUDA(cudaStreamWaitEvent(streams_[s], ev_entry_, 0));
+    TIDE_CHECK_CUDA(cudaEventRecord(ev_entry_, own[0]));
+    for (size_t s = 1; s < ns; ++s) TIDE_CHECK_CUDA(cudaStreamWaitEvent(own[s], ev_entry_, 0));
     issue_call(c, seq);
   } catch (const std::exception& ex) {
-    fail(ex.what());
-    join(false);  // the caller's stream stays ordered after whatever was enqueued
+    fs_->fail(ex.what());
+    fs_->join_caller(0, ns, caller, false, call);  // the caller's stream stays ordered after what was enqueued
     throw;
   }
-  try {
-    join(true);
-    if (opt_.sync_every_call) {  // debug: every call completes (or names its stuck wait) before run returns
-      watchdog_->drain();
-      for (auto s : streams_) TIDE_CHECK_CUDA(cudaStreamSynchronize(s), "rank ", rank_, " call seq ", seq);
-    }
-  } catch (const TimeoutError& ex) {
-    fail(ex.what());
-    for (auto s : streams_) cudaStreamSynchronize(s);  // released waits let the streams drain
-    throw;
-  } catch (const std::exception& ex) {
-    fail(ex.what());
-    throw;
-  }
+  fs_->guarded([&] {
+    fs_->join_caller(0, ns, caller, true, call);
+    if (opt_.sync_every_call) fs_->drain_and_sync(call);  // debug: every call completes (or names its stuck wait)
+  });
 }
 
 void CudaRankExecutor::set_rail(std::shared_ptr<fabric::NcclRail> rail) {
@@ -320,14 +249,7 @@ void CudaRankExecutor::set_rail(std::shared_ptr<fabric::NcclRail> rail) {
 void CudaRankExecutor::synchronize() {
   std::lock_guard<std::mutex> lock(mu_);
   DeviceGuard device(device_);
-  try {
-    watchdog_->drain();
-  } catch (const TimeoutError& e) {
-    fail(e.what());
-    for (auto s : streams_) cudaStreamSynchronize(s);  // released waits let the streams drain
-    throw;
-  }
-  for (auto s : streams_) TIDE_CHECK_CUDA(cudaStreamSynchronize(s), "rank ", rank_, " executor stream");
+  fs_->synchronize(TIDE_STR_CAT("rank ", rank_, " executor stream"));
 }
 
 }  // namespace tide::cuda

@@ -1,11 +1,12 @@
 // CudaRankExecutor: ONE rank's TIDE programs on CUDA streams, peers in other processes over a
 // CUDA-IPC fabric (fabric/ipc.h) — the GPU twin of the CPU RankExecutor (tide/exec_cpu.h,
-// docs/rank_executor.md). tide_torch runs one per torchrun process.
+// docs/rank_executor.md). tide_torch runs one per torchrun process. It issues through the shared
+// issue path (issue.h) over the shared streams, watchdog and fail-stop (fail_stop.h).
 //
 // Contract
 //   - run(progs, seq, buffers, caller_stream, ranks) enqueues only this rank's ops of call `seq`
 //     of a program set and returns without host-synchronising. Ops go in the global enqueue order
-//     (executor.h, [Note: enqueue order]); a wait whose producer is local and never issued fails
+//     (issue.h, [Note: enqueue order]); a wait whose producer is local and never issued fails
 //     at enqueue time (TimeoutError); waits on remote producers are left to the watchdog, whose
 //     TimeoutError (from synchronize() or the next run) names rank, op, seq and the counter.
 //   - Caller stream interop: program stream 0 (the caller's stream in the IR) is an internal
@@ -40,9 +41,11 @@
 #include <string>
 #include <vector>
 
-#include "exec/cuda/executor.h"
+#include "exec/cuda/fail_stop.h"
+#include "exec/cuda/issue.h"
 #include "fabric/fabric.h"
 #include "fabric/nccl.h"
+#include "tide/bindings.h"
 #include "tide/exec_cpu.h"
 #include "tide/program.h"
 #include "tide/program_set.h"
@@ -61,7 +64,7 @@ class CudaRankExecutor {
   // set: one Program per group rank; its identity and version key the cache; a set built with
   // arena= (arena_bound) uses its own layout. buffers: this rank's user buffers. ranks: a
   // sub-group's fabric ranks (nullptr: every rank).
-  void run(const std::shared_ptr<const ProgramSet>& set, int64_t seq, const RankBuffers& buffers,
+  void run(const std::shared_ptr<const ProgramSet>& set, int64_t seq, const RankBindings& buffers,
            cudaStream_t caller_stream, const std::vector<int>* ranks = nullptr);
   void synchronize();
   void set_timeout(double timeout_s);  // later waits' deadline
@@ -77,10 +80,8 @@ class CudaRankExecutor {
  private:
   struct Entry;
   Entry& prepare(const std::shared_ptr<const ProgramSet>& set, const std::vector<int>& members);
-  void check_buffers(const Entry& e, const RankBuffers& b) const;
+  void check_buffers(const Entry& e, const RankBindings& b) const;
   void fence(const Entry& e, int64_t seq, const std::vector<Program>& progs);
-  void fail(const std::string& msg);
-  void ensure_streams(size_t n);
 
   std::shared_ptr<fabric::Fabric> fabric_;
   std::shared_ptr<fabric::NcclRail> rail_;
@@ -92,13 +93,10 @@ class CudaRankExecutor {
   bool fence_;
   int device_;
   uint64_t runs_ = 0;  // runs enqueued (the entry fence's "started run #k")
-  std::vector<cudaStream_t> streams_;
   CopyLaneTable lanes_;
-  cudaEvent_t ev_caller_ = nullptr, ev_entry_ = nullptr, ev_done_ = nullptr;
-  std::vector<cudaEvent_t> ev_join_;
-  std::unique_ptr<Watchdog> watchdog_;
-  std::vector<std::unique_ptr<Entry>> cache_;
-  std::string failed_;
+  std::unique_ptr<FailStopStreams> fs_;  // slot 0: this rank's streams; the watchdog, fail-stop
+  cudaEvent_t ev_caller_ = nullptr, ev_entry_ = nullptr;
+  SetCache<Entry> cache_;
   std::mutex mu_;
 };
 

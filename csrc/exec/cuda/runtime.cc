@@ -118,7 +118,7 @@ bool stream_is_capturing(cudaStream_t stream) {
   return st != cudaStreamCaptureStatusNone;
 }
 
-void submit_copies(cudaStream_t stream, const CopyDesc* d, size_t n, Copy2D mode) {
+void submit_copies(cudaStream_t stream, const ResolvedCopy* d, size_t n, Copy2D mode) {
   if (n == 0) return;
   const bool capturing = stream_is_capturing(stream);
   // The batch APIs refuse (and on some drivers crash on) the legacy NULL stream and the
@@ -131,7 +131,7 @@ void submit_copies(cudaStream_t stream, const CopyDesc* d, size_t n, Copy2D mode
   std::vector<size_t> sizes;
   std::vector<cudaMemcpy3DBatchOp> ops2d;
   for (size_t i = 0; i < n; ++i) {
-    const CopyDesc& c = d[i];
+    const ResolvedCopy& c = d[i];
     if (c.width == 0 || c.height == 0) continue;
     if (c.height == 1 && batch) {
       dsts.push_back(c.dst);
@@ -177,14 +177,14 @@ void submit_copies(cudaStream_t stream, const CopyDesc* d, size_t n, Copy2D mode
                   "COPY batch of ", dsts.size());
 }
 
-void submit_copies_on_sms(cudaStream_t stream, const CopyDesc* d, size_t n, int ctas) {
+void submit_copies_on_sms(cudaStream_t stream, const ResolvedCopy* d, size_t n, int ctas) {
   SmCopyArgs a;
   auto flush = [&] {
     launch_sm_copies(a, ctas, stream);
     a.n = 0;
   };
   for (size_t i = 0; i < n; ++i) {
-    const CopyDesc& c = d[i];
+    const ResolvedCopy& c = d[i];
     if (c.width == 0 || c.height == 0) continue;
     if (a.n == kMaxSmCopies) flush();
     const auto w = static_cast<int64_t>(c.width), h = static_cast<int64_t>(c.height);
@@ -233,13 +233,13 @@ void CopyLanes::release() noexcept {
   fork_ = nullptr;
 }
 
-void CopyLanes::submit(cudaStream_t origin, const CopyDesc* d, size_t n) {
+void CopyLanes::submit(cudaStream_t origin, const ResolvedCopy* d, size_t n) {
   std::vector<size_t> order(n);
   for (size_t i = 0; i < n; ++i) order[i] = i;
   auto bytes = [&](size_t i) { return d[i].width * d[i].height; };
   std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) { return bytes(a) > bytes(b); });
   const size_t k = lanes_.size();
-  std::vector<std::vector<CopyDesc>> part(k);
+  std::vector<std::vector<ResolvedCopy>> part(k);
   std::vector<size_t> load(k, 0);
   for (size_t i : order) {
     const size_t l = static_cast<size_t>(std::min_element(load.begin(), load.end()) - load.begin());
@@ -256,7 +256,7 @@ void CopyLanes::submit(cudaStream_t origin, const CopyDesc* d, size_t n) {
   }
 }
 
-void submit_copies(cudaStream_t stream, const CopyDesc* d, size_t n, CopyLanes* lanes, Copy2D mode) {
+void submit_copies(cudaStream_t stream, const ResolvedCopy* d, size_t n, CopyLanes* lanes, Copy2D mode) {
   size_t total = 0;
   for (size_t i = 0; i < n; ++i) total += d[i].width * d[i].height;
   if (lanes && n >= 2 && total >= lanes->spread_bytes()) lanes->submit(stream, d, n);
@@ -284,22 +284,6 @@ DeviceGuard::~DeviceGuard() {
 }
 
 // ---- stream pool -------------------------------------------------------------------------------
-StreamPool::StreamPool(int device, int n) : device_(device) {
-  TIDE_CHECK(n >= 1, "stream pool size ", n);
-  TIDE_CHECK_CUDA(cudaSetDevice(device));
-  streams_.resize(static_cast<size_t>(n), nullptr);
-  for (auto& s : streams_) TIDE_CHECK_CUDA(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
-}
-
-StreamPool::~StreamPool() {
-  cudaSetDevice(device_);
-  for (auto& s : streams_) {
-    if (!s) continue;
-    cudaStreamSynchronize(s);  // destructor: errors cannot be thrown; work must finish first
-    cudaStreamDestroy(s);
-  }
-}
-
 // ---- watchdog ----------------------------------------------------------------------------------
 Watchdog::Watchdog(int device, double timeout_s) : device_(device), timeout_s_(timeout_s) {
   TIDE_CHECK_CUDA(cudaSetDevice(device));

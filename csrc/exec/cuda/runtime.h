@@ -1,5 +1,5 @@
 // TIDE CUDA runtime pieces under the executor: driver entry points, stream memory operations
-// (signals, credits, waits), copy paths, the internal stream pool and the host watchdog.
+// (signals, credits, waits), copy paths and the host watchdog.
 //
 // Contract
 //   - libcuda is never linked: driver functions are resolved once through
@@ -56,8 +56,9 @@ void signal(cudaStream_t stream, uint64_t* counter, uint64_t value);
 void wait_geq(cudaStream_t stream, const WaitSpec* specs, size_t n);
 
 // ---- copies ----------------------------------------------------------------------------------
-// One copy: `height` rows of `width` bytes; 1-D when height == 1.
-struct CopyDesc {
+// One copy between device addresses (a program's CopyDesc once its BufRefs are resolved):
+// `height` rows of `width` bytes; 1-D when height == 1.
+struct ResolvedCopy {
   void* dst;
   const void* src;
   size_t width;
@@ -72,7 +73,7 @@ struct CopyDesc {
 // the batch paying a fixed cost per descriptor; BENCHMARKS.md.) Under graph capture and on the
 // default streams every copy is its own call (batches cannot be captured). Copies inside one call
 // are unordered with each other (callers never put dependent copies in one call).
-void submit_copies(cudaStream_t stream, const CopyDesc* d, size_t n, Copy2D mode = Copy2D::kBatch);
+void submit_copies(cudaStream_t stream, const ResolvedCopy* d, size_t n, Copy2D mode = Copy2D::kBatch);
 bool stream_is_capturing(cudaStream_t stream);
 
 // [Note: copies on SMs]
@@ -85,7 +86,7 @@ bool stream_is_capturing(cudaStream_t stream);
 // (kernels.h, SmCopy): kMaxSmCopies copies per launch, `ctas` CTAs each (ExecutorOptions
 // copy_ctas), all on `stream`, graph-capturable. ExecutorOptions copies_on picks: auto (SMs for
 // an op that copies between ranks sharing a device, copy engines otherwise), copy_engines, sms.
-void submit_copies_on_sms(cudaStream_t stream, const CopyDesc* d, size_t n, int ctas);
+void submit_copies_on_sms(cudaStream_t stream, const ResolvedCopy* d, size_t n, int ctas);
 
 // ---- copy lanes --------------------------------------------------------------------------------
 // [Note: copy lanes] A COPY/PUT op's descriptors are unordered with each other, so a large op is
@@ -106,7 +107,7 @@ class CopyLanes {
   int size() const { return static_cast<int>(lanes_.size()); }
   size_t spread_bytes() const { return spread_bytes_; }
   // Issues d[0..n) ordered after `origin`'s prior work; `origin` waits for all of them.
-  void submit(cudaStream_t origin, const CopyDesc* d, size_t n);
+  void submit(cudaStream_t origin, const ResolvedCopy* d, size_t n);
 
  private:
   void release() noexcept;
@@ -118,7 +119,7 @@ class CopyLanes {
   std::vector<cudaEvent_t> join_;
 };
 // submit_copies through `lanes` when there are any and the op moves >= lanes->spread_bytes().
-void submit_copies(cudaStream_t stream, const CopyDesc* d, size_t n, CopyLanes* lanes, Copy2D mode);
+void submit_copies(cudaStream_t stream, const ResolvedCopy* d, size_t n, CopyLanes* lanes, Copy2D mode);
 
 // Lanes per (rank, program stream), created by the first op that spreads (n >= 2 copies moving
 // >= the spread threshold), so an executor whose ops are all small creates no extra stream;
@@ -143,24 +144,7 @@ class CopyLaneTable {
 
 // DeviceGuard (the current device for a scope): tide/cuda.h.
 
-// ---- internal stream pool --------------------------------------------------------------------
-// [Note: internal streams]
-// Every stream here is created cudaStreamNonBlocking so that the legacy default stream never
-// serialises with TIDE's work. The pool owns its streams and destroys them after synchronising;
-// callers only borrow handles, and must order any use against the caller's stream with events.
-class StreamPool {
- public:
-  StreamPool(int device, int n);
-  ~StreamPool();
-  StreamPool(const StreamPool&) = delete;
-  StreamPool& operator=(const StreamPool&) = delete;
-  cudaStream_t at(int i) const { return streams_[static_cast<size_t>(i) % streams_.size()]; }
-  int size() const { return static_cast<int>(streams_.size()); }
-
- private:
-  int device_;
-  std::vector<cudaStream_t> streams_;
-};
+// The executors' internal streams: fail_stop.h ([Note: internal streams]).
 
 // ---- hang reports (stackdump.cc) -------------------------------------------------------------
 // install_stack_dump(sig): on `sig`, the receiving thread and every registered thread (each

@@ -86,6 +86,9 @@ bool multicast_allowed(int device);
 // gate and the NCCL layer's NVLS guard share this one read.
 const char* nccl_nvls_setting();
 
+// Usable CUDA devices (cudaGetDeviceCount; 0 without a driver or a device, the error cleared).
+int device_count();
+
 // Sets `device` for a scope and restores the caller's current device on exit (torch and JAX keep
 // their own notion of it). `who` prefixes the error when the device cannot be set.
 class DeviceGuard {

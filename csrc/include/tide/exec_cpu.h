@@ -43,6 +43,7 @@
 #include <utility>
 #include <vector>
 
+#include "tide/bindings.h"
 #include "tide/exec_options.h"
 #include "tide/program.h"
 #include "tide/program_set.h"
@@ -52,15 +53,7 @@ namespace tide {
 
 struct ArenaView;  // exec/cpu/internal.h
 
-struct UserBuffer {
-  void* data = nullptr;
-  int64_t bytes = 0;
-};
-// A rank's user buffers for a run: by_kind[kind][index + 1] (index -1 -> slot 0).
-struct RankBindings {
-  std::vector<UserBuffer> by_kind[4];
-  void bind(BufKind kind, int index, void* data, int64_t bytes);
-};
+// A rank's user buffers for a run: RankBindings (tide/bindings.h).
 
 // What run_cpu / step_ranks take: the executor's options plus the run's own switches.
 struct CpuRunOptions : ExecutorOptions {

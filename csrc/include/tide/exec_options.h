@@ -6,14 +6,21 @@
 //     field and its range; every executor validates its options when it is created.
 //   - CTA budgets are not here: SUM and LAND budgets travel with the programs (Program::sum_ctas /
 //     land_ctas, from the plan's solver, Eqs. 13-14, or a session's explicit override).
-//   - The environment is read in ONE place, with_debug_env(), once per executor creation, and only
-//     for debug overrides: TIDE_DEBUG=1 turns on `trace`; TIDE_EXEC_OPTIONS="field=value,..."
-//     overrides any field by name (e.g. "cta_split=ranges,copy_lanes=1"). A garbage value is a
-//     PlanError naming the variable and the field.
+//   - Executor options read the environment in ONE place, with_debug_env(), once per executor
+//     creation, and only for debug overrides: TIDE_DEBUG=1 turns on `trace`;
+//     TIDE_EXEC_OPTIONS="field=value,..." overrides any field by name (e.g.
+//     "cta_split=ranges,copy_lanes=1"). A garbage value is a PlanError naming the variable and the
+//     field. The core reads exactly two other groups of variables, process-wide switches that are
+//     not executor options, each in one function, once per process: the multicast gate
+//     (TIDE_ENABLE_MULTICAST, NCCL_NVLS_ENABLE, TORCH_SYMM_MEM_DISABLE_MULTICAST; gate_env() in
+//     exec/cuda/runtime.cc) and the NCCL library override (TIDE_NCCL_LIBRARY; open_library() in
+//     fabric/nccl.cc, at NCCL's first load). Nothing else in csrc/ or ffi/ calls getenv.
 #pragma once
 
 #include <cstdint>
 #include <string>
+
+#include "tide/program.h"  // Rails (the program IR's mark)
 
 namespace tide {
 
@@ -29,11 +36,6 @@ enum class Copy2D : int8_t { kBatch = 0, kPerCopy = 1 };
 // the op copies between two ranks that share a device (an emulated node: the ranks of a virtual
 // cluster on one GPU), on the copy engines otherwise; or every copy on one of the two.
 enum class CopiesOn : int8_t { kAuto = 0, kCopyEngines = 1, kSms = 2 };
-// How an executor reaches other nodes ([Note: two-sided rails] in tide/program.h): one-sided, by
-// pointer into their arenas (PUT + SIGNAL; the virtual clusters, one host), or two-sided, through
-// the rail transport's send/recv only (programs lowered by lower_two_sided; another node's arena
-// is never mapped). Also the IR mark of a program (Program::rails).
-enum class Rails : uint8_t { kOneSided = 0, kTwoSided = 1 };
 
 struct ExecutorOptions {
   double timeout_s = 30.0;              // every wait's deadline (fail-stop), seconds, (0, 1e6]
@@ -56,7 +58,7 @@ struct ExecutorOptions {
   bool trace = false;                   // every executed op per rank to stderr
   int workers = 0;                      // virtual cluster threads, 0..1024 (0: min(ranks, 4))
   // Every executor.
-  Rails rails = Rails::kOneSided;       // how other nodes are reached (see Rails)
+  Rails rails = Rails::kOneSided;       // how other nodes are reached (Rails, tide/program.h)
   // Two-sided rails on CUDA: the NCCL rail communicator's config ([Note: NCCL rail]).
   int rail_ctas = 2;                    // maxCTAs: SMs a rail group's kernel may take, 1..64
   int rail_channels_per_peer = 1;       // nChannelsPerNetPeer, 1..32
@@ -78,7 +80,5 @@ const char* cta_split_name(CtaSplit s);  // "auto", "tiles", "ranges"
 const char* full_grid_name(FullGrid g);  // "tiles", "wave"
 const char* copy_2d_name(Copy2D c);      // "batch", "per_copy"
 const char* copies_on_name(CopiesOn c);  // "auto", "copy_engines", "sms"
-const char* rails_name(Rails r);         // "one_sided", "two_sided"
-Rails parse_rails(const std::string& name, const std::string& where);  // PlanError naming `where`
 
 }  // namespace tide

@@ -349,8 +349,7 @@ struct ValidateAllResult {
 // range to report progress or stop between parts); min_nodes = max_nodes + 1 checks the arguments only.
 ValidateAllResult validate_all(int gpus_per_node, int max_nodes, int min_nodes = 2);
 
-// Contributor index (Eq. 6), sub-slice rotation (Eq. 7) and destination GPU (Eq. 8).
-inline int contributor_index(int m, int n, int M) { return n != m ? ((m - n) % M + M) % M : M; }
+// Sub-slice rotation (Eq. 7) and destination GPU (Eq. 8) of contributor index c (Eq. 6).
 inline int subslice_of(int j, int c, int M, int L) { return (j + c % M) % L; }
 inline int dest_gpu(int s, int c, int M, int L) { return ((s - c % M) % L + L) % L; }
 
@@ -398,7 +397,6 @@ struct MemoryModel {
   std::vector<ArenaRegion> arena;     // every region's offset and size
   int64_t arena_bytes = 0;
   const ArenaRegion& region(const std::string& name) const;  // throws Error naming `name`
-  bool has_region(const std::string& name) const;
 };
 
 // ---------------------------------------------------------------------------------------------

@@ -54,13 +54,15 @@
 //   v1+ — two-sided rails: OpKind::kSend / kRecv, Op::rail_group, Program::rails and
 //        lower_two_sided() ([Note: two-sided rails]).
 //   v1+ — SUM honours alpha and accumulate (as LAND) when alpha != 1 or accumulate is set.
+//   v1+ — Rails (with rails_name/parse_rails) lives here, beside Program::rails; it was declared in
+//        exec_options.h, which now includes this header. Collective gains kReduceScatterExpert
+//        (the session's expert lane; its programs carry kReduceScatter) and collective_name().
 #pragma once
 
 #include <cstdint>
 #include <string>
 #include <vector>
 
-#include "tide/exec_options.h"  // Rails
 #include "tide/plan.h"
 
 namespace tide {
@@ -248,8 +250,20 @@ struct ArenaSpec {
 // regions per plan.rs).
 ArenaSpec arena_spec_for(const Plan& plan, int num_counters);
 
-enum class Collective : uint8_t { kAllGather = 0, kReduceScatter = 1 };
+// The collective a program (and a session's call) runs; the expert lane is TIDE-RS for an
+// L_sub = 1 subgroup (App. F), whose programs carry Collective::kReduceScatter.
+enum class Collective : uint8_t { kAllGather = 0, kReduceScatter = 1, kReduceScatterExpert = 2 };
+constexpr int kNumCollectives = 3;
+const char* collective_name(Collective c);  // "all_gather", "reduce_scatter", "reduce_scatter_expert"
 
+// How a program reaches other nodes ([Note: two-sided rails] below): one-sided, by pointer into
+// their arenas (PUT + SIGNAL; the virtual clusters, one host), or two-sided, through the rail
+// transport's send/recv only (programs lowered by lower_two_sided; another node's arena is never
+// mapped). The IR mark of a program (Program::rails) and, through ExecutorOptions::rails, how an
+// executor reaches other nodes.
+enum class Rails : uint8_t { kOneSided = 0, kTwoSided = 1 };
+const char* rails_name(Rails r);                                        // "one_sided", "two_sided"
+Rails parse_rails(const std::string& name, const std::string& where);  // PlanError naming `where`
 
 struct Program {
   int version = kProgramIrVersion;

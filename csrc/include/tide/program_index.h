@@ -10,11 +10,15 @@
 //     counter outside the set's counters, a user buffer of another rank: the push rule) throw
 //     PlanError naming rank and op. The checker reports them as findings instead
 //     (index_programs(..., /*strict=*/false) leaves such ops out of `use`).
-//   - admit() is the admission check every executor makes before anything runs: each arena
+//   - admit() is the admission check that the executors whose arena layout is not the programs'
+//     own (RankExecutor, CudaRankExecutor, CudaExecutor) make before anything runs: each arena
 //     region the rank's program addresses exists in the executor's layout, fits the arena and is
 //     large enough, and the counters of every program of the set fit region 'counters' (less the
 //     executor's entry-fence slot). It throws tide::Error (PlanError for a layout outside the
-//     arena) naming the executor, rank, group and region.
+//     arena) naming the executor, rank, group and region. The CPU virtual cluster (run_cpu)
+//     does not call it: its arena is made from the programs' own layout (its run() refuses a set
+//     whose layout differs), generated sets have no index to admit, and its interpreter checks
+//     every access against the bound buffer or region as it runs.
 #pragma once
 
 #include <cstdint>
@@ -27,9 +31,8 @@
 
 namespace tide {
 
-// SIGNAL, CREDIT, EVENT_RECORD and a PUT with a counter bump a counter; WAIT/EVENT_WAIT wait.
+// SIGNAL, CREDIT, EVENT_RECORD and a PUT or RECV with a counter bump a counter.
 bool op_produces(const Op& op);
-bool op_waits(const Op& op);
 
 // What one rank's program touches.
 struct ProgramUse {
@@ -57,8 +60,6 @@ struct ProgramIndex {
 // strict: structural faults throw PlanError (executors); else they are skipped (the checker,
 // which reports them itself).
 ProgramIndex index_programs(const std::vector<Program>& progs, bool strict = true);
-// One program's per-stream op lists (the CPU executor's per call: generated sets have no index).
-std::vector<std::vector<int>> stream_ops_of(const Program& pr);
 
 // The admission of group rank `me`'s program onto `layout` (see the contract). who: "RankExecutor",
 // "CudaRankExecutor", ...; global_rank: the rank named in messages; arena_bytes: the arena (or

@@ -13,9 +13,11 @@
 //     the same order on every rank (all ranks create their sessions in group order); a session
 //     with its own arena lays its collectives' ranges out from 0. A collective's range holds
 //     exactly its programs' counters (program_counters).
-//   - Executors: each executor kind implements CallExecutor once (runtime_cpu.cc: the CPU virtual
-//     cluster and the CPU rank executor; exec/cuda/call_executors.cc: the CUDA in-process and
-//     rank executors). An executor is one arena domain: cluster executors own every rank's arena,
+//   - Executors: each executor kind implements CallExecutor once (runtime_cpu.cc:
+//     CpuClusterCallExecutor and CpuRankCallExecutor; exec/cuda/call_executors.cc:
+//     CudaClusterCallExecutor and CudaRankCallExecutor). A face's per-rank RankBindingList is
+//     converted once, at the call, into RankBindings (tide/bindings.h), the one per-rank binding
+//     type every executor below takes. An executor is one arena domain: cluster executors own every rank's arena,
 //     rank executors reach peers' arenas through a fabric.
 //   - Calls are serialised per session (a mutex); every rank issues its groups' calls in the
 //     same collective order (the user model of program.h).
@@ -29,6 +31,7 @@
 #include <tuple>
 #include <vector>
 
+#include "tide/bindings.h"
 #include "tide/exec_cpu.h"
 #include "tide/exec_options.h"
 #include "tide/plan.h"
@@ -38,22 +41,8 @@
 
 namespace tide {
 
-// The collective a call runs (the expert lane is TIDE-RS for an L_sub = 1 subgroup, App. F).
-enum class CallKind : uint8_t { kAllGather = 0, kReduceScatter = 1, kReduceScatterExpert = 2 };
-constexpr int kNumCallKinds = 3;
-const char* call_kind_name(CallKind k);  // "all_gather", "reduce_scatter", "reduce_scatter_expert"
-
 // The outbox/spare bank of TIDE-RS call `seq` (1, 2, ...): b = (seq - 1) mod 2.
 int rs_bank(int64_t seq);
-
-// One user buffer of one rank for one call.
-struct Binding {
-  BufKind kind = BufKind::kShard;
-  int32_t index = -1;  // param p (-1: the whole buffer, e.g. out)
-  void* data = nullptr;
-  int64_t bytes = 0;
-};
-using RankBindingList = std::vector<Binding>;
 
 // How a session's calls reach an executor.
 class CallExecutor {
@@ -69,7 +58,7 @@ class CallExecutor {
   // session passes empty for 0..N-1). streams: per local rank, the caller's stream
   // (CUDA; empty: none). Throws PlanError / Error / TimeoutError naming rank, op and seq.
   virtual void run(const std::shared_ptr<const ProgramSet>& set, int64_t seq, const std::vector<int>& members,
-                   const std::vector<RankBindingList>& buffers, const std::vector<uintptr_t>& streams) = 0;
+                   const std::vector<RankBindings>& buffers, const std::vector<uintptr_t>& streams) = 0;
   virtual void synchronize() {}
   // The deadline of later calls' waits (a validated ExecutorOptions::timeout_s).
   virtual void set_timeout(double timeout_s) = 0;
@@ -82,17 +71,17 @@ class CallExecutor {
 // The static checker (I1-I4) over the calls as a session runs them: TIDE-AG over two calls of
 // sets[0]; TIDE-RS over three with the banks alternating (sets[b] is bank b). Throws tide::Error
 // "TIDE static checker rejected ..." naming the findings.
-void check_session_programs(CallKind kind, const std::vector<const ProgramSet*>& sets);
+void check_session_programs(Collective kind, const std::vector<const ProgramSet*>& sets);
 
 // The counters every collective's programs of `plan` use (their num_counters; two-sided rails
 // add the lowering's local counters).
-int program_counters(const Plan& plan, CallKind kind, Rails rails = Rails::kOneSided);
+int program_counters(const Plan& plan, Collective kind, Rails rails = Rails::kOneSided);
 
 // Counter slots shared by the groups of one arena (see the contract).
 class CounterSpace {
  public:
   // A fresh range for `kind`'s programs of `plan`; returns its first slot.
-  int64_t reserve(const Plan& plan, CallKind kind, Rails rails = Rails::kOneSided);
+  int64_t reserve(const Plan& plan, Collective kind, Rails rails = Rails::kOneSided);
   int64_t used() const { return used_; }  // slots reserved so far
   // Bytes of the arena's counters region: every reserved slot, then the rank executors' entry
   // fence, which is the region's last counter (docs/rank_executor.md).
@@ -114,7 +103,7 @@ struct SessionOptions {
 // Where a group sits in its executor's arena, and which collectives it runs.
 struct GroupPlacement {
   int32_t group = 0;               // call identity (program.h): (group, seq) agree on every rank
-  std::vector<CallKind> kinds = {CallKind::kAllGather, CallKind::kReduceScatter};
+  std::vector<Collective> kinds = {Collective::kAllGather, Collective::kReduceScatter};
   // TIDE-AG.
   int ring_slot = 0;               // the landing ring slot (group g uses g mod 2)
   bool resident = true;            // shards adopted in region 'resident' (no cast only)
@@ -128,7 +117,7 @@ struct GroupPlacement {
   bool pull_landing = false;
   // Every collective's first counter (shared arena: from the arena's CounterSpace; own arena:
   // leave at -1 and the session lays them out from 0).
-  int64_t counter_base[kNumCallKinds] = {-1, -1, -1};
+  int64_t counter_base[kNumCollectives] = {-1, -1, -1};
   std::vector<int> members;        // the group's executor ranks (empty, or 0..N-1: the whole executor)
 };
 
@@ -145,11 +134,11 @@ class GroupSession {
   int land_ctas() const { return land_ctas_; }
   // The arena a cluster executor needs for a session with its own arena (the plan's layout, its
   // counters region holding every collective's range).
-  static ArenaSpec own_arena(const Plan& plan, const std::vector<CallKind>& kinds, Rails rails = Rails::kOneSided);
+  static ArenaSpec own_arena(const Plan& plan, const std::vector<Collective>& kinds, Rails rails = Rails::kOneSided);
 
   // The program set call `seq` of `kind` runs, built and cached on first use.
-  std::shared_ptr<const ProgramSet> programs(CallKind kind, int64_t seq, float alpha = 1.0f, bool accumulate = false);
-  int64_t calls(CallKind kind) const;  // calls issued so far (the last seq)
+  std::shared_ptr<const ProgramSet> programs(Collective kind, int64_t seq, float alpha = 1.0f, bool accumulate = false);
+  int64_t calls(Collective kind) const;  // calls issued so far (the last seq)
 
   // One call: the next seq of `kind`, its program set, the executor's run. Returns the seq.
   int64_t all_gather(const std::vector<RankBindingList>& buffers, const std::vector<uintptr_t>& streams = {});
@@ -158,9 +147,9 @@ class GroupSession {
 
  private:
   using Key = std::tuple<int, int, float, bool>;  // kind, bank, alpha, accumulate
-  std::shared_ptr<ProgramSet> build(CallKind kind, int bank, float alpha, bool accumulate) const;
-  void check_new(CallKind kind, float alpha, bool accumulate);
-  int64_t call(CallKind kind, float alpha, bool accumulate, const std::vector<RankBindingList>& buffers,
+  std::shared_ptr<ProgramSet> build(Collective kind, int bank, float alpha, bool accumulate) const;
+  void check_new(Collective kind, float alpha, bool accumulate);
+  int64_t call(Collective kind, float alpha, bool accumulate, const std::vector<RankBindingList>& buffers,
                const std::vector<uintptr_t>& streams);
 
   std::shared_ptr<const Plan> plan_;
@@ -171,19 +160,19 @@ class GroupSession {
   Rails rails_ = Rails::kOneSided;  // the executor's
   RegionTable regions_;            // copy of the executor's shared layout (when it has one)
   std::map<Key, std::shared_ptr<ProgramSet>> cache_;
-  int64_t seq_[kNumCallKinds] = {0, 0, 0};
+  int64_t seq_[kNumCollectives] = {0, 0, 0};
   mutable std::mutex mu_;
 };
 
 // ---- CPU executors (runtime_cpu.cc) -----------------------------------------------------------
 // The CPU virtual cluster: every rank's arena in this process (threads) or in forked processes
 // over shared memory, run_cpu per call. Its arena is laid out by `spec` (a session's own_arena).
-class CpuClusterExecutor final : public CallExecutor {
+class CpuClusterCallExecutor final : public CallExecutor {
  public:
-  CpuClusterExecutor(int world, const ArenaSpec& spec, bool processes, const ExecutorOptions& opt);
+  CpuClusterCallExecutor(int world, const ArenaSpec& spec, bool processes, const ExecutorOptions& opt);
   int world() const override { return arena_.world(); }
   void run(const std::shared_ptr<const ProgramSet>& set, int64_t seq, const std::vector<int>& members,
-           const std::vector<RankBindingList>& buffers, const std::vector<uintptr_t>& streams) override;
+           const std::vector<RankBindings>& buffers, const std::vector<uintptr_t>& streams) override;
   std::string name() const override { return "cpu-cluster"; }
   void set_timeout(double timeout_s) override;
   Rails rails() const override { return opt_.rails; }  // two-sided: a LocalRail per run
@@ -201,13 +190,13 @@ class CpuClusterExecutor final : public CallExecutor {
 };
 
 // One rank of a job whose ranks are processes, over every rank's shared-memory segment.
-class CpuRankExecutor final : public CallExecutor {
+class CpuRankCallExecutor final : public CallExecutor {
  public:
-  CpuRankExecutor(std::shared_ptr<RankExecutor> ex, RegionTable regions);
+  CpuRankCallExecutor(std::shared_ptr<RankExecutor> ex, RegionTable regions);
   int world() const override { return ex_->world(); }
   const RegionTable* regions() const override { return regions_.empty() ? nullptr : &regions_; }
   void run(const std::shared_ptr<const ProgramSet>& set, int64_t seq, const std::vector<int>& members,
-           const std::vector<RankBindingList>& buffers, const std::vector<uintptr_t>& streams) override;
+           const std::vector<RankBindings>& buffers, const std::vector<uintptr_t>& streams) override;
   std::string name() const override { return "cpu-rank"; }
   void set_timeout(double timeout_s) override;
   Rails rails() const override { return ex_->rails(); }
@@ -217,8 +206,5 @@ class CpuRankExecutor final : public CallExecutor {
   std::shared_ptr<RankExecutor> ex_;
   RegionTable regions_;
 };
-
-// The CPU binding list of one rank.
-RankBindings to_rank_bindings(const RankBindingList& l);
 
 }  // namespace tide
