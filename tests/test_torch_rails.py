@@ -122,7 +122,7 @@ def _hosts_that_cannot_be_served(rank, world):
         assert_same(model, stock, "two hosts, two-sided")
         handle.disable()
     finally:
-        enable_mod.host_identity = sys.modules["tide_torch.groups"].host_identity
+        enable_mod.host_identity = sys.modules["tide.ranks"].host_identity
 
 
 def test_hosts_recorded_at_enable_decide_what_is_served():

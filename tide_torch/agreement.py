@@ -12,6 +12,8 @@ from typing import Any
 
 import torch.distributed as dist
 
+from tide import ranks
+
 
 class TideAgreementError(RuntimeError):
     """Ranks disagree on TIDE's plans or capabilities, or some rank failed to plan."""
@@ -28,30 +30,6 @@ def exchange(record: dict[str, Any], group: Any = None) -> list[dict[str, Any]]:
     return out
 
 
-_COMPARED = ("topology", "capabilities")
-
-
 def verdict(records: list[dict[str, Any]]) -> list[str]:
-    """Problems found (empty: all ranks agree). Identical on every rank."""
-    problems = []
-    errors = [(r["rank"], r["error"]) for r in records if r.get("error")]
-    for rank, err in errors:
-        problems.append(f"rank {rank} failed: {err}")
-    if errors:
-        return problems
-    ref = records[0]
-    for rec in records[1:]:
-        for key in _COMPARED:
-            if rec[key] != ref[key]:
-                problems.append(f"rank {rec['rank']} has {key} {rec[key]} but rank "
-                                f"{ref['rank']} has {ref[key]}")
-        a, b = ref["groups"], rec["groups"]
-        if len(a) != len(b):
-            problems.append(f"rank {rec['rank']} has {len(b)} FSDP groups but rank "
-                            f"{ref['rank']} has {len(a)}")
-            continue
-        for i, ((fa, sa), (fb, sb)) in enumerate(zip(a, b)):
-            if (fa, sa) != (fb, sb):
-                problems.append(f"group {i}: rank {ref['rank']} has {fa} {sa}, rank "
-                                f"{rec['rank']} has {fb} {sb}")
-    return problems
+    """Problems found (empty: all ranks agree). Identical on every rank (tide.ranks.verdict)."""
+    return ranks.verdict(records, ("topology", "capabilities"))

@@ -13,8 +13,9 @@ import tide
 from tide import shm
 from tide_torch import _patches, agreement, all_gather, comm, placement, reduce_scatter
 from tide_torch.arena import Arena, arena_nbytes, make_nccl_fabric, nccl_fabric_api_error
-from tide_torch.groups import (PLAN_OPTIONS, TideEnableError, TideGroup, find_groups, host_identity,
-                               log_fallback, node_host_problem, plan_group, resolve_topology)
+from tide.ranks import host_identity, node_host_problem
+from tide_torch.groups import (PLAN_OPTIONS, TideEnableError, TideGroup, find_groups, log_fallback,
+                               plan_group, resolve_topology)
 from tide_torch.rails import GlooRail
 from tide_torch.runtime import Runtime, free_in_arena
 

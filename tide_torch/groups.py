@@ -14,7 +14,7 @@ parameters are DTensors: FSDP2 shards, gathers and reduces their *local* tensors
 (dp) sub-mesh, and wraps the gathered local tensor back into a DTensor with the TP placements
 (``init_unsharded_param``). TIDE works on the same local tensors, so nothing changes: the plan's
 shapes are the local shapes (``FSDPParam._orig_size``), the shard group is the dp sub-mesh's
-process group, its topology is that group's ranks on the job's topology (``_group_topology``),
+process group, its topology is that group's ranks on the job's topology (``tide.ranks.group_topology``),
 and the landing is the TP-local tensor.
 
 [Note: chunks]
@@ -38,6 +38,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import tide
+from tide import ranks as ranks_
 from tide_torch import _patches
 
 logger = logging.getLogger("tide_torch")
@@ -267,49 +268,6 @@ def resolve_topology(topology: tide.Topology | None, world: int) -> tide.Topolog
     return tide.Topology(nodes=world // gpn, gpus_per_node=gpn)
 
 
-def host_identity() -> str:
-    """The machine this process runs on (hostname and boot id): ranks whose arenas are mapped by
-    pointer (one topology node, or every rank with one-sided rails) must share it. Emulated hosts
-    (one ``NCCL_HOSTID`` per process on one machine) are still one machine here."""
-    import socket
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            boot = f.read().strip()
-    except OSError:
-        boot = ""
-    return f"{socket.gethostname()}/{boot}"
-
-
-def node_host_problem(hosts: list[str], topo: tide.Topology) -> str | None:
-    """Why the ranks' hosts do not fit ``topo`` (a node's ranks on two hosts), or None."""
-    L = topo.gpus_per_node
-    for n in range(topo.nodes):
-        ranks = range(n * L, (n + 1) * L)
-        seen = {hosts[r] for r in ranks}
-        if len(seen) > 1:
-            a = ranks[0]
-            b = next(r for r in ranks if hosts[r] != hosts[a])
-            return (f"ranks {a} and {b} of topology node {n} ({topo}) are on hosts {hosts[a]!r} and "
-                    f"{hosts[b]!r}: a node's ranks must share a host (check LOCAL_WORLD_SIZE or the "
-                    "topology)")
-    return None
-
-
-def _group_topology(ranks: list[int], topo: tide.Topology) -> tide.Topology | None:
-    """The shard group's own M x L, when its ranks are node-major on ``topo``; else None."""
-    L = topo.gpus_per_node
-    nodes: dict[int, list[int]] = {}
-    for r in ranks:
-        nodes.setdefault(r // L, []).append(r)
-    per_node = {len(v) for v in nodes.values()}
-    if len(per_node) != 1:
-        return None
-    ordered = [r for n in sorted(nodes) for r in sorted(nodes[n])]
-    if ordered != list(ranks):
-        return None
-    return tide.Topology(nodes=len(nodes), gpus_per_node=per_node.pop())
-
-
 def _why_not(tg: TideGroup, names: dict[int, str]) -> str | None:
     from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo
     pg = tg.pg
@@ -358,7 +316,7 @@ def plan_group(tg: TideGroup, topo: tide.Topology, mode: str, options: dict[str,
     if reason is None:
         shard_pg = tg.pg.mesh_info.shard_process_group
         ranks = dist.get_process_group_ranks(shard_pg)
-        tg.topology = _group_topology(ranks, topo)
+        tg.topology = ranks_.group_topology(ranks, topo)
         if tg.topology is None:
             reason = f"shard group ranks {ranks} are not node-major on {topo}"
     if reason is None:
