@@ -56,9 +56,11 @@ def group_topology(ranks: Sequence[int], topo: Topology) -> Topology | None:
     return Topology(nodes=len(nodes), gpus_per_node=per_node.pop())
 
 
-def verdict(records: Sequence[dict[str, Any]], compared: Sequence[str]) -> list[str]:
+def verdict(records: Sequence[dict[str, Any]], compared: Sequence[str],
+            groups: str = "groups") -> list[str]:
     """Problems found (empty: all ranks agree). Each record has ``rank``, ``error`` (None or the
-    rank's local failure), the ``compared`` fields, and ``groups``: [(name, status)] in order."""
+    rank's local failure), the ``compared`` fields, and ``groups``: [(name, status)] in order
+    (``groups`` names them in messages)."""
     errors = [(r["rank"], r["error"]) for r in records if r.get("error")]
     if errors:
         return [f"rank {rank} failed: {err}" for rank, err in errors]
@@ -71,7 +73,7 @@ def verdict(records: Sequence[dict[str, Any]], compared: Sequence[str]) -> list[
                                 f"{ref['rank']} has {ref[key]}")
         a, b = ref["groups"], rec["groups"]
         if len(a) != len(b):
-            problems.append(f"rank {rec['rank']} has {len(b)} groups but rank "
+            problems.append(f"rank {rec['rank']} has {len(b)} {groups} but rank "
                             f"{ref['rank']} has {len(a)}")
             continue
         for i, ((fa, sa), (fb, sb)) in enumerate(zip(a, b)):

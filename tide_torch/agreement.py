@@ -32,4 +32,4 @@ def exchange(record: dict[str, Any], group: Any = None) -> list[dict[str, Any]]:
 
 def verdict(records: list[dict[str, Any]]) -> list[str]:
     """Problems found (empty: all ranks agree). Identical on every rank (tide.ranks.verdict)."""
-    return ranks.verdict(records, ("topology", "capabilities"))
+    return ranks.verdict(records, ("topology", "capabilities"), groups="FSDP groups")
