@@ -47,6 +47,19 @@ def _no_layout_ops(model, data, what):
     assert not ops, (what, ops)
 
 
+def _against_stock(make, run, what, **enable):
+    """``make()`` twice: stock FSDP2 and TIDE, each run by ``run(model)``; parameters bitwise
+    equal. Returns TIDE's handle (still enabled)."""
+    import tide_torch
+    stock = make()
+    run(stock)
+    model = make()
+    handle = tide_torch.enable(model, topology=TOPO, **enable)
+    run(model)
+    assert_same(model, stock, what)
+    return handle
+
+
 def _configurations(rank, world):
     import tide_torch
     mesh = mesh_1d()
@@ -78,13 +91,8 @@ def _configurations(rank, world):
         m = build(mesh=mesh)
         m.layers[1].w3.weight.requires_grad_(False)
         return m
-    stock = frozen()
-    train(stock, data)
-    model = frozen()
-    handle = tide_torch.enable(model, topology=TOPO)
-    train(model, data)
+    handle = _against_stock(frozen, lambda m: train(m, data), "frozen")
     _served_everywhere(handle, "frozen")
-    assert_same(model, stock, "frozen")
     group = next(g for g in handle.groups if g.fqn == "layers.1")
     assert group.sub_plans, "the frozen group's reduce-scatters ran on a sub-plan"
     handle.disable()
@@ -97,13 +105,8 @@ def _configurations(rank, world):
             b.set_modules_to_forward_prefetch(blocks[i + 1:i + 3])
             b.set_modules_to_backward_prefetch(blocks[max(0, i - 2):i][::-1])
         return m
-    stock = prefetching()
-    train(stock, data)
-    model = prefetching()
-    handle = tide_torch.enable(model, topology=TOPO)
-    train(model, data)
+    handle = _against_stock(prefetching, lambda m: train(m, data), "prefetch 2")
     _served_everywhere(handle, "prefetch 2")
-    assert_same(model, stock, "prefetch 2")
     slots = {g["slot"] for g in handle.memory()["groups"].values()}
     assert {"ring0", "ring1", "ring2"} <= slots, slots
     handle.disable()
@@ -114,24 +117,15 @@ def _configurations(rank, world):
             for b in m.layers:
                 b.unshard()
             train(m, data[step:step + 1])
-    stock = build(mesh=mesh)
-    unsharding_train(stock)
-    model = build(mesh=mesh)
-    handle = tide_torch.enable(model, topology=TOPO)
-    unsharding_train(model)
-    assert_same(model, stock, "unshard all")
+    handle = _against_stock(lambda: build(mesh=mesh), unsharding_train, "unshard all")
     moved = [k for k in handle.hand_backs if k[1] == "ag" and "own storage" in k[2]]
     assert moved, handle.hand_backs
     assert handle.stats["rs_stock"] == 0 and handle.stats["ag_tide"] > 0, handle.stats
     handle.disable()
 
     # reshard_after_forward=2: the post-forward all-gathers over 2 ranks are handed back, counted.
-    stock = build(mesh=mesh, reshard_after_forward=2)
-    train(stock, data)
-    model = build(mesh=mesh, reshard_after_forward=2)
-    handle = tide_torch.enable(model, topology=TOPO)
-    train(model, data)
-    assert_same(model, stock, "raf=2")
+    handle = _against_stock(lambda: build(mesh=mesh, reshard_after_forward=2),
+                            lambda m: train(m, data), "raf=2")
     reasons = {k[2] for k in handle.hand_backs if k[1] == "ag"}
     assert reasons and all("post-forward" in r for r in reasons), handle.hand_backs
     assert sum(handle.hand_backs.values()) == handle.stats["ag_stock"] > 0, handle.stats
@@ -232,7 +226,6 @@ def _tp_model(mesh2, *, colwise_rowwise: bool, device=None):
 
 
 def _tensor_parallel(rank, world):
-    import tide_torch
     from torch.distributed.device_mesh import init_device_mesh
     data = batches(3, same_on_all_ranks=True)
     for shape, colwise in (((2, 2), True), ((4, 1), False), ((2, 2, 1), False)):
@@ -240,14 +233,10 @@ def _tensor_parallel(rank, world):
         mesh2 = init_device_mesh("cpu", shape, mesh_dim_names=names)
         if len(shape) == 3:  # HSDP x TP: replicate over "rep", shard over "shard"
             mesh2 = {"dp": mesh2["rep", "shard"], "tp": mesh2["tp"]}
-        stock = _tp_model(mesh2, colwise_rowwise=colwise)
-        train(stock, data)
-        model = _tp_model(mesh2, colwise_rowwise=colwise)
-        handle = tide_torch.enable(model, topology=TOPO)
-        train(model, data)
         what = f"dp x tp = {shape}"
+        handle = _against_stock(lambda: _tp_model(mesh2, colwise_rowwise=colwise),
+                                lambda m: train(m, data), what)
         _served_everywhere(handle, what)
-        assert_same(model, stock, what)
         dtensor_groups = {g.fqn for g in handle.groups
                           if any(fp.is_dtensor for fp in g.pg.fsdp_params)}
         assert dtensor_groups >= {"layers.0", "layers.1", "layers.2"}, dtensor_groups

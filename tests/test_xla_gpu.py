@@ -22,7 +22,7 @@ from jax.sharding import Mesh, PartitionSpec as P  # noqa: E402
 import tide  # noqa: E402
 import tide_xla  # noqa: E402
 from tide_xla import _ffi  # noqa: E402
-from tide_xla.virtual import stack_shards, virtual_all_gather, virtual_reduce_scatter  # noqa: E402
+from tide_apps.xla_virtual import stack_shards, virtual_all_gather, virtual_reduce_scatter  # noqa: E402
 
 
 def _devices(platform):

@@ -1,4 +1,4 @@
-"""tide_xla.virtual on XLA:CPU: N virtual ranks on one device through the FFI targets equal the
+"""tide_apps.xla_virtual on XLA:CPU: N virtual ranks on one device through the FFI targets equal the
 CPU VirtualCluster and the numpy reference bit for bit (exact integer data). The CUDA twin of
 these checks is tests/test_xla_gpu.py."""
 import os
@@ -13,7 +13,7 @@ import ml_dtypes  # noqa: E402
 
 import tide  # noqa: E402
 from tide_xla import _ffi  # noqa: E402
-from tide_xla.virtual import stack_shards, virtual_all_gather, virtual_reduce_scatter  # noqa: E402
+from tide_apps.xla_virtual import stack_shards, virtual_all_gather, virtual_reduce_scatter  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not _ffi.executor_available("cpu"), reason=_ffi.executor_description("cpu"))
 

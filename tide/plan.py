@@ -128,3 +128,32 @@ def layout(shapes: Sequence[Sequence[int]], world: int, ag_dtype: str = "bfloat1
     offset o32; E, S, S_fp32 for the group. Faces ask this instead of re-deriving it."""
     sig = GroupSignature(shapes=shapes)
     return _core.make_layout(_check_shapes(sig), _as_int(world, "world", 32), ag_dtype, grad_dtype)
+
+
+MAX_PARAMS = 256  # tide::kMaxParams: the parameters one plan holds
+RS_SCRATCH = ("staging", "outbox", "inbox", "spare")  # TIDE-RS regions groups of one arena share
+
+
+def region_bytes(plan: Any, name: str) -> int:
+    """Bytes of arena region `name` in `plan` (0 where the plan lays it out empty)."""
+    try:
+        return int(plan.region(name)[1])
+    except (AttributeError, KeyError, ValueError, TypeError):
+        return 0
+
+
+def plan_fitting(sig: GroupSignature, topo: Topology, mode: str, options: Mapping[str, int], *,
+                 counters: int, regions: Mapping[str, int], rails: str = "one_sided") -> Any:
+    """plan() for a reduce-scatter that must run in an arena already laid out (a sub-plan of a
+    group's parameters): a PlanError names the resource when it needs more than `counters`
+    counters (one reserved range) or more of a TIDE-RS scratch region than `regions` holds."""
+    p = plan(sig, topo, mode=mode, **options)
+    space = _core.CounterSpace()
+    space.reserve(p, "reduce_scatter", rails=rails)
+    if space.used > counters:
+        raise PlanError(f"needs {space.used} counters, a reserved range holds {counters}")
+    for name in RS_SCRATCH:
+        if region_bytes(p, name) > regions.get(name, 0):
+            raise PlanError(f"its {name} needs {region_bytes(p, name)} B, the arena holds "
+                            f"{regions.get(name, 0)} B")
+    return p

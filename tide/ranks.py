@@ -7,12 +7,16 @@
   ``topo`` (a shard group of HSDP, or the dp sub-mesh of TP + FSDP);
 - ``verdict(records, compared)``: the problems in one record per rank (each rank's local error,
   or a differing field), the same on every rank that holds the same records, so every rank
-  reaches the same decision from one exchange and nobody waits on another.
+  reaches the same decision from one exchange and nobody waits on another;
+- ``await_keys(dir_get, key, wanted, timeout_ms, late)``: every rank's value under ``key/<n>``
+  in a key-value store (jax.distributed's), polled until all are there or the deadline names
+  who is late.
 """
 from __future__ import annotations
 
 import socket
-from typing import Any, Sequence
+import time
+from typing import Any, Callable, Iterable, Sequence
 
 from tide.plan import Topology
 
@@ -81,3 +85,26 @@ def verdict(records: Sequence[dict[str, Any]], compared: Sequence[str],
                 problems.append(f"group {i}: rank {ref['rank']} has {fa} {sa}, rank "
                                 f"{rec['rank']} has {fb} {sb}")
     return problems
+
+
+def await_keys(dir_get: Callable[[str], Iterable[tuple[str, str]]], key: str, wanted: Iterable[int],
+               timeout_ms: int, late: Callable[[list[int]], BaseException]) -> dict[int, str]:
+    """The values under ``key/<n>`` for every n in ``wanted`` (``dir_get(prefix)`` lists a
+    store's entries under a prefix), polled until all are there; past ``timeout_ms`` raises
+    ``late(missing)`` (an error naming who did not publish)."""
+    wanted = list(wanted)
+    deadline = time.monotonic() + timeout_ms / 1000.0
+    pause = 0.001
+    while True:
+        got = {}
+        for k, v in dir_get(f"{key}/"):
+            tail = k.rsplit("/", 1)[-1]
+            if tail.isdigit():
+                got[int(tail)] = v
+        missing = sorted(n for n in wanted if n not in got)
+        if not missing:
+            return got
+        if time.monotonic() > deadline:
+            raise late(missing)
+        time.sleep(pause)
+        pause = min(pause * 2, 0.02)

@@ -25,6 +25,15 @@ def free_bytes() -> int | None:
     return st.f_bavail * st.f_frsize
 
 
+def shortfall(nbytes: int) -> str:
+    """'' when /dev/shm has room for `nbytes` more, else how much is free (a segment past the free
+    space dies with SIGBUS when touched: callers refuse it and name what makes it large)."""
+    free = free_bytes()
+    if nbytes <= 0 or free is None or nbytes <= free:
+        return ""
+    return f"need {nbytes} bytes of /dev/shm, {free} free"
+
+
 def create(prefix: str, nbytes: int, *, map_it: bool = False) -> tuple[str, mmap.mmap | None]:
     """A new segment '/<prefix>_<pid>_<random>' of `nbytes` (zero-filled); with map_it, also its
     mapping. The name is unlinked again if sizing or mapping fails."""

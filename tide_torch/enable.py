@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import logging
-import os
 from typing import Any
 
 import torch
@@ -10,7 +9,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import tide
-from tide import shm
+from tide import env, shm
 from tide_torch import _patches, agreement, all_gather, comm, placement, reduce_scatter
 from tide_torch.arena import Arena, arena_nbytes, make_nccl_fabric, nccl_fabric_api_error
 from tide.ranks import host_identity, node_host_problem
@@ -24,7 +23,7 @@ logger = logging.getLogger("tide_torch")
 MODES = ("in_place", "slot_reuse")
 RAILS = ("auto", "one_sided", "two_sided")
 FABRICS = ("auto", "ipc", "nccl")
-FABRIC_ENV = "TIDE_TORCH_FABRIC"
+FABRIC_ENV = env.TORCH_FABRIC
 
 
 class TideHandle:
@@ -409,7 +408,7 @@ def _resolve_fabric(fabric: str) -> str:
     if fabric not in FABRICS:
         raise ValueError(f"tide_torch.enable: fabric must be one of {FABRICS}, got {fabric!r}")
     if fabric == "auto":
-        fabric = os.environ.get(FABRIC_ENV, "").strip() or "auto"
+        fabric = env.torch_fabric() or "auto"
         if fabric not in FABRICS:
             raise ValueError(f"tide_torch.enable: fabric='auto' reads {FABRIC_ENV}, which must be "
                              f"one of {FABRICS}, got {fabric!r}")
@@ -463,10 +462,6 @@ def _deactivate(g: TideGroup) -> None:
     if g.previous_copy_out is not None:
         _patches.set_copy_out(g.pg, g.previous_copy_out)
         g.previous_copy_out = None
-    for p, fp in enumerate(g.pg.fsdp_params):
-        _patches.unpatch_param_free(fp)
-        fp.all_gather_outputs = []
-        if hasattr(fp, "_unsharded_param"):
-            del fp._unsharded_param
-        if g.adopts:
-            all_gather.unadopt_shard(g, p)
+    all_gather.release_landing(g)
+    for p in range(len(g.pg.fsdp_params)) if g.adopts else ():
+        all_gather.unadopt_shard(g, p)

@@ -38,7 +38,9 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import tide
+from tide import env
 from tide import ranks as ranks_
+from tide.plan import MAX_PARAMS, RS_SCRATCH, plan_fitting
 from tide_torch import _patches
 
 logger = logging.getLogger("tide_torch")
@@ -61,9 +63,6 @@ PLAN_OPTIONS = ("w_wave", "k", "n_part", "n_stg", "chunk_bytes", "sum_ctas", "la
 
 class TideEnableError(RuntimeError):
     """tide_torch.enable() cannot proceed (message says why and what to do)."""
-
-
-MAX_PARAMS = 256  # tide::kMaxParams: parameters per plan
 
 
 @dataclass(eq=False)
@@ -185,21 +184,13 @@ class TideGroup:
             shapes=[self.shapes[p] for p in params], ag_dtype=_DTYPE_NAMES[self.param_dtype],
             grad_dtype=_DTYPE_NAMES[dtype], shard_dtype=_DTYPE_NAMES[self.orig_dtype],
             names=tuple(self.names[p] for p in params))
+        regions = {n: self.runtime.arena.region(n).nbytes for n in RS_SCRATCH}
         try:
-            plan = tide.plan(sig, self.topology, mode=self.mode, **self.plan_options)
+            plan = plan_fitting(sig, self.topology, self.mode, self.plan_options,
+                                          counters=self.counter_range, regions=regions,
+                                          rails=self.runtime.rails)
         except tide.PlanError as e:
             raise HandBack(f"sub-plan: {e}") from None
-        space = tide._core.CounterSpace()
-        space.reserve(plan, "reduce_scatter", rails=self.runtime.rails)
-        if space.used > self.counter_range:
-            raise HandBack(f"a sub-plan needs {space.used} counters, a pool range holds "
-                           f"{self.counter_range}")
-        arena = self.runtime.arena
-        for name in ("staging", "outbox", "inbox", "spare"):
-            need = region_bytes(plan, name)
-            if need > arena.region(name).nbytes:
-                raise HandBack(f"a sub-plan's {name} needs {need} B, the arena holds "
-                               f"{arena.region(name).nbytes} B")
         if not self.counter_pool:
             raise HandBack(f"all {len(self.sub_plans)} sub-plan counter ranges are in use "
                            "(distinct gradient patterns of this group)")
@@ -241,8 +232,7 @@ def find_groups(model: nn.Module) -> list[TideGroup]:
 
 
 def resolve_topology(topology: tide.Topology | None, world: int) -> tide.Topology:
-    """Explicit topology, else LOCAL_WORLD_SIZE from the launcher, else one node."""
-    import os
+    """Explicit topology, else LOCAL_WORLD_SIZE from the launcher, else one node (tide.env)."""
     if topology is not None:
         if not isinstance(topology, tide.Topology):
             raise TideEnableError(f"tide_torch.enable(topology=...): expected a tide.Topology(nodes, "
@@ -257,15 +247,10 @@ def resolve_topology(topology: tide.Topology | None, world: int) -> tide.Topolog
                 f"topology {topology} has {topology.world} ranks but the default process group "
                 f"has {world}")
         return topology
-    local = os.environ.get("LOCAL_WORLD_SIZE")
     try:
-        gpn = int(local) if local else world
-    except ValueError:
-        raise TideEnableError(f"LOCAL_WORLD_SIZE={local!r} is not an integer (the launcher's ranks "
-                              "per node; or pass topology=tide.Topology(nodes, gpus_per_node))") from None
-    if gpn <= 0 or world % gpn:
-        raise TideEnableError(f"LOCAL_WORLD_SIZE={local} does not divide the world size {world}")
-    return tide.Topology(nodes=world // gpn, gpus_per_node=gpn)
+        return env.launcher_topology(world)
+    except ValueError as e:
+        raise TideEnableError(str(e)) from None
 
 
 def _why_not(tg: TideGroup, names: dict[int, str]) -> str | None:
@@ -358,13 +343,6 @@ def _plan_chunk(tg: TideGroup, k: int, first: int, mode: str, options: dict[str,
         acc = dataclasses.replace(sig, grad_dtype="float32")
         chunk.plan_fp32_grads = tide.plan(acc, tg.topology, mode=mode, **options)
     return chunk
-
-
-def region_bytes(plan: Any, name: str) -> int:
-    try:
-        return int(plan.region(name)[1])
-    except (AttributeError, KeyError, ValueError, TypeError):
-        return 0  # planner without this region
 
 
 def log_fallback(tg: TideGroup) -> None:

@@ -29,7 +29,8 @@ from __future__ import annotations
 
 import tide
 from tide_torch.arena import Arena, align_up
-from tide_torch.groups import TideGroup, region_bytes
+from tide.plan import RS_SCRATCH, region_bytes
+from tide_torch.groups import TideGroup
 
 
 def _reshards_after_forward(tg: TideGroup) -> bool:
@@ -98,7 +99,7 @@ def assign(groups: list[TideGroup], use_ring: bool = True, rails: str = "one_sid
         sizes["stage"] = 0  # a single-rank job never all-gathers (groups.py [Note: world 1])
     # TIDE-RS scratch (staging/outbox/inbox/spare): reduce-scatters run one group at a time in
     # collective order, so one set sized for the largest group serves all of them.
-    for name in EXECUTOR_REGIONS:
+    for name in RS_SCRATCH:
         sizes[name] = max((region_bytes(pl, name) for g in served for c in g.chunks
                            for pl in (c.plan, c.plan_fp32_grads) if pl is not None), default=0)
     # Counters: every group's ranges from one CounterSpace, in group order (the same on every
@@ -129,7 +130,6 @@ def _landing_bytes(g: TideGroup) -> int:
     return sum(align_up(c.plan.layout.S * c.plan.layout.N) for c in g.chunks)
 
 
-EXECUTOR_REGIONS = ("staging", "outbox", "inbox", "spare")
 SUB_PLANS = 16  # TIDE-RS sub-plans a group may plan (distinct gradient patterns; 8 B a counter)
 
 

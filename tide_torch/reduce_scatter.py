@@ -63,9 +63,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from tide.plan import MAX_PARAMS
 from tide_torch import _patches
-
-MAX_PART = 256  # parameters per TIDE-RS plan (the planner's limit)
 
 
 @dataclass
@@ -174,7 +173,7 @@ class TideReduceScatter(_patches.ReduceScatter):
         start = 0
         while start < len(grads):
             end = start + 1
-            while (end < len(grads) and end - start < MAX_PART
+            while (end < len(grads) and end - start < MAX_PARAMS
                    and grads[end].dtype == grads[start].dtype):
                 end += 1
             plan, which = tg.rs_plan(tuple(index[start:end]), grads[start].dtype)

@@ -28,8 +28,9 @@ call `acc = reduce_scatter(full_grads, layout, accumulate=acc)` (acc from `zeros
 passed in with in_specs P("fsdp") and donated): the packed fp32 shards are accumulated in place
 (input_output_aliases); `unpack_grads(acc, layout)` gives the shard tree for the optimizer.
 
-`tide_xla.virtual` runs all N ranks of a topology on one device (operands stacked [N, ...]):
-tests and one-GPU machines. docs/xla.md describes both paths (XLA:CPU and CUDA).
+`tide_apps.xla_virtual` runs all N ranks of a topology on one device through these handlers
+(operands stacked [N, ...]): tests and one-GPU machines. docs/xla.md describes both paths
+(XLA:CPU and CUDA).
 """
 from tide_xla.context import TideContext, arena_bytes, init
 from tide_xla.gather import copy_out_bytes, gather, packed_sizes, reduce_scatter, unpack_grads, zeros_packed

@@ -76,7 +76,7 @@ class TideContext:
 _CONTEXTS: dict[tuple[Mesh, str], TideContext] = {}
 
 
-def _resolve_topology(topology: Any, n: int) -> tuple[int, int]:
+def resolve_topology(topology: Any, n: int) -> tuple[int, int]:
     if topology is None:
         if n <= 8:
             return 1, n
@@ -155,7 +155,7 @@ def init(mesh: Mesh, axis: str = "fsdp", topology: Any = None, mode: str = "in_p
     if mode not in MODES:
         raise ValueError(f"init: mode must be one of {sorted(MODES)}, got {mode!r}")
     n = mesh.shape[axis]
-    nodes, gpus = _resolve_topology(topology, n)
+    nodes, gpus = resolve_topology(topology, n)
     import jax
     ctx = TideContext(mesh=mesh, axis=axis, nodes=nodes, gpus_per_node=gpus, mode=mode,
                       timeout_ms=max(1, math.ceil(timeout_s * 1000)),

@@ -30,13 +30,13 @@ from __future__ import annotations
 
 import atexit
 import itertools
-import time
 from typing import Sequence
 
 import numpy as np
 
 import tide
 from tide import shm
+from tide.ranks import await_keys
 from tide_xla._registration import ffi_module
 
 _PREFIX = "tide_xla"
@@ -54,26 +54,6 @@ def _client():
     return client
 
 
-def _await_keys(client, key: str, wanted, timeout_ms: int, late) -> dict[int, str]:
-    """The values under `key`/<n> for every n in `wanted`, polled until all are there; past
-    `timeout_ms` raises late(missing) (a TimeoutError naming who did not publish)."""
-    deadline = time.monotonic() + timeout_ms / 1000.0
-    pause = 0.001
-    while True:
-        got = {}
-        for k, v in client.key_value_dir_get(f"{key}/"):
-            tail = k.rsplit("/", 1)[-1]
-            if tail.isdigit():
-                got[int(tail)] = v
-        missing = sorted(n for n in wanted if n not in got)
-        if not missing:
-            return got
-        if time.monotonic() > deadline:
-            raise late(missing)
-        time.sleep(pause)
-        pause = min(pause * 2, 0.02)
-
-
 def _exchange(key: str, value: str, processes: Sequence[int], timeout_ms: int,
               what: str) -> dict[int, str]:
     """Publishes `value` as this process's under `key` and returns every process's value; a
@@ -89,7 +69,7 @@ def _exchange(key: str, value: str, processes: Sequence[int], timeout_ms: int,
             f"{missing} of the mesh's processes {list(processes)} to reach it (a process that "
             f"does not run this call, runs another program, or hangs)")
 
-    got = _await_keys(client, key, processes, timeout_ms, late)
+    got = await_keys(client.key_value_dir_get, key, processes, timeout_ms, late)
     return {p: got[p] for p in processes}
 
 
@@ -103,15 +83,6 @@ def _disagreement(values: dict[int, str]) -> str:
         who = "process" if len(ps) == 1 else "processes"
         parts.append(f"{who} {', '.join(map(str, ps))}: {desc} (plan hash {plan}, mesh {table})")
     return "; ".join(parts)
-
-
-def _shm_shortfall(nbytes: int, count: int) -> str:
-    """'' when /dev/shm has room for this process's `count` new segments of `nbytes` in all, else
-    why not (tide/shm.py: a segment past the free space dies with SIGBUS when touched)."""
-    free = shm.free_bytes()
-    if nbytes <= 0 or free is None or nbytes <= free:
-        return ""
-    return f"its {count} segment(s) need {nbytes} bytes of /dev/shm, {free} free"
 
 
 def _create_segment(nbytes: int) -> str:
@@ -163,7 +134,8 @@ def prepare(ctx, op: str, shapes: Sequence[Sequence[int]], in_dtype, out_dtype) 
             f"{out_name} on {ctx.nodes}x{ctx.gpus_per_node} ranks ({ctx.mode})")
     slots = [s for s in _local_slots(ctx)
              if not ffi.has_rank(op, info["hash"], table, *s)]
-    room = "" if cuda else _shm_shortfall(len(slots) * int(info["segment_bytes"]), len(slots))
+    short_of = "" if cuda else shm.shortfall(len(slots) * int(info["segment_bytes"]))
+    room = f"its {len(slots)} segment(s) {short_of}" if short_of else ""
     values = _exchange(f"{_PREFIX}/call/{n}", f"{info['hash']:016x}|{table:016x}|{room}|{desc}",
                        ctx.processes, ctx.timeout_ms, f"cross-process call #{n} ({desc})")
     short = {p: v.split("|", 3)[2] for p, v in values.items() if v.split("|", 3)[2]}
@@ -222,7 +194,7 @@ def _exchange_ranks(client, key: str, ctx, group: int, ranks=None, what: str = "
         return TimeoutError(
             f"tide_xla: process {jax.process_index()} waited {ctx.timeout_ms / 1000:g} s for "
             f"the {what} of ranks {missing} of group {group} from processes {procs}")
-    got = _await_keys(client, key, ranks, ctx.timeout_ms, late)
+    got = await_keys(client.key_value_dir_get, key, ranks, ctx.timeout_ms, late)
     return [got[r] for r in ranks]
 
 

@@ -1,4 +1,5 @@
-"""A virtual TIDE cluster on ONE device, through the FFI handlers (tests, one-GPU machines).
+"""A virtual TIDE cluster on ONE device, through tide_xla's FFI handlers (tests, one-GPU
+machines): a harness above the XLA face, not part of it.
 
     full = virtual_all_gather(shards, dims0, topology=(2, 2))   # shards[p]: [N, R_p, ...]
     packed = virtual_reduce_scatter(grads, topology=(2, 2))      # grads[p]: [N, D_p, ...]
@@ -24,7 +25,7 @@ import numpy as np
 
 import tide
 from tide_xla._registration import ensure_registered
-from tide_xla.context import MODES, _resolve_topology
+from tide_xla.context import MODES, resolve_topology
 
 
 _DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
@@ -35,7 +36,7 @@ def _attrs(topology, n: int, mode: str, timeout_s: float) -> dict[str, Any]:
         raise ValueError(f"mode must be one of {sorted(MODES)}, got {mode!r}")
     if topology is None:
         raise ValueError("topology: the virtual cluster needs (nodes, gpus_per_node)")
-    m, l_ = _resolve_topology(topology, n)
+    m, l_ = resolve_topology(topology, n)
     return dict(nodes=np.int64(m), gpus_per_node=np.int64(l_), mode=np.int64(MODES[mode]),
                 timeout_ms=np.int64(max(1, math.ceil(timeout_s * 1000))))
 
