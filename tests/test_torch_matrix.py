@@ -15,8 +15,9 @@ FSDP2 layout op in a profiled step, parameters bitwise equal to stock (exact gra
 - tensor parallelism: a 2-D (dp x tp) mesh with Colwise/Rowwise MLPs, DTensor parameters on a
   dp x tp mesh with TP 1 (torchtitan's SPMD layout), and HSDP x TP on a 3-D mesh (replicate x
   shard x tp) (groups.py [Note: DTensor parameters]);
-- what still goes to stock says why: ``reshard_after_forward=2``'s post-forward all-gathers
-  (counted per call in ``handle.hand_backs``) and an fp16 all-gather (``handle.fallbacks``).
+- ``reshard_after_forward=2``: backward's re-gathers over the post-forward groups land in place
+  (groups.py [Note: post-forward mesh]);
+- what still goes to stock says why: an fp16 all-gather (``handle.fallbacks``).
 """
 from __future__ import annotations
 
@@ -123,13 +124,16 @@ def _configurations(rank, world):
     assert handle.stats["rs_stock"] == 0 and handle.stats["ag_tide"] > 0, handle.stats
     handle.disable()
 
-    # reshard_after_forward=2: the post-forward all-gathers over 2 ranks are handed back, counted.
-    handle = _against_stock(lambda: build(mesh=mesh, reshard_after_forward=2),
-                            lambda m: train(m, data), "raf=2")
-    reasons = {k[2] for k in handle.hand_backs if k[1] == "ag"}
-    assert reasons and all("post-forward" in r for r in reasons), handle.hand_backs
-    assert sum(handle.hand_backs.values()) == handle.stats["ag_stock"] > 0, handle.stats
-    handle.disable()
+    # reshard_after_forward=2: backward re-gathers over the 2-rank post-forward groups, in place.
+    for mode in ("in_place", "slot_reuse"):
+        handle = _against_stock(lambda: build(mesh=mesh, reshard_after_forward=2),
+                                lambda m: train(m, data), f"raf=2 {mode}", mode=mode)
+        _served_everywhere(handle, f"raf=2 {mode}")
+        # every block's backward all-gather (3 blocks x 3 steps) ran over its post-forward group
+        assert handle.stats["ag_post_forward"] == 9, handle.stats
+        for name, (planned, got) in handle.landings().items():
+            assert got == planned, (mode, name)
+        handle.disable()
 
     # fp16 all-gather: a documented fallback, named per group.
     from torch.distributed.fsdp import MixedPrecisionPolicy

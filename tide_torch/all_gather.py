@@ -40,14 +40,17 @@ def _served(fsdp_params: list, group: Any) -> Any | None:
     if tg.ag_stock_reason is not None:
         tg.runtime.hand_back(tg, "ag", tg.ag_stock_reason)
         return None
-    if group.size() != tg.world:  # e.g. re-gather from a post-forward (smaller) mesh
-        tg.runtime.hand_back(tg, "ag", f"all-gather over {group.size()} ranks (the post-forward "
-                             f"mesh of reshard_after_forward=int), planned for {tg.world}")
-        return None
-    if any(fp.sharded_state != _patches.ShardedState.SHARDED for fp in fsdp_params):
-        tg.runtime.hand_back(tg, "ag", "parameters not in their sharded state")
-        return None
-    return tg
+    states = {fp.sharded_state for fp in fsdp_params}
+    if group.size() == tg.world and states == {_patches.ShardedState.SHARDED}:
+        return tg
+    if (states == {_patches.ShardedState.SHARDED_POST_FORWARD} and tg.post_forward_ranks
+            and group.size() == len(tg.post_forward_ranks)):
+        return tg  # the re-gather over the post-forward group (groups.py [Note: post-forward mesh])
+    why = (f"all-gather over {group.size()} ranks (the post-forward mesh of reshard_after_forward"
+           f"=int), planned for {tg.world} ranks only" if group.size() != tg.world
+           else f"parameters in states {sorted(map(str, states))}")
+    tg.runtime.hand_back(tg, "ag", why)
+    return None
 
 
 @torch.no_grad()
@@ -66,7 +69,10 @@ def foreach_all_gather(fsdp_params, group, async_op, all_gather_copy_in_stream,
         # has read them). acquire_slot checks that group is resharded and makes this stream wait
         # for the event that released the slot.
         landed = rt.acquire_slot(tg, all_gather_copy_in_stream)
-        inputs = _all_gather_inputs(tg) if landed else None
+        post_forward = group.size() != tg.world
+        inputs = None if not landed else (
+            [fp._sharded_post_forward_param_data for fp in fsdp_params] if post_forward
+            else _all_gather_inputs(tg))
     if not landed:  # tg has moved to its own storage (placement.py, [Note: ring depth])
         rt.hand_back(tg, "ag", tg.ag_stock_reason)
         return _patches.stock(_patches._pg, "foreach_all_gather")(
@@ -80,11 +86,12 @@ def foreach_all_gather(fsdp_params, group, async_op, all_gather_copy_in_stream,
         # not bump the version counter.
         if outs:
             with _patches.preserve_version_counter(outs):
-                rt.transport.all_gather(tg, inputs, landings)
+                rt.transport.all_gather(tg, inputs, landings, post_forward)
         else:
-            rt.transport.all_gather(tg, inputs, landings)
+            rt.transport.all_gather(tg, inputs, landings, post_forward)
         event = all_gather_stream.record_event()
         rt.stats["ag_tide"] += 1
+        rt.stats["ag_post_forward"] += post_forward
         numels = [[e] for e in tg.elements]
         return TideAllGatherResult(
             all_gather_output=landings[0],

@@ -7,7 +7,9 @@ The adapter hands the transport per-parameter tensors whose addresses the plan f
   casts into the group's receive-stage slot (mixed precision). ``landings[p]`` is the padded
   unsharded buffer (``N * e_p`` items at arena offset ``landing(p, 0)`` of p's chunk). Afterwards
   every rank's shard r of p sits at ``landing(p, r)`` (Eq. 2): no copy-out. A group of more
-  than 256 parameters runs one TIDE-AG per chunk (groups.py [Note: chunks]).
+  than 256 parameters runs one TIDE-AG per chunk (groups.py [Note: chunks]); with
+  ``post_forward``, ``inputs[p]`` is FSDP2's post-forward shard and the re-gather runs over the
+  post-forward group (groups.py [Note: post-forward mesh]).
 - ``reduce_scatter(tg, plan, which, grads, output, alpha)``: ``grads[p]`` is the unpadded
   gradient of ``plan``'s parameter p (autograd's tensor for In-Place, the vacated ring slot for
   Slot-Reuse) in ``plan``'s gradient dtype (the group's plan, its fp32-gradient plan, or a
@@ -87,7 +89,7 @@ class ExecutorTransport:
         ranks = list(dist.get_process_group_ranks(self._group_of(tg)))
         return None if ranks == list(range(self._world)) else ranks
 
-    def session(self, tg: Any, plan: Any, which: str, chunk: Any = None) -> Any:
+    def session(self, tg: Any, plan: Any, which: str, chunk: Any = None, members=None) -> Any:
         """The group's session for `which` (a chunk's "ag", "rs", "rs32": the fp32-gradient
         plan, or a TIDE-RS sub-plan's "sub<k>", reduce_scatter.py [Note: RS parts]); `chunk`:
         the all-gather's chunk (its landing and resident shards, groups.py [Note: chunks])."""
@@ -99,22 +101,25 @@ class ExecutorTransport:
             if kind == AG:
                 region = self._regions[tg.slot]
                 placement = dict(ring_slot=tg.ring_index % 2 if tg.ring_index >= 0 else 0,
-                                 resident=tg.adopts, landing_region=tg.slot,
+                                 resident=tg.adopts and members is None, landing_region=tg.slot,
                                  landing_offset=chunk.unsharded_offset - region[0],
                                  resident_offset=(chunk.resident_offset - self._regions["resident"][0]
-                                                  if tg.adopts else 0))
+                                                  if tg.adopts and members is None else 0))
             s = tide._core.GroupSession(plan, self._exec, [kind], group=tg.index,
                                         counter_bases={kind: tg.counter_bases[which]},
-                                        members=self._members(tg), **placement)
+                                        members=members or self._members(tg), **placement)
             self._sessions[key] = s
         return s
 
-    def all_gather(self, tg, inputs, landings):
+    def all_gather(self, tg, inputs, landings, post_forward=False):
         for c in tg.chunks:  # one TIDE-AG per chunk, in order on this stream
             end = c.first + c.count
-            bindings = [] if tg.adopts else [_buffer("shard", p - c.first, inputs[p])
-                                             for p in range(c.first, end)]
-            s = self.session(tg, c.plan, c.key("ag"), chunk=c)
+            adopted = tg.adopts and not post_forward
+            bindings = [] if adopted else [_buffer("shard", p - c.first, inputs[p])
+                                           for p in range(c.first, end)]
+            s = (self.session(tg, c.plan_post_forward, c.key("agpf"), chunk=c,
+                              members=tg.post_forward_ranks) if post_forward
+                 else self.session(tg, c.plan, c.key("ag"), chunk=c))
             diagnosed(lambda: s.all_gather([bindings], self._streams()), self._rank, self._timeout_s,
                       _default_store)
 

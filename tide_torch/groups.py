@@ -17,6 +17,17 @@ shapes are the local shapes (``FSDPParam._orig_size``), the shard group is the d
 process group, its topology is that group's ranks on the job's topology (``tide.ranks.group_topology``),
 and the landing is the TP-local tensor.
 
+[Note: post-forward mesh]
+With ``reshard_after_forward=<int>`` FSDP2 keeps, after forward, each rank's 1/n of the
+gathered parameter over a smaller (post-forward) group of n ranks: rows [r' N R / n, (r' + 1)
+N R / n) of the padded unsharded tensor, cut from TIDE's landing. Backward re-gathers over that
+group. Planned over the post-forward group's topology with the padded shapes (N R_p rows), the
+re-gather's plan has R'_p = N R_p / n and lands every parameter at the same addresses as the
+group's plan (o'_p n = o_p N), so it lands in place: each rank's post-forward shard (bf16, a user
+buffer, no cast) goes straight to its rows of every peer's landing. Planned at enable(), one per
+chunk, with counters of their own; a group where the two layouts would differ keeps those
+re-gathers on stock (counted).
+
 [Note: chunks]
 The planner takes at most 256 parameters (``tide::kMaxParams``; per-expert ``nn.Linear`` MoE
 layers have more). Such a group is cut into chunks of 256 consecutive parameters (the last one
@@ -73,6 +84,7 @@ class Chunk:
     first: int                     # the group index of its first parameter
     plan: Any                      # tide Plan
     plan_fp32_grads: Any = None    # the same parameters, fp32 gradients
+    plan_post_forward: Any = None  # the post-forward re-gather's plan ([Note: post-forward mesh])
     unsharded_offset: int = -1     # arena byte offset of its parameter-major landing buffer
     resident_offset: int = -1      # adopted shards (-1: not adopting)
     stage_offset: int = -1         # receive-stage slot for the mixed-precision cast (-1: no cast)
@@ -115,6 +127,7 @@ class TideGroup:
     runtime: Any = None
     previous_copy_out: Any = None  # the group's FSDP2 copy-out seam before TIDE (where it has one)
     counter_bases: dict[str, int] = field(default_factory=dict)  # Chunk.key(...) or "sub<k>" -> first counter
+    post_forward_ranks: list[int] = field(default_factory=list)  # reshard_after_forward=int's group
     elements: list[int] = field(default_factory=list)        # e_p: padded shard elements per parameter
     # TIDE-RS parts (reduce_scatter.py, [Note: RS parts])
     mode: str = "in_place"
@@ -325,8 +338,43 @@ def plan_group(tg: TideGroup, topo: tide.Topology, mode: str, options: dict[str,
                     reason = (f"{names.get(id(fp.sharded_param), p)}: FSDP2 pads to "
                               f"{fp.padded_sharded_param_size[0]} rows, the plan to {R}")
                     break
+    if reason is None:
+        _plan_post_forward(tg, topo, mode, options)
     if reason is not None:
         tg.fall_back(reason)
+
+
+def _plan_post_forward(tg: TideGroup, topo: tide.Topology, mode: str,
+                       options: dict[str, int]) -> None:
+    """See [Note: post-forward mesh]. Leaves the chunks' post-forward plans None (those
+    all-gathers are handed back, counted) where the group cannot take one."""
+    pf = tg.pg.post_forward_mesh_info
+    if pf is None or pf.shard_process_group.size() in (1, tg.world):
+        return
+    ranks = dist.get_process_group_ranks(pf.shard_process_group)
+    pf_topo = ranks_.group_topology(ranks, topo)
+    if pf_topo is None or tg.world % pf_topo.world:
+        return
+    grow = tg.world // pf_topo.world
+    plans = []
+    for c in tg.chunks:
+        params = c.plan.layout.params
+        shapes = [(pl.R * tg.world, *tg.shapes[c.first + i][1:]) for i, pl in enumerate(params)]
+        name = _DTYPE_NAMES[tg.param_dtype]
+        sig = tide.GroupSignature(shapes=shapes, ag_dtype=name, grad_dtype=name, shard_dtype=name,
+                                  names=tuple(tg.names[c.first:c.first + c.count]))
+        try:
+            pf_plan = tide.plan(sig, pf_topo, mode=mode, **options)
+        except tide.PlanError:
+            return
+        same = all(q.R == pl.R * grow and pf_plan.layout.landing(i, 0) == c.plan.layout.landing(i, 0)
+                   for i, (q, pl) in enumerate(zip(pf_plan.layout.params, params)))
+        if not same:
+            return
+        plans.append(pf_plan)
+    for c, pf_plan in zip(tg.chunks, plans):
+        c.plan_post_forward = pf_plan
+    tg.post_forward_ranks = list(ranks)
 
 
 def _plan_chunk(tg: TideGroup, k: int, first: int, mode: str, options: dict[str, int]) -> Chunk:

@@ -93,8 +93,9 @@ def assign(groups: list[TideGroup], use_ring: bool = True, rails: str = "one_sid
                 sizes["resident"] += align_up(c.plan.layout.S)
             else:
                 stage_slot = max(stage_slot, align_up(c.plan.layout.S))
-    sizes["stage"] = max([2 * stage_slot] + [int(tide._core.plan_ag(c.plan).stage_bytes)
-                                             for g in served for c in g.chunks])
+    sizes["stage"] = max([2 * stage_slot] + [int(tide._core.plan_ag(pl).stage_bytes)
+                                             for g in served for c in g.chunks
+                                             for pl in (c.plan, c.plan_post_forward) if pl is not None])
     if served and all(g.world == 1 for g in served):
         sizes["stage"] = 0  # a single-rank job never all-gathers (groups.py [Note: world 1])
     # TIDE-RS scratch (staging/outbox/inbox/spare): reduce-scatters run one group at a time in
@@ -112,6 +113,9 @@ def assign(groups: list[TideGroup], use_ring: bool = True, rails: str = "one_sid
             g.counter_bases[c.key("rs")] = counters.reserve(c.plan, "reduce_scatter", rails=rails)
             if c.plan_fp32_grads is not None:
                 g.counter_bases[c.key("rs32")] = counters.reserve(c.plan_fp32_grads, "reduce_scatter",
+                                                                  rails=rails)
+            if c.plan_post_forward is not None:  # groups.py [Note: post-forward mesh]
+                g.counter_bases[c.key("agpf")] = counters.reserve(c.plan_post_forward, "all_gather",
                                                                   rails=rails)
         # The group's sub-plan pool (reduce_scatter.py, [Note: RS parts]): a TIDE-RS program
         # set's counters depend on the topology and passes, not on the parameters, so ranges
