@@ -1,8 +1,9 @@
 """The configuration matrix's rows on CUDA (test_torch_matrix.py): 2 emulated hosts x 2 ranks
 on one GPU (one NCCL_HOSTID per process, stock FSDP2 and TIDE's rails over NCCL's socket
 transport; a node's two ranks reach each other's arenas by CUDA IPC), each against stock FSDP2 on
-the same processes: torch's nn.RMSNorm (both modes), a bf16 reduce dtype, and TP + FSDP on a
-dp x tp = 2 x 2 mesh. Every group served, every all-gather and reduce-scatter through TIDE,
+the same processes: torch's nn.RMSNorm (both modes), reshard_after_forward=2 (backward's
+re-gathers over the post-forward pairs), a bf16 reduce dtype, and TP + FSDP on a dp x tp = 2 x 2
+mesh. Every group served, every all-gather and reduce-scatter through TIDE,
 parameters bitwise equal to stock on exact data (bf16 reduce: gradients one rounding of the
 fp32 sum on per-rank data, no further from the fp32 reference than stock's bf16 NCCL ring). Correctness and overheads on
 emulated hosts, not bandwidth.
@@ -42,6 +43,18 @@ def _rows(rank, world, log_dir):
         assert_same(model, stock, f"nn.RMSNorm {mode}")
         done.append(f"nn.RMSNorm {mode} {handle.stats}")
         handle.disable()
+
+    stock = build(mesh=mesh, device=device, reshard_after_forward=2)
+    train(stock, data, device=device)
+    model = build(mesh=mesh, device=device, reshard_after_forward=2)
+    handle = tide_torch.enable(model, topology=TOPO)
+    train(model, data, device=device)
+    handle.synchronize()
+    _served_everywhere(handle, "raf=2")
+    assert handle.stats["ag_post_forward"] == 9, handle.stats
+    assert_same(model, stock, "raf=2")
+    done.append(f"reshard_after_forward=2 {handle.stats}")
+    handle.disable()
 
     # (NCCL's bf16 ring rounds after every hop, even on equal inputs: 3a may round; so the
     # check is the one-rounding bound, not bitwise equality with stock.)
