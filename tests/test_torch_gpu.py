@@ -475,7 +475,8 @@ class _StandInNccl:
 def test_nccl_arena_calls():
     """An arena on the NCCL fabric, checked on CPU: sizes padded to the agreed total, no IPC
     handle and no open_peers step, close_fabric() closes the fabric once; no NCCL arena on CPU."""
-    from tide_torch.arena import Arena, arena_nbytes
+    from tide.regions import arena_nbytes
+    from tide_torch.arena import Arena
 
     sizes = {"ring0": 1000, "ring1": 0, "fixed": 300, "resident": 0, "stage": 0}
     assert arena_nbytes(sizes) == 1024 + 512

@@ -157,3 +157,40 @@ def plan_fitting(sig: GroupSignature, topo: Topology, mode: str, options: Mappin
             raise PlanError(f"its {name} needs {region_bytes(p, name)} B, the arena holds "
                             f"{regions.get(name, 0)} B")
     return p
+
+
+def plan_chunks(sig: GroupSignature, topo: Topology, mode: str = "in_place",
+                **options: int) -> list[tuple[int, Any]]:
+    """A group of any number of parameters as plans of at most MAX_PARAMS consecutive ones:
+    [(first parameter, plan)], in order (one entry for a group of at most MAX_PARAMS)."""
+    out = []
+    for first in range(0, len(sig.shapes), MAX_PARAMS):
+        end = first + MAX_PARAMS
+        part = GroupSignature(shapes=list(sig.shapes[first:end]), ag_dtype=sig.ag_dtype,
+                              grad_dtype=sig.grad_dtype, shard_dtype=sig.shard_dtype,
+                              names=tuple(sig.names[first:end]))
+        out.append((first, plan(part, topo, mode=mode, **options)))
+    return out
+
+
+def regather_plan(base: Any, sub: Topology, mode: str = "in_place", **options: int) -> Any:
+    """The all-gather plan over a sub-group of ``sub.world`` ranks (dividing ``base``'s N) that
+    lands where ``base`` lands: ``base``'s shapes padded to N R_p rows, each rank's rows its own in
+    the sub-group (an FSDP2 post-forward re-gather), shards in the all-gather dtype. None where
+    the two layouts would differ."""
+    N = base.layout.N
+    if sub.world < 1 or N % sub.world:
+        return None
+    params = base.layout.params
+    padded = [(pl.R * N, *shape[1:]) for pl, shape in zip(params, base.shapes)]
+    ag = base.ag_dtype
+    sig = GroupSignature(shapes=padded, ag_dtype=ag, grad_dtype=ag, shard_dtype=ag,
+                         names=tuple(base.names))
+    try:
+        p = plan(sig, sub, mode=mode, **options)
+    except PlanError:
+        return None
+    grow = N // sub.world
+    same = all(q.R == pl.R * grow and p.layout.landing(i, 0) == base.layout.landing(i, 0)
+               for i, (q, pl) in enumerate(zip(p.layout.params, params)))
+    return p if same else None

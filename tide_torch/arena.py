@@ -50,27 +50,13 @@ from __future__ import annotations
 
 import atexit
 import weakref
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 import tide
 from tide import shm
-
-ALIGN = 256  # bytes; every region and every group inside a region starts on this boundary
-
-
-def align_up(n: int, a: int = ALIGN) -> int:
-    return (n + a - 1) // a * a
-
-
-@dataclass(frozen=True)
-class Region:
-    name: str
-    offset: int
-    nbytes: int
-
+from tide.regions import Region, layout
 
 class Arena:
     """A contiguous per-rank buffer carved into named regions."""
@@ -84,7 +70,7 @@ class Arena:
         built (collectively: ``make_nccl_fabric``) whose arena this one is. ``nbytes``: total
         size, at least the regions' (``arena_nbytes(sizes)``; the NCCL fabric's size)."""
         self.device = device
-        self.regions = _regions(sizes)
+        self.regions = layout(sizes)
         need = arena_nbytes(sizes)
         if nbytes is not None and nbytes < need:
             raise ValueError(f"Arena: nbytes {nbytes} is below the regions' {need} bytes")
@@ -183,20 +169,6 @@ class Arena:
 
     def describe(self) -> dict[str, int]:
         return {name: r.nbytes for name, r in self.regions.items()}
-
-
-def _regions(sizes: dict[str, int]) -> dict[str, Region]:
-    regions, off = {}, 0
-    for name, nbytes in sizes.items():
-        nbytes = align_up(int(nbytes))
-        regions[name] = Region(name, off, nbytes)
-        off += nbytes
-    return regions
-
-
-def arena_nbytes(sizes: dict[str, int]) -> int:
-    """Bytes of an arena with these region sizes (each region aligned; at least ``ALIGN``)."""
-    return max(sum(align_up(int(n)) for n in sizes.values()), ALIGN)
 
 
 def make_nccl_fabric(rank: int, world: int, device: torch.device, nbytes: int,

@@ -11,7 +11,8 @@ import torch.nn as nn
 import tide
 from tide import env, shm
 from tide_torch import _patches, agreement, all_gather, comm, placement, reduce_scatter
-from tide_torch.arena import Arena, arena_nbytes, make_nccl_fabric, nccl_fabric_api_error
+from tide.regions import arena_nbytes
+from tide_torch.arena import Arena, make_nccl_fabric, nccl_fabric_api_error
 from tide.ranks import host_identity, node_host_problem
 from tide_torch.groups import (PLAN_OPTIONS, TideEnableError, TideGroup, find_groups, log_fallback,
                                plan_group, resolve_topology)

@@ -51,7 +51,7 @@ import torch.nn as nn
 import tide
 from tide import env
 from tide import ranks as ranks_
-from tide.plan import MAX_PARAMS, RS_SCRATCH, plan_fitting
+from tide.plan import MAX_PARAMS, RS_SCRATCH, plan_chunks, plan_fitting, regather_plan
 from tide_torch import _patches
 
 logger = logging.getLogger("tide_torch")
@@ -324,9 +324,20 @@ def plan_group(tg: TideGroup, topo: tide.Topology, mode: str, options: dict[str,
         tg.param_index = {id(fp): p for p, fp in enumerate(fsdp_params)}
         tg.shard_numels = [fp.padded_sharded_param_size.numel() for fp in fsdp_params]
         tg.mode, tg.plan_options = mode, dict(options)
+        sig = tide.GroupSignature(
+            shapes=tg.shapes, ag_dtype=_DTYPE_NAMES[tg.param_dtype],
+            grad_dtype=_DTYPE_NAMES[tg.param_dtype], shard_dtype=_DTYPE_NAMES[tg.orig_dtype],
+            names=tuple(tg.names))
         try:
-            for k, first in enumerate(range(0, len(fsdp_params), MAX_PARAMS)):
-                tg.chunks.append(_plan_chunk(tg, k, first, mode, options))
+            for k, (first, plan) in enumerate(plan_chunks(sig, tg.topology, mode, **options)):
+                tg.chunks.append(Chunk(k, first, plan))
+                if tg.param_dtype != torch.float32:
+                    # fp32 gradients (accumulated without sync in an fp32 reduce dtype, or what
+                    # autograd produces for fp32-computed parameters) keep TIDE-RS through a
+                    # second plan; it also sizes the TIDE-RS scratch that bounds every sub-plan.
+                    acc = dataclasses.replace(sig, shapes=plan.shapes, names=tuple(plan.names),
+                                              grad_dtype="float32")
+                    tg.chunks[-1].plan_fp32_grads = tide.plan(acc, tg.topology, mode=mode, **options)
         except tide.PlanError as e:
             reason = f"plan: {e}"
         else:
@@ -353,44 +364,11 @@ def _plan_post_forward(tg: TideGroup, topo: tide.Topology, mode: str,
         return
     ranks = dist.get_process_group_ranks(pf.shard_process_group)
     pf_topo = ranks_.group_topology(ranks, topo)
-    if pf_topo is None or tg.world % pf_topo.world:
-        return
-    grow = tg.world // pf_topo.world
-    plans = []
-    for c in tg.chunks:
-        params = c.plan.layout.params
-        shapes = [(pl.R * tg.world, *tg.shapes[c.first + i][1:]) for i, pl in enumerate(params)]
-        name = _DTYPE_NAMES[tg.param_dtype]
-        sig = tide.GroupSignature(shapes=shapes, ag_dtype=name, grad_dtype=name, shard_dtype=name,
-                                  names=tuple(tg.names[c.first:c.first + c.count]))
-        try:
-            pf_plan = tide.plan(sig, pf_topo, mode=mode, **options)
-        except tide.PlanError:
-            return
-        same = all(q.R == pl.R * grow and pf_plan.layout.landing(i, 0) == c.plan.layout.landing(i, 0)
-                   for i, (q, pl) in enumerate(zip(pf_plan.layout.params, params)))
-        if not same:
-            return
-        plans.append(pf_plan)
-    for c, pf_plan in zip(tg.chunks, plans):
-        c.plan_post_forward = pf_plan
-    tg.post_forward_ranks = list(ranks)
-
-
-def _plan_chunk(tg: TideGroup, k: int, first: int, mode: str, options: dict[str, int]) -> Chunk:
-    end = min(first + MAX_PARAMS, len(tg.shapes))
-    sig = tide.GroupSignature(
-        shapes=tg.shapes[first:end], ag_dtype=_DTYPE_NAMES[tg.param_dtype],
-        grad_dtype=_DTYPE_NAMES[tg.param_dtype], shard_dtype=_DTYPE_NAMES[tg.orig_dtype],
-        names=tuple(tg.names[first:end]))
-    chunk = Chunk(k, first, tide.plan(sig, tg.topology, mode=mode, **options))
-    if tg.param_dtype != torch.float32:
-        # fp32 gradients (accumulated without sync in an fp32 reduce dtype, or what autograd
-        # produces for fp32-computed parameters) keep TIDE-RS through a second plan; it also
-        # sizes the TIDE-RS scratch that bounds every sub-plan.
-        acc = dataclasses.replace(sig, grad_dtype="float32")
-        chunk.plan_fp32_grads = tide.plan(acc, tg.topology, mode=mode, **options)
-    return chunk
+    plans = [regather_plan(c.plan, pf_topo, mode, **options) if pf_topo else None for c in tg.chunks]
+    if all(p is not None for p in plans):
+        for c, p in zip(tg.chunks, plans):
+            c.plan_post_forward = p
+        tg.post_forward_ranks = list(ranks)
 
 
 def log_fallback(tg: TideGroup) -> None:

@@ -28,7 +28,8 @@ groups (set the lists before ``enable()``, or ``enable(..., ring=False)``).
 from __future__ import annotations
 
 import tide
-from tide_torch.arena import Arena, align_up
+from tide.regions import align_up
+from tide_torch.arena import Arena
 from tide.plan import RS_SCRATCH, region_bytes
 from tide_torch.groups import TideGroup
 
