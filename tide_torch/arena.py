@@ -45,6 +45,11 @@ deregistration) is collective, so it is not left to each rank's garbage collecto
 ``close_fabric()`` frees it on every rank together (``TideHandle.disable()``, after the barrier
 that follows the ranks' last TIDE work); views made before are dangling afterwards (disable() has
 moved every parameter back to private storage by then).
+``release()`` (runtime.py [Note: runtime lifetime]) drops the arena's reference to its fabric, so
+the CUDA-IPC fabric is freed with its last view. At interpreter exit, ``detach_views()`` (run by
+runtime.py's exit hook after its synchronize) sets ``_FabricBytes.fabric = None`` on every view
+(views dangle: the process is ending), so the fabrics are freed then, in order, rather than left
+to interpreter shutdown. Views of an NCCL fabric still open keep it (its teardown is collective).
 """
 from __future__ import annotations
 
@@ -181,6 +186,14 @@ class Arena:
         if self.fabric_kind == "nccl" and not self.fabric.closed:
             self.fabric.close()
 
+    def release(self) -> None:
+        """Drops the arena's reference to its fabric (after this rank's last TIDE work; see
+        [Note: fabric lifetime]). An NCCL fabric still open is kept (its teardown is collective:
+        close_fabric())."""
+        self.close()
+        if self.fabric is not None and (self.fabric_kind != "nccl" or self.fabric.closed):
+            self.fabric = None
+
     def describe(self) -> dict[str, int]:
         return {name: r.nbytes for name, r in self.regions.items()}
 
@@ -231,6 +244,7 @@ class _FabricBytes:
 
     def __init__(self, fabric, ptr: int, nbytes: int) -> None:
         self.fabric = fabric
+        _VIEWS.add(self)
         self.__cuda_array_interface__ = {
             "shape": (nbytes,), "typestr": "|u1", "data": (ptr, False), "version": 2}
 
@@ -247,6 +261,15 @@ def _device_view(fabric, ptr: int, nbytes: int, device: torch.device) -> torch.T
     return t
 
 
+def detach_views() -> None:
+    """Interpreter exit only: every view lets go of its fabric (See [Note: fabric lifetime]); the
+    fabrics nothing else holds are freed now. Views of an NCCL fabric still open keep it."""
+    for view in list(_VIEWS):
+        fabric = view.fabric
+        if fabric is not None and (not hasattr(fabric, "closed") or fabric.closed):
+            view.fabric = None
+
+
 def _check_shm_room(regions: dict[str, Region], nbytes: int) -> None:
     """Refuses a segment larger than /dev/shm's free space (tide/shm.py), naming the largest
     region (each rank checks its own segment)."""
@@ -258,6 +281,7 @@ def _check_shm_room(regions: dict[str, Region], nbytes: int) -> None:
 
 
 _LIVE: "weakref.WeakSet[Arena]" = weakref.WeakSet()
+_VIEWS: "weakref.WeakSet[_FabricBytes]" = weakref.WeakSet()  # live fabric views' roots
 
 
 @atexit.register

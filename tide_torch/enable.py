@@ -135,6 +135,9 @@ class TideHandle:
             close = getattr(self._rt.rail, "close", None)  # the NCCL rail: after the barrier above
             if close is not None:
                 close()
+        # Drops the executor, sessions, rail, views and the arena's fabric (runtime.py
+        # [Note: runtime lifetime]): nothing of TIDE's is left for interpreter shutdown.
+        self._rt.release()
 
     def __repr__(self) -> str:
         served = sum(g.eligible for g in self._groups)
