@@ -77,6 +77,24 @@ def test_cpu_ranks_exit_without_leaks():
     _check(_run_ranks(2, "cpu"))
 
 
+def test_detach_views_keeps_only_open_nccl_fabrics():
+    """arena.detach_views() (the exit hook's last step) on stand-in fabrics: views let go of a
+    CUDA-IPC fabric (no ``closed``) and of a closed NCCL fabric, and keep an open NCCL one."""
+    from tide_torch import arena
+
+    class Ipc:
+        pass
+
+    class Nccl:
+        def __init__(self, closed):
+            self.closed = closed
+
+    fabrics = [Ipc(), Nccl(True), Nccl(False)]
+    views = [arena._FabricBytes(f, 4096, 256) for f in fabrics]
+    arena.detach_views()
+    assert [v.fabric for v in views] == [None, None, fabrics[2]]
+
+
 def _cuda_tide() -> bool:
     try:
         from tide_torch import comm

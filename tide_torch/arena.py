@@ -124,6 +124,8 @@ class Arena:
         else:
             self._base = torch.empty(self.nbytes, dtype=torch.uint8, device=device)
         self.base_ptr = self._base.data_ptr()
+        if self.fabric is not None:
+            _FABRIC_ARENAS.add(self)
 
     def region(self, name: str) -> Region:
         return self.regions[name]
@@ -262,11 +264,14 @@ def _device_view(fabric, ptr: int, nbytes: int, device: torch.device) -> torch.T
 
 
 def detach_views() -> None:
-    """Interpreter exit only: every view lets go of its fabric (See [Note: fabric lifetime]); the
-    fabrics nothing else holds are freed now. Views of an NCCL fabric still open keep it."""
+    """Interpreter exit only: every arena and view lets go of its fabric (See
+    [Note: fabric lifetime]); the fabrics nothing else holds are freed now. An NCCL fabric still
+    open is kept."""
+    for arena in list(_FABRIC_ARENAS):  # e.g. one an enable() that failed left in a traceback
+        arena.release()
     for view in list(_VIEWS):
         fabric = view.fabric
-        if fabric is not None and (not hasattr(fabric, "closed") or fabric.closed):
+        if fabric is not None and getattr(fabric, "closed", True):  # IpcFabric has no "closed"
             view.fabric = None
 
 
@@ -282,6 +287,7 @@ def _check_shm_room(regions: dict[str, Region], nbytes: int) -> None:
 
 _LIVE: "weakref.WeakSet[Arena]" = weakref.WeakSet()
 _VIEWS: "weakref.WeakSet[_FabricBytes]" = weakref.WeakSet()  # live fabric views' roots
+_FABRIC_ARENAS: "weakref.WeakSet[Arena]" = weakref.WeakSet()  # arenas over a fabric
 
 
 @atexit.register
