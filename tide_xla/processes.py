@@ -93,6 +93,15 @@ def _exchange(key: str, value: str, processes: Sequence[int], timeout_ms: int,
     return {p: got[p] for p in processes}
 
 
+_barriers = itertools.count()       # this process's barriers (tide_xla.release), in call order
+
+
+def barrier(ctx, what: str) -> None:
+    """Waits until every process of the context's mesh has reached this barrier (the n-th of each
+    process is the same one); a TimeoutError names the processes missing."""
+    _exchange(f"{_PREFIX}/barrier/{next(_barriers)}", "1", ctx.processes, ctx.timeout_ms, what)
+
+
 def _disagreement(values: dict[int, str]) -> str:
     by_value: dict[str, list[int]] = {}
     for p, v in values.items():
