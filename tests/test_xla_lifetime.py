@@ -111,3 +111,20 @@ def test_repeated_init_step_release_keeps_memory_flat():
     assert held[0] > 16 << 20 and len(set(held)) == 1, held
     grown = rss[-1] - rss[2]
     assert grown < held[0] // 2, ([r >> 20 for r in rss], held[0] >> 20)
+
+
+def test_a_jax_process_exits_without_nanobind_leaks():
+    """A process that ran TIDE steps and exits holding its context, layout and executable (no
+    release): nothing of tide._core or tide_xla._ffi is reported leaked by nanobind at exit."""
+    import subprocess
+    import sys
+    here = os.path.dirname(os.path.abspath(__file__))
+    code = ("import test_xla_lifetime as t, tide_xla\n"
+            "m = t._mesh(); run = t._step(m); run(); run()\n"
+            "assert tide_xla.live_states()['group_states'] >= 2\n"
+            "print('tide-xla-exit ok')\n")
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu",
+               PYTHONPATH=os.pathsep.join([os.path.dirname(here), here, os.environ.get("PYTHONPATH", "")]))
+    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0 and "tide-xla-exit ok" in res.stdout, res.stderr[-4000:]
+    assert "leaked" not in res.stderr, res.stderr[-4000:]
