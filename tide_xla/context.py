@@ -216,10 +216,14 @@ def release(mesh: Mesh, axis: str = "fsdp") -> int:
     table = _fingerprint(ctx)
     if any(_fingerprint(c) == table for c in _CONTEXTS.values()):
         return 0
-    if ctx.spans_processes:
-        from tide_xla import processes
-        processes.barrier(ctx, "tide_xla.release")
-    return int(ffi_module().release_table(table))
+    if not ctx.spans_processes:
+        return int(ffi_module().release_table(table))
+    from tide_xla import processes
+    processes.barrier(ctx, "tide_xla.release")
+    try:
+        return int(ffi_module().release_table(table))
+    finally:
+        processes.released(table)
 
 
 def live_states() -> dict[str, int]:
