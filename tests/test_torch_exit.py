@@ -180,6 +180,10 @@ def _rank(rank: int, world: int, init_file: str, device_type: str) -> None:
         setattr(main, f"model_{name}", model)
         setattr(main, f"handle_{name}", handle)
         _HELD.append((name, weakref.ref(handle._rt)))
+    # Every rank's TIDE work is done before any rank exits (peers push into each other's arenas;
+    # the exit hook has no barrier: docs/tide_torch.md). The hook still synchronizes and frees.
+    for name in ("live", "pinned"):
+        getattr(main, f"handle_{name}").synchronize()
     dist.barrier()
     dist.destroy_process_group()
 

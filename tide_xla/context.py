@@ -247,7 +247,8 @@ def context_for(mesh: Mesh, axis: str) -> TideContext:
 def arena_bytes(device) -> int:
     """Bytes of the TIDE arenas this process holds on `device` (a jax GPU device of this process):
     plain cudaMalloc outside XLA's allocator, so `device.memory_stats()` does not count them.
-    0 on XLA:CPU (the arenas are host memory) and before the first TIDE call on `device`."""
+    0 on XLA:CPU (the arenas are host memory), before the first TIDE call on `device` and once
+    every state on it is released (`release`; `live_states()` counts the host's too)."""
     if device.platform == "cpu":
         return 0
     ffi = ffi_module()
