@@ -136,6 +136,12 @@ def _exit_check(rank: int) -> None:
             problems.append(f"{name}: arena still holds its fabric")
         if any(g.chunks for g in rt.groups):
             problems.append(f"{name}: plans kept")
+    main = sys.modules["__main__"]
+    handle = getattr(main, "handle_live", None)
+    if handle is not None:
+        handle.disable()  # after the exit hook: a no-op (the arena may be gone), never an error
+        if handle.enabled:
+            problems.append("disable() after the exit hook left the handle enabled")
     left = [rt for rt in list(runtime._RUNTIMES) if not rt.released]
     if left:
         problems.append(f"{len(left)} runtimes not released")
