@@ -5,6 +5,7 @@
 // executor_cuda.cc for CUDA); this file calls neither. Their lifetime: [Note: state lifetime] in
 // tide_ffi.h.
 #include <algorithm>
+#include <cstdio>
 #include <map>
 #include <mutex>
 #include <set>
@@ -238,6 +239,8 @@ int64_t release_states(uint64_t table) {
   }
   // Outside the locks: wait for each executor's enqueued work (CUDA; a no-op on the CPU), then
   // free. A call still in flight holds its own reference and frees the state when it returns.
+  // A state whose work failed (the failing call already raised it) is freed all the same: the
+  // error is printed, not raised, so a re-init after a failed call starts on fresh states.
   std::string first;
   for (const auto& g : groups) {
     try {
@@ -256,7 +259,8 @@ int64_t release_states(uint64_t table) {
   const auto n = static_cast<int64_t>(groups.size() + ranks.size());
   groups.clear();
   ranks.clear();
-  if (!first.empty()) throw Error(TIDE_STR_CAT("tide_xla.release: a state's pending work failed: ", first));
+  if (!first.empty())
+    std::fprintf(stderr, "tide_xla.release: freed states whose pending work had failed: %s\n", first.c_str());
   return n;
 }
 

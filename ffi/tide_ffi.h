@@ -162,7 +162,8 @@ LiveStates live_states();
 void open_table(uint64_t table);
 bool table_released(uint64_t table);
 // Frees the states of `table` (session_state.cc's; executor.cc's release_table also drops the CUDA
-// ranks still pending); every executor is synchronised first. Returns how many were freed.
+// ranks still pending); every executor is synchronised first (a failure is printed, and the state
+// freed all the same). Returns how many were freed.
 int64_t release_states(uint64_t table);
 int64_t release_table(uint64_t table);
 int64_t run_session(GroupState& st, const GroupCall& call, const std::vector<uintptr_t>& streams);
