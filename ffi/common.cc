@@ -223,6 +223,10 @@ void run_group_call(const CallSpec& spec, int32_t device_ordinal, int64_t run_id
   TIDE_PLAN_CHECK(attrs.timeout_ms > 0, "timeout_ms: must be > 0, got ", attrs.timeout_ms);
   auto plan = cached_plan(sig, topo, static_cast<Mode>(attrs.mode));
   io.rank = slot.rank;
+  const uint64_t table = table_fingerprint(attrs.device_table);
+  // Every rank of the process sees the same flag: all raise here, none waits in the rendezvous.
+  TIDE_PLAN_CHECK(!table_released(table), "the TIDE states of this mesh were released (tide_xla.release, or a "
+                  "re-init of the mesh); call tide_xla.init(mesh, axis) again before running TIDE calls on it");
   if (table_spans_processes(attrs.device_table, process)) {
     const std::string owners = rank_owners(attrs.device_table, slot.group, world);
     if (attrs.where != nullptr &&
@@ -238,7 +242,7 @@ void run_group_call(const CallSpec& spec, int32_t device_ordinal, int64_t run_id
     call.group = slot.group;
     call.timeout_ms = attrs.timeout_ms;
     try {
-      RunRankCall(call, table_fingerprint(attrs.device_table), io);
+      RunRankCall(call, table, io);
     } catch (const TimeoutError& e) {
       throw TimeoutError(TIDE_STR_CAT(e.what(), " [process ", process, "; group ", slot.group,
                                       ": ", owners, "]"));
@@ -267,6 +271,7 @@ void run_group_call(const CallSpec& spec, int32_t device_ordinal, int64_t run_id
   call.spec = spec;
   call.group = slot.group;
   call.timeout_ms = attrs.timeout_ms;
+  call.table = table;
   rendezvous_and_run(
       key, world, io, plan->hash, attrs.timeout_ms,
       [&](const std::vector<const RankIo*>& ranks) {

@@ -17,9 +17,10 @@
 //   TIDE-RS  grad[p] <- XLA operand p (read in place); out <- XLA's packed fp32 result (written
 //            in place; with accumulate it is the donated accumulator, aliased by XLA).
 //
-// State per (plan, collective, mesh group, virtual device[, rank devices]): the executor (its
-// arena) and the session. Counters are epochs and never reset, so the state lives as long as the
-// process; calls of one state are serialised by the session.
+// State per (mesh, plan, collective, mesh group, virtual device[, rank devices]): the executor (its
+// arena) and the session. Counters are epochs and never reset, so a state lives until its mesh's
+// states are released (release_table below; [Note: state lifetime] in tide_ffi.h); calls of one
+// state are serialised by the session.
 //
 // A mesh spanning processes: one state per (collective, plan, mesh, group, rank) of this process
 // instead, a session over a rank executor (XLA:CPU: a CPU RankExecutor mapping every rank's shm
@@ -51,7 +52,7 @@ void seed_accumulator(const GroupCall& call, const RankIo& io) {
     std::memcpy(io.out[0], io.acc[0], static_cast<size_t>(call.plan->layout.S_fp32));
 }
 
-GroupState& cpu_state(const GroupCall& call) {
+std::shared_ptr<GroupState> cpu_state(const GroupCall& call) {
   return group_state(call, nullptr, [&](const ArenaSpec& spec) {
     return std::make_shared<CpuClusterCallExecutor>(call.plan->topo.world(), spec, false, executor_options_for(call));
   });
@@ -90,9 +91,9 @@ void ExecuteGroup(const GroupCall& call) {
     throw Unimplemented("a CUDA call reached a build without the CUDA executor");
 #endif
   }
-  GroupState& st = cpu_state(call);
+  const std::shared_ptr<GroupState> st = cpu_state(call);
   for (const RankIo* io : call.ranks) seed_accumulator(call, *io);
-  run_session(st, call, {});
+  run_session(*st, call, {});
 }
 
 void CompleteRank(const GroupCall& call, int rank) {
@@ -104,8 +105,8 @@ void CompleteRank(const GroupCall& call, int rank) {
   }
   // TIDE-RS wrote XLA's result in place; a pull landing wrote XLA's AG results in place.
   if (call.spec.op != Collective::kAllGather || pull_landing(*call.plan)) return;
-  GroupState& st = cpu_state(call);
-  auto& ex = static_cast<CpuClusterCallExecutor&>(st.session->executor());
+  const std::shared_ptr<GroupState> st = cpu_state(call);
+  auto& ex = static_cast<CpuClusterCallExecutor&>(st->session->executor());
   copy_landing(call, ex.arena().region(rank, BufKind::kRing0), *call.ranks[static_cast<size_t>(rank)]);
 }
 
@@ -129,16 +130,20 @@ void open_rank_state(const RankStateKey& key, std::shared_ptr<const Plan> plan,
   opt.timeout_s = static_cast<double>(timeout_ms) / 1000.0;
   auto ex = std::make_shared<RankExecutor>(key.rank, plan->topo, segments, arena.bytes, arena.regions, opt);
   auto call_ex = std::make_shared<CpuRankCallExecutor>(ex, RegionTable{});  // own arena: counters from 0
-  put_rank_state(key, std::move(plan), call_ex, arena, ex->segment(key.rank), false);
+  put_rank_state(key, std::move(plan), call_ex, arena, ex->segment(key.rank), false, /*device=*/-1);
 }
 
 void RunRankCall(const GroupCall& call, uint64_t table, const RankIo& io) {
-  RankState* st = find_rank_state({call.spec.op, call.plan->hash, table, call.group, io.rank});
+  const std::shared_ptr<RankState> st = find_rank_state({call.spec.op, call.plan->hash, table, call.group, io.rank});
+  if (st == nullptr && table_released(table))
+    throw PlanError(TIDE_STR_CAT("rank ", io.rank, " of group ", call.group, ": the TIDE states of this mesh were "
+                                 "released (tide_xla.release); call tide_xla.init(mesh, axis) again and re-trace"));
   if (st == nullptr)
     throw PlanError(TIDE_STR_CAT(
         "rank ", io.rank, " of group ", call.group, " (process ", process_index(), "): no cross-process state for this ",
         target_name(call.spec.op), " (plan hash ", call.plan->hash, "); the mesh spans processes, so the call must "
-        "be traced through tide_xla (gather / reduce_scatter), which prepares it on every process"));
+        "be traced through tide_xla (gather / reduce_scatter), which prepares it on every process; a function traced "
+        "before tide_xla.release or a re-init of the mesh must be traced again"));
   TIDE_CHECK(st->cuda == call.spec.cuda, "rank ", io.rank, ": a ", call.spec.cuda ? "CUDA" : "CPU", " call reached a ",
              st->cuda ? "CUDA" : "CPU", " rank state");
   // CUDA: the call is enqueued on XLA's stream (the rank executor's streams wait for its prior
@@ -168,6 +173,14 @@ void RunRankCall(const GroupCall& call, uint64_t table, const RankIo& io) {
   } else {
     st->session->reduce_scatter(call.spec.scale, call.spec.accumulate, b, streams);
   }
+}
+
+int64_t release_table(uint64_t table) {
+  int64_t n = 0;
+#ifdef TIDE_WITH_CUDA
+  n += release_pending_cuda(table);
+#endif
+  return n + release_states(table);
 }
 
 }  // namespace tide::xla_ffi

@@ -41,20 +41,10 @@ std::vector<int> devices_of(const GroupCall& call) {
   return d;
 }
 
-std::mutex g_arena_mu;
-auto* g_arena_bytes = new std::map<int, int64_t>();  // device -> bytes of TIDE arenas on it
-
-void count_arena(int device, int64_t bytes) {
-  std::lock_guard<std::mutex> lock(g_arena_mu);
-  (*g_arena_bytes)[device] += bytes;
-}
-
-GroupState& cuda_state(const GroupCall& call) {
-  const std::vector<int> devices = devices_of(call);
+std::shared_ptr<GroupState> cuda_state(const GroupCall& call) {
+  const std::vector<int> devices = devices_of(call);  // group_state counts each rank's arena on its device
   return group_state(call, &devices, [&](const ArenaSpec& spec) {
-    auto ex = make_cuda_cluster_executor(devices, spec.total, executor_options_for(call));
-    for (int d : devices) count_arena(d, spec.total);
-    return ex;
+    return make_cuda_cluster_executor(devices, spec.total, executor_options_for(call));
   });
 }
 
@@ -63,12 +53,6 @@ GroupState& cuda_state(const GroupCall& call) {
 std::string cuda_executor_missing() {
   const int n = cuda::device_count();
   return n > 0 ? std::string() : "no CUDA device is visible (cudaGetDeviceCount found none)";
-}
-
-int64_t device_arena_bytes(int device) {
-  std::lock_guard<std::mutex> lock(g_arena_mu);
-  auto it = g_arena_bytes->find(device);
-  return it == g_arena_bytes->end() ? 0 : it->second;
 }
 
 void copy_accumulator_async(const RankIo& io, int64_t bytes) {
@@ -90,7 +74,7 @@ void ExecuteGroupCuda(const GroupCall& call) {
     streams.push_back(reinterpret_cast<uintptr_t>(io.stream));
   }
   cuda::DeviceGuard guard(call.ranks[0]->device, "ExecuteGroupCuda: ");  // XLA's threads keep their own device
-  run_session(cuda_state(call), call, streams);
+  run_session(*cuda_state(call), call, streams);
 }
 
 void copy_landing_async(const GroupCall& call, const char* ring, const RankIo& io) {
@@ -110,9 +94,9 @@ void CompleteRankCuda(const GroupCall& call, int rank) {
   // TIDE-RS wrote XLA's result in place; a pull landing wrote XLA's AG results in place.
   if (call.spec.op != Collective::kAllGather || pull_landing(*call.plan)) return;
   const RankIo& io = *call.ranks.at(static_cast<size_t>(rank));
-  GroupState& st = cuda_state(call);
-  copy_landing_async(call, cuda_cluster_arena(st.session->executor(), rank) +
-                               st.arena.offset[static_cast<int>(BufKind::kRing0)], io);
+  const std::shared_ptr<GroupState> st = cuda_state(call);
+  copy_landing_async(call, cuda_cluster_arena(st->session->executor(), rank) +
+                               st->arena.offset[static_cast<int>(BufKind::kRing0)], io);
 }
 
 // ---- Ranks across processes on CUDA ----------------------------------------------------------
@@ -121,14 +105,16 @@ void CompleteRankCuda(const GroupCall& call, int rank) {
 // fence's counter), and its own rail communicator. Between create and connect the handle and the
 // rail id travel through jax.distributed's store (tide_xla/processes.py); a rank waits there, so
 // a missing process is a TimeoutError naming it. Here only the rail's construction waits (NCCL's
-// init among the rail's processes, which have all passed that exchange). The states live as long
-// as the process (their peers may push into the arena until the last call of every process).
+// init among the rail's processes, which have all passed that exchange). The states live until
+// tide_xla.release of their mesh, which every process calls after its last step and a barrier
+// (their peers may push into the arena until the last call of every process).
 namespace {
 
 struct PendingRank {
   std::shared_ptr<const Plan> plan;
   std::unique_ptr<CudaProcessRank> rank;
   int64_t timeout_ms = 0;
+  int device = -1;
 };
 
 std::mutex g_pending_mu;
@@ -146,7 +132,7 @@ std::string create_cuda_rank_state(const RankStateKey& key, std::shared_ptr<cons
   const RankArena arena = rank_arena(*plan, key.op, CudaProcessRank::rails_for(plan->topo));
   PendingRank p;
   p.rank = std::make_unique<CudaProcessRank>(key.rank, plan->topo, device, arena.bytes);
-  count_arena(device, arena.bytes);
+  p.device = device;  // counted once connected (put_rank_state)
   p.plan = std::move(plan);
   p.timeout_ms = timeout_ms;
   std::string handle = p.rank->ipc_handle();
@@ -171,7 +157,23 @@ void connect_cuda_rank_state(const RankStateKey& key, const std::vector<std::str
   std::shared_ptr<CallExecutor> ex = p.rank->connect(handles, rail_id, arena.regions, opt);
   const auto* base = reinterpret_cast<const uint8_t*>(p.rank->arena());
   // The executor keeps the arena and the rail; the CudaProcessRank object itself may go.
-  put_rank_state(key, p.plan, std::move(ex), arena, base, true);
+  put_rank_state(key, p.plan, std::move(ex), arena, base, true, p.device);
+}
+
+int64_t release_pending_cuda(uint64_t table) {
+  std::vector<PendingRank> gone;
+  {
+    std::lock_guard<std::mutex> lock(g_pending_mu);
+    for (auto it = g_pending->begin(); it != g_pending->end();) {
+      if (it->first.table != table) {
+        ++it;
+        continue;
+      }
+      gone.push_back(std::move(it->second));
+      it = g_pending->erase(it);
+    }
+  }
+  return static_cast<int64_t>(gone.size());  // their arenas are freed here, outside the lock
 }
 
 }  // namespace tide::xla_ffi

@@ -159,6 +159,24 @@ NB_MODULE(_ffi, m) {
   m.def("nccl_library_candidates", &tide::nccl_library_candidates, nb::arg("paths"),
         "libnccl.so.2 paths tried after the framework's copy and the loader's path.");
 #endif
+  // [Note: state lifetime] in tide_ffi.h: tide_xla.init opens a mesh's table, tide_xla.release frees its states.
+  m.def("open_table", &xf::open_table, nb::arg("table"),
+        "Lets TIDE calls on the mesh of this device-table fingerprint build states again (tide_xla.init).");
+  m.def("release_table", [](uint64_t table) {
+    nb::gil_scoped_release release;  // waits for the states' enqueued work
+    return xf::release_table(table);
+  }, nb::arg("table"),
+        "Frees every state (sessions, executors, arenas) of the mesh of this device-table fingerprint, after "
+        "their enqueued work; later calls on it raise until open_table. Returns how many were freed.");
+  m.def("live_states", []() {
+    const xf::LiveStates s = xf::live_states();
+    nb::dict d;
+    d["group_states"] = s.group_states;
+    d["rank_states"] = s.rank_states;
+    d["arena_bytes"] = s.arena_bytes;
+    return d;
+  }, "{'group_states', 'rank_states', 'arena_bytes'}: the states this process holds and their arenas' bytes "
+     "(every device and the host).");
   m.def("handler_stats", []() {
     nb::dict d;
     for (auto c : {tide::Collective::kAllGather, tide::Collective::kReduceScatter}) {

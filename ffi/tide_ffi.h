@@ -121,6 +121,7 @@ struct GroupCall {
   int64_t timeout_ms = 0;               // the executor's wait deadline
   std::vector<const RankIo*> ranks;     // index = rank
   int64_t virtual_device = -1;          // >= 0: a virtual cluster, every rank on this device
+  uint64_t table = 0;                   // table_fingerprint of the mesh (0: the virtual cluster's)
 };
 
 // [Note: the executor boundary] executor.cc (with executor_cuda.cc and session_state.cc below
@@ -135,12 +136,36 @@ struct GroupCall {
 // the plan allows it: one node and fp32 shards cast to the AG dtype (the stage the peers read).
 // Otherwise it lands in the arena's ring slot and the rank copies the landing out.
 bool pull_landing(const Plan& plan);
+// [Note: state lifetime] A state belongs to its mesh's device table (call.table): it lives until
+// release_table(table) (tide_xla.release, or a re-init of the mesh), which frees the states of that
+// table and marks it released until open_table(table) (tide_xla.init). A call on a released table
+// raises PlanError naming tide_xla.release, never reaching freed memory; a call in flight keeps
+// its state alive (shared_ptr) until it returns. The virtual cluster's states (table 0) live as long
+// as the process. Arena bytes are counted per device (-1: host memory) while a state lives.
 struct GroupState {
   ArenaSpec arena;
   std::unique_ptr<GroupSession> session;
+  uint64_t table = 0;
+  std::vector<std::pair<int, int64_t>> counted;  // (device, arena bytes) counted for this state
 };
-GroupState& group_state(const GroupCall& call, const std::vector<int>* devices,
-                        const std::function<std::shared_ptr<CallExecutor>(const ArenaSpec&)>& make);
+std::shared_ptr<GroupState> group_state(const GroupCall& call, const std::vector<int>* devices,
+                                        const std::function<std::shared_ptr<CallExecutor>(const ArenaSpec&)>& make);
+// Arena bytes this process's live states hold on `device` (-1: host memory).
+void count_arena(int device, int64_t bytes);
+int64_t device_arena_bytes(int device);
+struct LiveStates {
+  int64_t group_states = 0;
+  int64_t rank_states = 0;
+  int64_t arena_bytes = 0;  // every device and the host
+};
+LiveStates live_states();
+void open_table(uint64_t table);
+bool table_released(uint64_t table);
+// Frees the states of `table` (session_state.cc's; executor.cc's release_table also drops the CUDA
+// ranks still pending); every executor is synchronised first (a failure is printed, and the state
+// freed all the same). Returns how many were freed.
+int64_t release_states(uint64_t table);
+int64_t release_table(uint64_t table);
 int64_t run_session(GroupState& st, const GroupCall& call, const std::vector<uintptr_t>& streams);
 // The executor options of a group's executor: the call's timeout (tide_xla.init(timeout_s=)); the
 // executors apply TIDE_EXEC_OPTIONS themselves.
@@ -151,7 +176,7 @@ ExecutorOptions executor_options_for(const GroupCall& call);
 // executor (XLA:CPU: a CPU RankExecutor that maps every rank's shared-memory segment; CUDA: the
 // core's CudaProcessRank, its node's peers by CUDA IPC and other nodes over its NCCL rail).
 // Keyed by (collective, plan hash, device-table fingerprint, group, rank); opened at trace time,
-// kept for the process' lifetime.
+// kept until tide_xla.release of the mesh ([Note: state lifetime] above).
 struct RankStateKey {
   Collective op = Collective::kAllGather;
   uint64_t plan_hash = 0;
@@ -177,12 +202,14 @@ struct RankState {
   const uint8_t* arena = nullptr;
   int64_t ring0 = -1;
   bool cuda = false;
+  int device = -1;  // where its arena is counted (-1: host)
+  int64_t arena_bytes = 0;
 };
 // Builds the state's session over `executor` (regions: the executor's arena layout, or empty for
-// the set's own) and keeps it under `key` (an existing one stays).
+// the set's own) and keeps it under `key` (an existing one stays); its arena counts on `device`.
 void put_rank_state(const RankStateKey& key, std::shared_ptr<const Plan> plan, std::shared_ptr<CallExecutor> executor,
-                    const RankArena& arena, const uint8_t* own_arena, bool cuda);
-RankState* find_rank_state(const RankStateKey& key);  // null: none was built
+                    const RankArena& arena, const uint8_t* own_arena, bool cuda, int device);
+std::shared_ptr<RankState> find_rank_state(const RankStateKey& key);  // null: none was built
 // Rank `io.rank`'s XLA buffers as its session's bindings (AG: shards, and the landings when
 // pulled; RS: gradients and the fp32 output).
 RankBindingList rank_bindings(const GroupCall& call, const RankIo& io);
@@ -211,9 +238,8 @@ std::string create_cuda_rank_state(const RankStateKey& key, std::shared_ptr<cons
                                    int64_t timeout_ms);
 void connect_cuda_rank_state(const RankStateKey& key, const std::vector<std::string>& handles,
                              const std::string& rail_id);
-// Bytes of the TIDE arenas this process allocated on local CUDA device `device` (plain
-// cudaMalloc, outside XLA's allocator: its memory statistics do not count them).
-int64_t device_arena_bytes(int device);
+// Drops the CUDA ranks of `table` created but not connected; returns how many.
+int64_t release_pending_cuda(uint64_t table);
 // TIDE-AG's landing rows [0, D_p) at `ring` (device memory) -> XLA's results, on io.stream.
 void copy_landing_async(const GroupCall& call, const char* ring, const RankIo& io);
 void ExecuteGroupCuda(const GroupCall& call);

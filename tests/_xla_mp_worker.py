@@ -13,7 +13,9 @@ it). CASE: "run" (AG forward, AG+RS gradient, RS with scale and accumulate), "ex
 a loss whose gradient every platform computes to the same bits, for CPU against GPU), "other_model" (process 1
 groups the parameters into other TIDE calls), "skip" (the last process never calls), "no_run" (the
 last process traces and compiles the gather but never runs it), "no_shm" (process 1's /dev/shm
-has no room for its segments).
+has no room for its segments), "release" ("run", then tide_xla.release: no state left, the AG
+executable refused naming tide_xla.release, and after init again a fresh trace gathers the same
+bits).
 """
 import os
 import sys
@@ -77,12 +79,14 @@ def main():
         run_ag.lower(shards).compile()  # traced (the processes agree), never run
         return {}
     results = {"ag": run_ag(shards)}
-    if case in ("run", "exact"):
+    if case in ("run", "exact", "release"):
         grad = jax.jit(jax.shard_map(jax.grad(local_loss), mesh=mesh, in_specs=(specs,),
                                      out_specs=specs))
         results["grad"] = grad(shards)
         results["rs"] = jax.jit(jax.shard_map(rs, mesh=mesh, in_specs=(specs,),
                                               out_specs=specs))(shards)
+    if case == "release":
+        _release_checks(jax, tide_xla, mesh, topology, run_ag, gathered, shards, specs, stacked, results)
     out = {}
     for what, tree in results.items():
         for k, x in tree.items():
@@ -90,6 +94,27 @@ def main():
                 out[f"{what}/{k}/{s.index[0].start or 0}"] = np.asarray(s.data).view(np.uint8)
     assert n == len(devs)
     return out
+
+
+def _release_checks(jax, tide_xla, mesh, topology, run_ag, gathered, shards, specs, stacked, results):
+    import numpy as np
+    jax.block_until_ready(results)
+    live = tide_xla.live_states()
+    assert live["rank_states"] > 0 and live["arena_bytes"] > 0 and live["group_states"] == 0, live
+    assert tide_xla.release(mesh, "fsdp") == live["rank_states"]
+    assert tide_xla.live_states() == {"group_states": 0, "rank_states": 0, "arena_bytes": 0}
+    try:
+        jax.block_until_ready(run_ag(shards))
+    except Exception as e:  # noqa: BLE001 - the refusal is the point
+        assert "tide_xla.release" in str(e), e
+    else:
+        raise AssertionError("a TIDE call after tide_xla.release ran")
+    tide_xla.init(mesh, "fsdp", topology=topology, timeout_s=20.0)
+    again = jax.jit(jax.shard_map(lambda s: gathered(s), mesh=mesh, in_specs=(specs,), out_specs=stacked))(shards)
+    for k, x in again.items():
+        for a, b in zip(x.addressable_shards, results["ag"][k].addressable_shards):
+            assert np.array_equal(np.asarray(a.data), np.asarray(b.data)), k
+    tide_xla.release(mesh, "fsdp")
 
 
 try:

@@ -49,6 +49,18 @@ def test_processes_equal_one_process_bitwise(tmp_path, tmp_path_factory, process
     assert_same_shards(_launch(tmp_path, processes, devices, "run", topology), ref)
 
 
+def test_release_frees_every_process_states_and_refuses_later_calls(tmp_path, tmp_path_factory):
+    """2 processes x 4 devices: the run's shards, then tide_xla.release on every process leaves no
+    state, the compiled gather is refused naming tide_xla.release, and after init again a fresh
+    trace gathers the same bits (tests/_xla_mp_worker.py, case "release"); no process reports
+    nanobind leaks at exit."""
+    ref = _reference(tmp_path_factory, None)
+    res = _launch(tmp_path, 2, 4, "release")
+    assert_same_shards(res, ref)
+    for i, (_, _, log) in res.items():
+        assert "leaked" not in log, f"process {i}: {log}"
+
+
 def test_a_process_with_another_model_fails_on_every_process_naming_it(tmp_path):
     """Process 1 groups the same parameters into one TIDE call: every process raises at trace
     time, naming which processes have which call, before anything runs (no hang)."""

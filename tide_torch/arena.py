@@ -45,6 +45,11 @@ deregistration) is collective, so it is not left to each rank's garbage collecto
 ``close_fabric()`` frees it on every rank together (``TideHandle.disable()``, after the barrier
 that follows the ranks' last TIDE work); views made before are dangling afterwards (disable() has
 moved every parameter back to private storage by then).
+``release()`` (runtime.py [Note: runtime lifetime]) drops the arena's reference to its fabric, so
+the CUDA-IPC fabric is freed with its last view. At interpreter exit, ``detach_views()`` (run by
+runtime.py's exit hook after its synchronize) sets ``_FabricBytes.fabric = None`` on every view
+(views dangle: the process is ending), so the fabrics are freed then, in order, rather than left
+to interpreter shutdown. Views of an NCCL fabric still open keep it (its teardown is collective).
 """
 from __future__ import annotations
 
@@ -105,6 +110,8 @@ class Arena:
         else:
             self._base = torch.empty(self.nbytes, dtype=torch.uint8, device=device)
         self.base_ptr = self._base.data_ptr()
+        if self.fabric is not None:
+            _FABRIC_ARENAS.add(self)
 
     def region(self, name: str) -> Region:
         return self.regions[name]
@@ -167,6 +174,14 @@ class Arena:
         if self.fabric_kind == "nccl" and not self.fabric.closed:
             self.fabric.close()
 
+    def release(self) -> None:
+        """Drops the arena's reference to its fabric (after this rank's last TIDE work; see
+        [Note: fabric lifetime]). An NCCL fabric still open is kept (its teardown is collective:
+        close_fabric())."""
+        self.close()
+        if self.fabric is not None and (self.fabric_kind != "nccl" or self.fabric.closed):
+            self.fabric = None
+
     def describe(self) -> dict[str, int]:
         return {name: r.nbytes for name, r in self.regions.items()}
 
@@ -203,6 +218,7 @@ class _FabricBytes:
 
     def __init__(self, fabric, ptr: int, nbytes: int) -> None:
         self.fabric = fabric
+        _VIEWS.add(self)
         self.__cuda_array_interface__ = {
             "shape": (nbytes,), "typestr": "|u1", "data": (ptr, False), "version": 2}
 
@@ -219,6 +235,18 @@ def _device_view(fabric, ptr: int, nbytes: int, device: torch.device) -> torch.T
     return t
 
 
+def detach_views() -> None:
+    """Interpreter exit only: every arena and view lets go of its fabric (See
+    [Note: fabric lifetime]); the fabrics nothing else holds are freed now. An NCCL fabric still
+    open is kept."""
+    for arena in list(_FABRIC_ARENAS):  # e.g. one an enable() that failed left in a traceback
+        arena.release()
+    for view in list(_VIEWS):
+        fabric = view.fabric
+        if fabric is not None and getattr(fabric, "closed", True):  # IpcFabric has no "closed"
+            view.fabric = None
+
+
 def _check_shm_room(regions: dict[str, Region], nbytes: int) -> None:
     """Refuses a segment larger than /dev/shm's free space (tide/shm.py), naming the largest
     region (each rank checks its own segment)."""
@@ -230,6 +258,8 @@ def _check_shm_room(regions: dict[str, Region], nbytes: int) -> None:
 
 
 _LIVE: "weakref.WeakSet[Arena]" = weakref.WeakSet()
+_VIEWS: "weakref.WeakSet[_FabricBytes]" = weakref.WeakSet()  # live fabric views' roots
+_FABRIC_ARENAS: "weakref.WeakSet[Arena]" = weakref.WeakSet()  # arenas over a fabric
 
 
 @atexit.register

@@ -33,6 +33,9 @@ in group order on every rank). The transport only turns tensors into buffers:
 A ``tide.TimeoutError`` from a call or ``synchronize()`` leaves with the survivors' diagnosis
 appended (tide/diagnosis.py over torch's default store): the chain of posted roots down to the
 rank that stopped.
+
+``close()`` drops the executor and the sessions (runtime.py [Note: runtime lifetime]); a call
+afterwards raises instead of reaching freed state.
 """
 from __future__ import annotations
 
@@ -78,6 +81,13 @@ class ExecutorTransport:
         self._world = topo.nodes * topo.gpus_per_node
         self._rank = rank
         self.rank_executor = None  # CPU: the core's RankExecutor (tests inspect its mappings)
+        self.closed = False
+
+    def close(self) -> None:
+        """Drops this rank's sessions and executor (after the rank's last TIDE call). Idempotent."""
+        self.closed = True
+        self._sessions.clear()
+        self._exec = self.rank_executor = None
 
     def _streams(self) -> list | None:
         return None
@@ -93,6 +103,9 @@ class ExecutorTransport:
         """The group's session for `which` (a chunk's "ag", "rs", "rs32": the fp32-gradient
         plan, or a TIDE-RS sub-plan's "sub<k>", reduce_scatter.py [Note: RS parts]); `chunk`:
         the all-gather's chunk (its landing and resident shards, groups.py [Note: chunks])."""
+        if self.closed:
+            raise RuntimeError("tide_torch: a TIDE collective after the transport was released "
+                               "(handle.disable() or interpreter exit)")
         key = (tg.index, which)
         s = self._sessions.get(key)
         if s is None:
@@ -142,6 +155,8 @@ class CudaExecutorTransport(ExecutorTransport):
         return [torch.cuda.current_stream().cuda_stream]
 
     def synchronize(self) -> None:
+        if self.closed:
+            return
         diagnosed(self._exec.synchronize, self._rank, self._timeout_s, _default_store)
 
 

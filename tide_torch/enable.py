@@ -113,8 +113,11 @@ class TideHandle:
 
     def disable(self) -> None:
         """Restores stock FSDP2 on every group; parameters move back to private storage. On every
-        rank (on CUDA it waits for TIDE's work and then for every peer)."""
-        if not self.enabled:
+        rank (on CUDA it waits for TIDE's work and then for every peer). Then releases TIDE's
+        core objects (runtime.py [Note: runtime lifetime]). A no-op once released (also by the
+        exit hook, after which the arena's memory may be gone)."""
+        if not self.enabled or self._rt.released:
+            self.enabled = False
             return
         self.enabled = False
         if isinstance(self._rt.transport, comm.CudaExecutorTransport):
@@ -135,6 +138,9 @@ class TideHandle:
             close = getattr(self._rt.rail, "close", None)  # the NCCL rail: after the barrier above
             if close is not None:
                 close()
+        # Drops the executor, sessions, rail, views and the arena's fabric (runtime.py
+        # [Note: runtime lifetime]): nothing of TIDE's is left for interpreter shutdown.
+        self._rt.release()
 
     def __repr__(self) -> str:
         served = sum(g.eligible for g in self._groups)

@@ -10,10 +10,33 @@ parameters: the landing group moves to its own storage where it still may, and r
 may not (placement.py [Note: ring depth]). The one tolerated case is the folded ring tail under
 no-grad evaluation (App. F): it stays unsharded after forward, so TIDE reshards it before reusing
 its slot.
+
+[Note: runtime lifetime]
+A runtime holds this rank's tide._core objects: the transport's executor and sessions, the rail,
+the arena's fabric (whose memory peers push into), and its groups' plans. They are released in
+order, never left to interpreter shutdown (nanobind reports instances still alive then, and a
+fabric freed after CUDA's teardown is not freed in order):
+
+- ``TideHandle.disable()`` (every rank, after its synchronize and, on CUDA with world > 1, the
+  barrier) calls ``release()``: the transport closes (executor and sessions dropped; a later call
+  raises), the rail is dropped, the groups' arena views and the arena's reference to its fabric
+  are dropped. The CUDA-IPC fabric is then freed with its last view (arena.py
+  [Note: fabric lifetime]); the NCCL fabric was closed collectively just before.
+- Interpreter exit: an atexit hook (registered at import, so it runs before torch's hooks and
+  before module teardown) synchronizes the transport of every runtime not yet released and calls
+  ``release(at_exit=True)`` on every runtime alive (a handle, model or tensor may outlive module
+  teardown: held by C++, or by the user), which also aborts an open NCCL rail (local) and drops
+  the groups' plans; then every arena view lets go of its fabric (arena.detach_views(): the
+  process is ending, views dangle from here, and nothing may run TIDE work after it). There is no
+  barrier at exit (peers may be gone): a job that needs the peers' pushes ordered before the free
+  calls ``disable()`` on every rank. An NCCL fabric still open at exit is kept (its teardown is
+  collective): disable() frees it.
 """
 from __future__ import annotations
 
+import atexit
 import logging
+import weakref
 from collections import Counter
 from typing import Any
 
@@ -58,6 +81,25 @@ class Runtime:
         ring = [g for g in groups if g.eligible and g.ring_index >= 0]
         self.ring_slots = len({g.slot for g in ring})
         self._ring_shared = len(ring) > self.ring_slots  # some slot holds several groups
+        self.released = False
+        _RUNTIMES.add(self)
+
+    def release(self, *, at_exit: bool = False) -> None:
+        """Drops this runtime's tide._core objects (see [Note: runtime lifetime]). Its caller has
+        made sure no TIDE work is pending (disable(): synchronize and barrier; exit: synchronize).
+        Idempotent; ``at_exit`` also drops the groups' plans."""
+        rail, self.rail = self.rail, None
+        if at_exit and getattr(rail, "closed", True) is False:  # an NcclRail still open
+            rail.abort("tide_torch: interpreter exit")  # ncclCommAbort: local, never waits for peers
+        if self.transport is not None:
+            self.transport.close()
+        for g in self.groups:
+            g.landing_views, g.resident_views, g.input_views = [], [], []
+            if at_exit:
+                g.chunks, g.sub_plans = [], {}
+        if self.arena is not None:
+            self.arena.release()
+        self.released = True
 
     def hand_back(self, tg: Any, collective: str, reason: str) -> None:
         """One call of ``tg``'s collective ("ag" or "rs") goes to stock FSDP2: counted in
@@ -213,3 +255,26 @@ def free_in_arena(tg: Any, p: int) -> Any:
         if p == 0:  # once per group reshard
             tg.runtime.release_slot_after_compute(tg)
     return free_unsharded_param
+
+
+# Every runtime alive (see [Note: runtime lifetime]).
+_RUNTIMES: "weakref.WeakSet[Runtime]" = weakref.WeakSet()
+
+
+@atexit.register
+def _release_at_exit() -> None:
+    """Releases what live runtimes still hold, after their enqueued TIDE work (See
+    [Note: runtime lifetime])."""
+    for rt in list(_RUNTIMES):
+        sync = None if rt.released else getattr(rt.transport, "synchronize", None)
+        try:
+            if sync is not None:
+                sync()
+        except Exception as e:  # noqa: BLE001 - exiting anyway: report, then free
+            logger.warning("tide_torch: at exit, TIDE's pending work failed: %s", e)
+        try:
+            rt.release(at_exit=True)
+        except Exception as e:  # noqa: BLE001 - one runtime's failure must not keep the others
+            logger.warning("tide_torch: at exit, releasing TIDE's runtime failed: %s", e)
+    from tide_torch import arena
+    arena.detach_views()

@@ -32,11 +32,11 @@ passed in with in_specs P("fsdp") and donated): the packed fp32 shards are accum
 (operands stacked [N, ...]): tests and one-GPU machines. docs/xla.md describes both paths
 (XLA:CPU and CUDA).
 """
-from tide_xla.context import TideContext, arena_bytes, init
+from tide_xla.context import TideContext, arena_bytes, init, live_states, release
 from tide_xla.gather import copy_out_bytes, gather, packed_sizes, reduce_scatter, unpack_grads, zeros_packed
 from tide_xla.sharding import ShardGroup, ShardLayout, default_group_key, shard
 
 __all__ = ["ShardGroup", "ShardLayout", "TideContext", "arena_bytes", "copy_out_bytes", "default_group_key", "gather",
-           "init",
-           "packed_sizes", "reduce_scatter", "shard", "unpack_grads", "zeros_packed"]
+           "init", "live_states",
+           "packed_sizes", "reduce_scatter", "release", "shard", "unpack_grads", "zeros_packed"]
 __version__ = "0.1.0"

@@ -1,4 +1,22 @@
-"""`tide_xla.init`: the TIDE context of one mesh axis (topology, mode, device table)."""
+"""`tide_xla.init`: the TIDE context of one mesh axis (topology, mode, device table), and
+`tide_xla.release`: the end of its states' lifetime.
+
+[Note: context lifetime]
+The first TIDE call of a (collective, plan, mesh group) builds a state in tide_xla._ffi: its
+session, its executor and its arenas (host memory on XLA:CPU, cudaMalloc on CUDA; a mesh spanning
+processes: one rank state per local rank, with its shared-memory segment or CUDA-IPC arena). The
+states belong to the mesh's device table (its fingerprint; ffi/tide_ffi.h [Note: state lifetime])
+and live until `release(mesh, axis)` (or `ctx.release()`, or leaving `with tide_xla.init(...)`)
+frees them; `init` of a (mesh, axis) that already has a context releases the old one's states
+first. Contract: release after the last call that uses them has finished (its results are ready,
+e.g. `jax.block_until_ready`), on every process of a mesh that spans processes (release waits
+for every process there: peers push into this process's arenas until their last call). A
+function traced before the release and run afterwards raises (INVALID_ARGUMENT naming
+tide_xla.release) until the mesh is initialised again; then it runs on fresh states (in one
+process) or must be traced again (a mesh spanning processes prepares its states at trace time).
+`live_states()` counts the states and their arena bytes. The virtual cluster's states
+(tide_xla.virtual) are not tied to a mesh and live as long as the process.
+"""
 from __future__ import annotations
 
 import dataclasses
@@ -71,6 +89,16 @@ class TideContext:
             op_id=np.int64(op_id),
             timeout_ms=np.int64(self.timeout_ms),
         )
+
+    def release(self) -> int:
+        """``tide_xla.release(self.mesh, self.axis)`` (see [Note: context lifetime])."""
+        return release(self.mesh, self.axis)
+
+    def __enter__(self) -> "TideContext":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.release()
 
 
 _CONTEXTS: dict[tuple[Mesh, str], TideContext] = {}
@@ -162,9 +190,47 @@ def init(mesh: Mesh, axis: str = "fsdp", topology: Any = None, mode: str = "in_p
                       device_table=device_table(mesh, axis),
                       processes=tuple(sorted({int(d.process_index) for d in mesh.devices.flat})))
     ensure_registered()
-    ffi_module().set_process_index(jax.process_index())
+    ffi = ffi_module()
+    ffi.set_process_index(jax.process_index())
+    if (mesh, axis) in _CONTEXTS:  # a re-init: the old context's states go first
+        release(mesh, axis)
+    ffi.open_table(_fingerprint(ctx))
     _CONTEXTS[(mesh, axis)] = ctx
     return ctx
+
+
+def _fingerprint(ctx: TideContext) -> int:
+    return int(ffi_module().table_fingerprint(list(ctx.device_table)))
+
+
+def release(mesh: Mesh, axis: str = "fsdp") -> int:
+    """Frees the TIDE states (sessions, executors, arenas) made for `axis` of `mesh` after their
+    enqueued work, and forgets its context: TIDE calls on it raise until `init` again. Call it
+    after the last call that uses them has finished; on a mesh spanning processes, on every
+    process (it waits for all of them). No-op without a context. Returns how many states were
+    freed (0 while another context has the same device table: they share the states).
+    See [Note: context lifetime]."""
+    ctx = _CONTEXTS.pop((mesh, axis), None)
+    if ctx is None:
+        return 0
+    table = _fingerprint(ctx)
+    if any(_fingerprint(c) == table for c in _CONTEXTS.values()):
+        return 0
+    if not ctx.spans_processes:
+        return int(ffi_module().release_table(table))
+    from tide_xla import processes
+    processes.barrier(ctx, "tide_xla.release")
+    try:
+        return int(ffi_module().release_table(table))
+    finally:
+        processes.released(table)
+
+
+def live_states() -> dict[str, int]:
+    """{'group_states', 'rank_states', 'arena_bytes'}: the TIDE states this process holds (every
+    context's and the virtual cluster's) and their arenas' bytes, host and devices together."""
+    ensure_registered()
+    return {k: int(v) for k, v in ffi_module().live_states().items()}
 
 
 def context_for(mesh: Mesh, axis: str) -> TideContext:
@@ -181,7 +247,8 @@ def context_for(mesh: Mesh, axis: str) -> TideContext:
 def arena_bytes(device) -> int:
     """Bytes of the TIDE arenas this process holds on `device` (a jax GPU device of this process):
     plain cudaMalloc outside XLA's allocator, so `device.memory_stats()` does not count them.
-    0 on XLA:CPU (the arenas are host memory) and before the first TIDE call on `device`."""
+    0 on XLA:CPU (the arenas are host memory), before the first TIDE call on `device` and once
+    every state on it is released (`release`; `live_states()` counts the host's too)."""
     if device.platform == "cpu":
         return 0
     ffi = ffi_module()

@@ -73,6 +73,22 @@ def _exchange(key: str, value: str, processes: Sequence[int], timeout_ms: int,
     return {p: got[p] for p in processes}
 
 
+_barriers = itertools.count()       # this process's barriers (tide_xla.release), in call order
+_generation: dict[int, int] = {}    # device-table fingerprint -> its releases so far
+
+
+def released(table: int) -> None:
+    """The states of `table` were released (tide_xla.release, on every process): the next ones
+    exchange their segment names / handles under fresh store keys (the old keys stay set)."""
+    _generation[table] = _generation.get(table, 0) + 1
+
+
+def barrier(ctx, what: str) -> None:
+    """Waits until every process of the context's mesh has reached this barrier (the n-th of each
+    process is the same one); a TimeoutError names the processes missing."""
+    _exchange(f"{_PREFIX}/barrier/{next(_barriers)}", "1", ctx.processes, ctx.timeout_ms, what)
+
+
 def _disagreement(values: dict[int, str]) -> str:
     by_value: dict[str, list[int]] = {}
     for p, v in values.items():
@@ -155,7 +171,7 @@ def prepare(ctx, op: str, shapes: Sequence[Sequence[int]], in_dtype, out_dtype) 
         _open_cuda_ranks(ctx, ffi, plan_args, info["hash"], table, slots, desc)
         return
     # Every process reaches this point for the same (collective, plan, mesh): one segment per rank.
-    key = f"{_PREFIX}/seg/{op}/{info['hash']:016x}/{table:016x}"
+    key = f"{_PREFIX}/seg/{op}/{info['hash']:016x}/{table:016x}.{_generation.get(table, 0)}"
     client = _client()
     mine, learned = {}, set()
     for group, rank in slots:
@@ -252,7 +268,7 @@ def _open_cuda_ranks(ctx, ffi, plan_args, plan_hash: int, table: int, slots, des
     import jax
     op = plan_args[0]
     client = _client()
-    key = f"{_PREFIX}/cuda/{op}/{plan_hash:016x}/{table:016x}"
+    key = f"{_PREFIX}/cuda/{op}/{plan_hash:016x}/{table:016x}.{_generation.get(table, 0)}"
     me, L = jax.process_index(), ctx.gpus_per_node
     local = {(int(g), int(r)): int(dev) for p, _, dev, g, r in _rows(ctx) if int(p) == me}
     if ctx.nodes > 1:
