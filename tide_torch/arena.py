@@ -61,7 +61,7 @@ import torch
 
 import tide
 from tide import shm
-from tide.regions import Region, layout
+from tide.regions import Region, arena_nbytes, layout
 
 class Arena:
     """A contiguous per-rank buffer carved into named regions."""
