@@ -48,6 +48,16 @@ def _step(mesh, topology=(2, 4)):
     return lambda: jax.block_until_ready(step(shards, x))
 
 
+@pytest.fixture(autouse=True)
+def _released_meshes():
+    """Each test starts with no context: states earlier tests of this process left on the same
+    devices would otherwise be shared with (and counted against) this test's."""
+    from tide_xla import context
+    for mesh, axis in list(context._CONTEXTS):
+        tide_xla.release(mesh, axis)
+    yield
+
+
 def _rss_bytes() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")

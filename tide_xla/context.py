@@ -61,6 +61,11 @@ class TideContext:
         """N = M * L, the size of `axis`."""
         return self.nodes * self.gpus_per_node
 
+    @property
+    def mode_id(self) -> int:
+        """The core's number for `mode`."""
+        return MODES[self.mode]
+
     def where(self):
         """This device's (index along `axis`, group index) inside the running shard_map, as the
         handler's first operand: it checks them against the device table (mesh mismatch).

@@ -130,7 +130,6 @@ def prepare(ctx, op: str, shapes: Sequence[Sequence[int]], in_dtype, out_dtype) 
     """Agrees call `op` over parameters `shapes` with every process of the mesh and opens this
     process's rank states for it (see the contract)."""
     import jax
-    from tide_xla.context import MODES
     platform = ctx.mesh.devices.flat[0].platform
     cuda = platform in ("gpu", "cuda")
     if not cuda and platform != "cpu":
@@ -142,7 +141,7 @@ def prepare(ctx, op: str, shapes: Sequence[Sequence[int]], in_dtype, out_dtype) 
         _check_cuda_slots(ctx, op)
     shapes = [[int(d) for d in s] for s in shapes]
     in_name, out_name = np.dtype(in_dtype).name, np.dtype(out_dtype).name
-    plan_args = (op, shapes, in_name, out_name, ctx.nodes, ctx.gpus_per_node, MODES[ctx.mode])
+    plan_args = (op, shapes, in_name, out_name, ctx.nodes, ctx.gpus_per_node, ctx.mode_id)
     info = ffi.group_plan(*plan_args)
     table = ffi.table_fingerprint(list(ctx.device_table))
     n = next(_calls)
