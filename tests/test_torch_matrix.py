@@ -11,7 +11,8 @@ FSDP2 layout op in a profiled step, parameters bitwise equal to stock (exact gra
 - a manual ``unshard()`` of every block before the forward: the group that finds its slot taken
   moves to its own storage (one log line, its all-gathers handed back and counted), no error;
 - ``reduce_dtype=torch.bfloat16``: one rounding of TIDE-RS's fp32 sum, no further from the fp32
-  reference than stock's bf16 reduce-scatter ([Note: low-precision reduce]);
+  reference than stock's bf16 reduce-scatter ([Note: low-precision reduce]); ``torch.float16``:
+  FSDP2's pre-division folded into alpha, within one fp16 ulp, closer than stock's fp16 ring;
 - tensor parallelism: a 2-D (dp x tp) mesh with Colwise/Rowwise MLPs, DTensor parameters on a
   dp x tp mesh with TP 1 (torchtitan's SPMD layout), and HSDP x TP on a 3-D mesh (replicate x
   shard x tp) (groups.py [Note: DTensor parameters]);
@@ -172,6 +173,21 @@ def check_one_rounding(got, stock, ref):
         assert got[name].dtype == torch.float32
 
 
+def check_fp16_reduce(got, stock, ref):
+    """An fp16 reduce dtype: FSDP2 pre-divides (overflow risk) and post-divides in fp16; TIDE-RS
+    folds the pre-division into its fp32 sum and rounds once, then FSDP2 post-divides. Per element
+    within one fp16 ulp of the fp32 reference (subnormals: 2^-24), and closer than stock's fp16
+    ring on the whole (stock rounds every gradient to fp16 and again after each step)."""
+    total, stock_total = 0.0, 0.0
+    for name, r in ref.items():
+        r = r.cpu()
+        err, stock_err = (got[name].cpu() - r).abs(), (stock[name].cpu() - r).abs()
+        ulp = r.abs() * 2.0 ** -10 + 2.0 ** -24
+        assert (err <= ulp).all(), ("fp16 ulp", name, (err - ulp).max())
+        total, stock_total = total + float(err.sum()), stock_total + float(stock_err.sum())
+    assert total <= stock_total, (total, stock_total)
+
+
 def _bf16_reduce(rank, world):
     import tide_torch
     from torch.distributed.fsdp import MixedPrecisionPolicy
@@ -188,6 +204,14 @@ def _bf16_reduce(rank, world):
     got = _grads(model, tokens)
     _served_everywhere(handle, "bf16 reduce")
     check_one_rounding(got, stock, ref)
+    handle.disable()
+    fp16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float16)
+    stock = _grads(build(mesh=mesh, mp_policy=fp16), tokens)
+    model = build(mesh=mesh, mp_policy=fp16)
+    handle = tide_torch.enable(model, topology=TOPO)
+    got = _grads(model, tokens)
+    _served_everywhere(handle, "fp16 reduce")
+    check_fp16_reduce(got, stock, ref)
     handle.disable()
     # The same step with exact sums is bitwise equal to stock.
     data = batches(2, same_on_all_ranks=True)

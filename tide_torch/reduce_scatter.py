@@ -8,8 +8,9 @@ collective.
    which FSDPParams this call reduces, in FSDP2's packing order: every parameter that has a
    gradient (frozen parameters and experts that got no token have none).
 2. ``TideReduceScatter.allocate`` is called first for the packed *input*: it returns a
-   placeholder that owns no memory (the ``2NS``-byte ``_chunk_cat`` buffer never exists), then
-   for the output, which is a real tensor in the reduce dtype.
+   placeholder that owns no memory (the ``2NS``-byte ``_chunk_cat`` buffer never exists; FSDP2's
+   pre-division of it is recorded and becomes part of alpha), then for the output, which is a
+   real tensor in the reduce dtype.
 3. ``foreach_reduce_scatter_copy_in`` (patched in ``_fsdp_collectives``) sees the placeholder and,
    instead of ``_chunk_cat``, stages the gradients on it:
    - In-Place: keeps references to autograd's per-parameter gradients;
@@ -43,6 +44,9 @@ stock FSDP2 whole, counted and logged once per group and reason (Runtime.hand_ba
 [Note: low-precision reduce]
 With ``reduce_dtype`` bf16 or fp16 FSDP2's output is in that dtype. TIDE-RS reads the per-parameter
 gradients, sums in fp32 and writes an fp32 shard; that shard is rounded into FSDP2's output once.
+For fp16 FSDP2 pre-divides its packed input (overflow risk) and post-divides the output; the
+pre-division of the placeholder is recorded (``_Placeholder.div_``) and folded into alpha, where
+the fp32 sum needs no guard against overflow.
 One rounding of the fp32 sum: never further from the exact sum than a ring that rounds after
 every hop (NCCL's bf16 reduce-scatter), and equal to stock wherever stock's low-precision sum is
 exact. The fp32 shard is 1/N of the gradient (the packed input stock builds is N times larger).
@@ -87,11 +91,23 @@ class HandBack(Exception):
     """This call goes to stock FSDP2; the message is the reason (counted and logged once)."""
 
 
+class _Placeholder(torch.Tensor):
+    """FSDP2's packed reduce-scatter input, never materialised: a meta tensor of its size. The
+    in-place division FSDP2 applies to it (``_div_if_needed``: the pre-division of a reduce dtype
+    with an overflow risk, fp16) is recorded and folded into TIDE-RS's alpha."""
+
+    prediv = 1.0
+    device_: torch.device
+
+    def div_(self, other):  # noqa: D102 - see the class
+        self.prediv *= float(other)
+        return self
+
+
 def _placeholder(size, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    n = 1
-    for s in size:
-        n *= int(s)
-    return torch.empty(1, dtype=dtype, device=device).expand(n)
+    ph = torch.Tensor._make_subclass(_Placeholder, torch.empty(*size, dtype=dtype, device="meta"))
+    ph.device_ = device
+    return ph
 
 
 class TideReduceScatter(_patches.ReduceScatter):
@@ -129,7 +145,7 @@ class TideReduceScatter(_patches.ReduceScatter):
             staged.parts = self._parts(unsharded_grads, params, world_size)
         except HandBack as why:
             staged.stock_input = placeholder if single else torch.empty(
-                placeholder.shape, dtype=placeholder.dtype, device=placeholder.device)
+                placeholder.shape, dtype=placeholder.dtype, device=placeholder.device_)
             _patches.stock(_patches._coll, "foreach_reduce_scatter_copy_in")(
                 unsharded_grads, staged.stock_input, world_size)
             rt.hand_back(tg, "rs", str(why))
@@ -189,10 +205,13 @@ class TideReduceScatter(_patches.ReduceScatter):
         if staged is None:
             raise AssertionError("TideReduceScatter called without staged gradients "
                                  f"(group {self.tg.fqn})")
+        prediv = getattr(input_tensor, "prediv", 1.0)  # FSDP2's pre-division (_Placeholder)
         if staged.stock_input is not None:
+            if prediv != 1.0:
+                staged.stock_input.div_(prediv)
             return dist.reduce_scatter_tensor(output_tensor, staged.stock_input, op=op,
                                               group=group, async_op=async_op)
-        self._run(staged, output_tensor, self.alpha(op, group))
+        self._run(staged, output_tensor, self.alpha(op, group) / prediv)
         return None
 
     def _run(self, staged: _Staged, output: torch.Tensor, alpha: float) -> None:
