@@ -261,3 +261,19 @@ def test_sum_of_byte_items_is_refused():
             [[(progs, 1)] for _ in range(2)],
             [[(_core.buf_kinds["grad"], 0, g[r].view(np.uint8)), (_core.buf_kinds["out"], -1, outs[r].view(np.uint8))]
              for r in range(2)], timeout_s=5)
+
+
+@pytest.mark.parametrize("M,L", [(2, 4), (5, 2)])
+def test_head_tail_split_of_byte_items(M, L):
+    """Rounds split at 16-byte heads (Options.ag_head_bytes) cut the byte stream inside
+    parameters at odd offsets; every byte still lands."""
+    N = M * L
+    topo = tide.Topology(nodes=M, gpus_per_node=L)
+    plan = tide.plan(tide.GroupSignature(shapes=SHAPES, ag_dtype="uint8"), topo, ag_head_bytes=16)
+    fulls = _fulls(SHAPES, N, seed=7)
+    vc = tide.VirtualCluster(topo, timeout_s=10)
+    for resident in (True, False):
+        out = vc.all_gather(plan, _shards(fulls, plan.layout, N, True), resident=resident, poison=True)
+        for r in range(N):
+            for p in range(len(SHAPES)):
+                assert np.array_equal(out[r][p], fulls[p]), (r, p, resident)
