@@ -5,7 +5,7 @@ from hypothesis import given, settings, strategies as st
 
 import tide
 
-ITEM = {"bfloat16": 2, "float16": 2, "float32": 4}
+ITEM = {"bfloat16": 2, "float16": 2, "float32": 4, "uint8": 1}
 
 shapes_st = st.lists(
     st.tuples(st.integers(1, 300)).flatmap(
@@ -19,7 +19,7 @@ def _plan(shapes, M, L, ag="bfloat16", **kw):
 
 
 @settings(max_examples=80, deadline=None)
-@given(shapes_st, topo_st, st.sampled_from(["bfloat16", "float32"]))
+@given(shapes_st, topo_st, st.sampled_from(["bfloat16", "float32", "uint8"]))
 def test_landing_covers_every_byte_once(shapes, topo, ag):
     M, L = topo
     N = M * L
@@ -91,7 +91,7 @@ def test_landing_example_by_hand():
 
 
 @settings(max_examples=60, deadline=None)
-@given(shapes_st, topo_st, st.sampled_from(["bfloat16", "float32"]))
+@given(shapes_st, topo_st, st.sampled_from(["bfloat16", "float32", "uint8"]))
 def test_layout_is_the_plans(shapes, topo, ag):
     """tide.layout(shapes, N), what the faces ask for R_p / e_p / o32_p, is the planner's layout
     of the same group on any topology of N ranks."""

@@ -33,7 +33,8 @@ def _add_plan_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--sum-ctas", type=int, default=0, help="C_sum (default: solver)")
     ap.add_argument("--land-ctas", type=int, default=0, help="C_mc (default: solver)")
     ap.add_argument("--dtype", default="bfloat16", help="AG and gradient dtype (default bfloat16)")
-    ap.add_argument("--grad-dtype", help="gradient dtype (default --dtype)")
+    ap.add_argument("--grad-dtype", help="gradient dtype (default --dtype; bfloat16 for "
+                    "a 1-byte --dtype: uint8, float8_e4m3fn, float8_e5m2)")
     ap.add_argument("--shard-dtype", help="sharded (master) dtype; differs from --dtype = cast")
     ap.add_argument("--json", action="store_true", help="print the plan as JSON")
     ap.add_argument("--validate-all", action="store_true",
@@ -62,7 +63,9 @@ def _signature(args: argparse.Namespace):
     from tide import models
     from tide.plan import GroupSignature
 
-    dt = dict(ag_dtype=args.dtype, grad_dtype=args.grad_dtype or args.dtype,
+    # 1-byte AG items (uint8, FP8 data) are all-gather only: their gradients default to bfloat16.
+    byte_item = args.dtype in ("uint8", "float8_e4m3fn", "float8_e5m2")
+    dt = dict(ag_dtype=args.dtype, grad_dtype=args.grad_dtype or ("bfloat16" if byte_item else args.dtype),
               shard_dtype=args.shard_dtype)
     if (args.model is None) == (args.shapes is None):
         raise ValueError("give exactly one of --model or --shapes")

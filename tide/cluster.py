@@ -23,9 +23,9 @@ try:
     import ml_dtypes
 
     _DTYPES = {"bfloat16": np.dtype(ml_dtypes.bfloat16), "float32": np.dtype(np.float32),
-               "float16": np.dtype(np.float16)}
+               "float16": np.dtype(np.float16), "uint8": np.dtype(np.uint8)}
 except ImportError:  # pragma: no cover - ml_dtypes is a dependency
-    _DTYPES = {"float32": np.dtype(np.float32), "float16": np.dtype(np.float16)}
+    _DTYPES = {"float32": np.dtype(np.float32), "float16": np.dtype(np.float16), "uint8": np.dtype(np.uint8)}
 
 KIND = dict(_core.buf_kinds)
 AG, RS, RS_EXPERT = "all_gather", "reduce_scatter", "reduce_scatter_expert"
@@ -60,6 +60,8 @@ class _CpuBackend:
     def _flat(x, dtype_name: str, what: str = "input") -> np.ndarray:
         a = np.asarray(x)
         want = _DTYPES[dtype_name]
+        if want.itemsize == 1 and a.dtype.itemsize == 1 and a.dtype != want:
+            a = np.ascontiguousarray(a).view(want)  # 1-byte items (e.g. float8 data) are bytes: bitwise
         if a.dtype != want:
             y = np.ascontiguousarray(a, dtype=want) if a.dtype.kind in "biuf" else None
             if y is None or not np.array_equal(y.astype(np.float64), a.astype(np.float64), equal_nan=True):

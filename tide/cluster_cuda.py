@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from tide import _core
 
-_TORCH_DTYPES = {"bfloat16": "bfloat16", "float32": "float32", "float16": "float16"}
+_TORCH_DTYPES = {"bfloat16": "bfloat16", "float32": "float32", "float16": "float16", "uint8": "uint8"}
 KIND = dict(_core.buf_kinds)
 
 
@@ -75,6 +75,8 @@ class CudaBackend:
                 else:
                     x = torch.from_numpy(np.ascontiguousarray(a))
         x = x.to(device=f"cuda:{device}")
+        if dtype.itemsize == 1 and x.element_size() == 1 and x.dtype != dtype and not x.dtype.is_complex:
+            x = x.contiguous().view(dtype)  # 1-byte items (e.g. float8 data) are bytes: bitwise
         if x.dtype != dtype:  # a lossless conversion only: TIDE never rounds an input
             y = x.to(dtype) if not (x.is_complex() or x.dtype == torch.bool) else None
             if y is None or not torch.equal(torch.nan_to_num(y.double(), nan=0.5),

@@ -184,7 +184,8 @@ def regather_plan(base: Any, sub: Topology, mode: str = "in_place", **options: i
     params = base.layout.params
     padded = [(pl.R * N, *shape[1:]) for pl, shape in zip(params, base.shapes)]
     ag = base.ag_dtype
-    sig = GroupSignature(shapes=padded, ag_dtype=ag, grad_dtype=ag, shard_dtype=ag,
+    # 1-byte AG items (uint8) are never gradients: the re-gather plan's (unused) grad dtype is bf16.
+    sig = GroupSignature(shapes=padded, ag_dtype=ag, grad_dtype="bfloat16" if ag == "uint8" else ag, shard_dtype=ag,
                          names=tuple(base.names))
     try:
         p = plan(sig, sub, mode=mode, **options)

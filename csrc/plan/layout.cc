@@ -11,6 +11,7 @@ int dtype_size(DType t) {
     case DType::kBF16: return 2;
     case DType::kFP16: return 2;
     case DType::kFP32: return 4;
+    case DType::kU8: return 1;
   }
   throw Error("unknown DType");
 }
@@ -20,6 +21,7 @@ const char* dtype_name(DType t) {
     case DType::kBF16: return "bfloat16";
     case DType::kFP16: return "float16";
     case DType::kFP32: return "float32";
+    case DType::kU8: return "uint8";
   }
   return "?";
 }
@@ -28,8 +30,10 @@ DType parse_dtype(const std::string& name, const char* field) {
   if (name == "bfloat16" || name == "bf16") return DType::kBF16;
   if (name == "float16" || name == "fp16" || name == "half") return DType::kFP16;
   if (name == "float32" || name == "fp32" || name == "float") return DType::kFP32;
+  // [Note: byte items] FP8 data is gathered as bytes: the float8 names are the same 1-byte item.
+  if (name == "uint8" || name == "float8_e4m3fn" || name == "float8_e5m2") return DType::kU8;
   throw PlanError(TIDE_STR_CAT(field, ": unknown dtype '", name,
-                               "' (expected bfloat16, float16 or float32)"));
+                               "' (expected bfloat16, float16, float32 or uint8)"));
 }
 
 const char* mode_name(Mode m) { return m == Mode::kInPlace ? "in_place" : "slot_reuse"; }
@@ -40,8 +44,31 @@ Mode parse_mode(const std::string& name) {
   throw PlanError(TIDE_STR_CAT("mode: unknown mode '", name, "' (expected in_place or slot_reuse)"));
 }
 
+// [Note: byte items] A 1-byte item (DType::kU8: uint8, or FP8 data gathered as uint8) is an
+// all-gather item only: TIDE-AG moves bytes and never does arithmetic on them. It is accepted as
+// the AG dtype with the same shard dtype (no cast: resident/adopted shards or the user's shard
+// buffers). Nothing else about the plan depends on the item size being 2 or 4:
+//   - layout: s_p = R_p*K_p*b_ag and o_p is a plain prefix sum (no per-parameter alignment), so
+//     o_p, landing offsets and shard sizes are byte-granular for every dtype already (bf16 with
+//     odd R_p*K_p gives 2-byte-aligned offsets); copies do not rely on a 16-byte alignment: the
+//     CPU executor copies bytes, the CUDA SM copy picks its unit (16/8/4/2/1 bytes) from the
+//     addresses, width and pitches of each copy (kernels.cu sm_copy_vec), the copy engine takes
+//     any alignment, and the AG head/tail split is on 16-byte boundaries of the byte stream;
+//   - the AG schedule's descriptors (stage slot S, dst pitch L*s_p) are in bytes;
+//   - the RS side (E, o32, S_fp32, staging, App. D's validator) is in elements of the fp32
+//     output and the gradient dtype, which stays bfloat16 or float32.
+// Refused here, naming the field: a 1-byte grad_dtype (TIDE-RS sums gradients), and a cast to
+// or from a 1-byte item (the AG's CAST is fp32 -> bf16 arithmetic).
 void validate_signature(const GroupSignature& sig, int world) {
   TIDE_PLAN_CHECK(world >= 1, "world: must be >= 1, got ", world);
+  TIDE_PLAN_CHECK(sig.grad_dtype != DType::kU8, "GroupSignature.grad_dtype: ", dtype_name(sig.grad_dtype),
+                  " (1-byte items) is an all-gather item only; TIDE-RS sums bfloat16 or float32 gradients");
+  TIDE_PLAN_CHECK(sig.ag_dtype != DType::kU8 || sig.shard_dtype == DType::kU8, "GroupSignature.ag_dtype: ",
+                  dtype_name(sig.ag_dtype), " (1-byte items) is gathered without a cast, but shard_dtype is ",
+                  dtype_name(sig.shard_dtype), " (a cast to 1-byte items is not supported)");
+  TIDE_PLAN_CHECK(sig.shard_dtype != DType::kU8 || sig.ag_dtype == DType::kU8, "GroupSignature.shard_dtype: ",
+                  dtype_name(sig.shard_dtype), " (1-byte items) is gathered without a cast, but ag_dtype is ",
+                  dtype_name(sig.ag_dtype), " (a cast from 1-byte items is not supported)");
   const int P = static_cast<int>(sig.params.size());
   TIDE_PLAN_CHECK(P >= 1, "GroupSignature.shapes: the group is empty (no parameters)");
   TIDE_PLAN_CHECK(P <= kMaxParams, "GroupSignature.shapes: ", P, " parameters exceed TIDE's limit of ",

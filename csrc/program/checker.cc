@@ -264,7 +264,12 @@ struct Checker {
                              "other nodes only through SEND/RECV"));
           if (op.kind == OpKind::kRecv && op.counter.index >= 0 && op.counter.rank != r)
             bad("a RECV bumps a counter of another rank (its arrival counter is its own)");
-          for (const auto& t : op.terms) check_ref(t.src, false, op.kind == OpKind::kLand);
+          for (const auto& t : op.terms) {
+            check_ref(t.src, false, op.kind == OpKind::kLand);
+            if (t.dtype == DType::kU8)  // layout.cc [Note: byte items]: moved, never summed
+              bad(TIDE_STR_CAT("a SUM/LAND term of ", dtype_name(t.dtype), " (1-byte items are all-gather only: "
+                               "no arithmetic)"));
+          }
           if (op.kind == OpKind::kSum || op.kind == OpKind::kLand || op.kind == OpKind::kZero) check_ref(op.dst, true, false);
           const bool produces = op_produces(op);
           const bool waits = op.kind == OpKind::kWait || op.kind == OpKind::kEventWait;

@@ -383,6 +383,8 @@ struct Runner {
         std::stable_sort(order.begin(), order.end(), [](const SumTerm* a, const SumTerm* b) { return a->term < b->term; });
         for (const SumTerm* t : order) {
           const int isz = dtype_size(t->dtype);
+          if (t->dtype == DType::kU8)  // layout.cc [Note: byte items]: moved, never summed
+            fail(1, TIDE_STR_CAT(op_name(rs, call, idx), ": SUM term of 1-byte items (uint8 has no arithmetic)"));
           if (t->dst_elem < 0 || t->dst_elem + t->elems > n || t->src.width < t->elems * isz)
             fail(1, TIDE_STR_CAT(op_name(rs, call, idx), ": SUM term out of range"));
           const uint8_t* s = resolve(rs, call, idx, t->src);

@@ -33,7 +33,11 @@ namespace tide {
 // ---------------------------------------------------------------------------------------------
 // Basic vocabulary
 // ---------------------------------------------------------------------------------------------
-enum class DType : uint8_t { kBF16 = 0, kFP16 = 1, kFP32 = 2 };
+// kU8: a 1-byte item an all-gather moves without arithmetic (FSDP2's FP8 all-gather gathers its
+// float8 data as uint8; "float8_e4m3fn" and "float8_e5m2" name the same item). Accepted as the
+// AG and shard dtype of a plan without a cast; never a gradient, SUM term or cast operand
+// ([Note: byte items] in layout.cc).
+enum class DType : uint8_t { kBF16 = 0, kFP16 = 1, kFP32 = 2, kU8 = 3 };
 int dtype_size(DType t);
 const char* dtype_name(DType t);
 DType parse_dtype(const std::string& name, const char* field);  // throws PlanError naming field
