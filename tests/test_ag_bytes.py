@@ -277,3 +277,23 @@ def test_head_tail_split_of_byte_items(M, L):
         for r in range(N):
             for p in range(len(SHAPES)):
                 assert np.array_equal(out[r][p], fulls[p]), (r, p, resident)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M,L", [(1, 4), (2, 2)])
+def test_cuda_allgather_of_byte_items_equals_the_cpu(M, L):
+    """The CUDA executor (ranks of one GPU: the SM copy kernel's 1-byte unit) lands 1-byte items
+    bitwise where the CPU cluster does, resident and user shards."""
+    torch = pytest.importorskip("torch")
+    N = M * L
+    topo, plan = _plan(M, L)
+    cpu = tide.VirtualCluster(topo, backend="cpu")
+    gpu = tide.VirtualCluster(topo, backend="cuda")
+    for resident in (True, False):
+        shards = _shards(_fulls(SHAPES, N, seed=7 + resident), plan.layout, N, True)
+        want = cpu.all_gather(plan, shards, resident=resident)
+        got = gpu.all_gather(plan, [[torch.from_numpy(np.ascontiguousarray(x)).cuda() for x in row]
+                                    for row in shards], resident=resident, poison=True)
+        for r in range(N):
+            for p in range(len(SHAPES)):
+                assert np.array_equal(got[r][p].cpu().numpy(), want[r][p]), (resident, r, p)
