@@ -1,15 +1,18 @@
-"""1-byte all-gather items (issue 35: FSDP2's FP8 all-gather gathers float8 data as uint8).
+"""1-byte all-gather items (FSDP2's FP8 all-gather gathers float8 data, as uint8 where a backend
+has no float8).
 
 The planner, TIDE-AG programs, the static checker and the CPU executor accept DType uint8 (also
 named float8_e4m3fn / float8_e5m2) as the AG and shard dtype of a plan without a cast; a 1-byte
 gradient dtype and a cast to or from 1-byte items are refused naming the field
 (csrc/plan/layout.cc [Note: byte items])."""
 from math import prod
+from types import SimpleNamespace
 
 import ml_dtypes
 import numpy as np
 import pytest
 
+import ag_helpers
 import tide
 from tide import _core
 from tide_apps import cli
@@ -42,19 +45,8 @@ def _fulls(shapes, N, seed):
 
 
 def _shards(fulls, lay, N, padded):
-    shards = []
-    for r in range(N):
-        row = []
-        for p, f in enumerate(fulls):
-            R = lay.params[p].R
-            part = f[r * R:(r + 1) * R]
-            if padded:
-                x = np.zeros((R,) + f.shape[1:], dtype=f.dtype)
-                x[: len(part)] = part
-                part = x
-            row.append(part)
-        shards.append(row)
-    return shards
+    """ag_helpers.shard over a layout: shards[r][p], rows [r*R_p, (r+1)*R_p) (zero padded)."""
+    return ag_helpers.shard(fulls, SimpleNamespace(layout=lay), N, padded)
 
 
 def _landing_bytes(fulls, lay, N):

@@ -1,5 +1,5 @@
 """Hugging Face transformers models under FSDP2 + TIDE stay bitwise equal to stock, with no
-fallback (issue 32): Llama, Qwen2 (q/k/v biases, tied embeddings) and Qwen3-MoE, its experts both
+fallback: Llama, Qwen2 (q/k/v biases, tied embeddings) and Qwen3-MoE, its experts both
 as transformers 5's fused 3-D parameters and as one ``nn.Linear`` MLP per expert (transformers
 4's layout, where experts that get no token have no gradient: TIDE-RS in parts).
 

@@ -1,4 +1,4 @@
-"""torchtitan's Llama3 debugmodel, sharded by torchtitan's own code, served by TIDE (issue 32).
+"""torchtitan's Llama3 debugmodel, sharded by torchtitan's own code, served by TIDE.
 
 World 4 on CPU (gloo ranks as processes), TIDE topology 2 nodes x 2. On each rank the model is
 built the way torchtitan's Trainer builds it: ``llama3_configs["debugmodel"]``, the Llama3
@@ -213,8 +213,8 @@ def _titan(rank, world, backends):
             report = _served_everywhere(handle, what)
             # tok_embeddings, the 6 layers, [norm, lm_head]: the root holds no parameter of its own
             assert len(handle.groups) == 8, (what, report)
-            # What this configuration exercises (issue 32's two causes): spmd_types' (and
-            # full_dtensor's) parameters are DTensors on the full SPMD mesh (TP 1) in every
+            # What this configuration exercises (what used to send it to stock): spmd_types'
+            # (and full_dtensor's) parameters are DTensors on the full SPMD mesh (TP 1) in every
             # group; the blocks' and the [norm, lm_head] group's gradients come in two dtypes
             # (bf16 Linear weights, fp32 RMSNorm weights): their TIDE-RS runs in parts.
             if spmd_backend != "partial_dtensor":
