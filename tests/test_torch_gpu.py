@@ -572,12 +572,18 @@ def _report_rail_cost(handle, model, stock, data, device, rank):
               f"{rail_us / 1e3:.2f} ms per step on <= {ctas} SMs = {ctas * rail_us / 1e3:.2f} SM*ms", flush=True)
 
 
+def spawn_emulated_hosts(fn, tmp_path, world=4):
+    """fn(rank, world, log_dir) on `world` processes sharing GPU 0, each an emulated host
+    (EMULATED_HOSTS; NCCL's logs under tmp_path)."""
+    env = {k: v.replace("{log_dir}", str(tmp_path)) for k, v in EMULATED_HOSTS.items()}
+    spawn(fn, str(tmp_path), world=world, backend="nccl", cuda_devices=(0,) * world,
+          start_method="spawn", env=env)
+
+
 @pytest.mark.gpu
 @needs_cuda_tide
 def test_emulated_hosts_2x2_rails(tmp_path):
-    env = {k: v.replace("{log_dir}", str(tmp_path)) for k, v in EMULATED_HOSTS.items()}
-    spawn(_emulated_hosts_2x2, str(tmp_path), world=4, backend="nccl", cuda_devices=(0, 0, 0, 0),
-          start_method="spawn", env=env)
+    spawn_emulated_hosts(_emulated_hosts_2x2, tmp_path)
     logs = "".join(p.read_text(errors="replace") for p in tmp_path.glob("nccl.*.log"))
     assert "tide-rail" in logs or "NET/Socket" in logs, logs[-2000:]
     assert "NET/Socket" in logs, "the rail's traffic does not go over NCCL's socket transport"

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 import tide
-from _torch_dist import assert_same, batches, build, mesh_1d, spawn, train
-from test_torch_gpu import EMULATED_HOSTS, _deterministic, needs_cuda_tide
+from _torch_dist import assert_same, batches, build, mesh_1d, train
+from test_torch_gpu import _deterministic, needs_cuda_tide, spawn_emulated_hosts
 from test_torch_matrix import _grads, _served_everywhere, _tp_model, check_one_rounding
 
 TOPO = tide.Topology(nodes=2, gpus_per_node=2)
@@ -90,6 +90,4 @@ def _rows(rank, world, log_dir):
 @pytest.mark.gpu
 @needs_cuda_tide
 def test_matrix_emulated_hosts(tmp_path):
-    env = {k: v.replace("{log_dir}", str(tmp_path)) for k, v in EMULATED_HOSTS.items()}
-    spawn(_rows, str(tmp_path), world=4, backend="nccl", cuda_devices=(0, 0, 0, 0),
-          start_method="spawn", env=env)
+    spawn_emulated_hosts(_rows, tmp_path)
