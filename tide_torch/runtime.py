@@ -81,6 +81,7 @@ class Runtime:
         ring = [g for g in groups if g.eligible and g.ring_index >= 0]
         self.ring_slots = len({g.slot for g in ring})
         self._ring_shared = len(ring) > self.ring_slots  # some slot holds several groups
+        self._depth: int | None = None  # the prefetch lists' ring depth, read per iteration
         self.released = False
         _RUNTIMES.add(self)
 
@@ -155,8 +156,12 @@ class Runtime:
         """Why tg can no longer share the ring (checked when it may still move), or None."""
         if not tg.pg.reshard_after_backward:
             return "it no longer reshards after backward (set_reshard_after_backward(False))"
-        from tide_torch.placement import ring_depth
-        depth = ring_depth([g for g in self.groups if g.eligible])
+        if tg.ring_index == 0 or self._depth is None:
+            # The prefetch lists are read once per iteration (the first ring group's landing),
+            # not at every landing: a walk over every group's FSDP state.
+            from tide_torch.placement import ring_depth
+            self._depth = ring_depth([g for g in self.groups if g.eligible])
+        depth = self._depth
         if depth > self.ring_slots and self._ring_shared:
             return (f"the prefetch lists now keep {depth} groups unsharded, the ring has "
                     f"{self.ring_slots} slots (set prefetch lists before enable())")
