@@ -69,13 +69,13 @@ def _rs_inputs(plan, N, seed, seq):
             for _ in range(N)]
 
 
-def _reference(M, L, cast, seed):
+def _reference(M, L, cast, seed, calls=CALLS):
     """Landing bytes and RS outputs per (seq, rank) from the CPU tide.VirtualCluster."""
     topo, plan = _plan(M, L, cast)
     vc = tide.VirtualCluster(topo)
     N = M * L
     lands, outs = {}, {}
-    for seq in range(1, CALLS + 1):
+    for seq in range(1, calls + 1):
         vc.all_gather(plan, _ag_inputs(plan, N, seed, seq, cast))
         for r in range(N):
             raw = np.empty(plan.layout.S * N, dtype=np.uint8)
@@ -104,7 +104,9 @@ def _calls_raw(rank, cfg, fab, ex, plan, conn):
     out_ptr = _core.cuda.malloc(lay.E * 4)
     grad_ptrs = [_core.cuda.malloc(lay.params[p].D * lay.params[p].K * 2) for p in range(lay.P)]
     shard_ptrs = []
-    for seq in range(1, CALLS + 1):
+    for seq in range(1, cfg["calls"] + 1):
+        if rank == cfg["stop"][0] and seq > cfg["stop"][1]:
+            break  # stops after its captured calls (a peer dying mid-training)
         shards = [np.ascontiguousarray(x) for x in _ag_inputs(plan, N, seed, seq, cast)[rank]]
         _core.cuda.memset(base + ring0, 0xFF, NS, 0)  # poison the landing
         binds = []
@@ -221,8 +223,11 @@ def _rank_main(rank, cfg, conn):
         fab.open_peers(handles)
         assert fab.peers_open and all(bool(fab.peer_arena_ptr(r)) == (not rails or r // L == rank // L)
                                       for r in range(M * L))
+        options = dict(rails="two_sided") if rails else {}
+        if cfg["graphs"]:
+            options["graphs"] = True
         ex = _core.cuda.RankExecutor(fab, rank, M, L, regions=cfg["regions"], timeout_s=cfg["timeout_s"],
-                                    fence=cfg["fence"], options={"rails": "two_sided"} if rails else None)
+                                    fence=cfg["fence"], options=options or None)
         if rails:
             rail = _core.cuda.NcclRail(rank // L, M, cfg["devices"][rank], rail_ids[rank % L], max_ctas=2)
             ex.set_rail(rail)
@@ -234,15 +239,19 @@ def _rank_main(rank, cfg, conn):
                 calls = {"raw": _calls_raw, "torch": _calls_torch, "hsdp": _calls_hsdp}[cfg["mode"]]
                 calls(rank, cfg, fab, ex, plan, conn)
                 conn.send(("stats", (ex.cached_program_sets, ex.runs_started)))
+                conn.send(("graphs", (ex.graph_captures, ex.graph_launches)))
             except tide.TimeoutError as e:
                 conn.send(("timeout", (str(e), time.monotonic() - t0)))
                 with pytest.raises(RuntimeError, match="fail-stop"):
                     ex.run(_core.build_ag_programs(plan, arena=cfg["regions"]), CALLS + 1)
         conn.send(("done", None))
         conn.recv()  # teardown barrier: peers may still touch this arena until they are done
+        # The executor first: its captured graphs hold the rail's NCCL work, and NCCL's
+        # communicator teardown waits for every graph that captured it ([Note: replayed calls]).
+        del ex
         if rails and rank != cfg["dead"] and not rail.aborted:
             rail.close()
-        del ex, fab
+        del fab
     except BaseException:  # noqa: BLE001 - report to the parent
         conn.send(("error", traceback.format_exc()))
 
@@ -275,13 +284,15 @@ RAIL_ENV = dict(NCCL_P2P_DISABLE="1", NCCL_SHM_DISABLE="1", NCCL_SOCKET_IFNAME="
                 TORCH_SYMM_MEM_DISABLE_MULTICAST="1")
 
 
-def _run_world(M, L, *, spread=False, cast=False, dead=-1, timeout_s=10.0, fence=True, mode="raw", rails=False):
+def _run_world(M, L, *, spread=False, cast=False, dead=-1, timeout_s=10.0, fence=True, mode="raw", rails=False,
+               graphs=False, calls=CALLS, stop=(-1, 0)):
     N = M * L
     _, plan = _plan(2, 1, False) if mode == "hsdp" else _plan(M, L, cast)
     regions, nbytes = _layout(plan)
     seed = int.from_bytes(os.urandom(4), "little") % 100000  # fresh inputs every run
     cfg = dict(M=M, L=L, cast=cast, dead=dead, timeout_s=timeout_s, fence=fence, mode=mode, seed=seed,
-               regions=regions, nbytes=nbytes, devices=_devices(N, spread), rails=rails)
+               regions=regions, nbytes=nbytes, devices=_devices(N, spread), rails=rails, graphs=graphs, calls=calls,
+               stop=stop)
     ctx = mp.get_context("spawn")  # fresh CUDA contexts: never fork a process that may hold one
     pipes = [ctx.Pipe() for _ in range(N)]
     procs = [ctx.Process(target=_rank_main, args=(r, cfg, pipes[r][1]), daemon=True) for r in range(N)]
@@ -335,17 +346,47 @@ def _run_world(M, L, *, spread=False, cast=False, dead=-1, timeout_s=10.0, fence
 
 
 def _check_bitwise(M, L, cfg, got, cast=False):
-    lands, outs = _reference(M, L, cast, cfg["seed"])
+    n = cfg["calls"]
+    lands, outs = _reference(M, L, cast, cfg["seed"], n)
     for r in range(M * L):
         calls = [v for tag, v in got[r] if tag == "call"]
-        assert [c[0] for c in calls] == list(range(1, CALLS + 1)), (r, got[r])
+        assert [c[0] for c in calls] == list(range(1, n + 1)), (r, got[r])
         for seq, land, out in calls:
             assert land == lands[seq, r], f"AG landing differs: rank {r} seq {seq}"
             assert not np.isnan(np.frombuffer(out, dtype=np.float32)).any(), f"rank {r} seq {seq}: unwritten"
             assert out == outs[seq, r], f"RS output differs: rank {r} seq {seq}"
         stats = [v for tag, v in got[r] if tag == "stats"]
         # one AG set and two RS banks, each prepared once (no re-upload per call); 2 runs per seq
-        assert stats == [(3, 2 * CALLS)], (r, stats)
+        assert stats == [(3, 2 * n)], (r, stats)
+        graphs = [v for tag, v in got[r] if tag == "graphs"]
+        if cfg["graphs"]:
+            # [Note: replayed calls]: each set's first call eager, its second captured (and
+            # launched), every later one replayed: the AG set from seq 2, each RS bank from its
+            # second seq (banks alternate).
+            assert graphs == [(3, (n - 1) + 2 * (n // 2 - 1))], (r, graphs)
+        else:
+            assert graphs == [(0, 0)], (r, graphs)
+
+
+@pytest.mark.parametrize("M,L,rails", [(1, 2, False), (2, 2, False), (2, 2, True)])
+def test_replayed_calls_match_the_virtual_cluster(M, L, rails):
+    """ExecutorOptions.graphs: calls 2.. of each program set run as captured CUDA graphs (the
+    entry fence, IPC pushes, NCCL rail groups inside); every landing and output stays bit-equal
+    to the CPU cluster across eager, captured and replayed calls."""
+    cfg, got = _run_world(M, L, rails=rails, graphs=True, calls=6, timeout_s=30.0 if rails else 10.0)
+    _check_bitwise(M, L, cfg, got)
+
+
+def test_replayed_call_with_a_dead_peer_fails_every_survivor():
+    """A peer that stops after the calls were captured: every survivor's replay raises (a graph
+    wait past its deadline, or the watchdog on the launch), naming rank, op and seq."""
+    timeout_s = 2.0
+    cfg, got = _run_world(2, 2, timeout_s=timeout_s, graphs=True, calls=6, stop=(3, 3))
+    for r in range(3):
+        timeouts = [v for tag, v in got[r] if tag == "timeout"]
+        assert len(timeouts) == 1, (r, got[r])
+        msg, waited = timeouts[0]
+        assert re.search(r"rank \d", msg) and "seq" in msg and "replay" in msg, msg
 
 
 @pytest.mark.parametrize("M,L", [(2, 1), (1, 2), (2, 2)])

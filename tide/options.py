@@ -25,6 +25,7 @@ class ExecutorOptions:
     copy_2d: str = "batch"             # CUDA: eager 2-D copies: batch | per_copy
     copies_on: str = "auto"            # CUDA: where copies run: auto | copy_engines | sms
     copy_ctas: int = 32                # CUDA: CTAs of one op's copies on SMs, 1..4096
+    graphs: bool = False               # CUDA: replay repeated calls as CUDA graphs (one launch per call)
     sync_every_call: bool = False      # CUDA, debug: synchronise after every call
     staging_canary: bool = False       # CUDA in-process executor, debug: check staged pushes and SUMs for races
     trace: bool = False                # CPU: every executed op per rank to stderr

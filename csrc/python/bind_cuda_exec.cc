@@ -109,6 +109,10 @@ void bind_cuda_exec(nb::module_& m, nb::module_& testing) {
         return addr(e.executor().counter_ptr(ps, r, i));
       }, nb::arg("programs"), nb::arg("rank"), nb::arg("index"))
       .def_prop_ro("cached_program_sets", [](cuda::CudaClusterCallExecutor& e) { return e.executor().cached_program_sets(); })
+      .def_prop_ro("graph_captures", [](cuda::CudaClusterCallExecutor& e) { return e.executor().graph_captures(); },
+                   "calls captured as CUDA graphs ([Note: replayed calls]; ExecutorOptions.graphs)")
+      .def_prop_ro("graph_launches", [](cuda::CudaClusterCallExecutor& e) { return e.executor().graph_replays(); },
+                   "captured calls launched (each capture's first launch included)")
       .def("run", [](cuda::CudaClusterCallExecutor& ex, std::shared_ptr<ProgramSet> ps, int64_t seq,
                      const nb::list& buffers) {
         TIDE_PLAN_CHECK(ps != nullptr, "ClusterExecutor.run: programs is None");
@@ -148,6 +152,10 @@ void bind_cuda_exec(nb::module_& m, nb::module_& testing) {
       .def_prop_ro("rank", [](cuda::CudaRankCallExecutor& e) { return e.executor().rank(); })
       .def_prop_ro("cached_program_sets", [](cuda::CudaRankCallExecutor& e) { return e.executor().cached_program_sets(); })
       .def_prop_ro("runs_started", [](cuda::CudaRankCallExecutor& e) { return e.executor().runs_started(); })
+      .def_prop_ro("graph_captures", [](cuda::CudaRankCallExecutor& e) { return e.executor().graph_captures(); },
+                   "calls captured as CUDA graphs ([Note: replayed calls]; ExecutorOptions.graphs)")
+      .def_prop_ro("graph_launches", [](cuda::CudaRankCallExecutor& e) { return e.executor().graph_replays(); },
+                   "captured calls launched (each capture's first launch included)")
       .def("run", [](cuda::CudaRankCallExecutor& ex, std::shared_ptr<ProgramSet> ps, int64_t seq, const nb::list& buffers,
                      uint64_t stream, nb::object ranks) {
         TIDE_PLAN_CHECK(ps != nullptr, "RankExecutor.run: programs is None");

@@ -128,6 +128,8 @@ void set_option(ExecutorOptions& o, const std::string& name, const std::string& 
                                                   {"sms", CopiesOn::kSms}});
   } else if (name == "copy_ctas") {
     o.copy_ctas = parse_int_in(value, w, 1, kMaxCtas);
+  } else if (name == "graphs") {
+    o.graphs = parse_bool(value, w);
   } else if (name == "sync_every_call") {
     o.sync_every_call = parse_bool(value, w);
   } else if (name == "staging_canary") {
@@ -145,7 +147,7 @@ void set_option(ExecutorOptions& o, const std::string& name, const std::string& 
   } else {
     throw PlanError(TIDE_STR_CAT(where, ": unknown field '", name, "' (fields: timeout_s, cast_ctas, zero_ctas, "
                                  "cta_split, full_grid, copy_lanes, copy_spread_bytes, copy_2d, copies_on, copy_ctas, "
-                                 "sync_every_call, staging_canary, trace, workers, rails, rail_ctas, rail_channels_per_peer)"));
+                                 "graphs, sync_every_call, staging_canary, trace, workers, rails, rail_ctas, rail_channels_per_peer)"));
   }
 }
 
@@ -154,7 +156,7 @@ std::string describe(const ExecutorOptions& o) {
                       ",cta_split=", cta_split_name(o.cta_split), ",full_grid=", full_grid_name(o.full_grid),
                       ",copy_lanes=", o.copy_lanes, ",copy_spread_bytes=", o.copy_spread_bytes,
                       ",copy_2d=", copy_2d_name(o.copy_2d),
-                      ",copies_on=", copies_on_name(o.copies_on), ",copy_ctas=", o.copy_ctas, ",sync_every_call=", o.sync_every_call ? 1 : 0,
+                      ",copies_on=", copies_on_name(o.copies_on), ",copy_ctas=", o.copy_ctas, ",graphs=", o.graphs ? 1 : 0, ",sync_every_call=", o.sync_every_call ? 1 : 0,
                       ",staging_canary=", o.staging_canary ? 1 : 0, ",trace=", o.trace ? 1 : 0, ",workers=", o.workers, ",rails=", rails_name(o.rails),
                       ",rail_ctas=", o.rail_ctas, ",rail_channels_per_peer=", o.rail_channels_per_peer);
 }

@@ -12,6 +12,7 @@ void launch_stall(double seconds, cudaStream_t stream);  // kernels.cu (fault in
 struct CudaExecutor::Entry : CachedSet {
   std::unique_ptr<ProgramTables> tables;
   std::unique_ptr<CanaryPlan> canary;  // ExecutorOptions::staging_canary
+  SetGraphs graphs;                    // this set's captured calls
 };
 
 namespace {
@@ -45,11 +46,23 @@ CudaExecutor::CudaExecutor(std::shared_ptr<fabric::Fabric> fabric, const Executo
     TIDE_CHECK_CUDA(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "rank ", r, " handoff event");
     ready_.push_back(e);
   }
+  const std::vector<int> devices = devices_of(*fabric_);
+  const bool one_device = std::all_of(devices.begin(), devices.end(), [&](int d) { return d == devices[0]; });
+  if (opt_.graphs && one_device && !canary_) {
+    DeviceGuard guard(devices[0], "CudaExecutor: ");
+    graphs_ = std::make_unique<CallGraphs>(devices[0], opt_.timeout_s);
+    TIDE_CHECK_CUDA(cudaStreamCreateWithFlags(&origin_, cudaStreamNonBlocking), "the capture stream");
+    for (cudaEvent_t* e : {&fork_, &done_}) TIDE_CHECK_CUDA(cudaEventCreateWithFlags(e, cudaEventDisableTiming));
+  }
 }
 
 CudaExecutor::~CudaExecutor() {
   fs_->quiesce();
   cache_.clear();
+  graphs_.reset();
+  if (origin_) cudaStreamDestroy(origin_);
+  for (cudaEvent_t e : {fork_, done_})
+    if (e) cudaEventDestroy(e);
   for (size_t r = 0; r < ready_.size(); ++r) {
     cudaSetDevice(fabric_->device_of(static_cast<int>(r)));
     cudaEventDestroy(ready_[r]);
@@ -108,6 +121,7 @@ uint64_t* CudaExecutor::counter_ptr(const ProgramSet& set, int rank, int index) 
 void CudaExecutor::set_timeout(double timeout_s) {
   std::lock_guard<std::mutex> lock(mu_);
   opt_.timeout_s = fs_->set_timeout(timeout_s);  // validated
+  if (graphs_) graphs_->set_timeout(opt_.timeout_s);  // captures from now on
 }
 
 void CudaExecutor::run(const std::shared_ptr<const ProgramSet>& set, int64_t seq,
@@ -125,16 +139,6 @@ void CudaExecutor::run(const std::shared_ptr<const ProgramSet>& set, int64_t seq
   const std::vector<Program>& programs = set->progs;
   auto ns = [&](int r) { return std::max<size_t>(1, programs[static_cast<size_t>(r)].streams.size()); };
   auto streams = [&](int r) -> const std::vector<cudaStream_t>& { return fs_->streams(static_cast<size_t>(r)); };
-  // [Note: stream handoff] in: nothing of call `seq` before each caller stream got here.
-  for (int r = 0; r < n && !caller.empty(); ++r) {
-    TIDE_CHECK_CUDA(cudaSetDevice(fabric_->device_of(r)));
-    TIDE_CHECK_CUDA(cudaEventRecord(ready_[static_cast<size_t>(r)], caller[static_cast<size_t>(r)]),
-                    "rank ", r, ": recording the caller stream");
-    for (size_t s = 0; s < ns(r); ++s)
-      TIDE_CHECK_CUDA(cudaStreamWaitEvent(streams(r)[s], ready_[static_cast<size_t>(r)], 0), "rank ", r, " stream ", s);
-  }
-  if (opt_.stall_rank >= 0 && opt_.stall_rank < n && opt_.stall_s > 0)
-    for (auto st : streams(opt_.stall_rank)) launch_stall(opt_.stall_s, st);
   IssueContext c;
   c.fabric = fabric_.get();
   c.programs = &programs;
@@ -150,6 +154,35 @@ void CudaExecutor::run(const std::shared_ptr<const ProgramSet>& set, int64_t seq
     c.canary_plan = e.canary.get();
     c.canary_call = canary_->begin_call(seq);
   }
+  // [Note: replayed calls]: a replay's handoff is its launch's; fault injection stays eager.
+  if (graphs_ != nullptr && !caller.empty() && opt_.dead_rank < 0 && opt_.stall_rank < 0) {
+    check_graph_fault();
+    const uint64_t key = bindings_key(buffers);
+    const SetGraphs::Decision d = e.graphs.decide(key);
+    if (d.graph != nullptr || d.capture) {
+      fs_->guarded([&] {
+        if (d.graph != nullptr)
+          launch(*d.graph, seq, caller, true);
+        else  // the capture advanced the mirror for this call already
+          launch(capture(e, key, c, seq), seq, caller, false);
+      });
+      if (opt_.sync_every_call) {
+        fs_->drain_and_sync("executor stream");
+        check_graph_fault();
+      }
+      return;
+    }
+  }
+  // [Note: stream handoff] in: nothing of call `seq` before each caller stream got here.
+  for (int r = 0; r < n && !caller.empty(); ++r) {
+    TIDE_CHECK_CUDA(cudaSetDevice(fabric_->device_of(r)));
+    TIDE_CHECK_CUDA(cudaEventRecord(ready_[static_cast<size_t>(r)], caller[static_cast<size_t>(r)]),
+                    "rank ", r, ": recording the caller stream");
+    for (size_t s = 0; s < ns(r); ++s)
+      TIDE_CHECK_CUDA(cudaStreamWaitEvent(streams(r)[s], ready_[static_cast<size_t>(r)], 0), "rank ", r, " stream ", s);
+  }
+  if (opt_.stall_rank >= 0 && opt_.stall_rank < n && opt_.stall_s > 0)
+    for (auto st : streams(opt_.stall_rank)) launch_stall(opt_.stall_s, st);
   fs_->guarded([&] {
     issue_call(c, seq);
     // Out: every internal stream joins stream 0, the caller stream waits for stream 0.
@@ -160,6 +193,56 @@ void CudaExecutor::run(const std::shared_ptr<const ProgramSet>& set, int64_t seq
     fs_->drain_and_sync("executor stream");
     check_canary();
   }
+}
+
+void CudaExecutor::check_graph_fault() {
+  if (!graphs_) return;
+  const std::string f = graphs_->fault();
+  if (f.empty()) return;
+  fs_->fail(f);
+  throw TimeoutError(f);
+}
+
+CallGraph& CudaExecutor::capture(Entry& e, uint64_t key, IssueContext& c, int64_t seq) {
+  std::unique_ptr<GraphCapture> cap = graphs_->begin();
+  const int n = fabric_->world();
+  const std::vector<Program>& programs = *c.programs;
+  auto ns = [&](int r) { return std::max<size_t>(1, programs[static_cast<size_t>(r)].streams.size()); };
+  cudaGraph_t g = nullptr;
+  TIDE_CHECK_CUDA(cudaStreamBeginCapture(origin_, cudaStreamCaptureModeThreadLocal), "capturing a call");
+  try {
+    launch_head(*cap, origin_);
+    TIDE_CHECK_CUDA(cudaEventRecord(fork_, origin_));
+    for (int r = 0; r < n; ++r)
+      for (size_t s = 0; s < ns(r); ++s) TIDE_CHECK_CUDA(cudaStreamWaitEvent(fs_->streams(static_cast<size_t>(r))[s], fork_, 0));
+    c.graph = cap.get();
+    issue_call(c, seq);
+    for (int r = 0; r < n; ++r)
+      fs_->join_caller(static_cast<size_t>(r), ns(r), origin_, true, TIDE_STR_CAT("rank ", r, " capturing call seq ", seq));
+  } catch (...) {
+    cudaStreamEndCapture(origin_, &g);  // abandon it
+    if (g) cudaGraphDestroy(g);
+    throw;
+  }
+  TIDE_CHECK_CUDA(cudaStreamEndCapture(origin_, &g), "ending the capture of a call");
+  return e.graphs.add(key, graphs_->finish(g, *cap));
+}
+
+void CudaExecutor::launch(CallGraph& g, int64_t seq, const std::vector<cudaStream_t>& caller, bool advance) {
+  const cudaStream_t s0 = caller[0];
+  for (size_t r = 1; r < caller.size(); ++r) {  // the other callers' prior work, then the call
+    if (caller[r] == s0) continue;
+    TIDE_CHECK_CUDA(cudaEventRecord(ready_[r], caller[r]), "rank ", r, ": recording the caller stream");
+    TIDE_CHECK_CUDA(cudaStreamWaitEvent(s0, ready_[r], 0), "rank ", r, ": joining the caller streams");
+  }
+  graphs_->launch(g, *fabric_, seq, 0, s0, advance);
+  TIDE_CHECK_CUDA(cudaEventRecord(done_, s0), "recording a replayed call");
+  for (size_t r = 1; r < caller.size(); ++r)
+    if (caller[r] != s0) TIDE_CHECK_CUDA(cudaStreamWaitEvent(caller[r], done_, 0), "rank ", r, ": waiting for the call");
+  CallGraphs* graphs = graphs_.get();
+  const std::string late = TIDE_STR_CAT("CudaExecutor call seq ", seq, " (a replayed graph) did not complete within ",
+                                        opt_.timeout_s, " s; its waits are abandoned");
+  fs_->watchdog().watched_work(s0, late, [graphs] { graphs->abort(); });
 }
 
 void CudaExecutor::check_canary() {
@@ -174,6 +257,7 @@ void CudaExecutor::synchronize() {
   std::lock_guard<std::mutex> lock(mu_);
   fs_->synchronize("executor stream");
   check_canary();
+  check_graph_fault();
 }
 
 }  // namespace tide::cuda

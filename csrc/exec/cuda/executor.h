@@ -42,6 +42,9 @@ namespace tide::cuda {
 //     stream s of call e+1 queues behind stream s of call e whatever sets they run.
 //   - caller_streams[r] (empty: none) is rank r's caller stream: the call's streams wait for its
 //     prior work, and it waits for the whole call (every internal stream joined) — no host sync.
+//   - ExecutorOptions::graphs (one device, caller streams given, no canary): a call met again with
+//     the same set and buffers is captured, then replayed as one graph launch on caller_streams[0]
+//     (the other callers join it by events) ([Note: replayed calls], graph.h). Otherwise eager.
 //   - With ExecutorOptions::staging_canary, every staged push and SUM is bracketed by the staging
 //     canary's check and mark (staging_canary.h); a race it records fails synchronize() (and a
 //     sync_every_call run) with its message, and the executor refuses later calls.
@@ -62,10 +65,17 @@ class CudaExecutor {
   CudaRunOptions& options() { return opt_; }  // fault injection (tests)
   void set_timeout(double timeout_s);         // later waits' deadline
   size_t cached_program_sets() const { return cache_.size(); }
+  int64_t graph_captures() const { return graphs_ ? graphs_->captures() : 0; }
+  int64_t graph_replays() const { return graphs_ ? graphs_->replays() : 0; }
 
  private:
   struct Entry;
   Entry& prepare(const std::shared_ptr<const ProgramSet>& set);
+  // [Note: replayed calls]: records call `seq` (issued through `c`) as a graph of `e`; launches a
+  // graph on the caller streams, watched.
+  CallGraph& capture(Entry& e, uint64_t key, IssueContext& c, int64_t seq);
+  void launch(CallGraph& g, int64_t seq, const std::vector<cudaStream_t>& caller, bool advance);
+  void check_graph_fault();
   void check_canary();  // after the streams synchronised: a recorded staging race fails the executor
 
   std::shared_ptr<fabric::Fabric> fabric_;
@@ -75,6 +85,9 @@ class CudaExecutor {
   CopyLaneTable lanes_;
   SetCache<Entry> cache_;
   std::unique_ptr<StagingCanary> canary_;  // ExecutorOptions::staging_canary
+  std::unique_ptr<CallGraphs> graphs_;     // ExecutorOptions::graphs on one device
+  cudaStream_t origin_ = nullptr;          // captures start and end here
+  cudaEvent_t fork_ = nullptr, done_ = nullptr;
   std::mutex mu_;
 };
 

@@ -242,6 +242,20 @@ uint64_t bumped(const Op& op, int64_t seq, uint64_t cur) {
 bool bumps(OpKind k) {
   return k == OpKind::kPut || k == OpKind::kSignal || k == OpKind::kCredit || k == OpKind::kEventRecord;
 }
+// Advances the host mirror of op's counter (a bump, or a RECV's arrival: + value) and returns its
+// new value; while capturing, also records the change for every replay ([Note: replayed calls]).
+uint64_t advance(const IssueContext& c, const Op& op, int64_t seq) {
+  uint64_t& sh = shadow(c, op.counter);
+  sh = op.kind == OpKind::kRecv ? sh + static_cast<uint64_t>(op.value) : bumped(op, seq, sh);
+  if (c.graph != nullptr) {
+    const int f = fabric_rank(c, op.counter.rank), n = prog(c, op.counter.rank).num_counters;
+    if (op.kind == OpKind::kEventRecord)
+      c.graph->advance.raise(f, n, op.counter.index, GraphValue{op.value, op.per_call, false});
+    else
+      c.graph->advance.add(f, n, op.counter.index, static_cast<uint64_t>(op.value));
+  }
+  return sh;
+}
 // Local rank r's rendezvous group ops[k, end) on the rail ([Note: NCCL rail], fabric/nccl.h),
 // watched; then its receives' counter bumps on the same stream.
 void issue_group(const IssueContext& c, int r, const std::vector<int>& ops, size_t k, size_t end, int64_t seq) {
@@ -276,19 +290,24 @@ void issue_group(const IssueContext& c, int r, const std::vector<int>& ops, size
                                         ")");
 #ifdef TIDE_WITH_NCCL
   c.rail->enqueue(sends, recvs, s, what);
-  std::shared_ptr<fabric::NcclRail> rail = c.rail;
-  const std::string late = what + " did not complete: a peer never posted its matching group (behind, stalled or "
-                           "dead); the rail communicator is aborted";
-  c.watchdog->watched_work(s, late, [rail, late] { rail->abort(late); });
+  if (c.graph == nullptr) {  // a replay is watched whole by its executor ([Note: replayed calls])
+    std::shared_ptr<fabric::NcclRail> rail = c.rail;
+    const std::string late = what + " did not complete: a peer never posted its matching group (behind, stalled or "
+                             "dead); the rail communicator is aborted";
+    c.watchdog->watched_work(s, late, [rail, late] { rail->abort(late); });
+  }
 #else
   throw Error(what + ": this build has no NCCL (the rail needs it)");
 #endif
   for (size_t q = k; q < end; ++q) {
     const Op& op = pr.ops[static_cast<size_t>(ops[q])];
     if (op.kind != OpKind::kRecv || op.counter.index < 0) continue;
-    uint64_t& sh = shadow(c, op.counter);
-    sh += static_cast<uint64_t>(op.value);
-    signal(s, counter_address(c, op.counter.rank, op.counter.index), sh);
+    const uint64_t v = advance(c, op, seq);
+    uint64_t* counter = counter_address(c, op.counter.rank, op.counter.index);
+    if (c.graph == nullptr)
+      signal(s, counter, v);
+    else
+      launch_graph_add(counter, static_cast<uint64_t>(op.value), s);
   }
 }
 
@@ -302,9 +321,14 @@ void issue(const IssueContext& c, int rank, int i, int64_t seq) {
   const int land_ctas = pr.land_ctas > 0 ? pr.land_ctas : kDefaultLandCtas;
   cudaStream_t s = (*c.streams)[static_cast<size_t>(rank)][op.stream];
   auto bump = [&]() {
-    uint64_t& sh = shadow(c, op.counter);
-    sh = bumped(op, seq, sh);
-    signal(s, counter_address(c, op.counter.rank, op.counter.index), sh);
+    const uint64_t v = advance(c, op, seq);
+    uint64_t* counter = counter_address(c, op.counter.rank, op.counter.index);
+    if (c.graph == nullptr)
+      signal(s, counter, v);
+    else if (op.kind == OpKind::kEventRecord)
+      launch_graph_raise(counter, GraphValue{op.value, op.per_call, false}, c.graph->params, s);
+    else
+      launch_graph_add(counter, static_cast<uint64_t>(op.value), s);
   };
   if (c.canary != nullptr) c.canary->before(*c.canary_plan, rank, i, c.canary_call, s);
   switch (op.kind) {
@@ -406,6 +430,14 @@ void issue(const IssueContext& c, int rank, int i, int64_t seq) {
       break;
     case OpKind::kWait:
     case OpKind::kEventWait: {
+      if (c.graph != nullptr) {  // [Note: replayed calls]: the target is computed per replay
+        if (op.per_call == 0 && op.value <= 0) break;
+        const double limit = op.deadline_s > 0 ? op.deadline_s : c.opt->timeout_s;
+        launch_graph_wait(counter_address(c, op.counter.rank, op.counter.index), GraphValue{op.value, op.per_call, false},
+                          c.graph->params, static_cast<uint64_t>(limit * 1e9), c.graph->fault, c.graph->flags,
+                          c.graph->add_wait(describe_op(c, rank, i, -1)), c.graph->graph_id, s);
+        break;
+      }
       if (op.target(seq) <= 0) break;  // counters start at 0: trivially satisfied (first call)
       WaitSpec w{counter_address(c, op.counter.rank, op.counter.index), static_cast<uint64_t>(op.target(seq))};
       c.watchdog->watched_wait(s, &w, 1, describe_op(c, rank, i, seq), op.deadline_s);  // 0: executor's
@@ -435,11 +467,12 @@ std::string describe_op(const IssueContext& c, int rank, int i, int64_t seq) {
     const size_t idx = static_cast<size_t>(op.counter.index);
     const std::string name = idx < pc.counter_names.size() && !pc.counter_names[idx].empty()
                                  ? pc.counter_names[idx] : std::to_string(op.counter.index);
-    s += TIDE_STR_CAT(", counter ", name, "@rank ", fabric_rank(c, op.counter.rank), " >= ", op.target(seq));
+    s += TIDE_STR_CAT(", counter ", name, "@rank ", fabric_rank(c, op.counter.rank));
+    if (seq >= 0) s += TIDE_STR_CAT(" >= ", op.target(seq));
     const int producer = c.tables->producer[static_cast<size_t>(op.counter.rank)][idx];
     s += producer >= 0 ? TIDE_STR_CAT(", produced by rank ", fabric_rank(c, producer)) : std::string(", no producer");
   }
-  return s + TIDE_STR_CAT(") seq ", seq);
+  return seq >= 0 ? s + TIDE_STR_CAT(") seq ", seq) : s + ")";
 }
 
 void issue_call(const IssueContext& c, int64_t seq) {
@@ -469,7 +502,7 @@ void issue_call(const IssueContext& c, int64_t seq) {
             } else {
               for (size_t q = k; q < end; ++q) {
                 const Op& o = p.ops[static_cast<size_t>(ops[q])];
-                if (o.kind == OpKind::kRecv && o.counter.index >= 0) shadow(c, o.counter) += static_cast<uint64_t>(o.value);
+                if (o.kind == OpKind::kRecv && o.counter.index >= 0) advance(c, o, seq);
               }
             }
             k = end;
@@ -484,8 +517,7 @@ void issue_call(const IssueContext& c, int64_t seq) {
           if (local) {
             issue(c, r, ops[k], seq);
           } else if (bumps(op.kind)) {
-            uint64_t& sh = shadow(c, op.counter);  // a peer's bump: simulated
-            sh = bumped(op, seq, sh);
+            advance(c, op, seq);  // a peer's bump: simulated
           }
           ++k;
           progress = true;

@@ -43,6 +43,7 @@
 #include <string>
 #include <vector>
 
+#include "exec/cuda/graph.h"
 #include "exec/cuda/kernels.h"
 #include "exec/cuda/runtime.h"
 #include "exec/cuda/staging_canary.h"
@@ -150,10 +151,13 @@ struct IssueContext {
   StagingCanary* canary = nullptr;
   const CanaryPlan* canary_plan = nullptr;
   uint64_t canary_call = 0;
+  // Capturing ([Note: replayed calls], graph.h): counter writes and waits become graph ops that
+  // read the call's parameters, and every change to the host mirror is recorded. Null: eager.
+  GraphCapture* graph = nullptr;
 };
 void issue_call(const IssueContext& c, int64_t seq);
 // "rank R op I (KIND, tag T[, round D][, counter NAME@rank Q >= V, produced by rank P]) seq S"
-// (fabric ranks).
+// (fabric ranks); seq < 0: without ">= V" and "seq S" (a captured wait, valid for every replay).
 std::string describe_op(const IssueContext& c, int rank, int op_index, int64_t seq);
 uint64_t* counter_address(const IssueContext& c, int rank, int index);
 

@@ -17,6 +17,7 @@ struct CudaRankExecutor::Entry : CachedSet {
   std::vector<int> writes;           // fabric ranks whose arenas this rank writes (entry fence)
   std::map<std::pair<int, int>, int64_t> needs;  // (user kind, index) -> bytes the program touches
   int64_t fence_index = -1;          // the executor's counter in region "counters"
+  SetGraphs graphs;                  // this set's captured calls
 };
 
 namespace {
@@ -49,12 +50,18 @@ CudaRankExecutor::CudaRankExecutor(std::shared_ptr<fabric::Fabric> fabric, int r
   fs_ = std::make_unique<FailStopStreams>("CudaRankExecutor", std::vector<int>{device_}, opt_.timeout_s);
   for (cudaEvent_t* e : {&ev_caller_, &ev_entry_})
     TIDE_CHECK_CUDA(cudaEventCreateWithFlags(e, cudaEventDisableTiming));
+  if (opt_.graphs) {
+    graphs_ = std::make_unique<CallGraphs>(device_, opt_.timeout_s);
+    TIDE_CHECK_CUDA(cudaStreamCreateWithFlags(&origin_, cudaStreamNonBlocking), "the capture stream");
+  }
 }
 
 CudaRankExecutor::~CudaRankExecutor() {
   cudaSetDevice(device_);
   fs_->quiesce();
   cache_.clear();
+  graphs_.reset();
+  if (origin_) cudaStreamDestroy(origin_);
   for (cudaEvent_t e : {ev_caller_, ev_entry_})
     if (e) cudaEventDestroy(e);
 }
@@ -62,6 +69,7 @@ CudaRankExecutor::~CudaRankExecutor() {
 void CudaRankExecutor::set_timeout(double timeout_s) {
   std::lock_guard<std::mutex> lock(mu_);
   opt_.timeout_s = fs_->set_timeout(timeout_s);  // validated
+  if (graphs_) graphs_->set_timeout(opt_.timeout_s);  // captures from now on
 }
 
 CudaRankExecutor::Entry& CudaRankExecutor::prepare(const std::shared_ptr<const ProgramSet>& sp,
@@ -151,7 +159,7 @@ void CudaRankExecutor::check_buffers(const Entry& e, const RankBindings& b) cons
 // #k" into this rank's fence counter and waits until every peer it writes into shows >= k. Run
 // k's stream 0 starts only after run k-1 joined every internal stream into it, so "started k"
 // implies "finished k-1" exactly as on the CPU.
-void CudaRankExecutor::fence(const Entry& e, int64_t seq, const std::vector<Program>& progs) {
+void CudaRankExecutor::fence(const Entry& e, int64_t seq, const std::vector<Program>& progs, GraphCapture* graph) {
   const uint64_t k = runs_;
   const ArenaSpec& a = e.tables->layout;
   auto fence_ptr = [&](int g) {
@@ -160,8 +168,20 @@ void CudaRankExecutor::fence(const Entry& e, int64_t seq, const std::vector<Prog
     return reinterpret_cast<uint64_t*>(arena + a.counters_offset) + e.fence_index;
   };
   const cudaStream_t s0 = fs_->streams(0)[0];
-  signal(s0, fence_ptr(rank_), k);
+  const GraphValue by_run{0, 0, true};  // a replay's run number ([Note: replayed calls])
+  if (graph == nullptr)
+    signal(s0, fence_ptr(rank_), k);
+  else
+    launch_graph_raise(fence_ptr(rank_), by_run, graph->params, s0);
   for (int g : e.writes) {
+    if (graph != nullptr) {
+      const std::string what = TIDE_STR_CAT("rank ", rank_, " entry fence before op 0 (waits for rank ", g,
+                                            " to start this run; counter fence@rank ", g, ") group ", progs[0].group,
+                                            ": rank ", g, " is behind (still in an earlier collective, stalled or dead);");
+      launch_graph_wait(fence_ptr(g), by_run, graph->params, graph->timeout_ns, graph->fault, graph->flags,
+                        graph->add_wait(what), graph->graph_id, s0);
+      continue;
+    }
     WaitSpec w{fence_ptr(g), k};
     const std::string what = TIDE_STR_CAT("rank ", rank_, " entry fence before op 0 (waits for rank ", g,
                                           " to start run #", k, "; counter fence@rank ", g, " >= ", k, ") seq ",
@@ -169,6 +189,53 @@ void CudaRankExecutor::fence(const Entry& e, int64_t seq, const std::vector<Prog
                                           " is behind (still in an earlier collective, stalled or dead)");
     fs_->watchdog().watched_wait(s0, &w, 1, what);
   }
+}
+
+void CudaRankExecutor::check_graph_fault() {
+  if (!graphs_) return;
+  const std::string f = graphs_->fault();
+  if (f.empty()) return;
+  fs_->fail(f);
+  throw TimeoutError(f);
+}
+
+void CudaRankExecutor::replay(CallGraph& g, int64_t seq, cudaStream_t caller, bool advance) {
+  ++runs_;
+  graphs_->launch(g, *fabric_, seq, runs_, caller, advance);
+  CallGraphs* graphs = graphs_.get();
+  std::shared_ptr<fabric::NcclRail> rail = rail_;
+  const std::string late = TIDE_STR_CAT("rank ", rank_, " call seq ", seq, " (a replayed graph) did not complete: a "
+                                        "peer is behind, stalled or dead; its waits are abandoned");
+  fs_->watchdog().watched_work(caller, late, [graphs, rail, late] {
+    graphs->abort();
+    if (rail) rail->abort(late);
+  });
+}
+
+CallGraph& CudaRankExecutor::capture(Entry& e, uint64_t key, IssueContext& c, int64_t seq,
+                                     const std::vector<Program>& progs) {
+  std::unique_ptr<GraphCapture> cap = graphs_->begin();
+  const size_t ns = e.tables->stream_ops[static_cast<size_t>(e.me)].size();
+  const std::vector<cudaStream_t>& own = fs_->streams(0);
+  cudaGraph_t g = nullptr;
+  TIDE_CHECK_CUDA(cudaStreamBeginCapture(origin_, cudaStreamCaptureModeThreadLocal), "capturing a call");
+  try {
+    launch_head(*cap, origin_);
+    TIDE_CHECK_CUDA(cudaEventRecord(ev_caller_, origin_));
+    TIDE_CHECK_CUDA(cudaStreamWaitEvent(own[0], ev_caller_, 0));
+    if (fence_) fence(e, seq, progs, cap.get());
+    TIDE_CHECK_CUDA(cudaEventRecord(ev_entry_, own[0]));
+    for (size_t s = 1; s < ns; ++s) TIDE_CHECK_CUDA(cudaStreamWaitEvent(own[s], ev_entry_, 0));
+    c.graph = cap.get();
+    issue_call(c, seq);
+    fs_->join_caller(0, ns, origin_, true, TIDE_STR_CAT("rank ", rank_, " capturing call seq ", seq));
+  } catch (...) {
+    cudaStreamEndCapture(origin_, &g);  // abandon it
+    if (g) cudaGraphDestroy(g);
+    throw;
+  }
+  TIDE_CHECK_CUDA(cudaStreamEndCapture(origin_, &g), "ending the capture of a call");
+  return e.graphs.add(key, graphs_->finish(g, *cap));
 }
 
 void CudaRankExecutor::run(const std::shared_ptr<const ProgramSet>& set, int64_t seq, const RankBindings& buffers,
@@ -218,6 +285,24 @@ void CudaRankExecutor::run(const std::shared_ptr<const ProgramSet>& set, int64_t
   c.rail = rail_;
   c.rail_gpus_per_node = topo_.gpus_per_node;
   const std::string call = TIDE_STR_CAT("rank ", rank_, " call seq ", seq);
+  if (graphs_) {  // [Note: replayed calls]
+    check_graph_fault();
+    const uint64_t key = bindings_key(bufs);
+    const SetGraphs::Decision d = e.graphs.decide(key);
+    if (d.graph != nullptr || d.capture) {
+      fs_->guarded([&] {
+        if (d.graph != nullptr)
+          replay(*d.graph, seq, caller, true);
+        else  // the capture advanced the mirror for this call already
+          replay(capture(e, key, c, seq, *progs), seq, caller, false);
+        if (opt_.sync_every_call) {
+          fs_->drain_and_sync(call);
+          check_graph_fault();
+        }
+      });
+      return;
+    }
+  }
   try {
     TIDE_CHECK_CUDA(cudaEventRecord(ev_caller_, caller), "recording the caller stream");
     TIDE_CHECK_CUDA(cudaStreamWaitEvent(own[0], ev_caller_, 0));
@@ -250,6 +335,7 @@ void CudaRankExecutor::synchronize() {
   std::lock_guard<std::mutex> lock(mu_);
   DeviceGuard device(device_);
   fs_->synchronize(TIDE_STR_CAT("rank ", rank_, " executor stream"));
+  check_graph_fault();
 }
 
 }  // namespace tide::cuda

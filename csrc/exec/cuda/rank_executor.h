@@ -29,6 +29,9 @@
 //   - Two-sided rails (ExecutorOptions::rails = two_sided, set_rail): only the arenas of this
 //     rank's topology node need be open in the fabric; SEND/RECV groups run on the rail's NCCL
 //     communicator from the rail_p2p stream, watched (a late group aborts the rail and raises).
+//   - ExecutorOptions::graphs: a call met again with the same set and buffers is captured and
+//     then replayed as one CUDA graph launch on the caller's stream ([Note: replayed calls],
+//     graph.h); the entry fence runs inside the graph with the run number as a call parameter.
 //   - Fail-stop: after any error the executor refuses further calls. Bad input (buffers too small
 //     or missing, regions absent, programs for another topology) is a PlanError/Error before
 //     anything is enqueued.
@@ -76,12 +79,20 @@ class CudaRankExecutor {
   int world() const { return fabric_->world(); }
   size_t cached_program_sets() const { return cache_.size(); }
   uint64_t runs_started() const { return runs_; }
+  // Calls captured and replayed ([Note: replayed calls], graph.h; ExecutorOptions::graphs).
+  int64_t graph_captures() const { return graphs_ ? graphs_->captures() : 0; }
+  int64_t graph_replays() const { return graphs_ ? graphs_->replays() : 0; }
 
  private:
   struct Entry;
   Entry& prepare(const std::shared_ptr<const ProgramSet>& set, const std::vector<int>& members);
   void check_buffers(const Entry& e, const RankBindings& b) const;
-  void fence(const Entry& e, int64_t seq, const std::vector<Program>& progs);
+  void fence(const Entry& e, int64_t seq, const std::vector<Program>& progs, GraphCapture* graph = nullptr);
+  // Launches `g` for call `seq` on `caller`, watched (advance: the host mirror by its record);
+  // capture() records the call (issued through `c`) as a graph of `e`.
+  void replay(CallGraph& g, int64_t seq, cudaStream_t caller, bool advance);
+  CallGraph& capture(Entry& e, uint64_t key, IssueContext& c, int64_t seq, const std::vector<Program>& progs);
+  void check_graph_fault();
 
   std::shared_ptr<fabric::Fabric> fabric_;
   std::shared_ptr<fabric::NcclRail> rail_;
@@ -96,6 +107,8 @@ class CudaRankExecutor {
   CopyLaneTable lanes_;
   std::unique_ptr<FailStopStreams> fs_;  // slot 0: this rank's streams; the watchdog, fail-stop
   cudaEvent_t ev_caller_ = nullptr, ev_entry_ = nullptr;
+  std::unique_ptr<CallGraphs> graphs_;  // ExecutorOptions::graphs
+  cudaStream_t origin_ = nullptr;       // captures start and end here
   SetCache<Entry> cache_;
   std::mutex mu_;
 };

@@ -49,6 +49,9 @@ struct ExecutorOptions {
   Copy2D copy_2d = Copy2D::kBatch;
   CopiesOn copies_on = CopiesOn::kAuto;
   int copy_ctas = 32;                   // CTAs of one COPY/PUT op's copies on SMs, 1..4096
+  // Calls replayed as CUDA graphs ([Note: replayed calls], exec/cuda/graph.h): a call seen again
+  // with the same program set and buffers is captured, then replayed with one launch.
+  bool graphs = false;
   bool sync_every_call = false;         // debug: synchronise after every call
   // Debug: the in-process executor checks every staged push and SUM against the staging races
   // (exec/cuda/staging_canary.h; two one-thread kernels per such op). The CPU executor with ranks
