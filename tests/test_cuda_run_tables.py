@@ -152,3 +152,30 @@ def test_level1_sums_of_the_70b_group_take_the_sum_kernel(M, L):
     for op in sums:
         level1 = _core.testing.run_table(ps, 0, op)[5]
         assert level1 is not None and len(level1) == L - 1
+
+
+@pytest.mark.parametrize("M,L", [(2, 4), (3, 2), (1, 4)])
+def test_fp16_gradients_mark_their_terms_and_take_the_fp16_sum(M, L):
+    """fp16 gradients: every term that reads a gradient or a staged slice is in the fp16 mask
+    (none in both masks), and a Level-1 SUM runs kernels.cu's SUM in its fp16 form."""
+    plan = tide.plan(tide.GroupSignature(shapes=SHAPES, grad_dtype="float16"), tide.Topology(M, L))
+    ps = _core.build_rs_programs(plan, bank=0, alpha=0.5, accumulate=False, expert_lane=False)
+    level1_ops = 0
+    for rank in range(M * L):
+        for line in ps.describe(rank):
+            m = re.match(r"(\d+) (SUM|LAND) ", line)
+            if not m:
+                continue
+            op = int(m.group(1))
+            _, n_terms, f32, _, pieces, level1, _, _ = _core.testing.run_table(ps, rank, op)
+            f16, level1_fp16 = _core.testing.run_table_fp16(ps, rank, op)
+            sizes = {}
+            for term, *_rest, size in pieces:
+                sizes.setdefault(term, size)
+            for t, term in enumerate(sorted(sizes)):
+                assert bool(f16 >> t & 1) == (sizes[term] == 2) and bool(f32 >> t & 1) == (sizes[term] == 4)
+            if level1 is not None:
+                assert level1_fp16 and f32 == 0 and f16 == (1 << n_terms) - 1
+                level1_ops += 1
+    if L >= 2 and M > 1:
+        assert level1_ops > 0

@@ -407,10 +407,9 @@ def test_cuda_transport_calls(monkeypatch):
     tg = TideGroup(index=1, fqn="layers.0", is_root=False, world=2, topology=topo,
                    pg=SimpleNamespace(post_forward_mesh_info=object(),
                                       reshard_after_backward=True),
-                   chunks=[Chunk(0, 0, tide.plan(sig, topo, mode="in_place"))],
-                   param_dtype=torch.bfloat16,
-                   orig_dtype=torch.float32, reduce_dtype=torch.float32,
+                   ag_dtypes=[torch.bfloat16] * 3, shard_dtypes=[torch.float32] * 3,
                    shapes=[(37, 16), (16,), (24, 16)])
+    tg.set_chunks([Chunk(0, (0, 1, 2), tide.plan(sig, topo, mode="in_place"), torch.bfloat16, torch.float32)])
     arena = Arena(placement.assign([tg]), torch.device("cpu"))
     shm_name = arena.shm_name
     try:

@@ -13,14 +13,15 @@ FSDP2 layout op in a profiled step, parameters bitwise equal to stock (exact gra
 - ``reduce_dtype=torch.bfloat16``: one rounding of TIDE-RS's fp32 sum, no further from the fp32
   reference than stock's bf16 reduce-scatter ([Note: low-precision reduce]); ``torch.float16``:
   FSDP2's pre-division folded into alpha, within one fp16 ulp, closer than stock's fp16 ring
-  (torch 2.15 hands TIDE fp16 gradients, which TIDE-RS does not read: those calls go to stock,
-  counted with their reason);
+  (torch 2.15 hands TIDE fp16 gradients, which TIDE-RS reads in fp16);
+- ``param_dtype=torch.float16``: the all-gather casts fp32 shards to fp16 as torch does;
+- bf16 weights with fp32 norms in one group, with a bf16 policy and with none: one plan per
+  dtype class, each parameter in its own dtype on the wire (groups.py [Note: chunks]);
 - tensor parallelism: a 2-D (dp x tp) mesh with Colwise/Rowwise MLPs, DTensor parameters on a
   dp x tp mesh with TP 1 (torchtitan's SPMD layout), and HSDP x TP on a 3-D mesh (replicate x
   shard x tp) (groups.py [Note: DTensor parameters]);
 - ``reshard_after_forward=2``: backward's re-gathers over the post-forward groups land in place
-  (groups.py [Note: post-forward mesh]);
-- what still goes to stock says why: an fp16 all-gather (``handle.fallbacks``).
+  (groups.py [Note: post-forward mesh]).
 """
 from __future__ import annotations
 
@@ -142,13 +143,6 @@ def _configurations(rank, world):
             assert got == planned, (mode, name)
         handle.disable()
 
-    # fp16 all-gather: a documented fallback, named per group.
-    from torch.distributed.fsdp import MixedPrecisionPolicy
-    model = build(mesh=mesh, mp_policy=MixedPrecisionPolicy(param_dtype=torch.float16))
-    handle = tide_torch.enable(model, topology=TOPO)
-    assert handle.fallbacks and all("float16" in r for r in handle.fallbacks.values()), handle.fallbacks
-    handle.disable()
-
 
 def test_configurations():
     spawn(_configurations)
@@ -211,21 +205,23 @@ def _bf16_reduce(rank, world):
     _served_everywhere(handle, "bf16 reduce")
     check_one_rounding(got, stock, ref)
     handle.disable()
-    fp16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float16)
-    stock = _grads(build(mesh=mesh, mp_policy=fp16), tokens)
-    model = build(mesh=mesh, mp_policy=fp16)
-    handle = tide_torch.enable(model, topology=TOPO)
-    got = _grads(model, tokens)
-    if _torch_at_least(2, 15):
-        # torch 2.15 hands autograd's gradients over in the reduce dtype (fp16 here): TIDE-RS
-        # reads bf16 or fp32, so these reduce-scatters go to stock, counted, with their reason.
-        assert handle.stats["rs_tide"] == 0 and handle.stats["rs_stock"] > 0, handle.stats
-        assert all("float16 gradients" in k[2] for k in handle.hand_backs), handle.hand_backs
-        assert all(torch.equal(got[n], stock[n]) for n in ref), "handed back: stock's own result"
-    else:
-        _served_everywhere(handle, "fp16 reduce")
+    # An fp16 reduce dtype, from bf16 and from fp16 parameters (param_dtype=torch.float16 alone:
+    # FSDP2 reduces in the parameter dtype). torch 2.15 hands autograd's gradients over in the
+    # reduce dtype: TIDE-RS reads them in fp16. Against the fp32-reduce run of the same
+    # all-gather dtype.
+    for ag in (torch.bfloat16, torch.float16):
+        what = f"{ag} all-gather, fp16 reduce"
+        fp16 = MixedPrecisionPolicy(param_dtype=ag, reduce_dtype=torch.float16)
+        if ag == torch.float16:
+            ref = _grads(build(mesh=mesh, mp_policy=MixedPrecisionPolicy(
+                param_dtype=ag, reduce_dtype=torch.float32)), tokens)
+        stock = _grads(build(mesh=mesh, mp_policy=fp16), tokens)
+        model = build(mesh=mesh, mp_policy=fp16)
+        handle = tide_torch.enable(model, topology=TOPO)
+        got = _grads(model, tokens)
+        _served_everywhere(handle, what)
         check_fp16_reduce(got, stock, ref)
-    handle.disable()
+        handle.disable()
     # The same step with exact sums is bitwise equal to stock.
     data = batches(2, same_on_all_ranks=True)
     stock = build(mesh=mesh, mp_policy=bf16)
@@ -240,6 +236,90 @@ def _bf16_reduce(rank, world):
 
 def test_bf16_reduce_dtype():
     spawn(_bf16_reduce)
+
+
+def _mixed_model(mesh, mp, *, frozen: bool = True):
+    """The tiny Llama in bf16 with its RMSNorm weights in fp32 (HF's ``_keep_in_fp32_modules``
+    for norms), frozen unless ``frozen=False``: every block's group and the root's hold both
+    dtypes."""
+    from tide_apps.llama import fully_shard_llama
+    torch.manual_seed(0)
+    model = td.TinyLlama(3).to(torch.bfloat16)
+    for name, module in model.named_modules():
+        if name.endswith("norm"):
+            module.float().requires_grad_(not frozen)
+    return fully_shard_llama(model, mesh, mp_policy=mp)
+
+
+def _dtypes(rank, world):
+    import tide_torch
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+    mesh = mesh_1d()
+    data = batches(3, same_on_all_ranks=True)
+
+    def check_classes(handle, what, classes):
+        assert not handle.fallbacks, (what, handle.fallbacks)
+        for g in handle.groups:  # each parameter in its own dtype on the wire
+            assert {(c.ag_dtype, c.shard_dtype) for c in g.chunks} == classes, (what, g.fqn)
+        assert any("[" in name for name in handle.plans), sorted(handle.plans)
+
+    # fp16 all-gather: fp32 shards cast by TIDE-AG's CAST as torch's .to() rounds; the fp16
+    # gradients reduce in fp32 (an fp16 reduce dtype: _bf16_reduce below).
+    fp16 = MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float32)
+    handle = _against_stock(lambda: build(mesh=mesh, mp_policy=fp16), lambda m: train(m, data),
+                            "param_dtype fp16")
+    _served_everywhere(handle, "param_dtype fp16")
+    assert all(c.ag_dtype == torch.float16 and c.casts for g in handle.groups for c in g.chunks)
+    handle.disable()
+
+    # bf16 weights with frozen fp32 norms in one group (FSDP2 takes one original dtype among
+    # trainable parameters): one chunk per dtype class, the reduce-scatters on the weights.
+    bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for label, mp, classes in (
+            ("bf16 policy", bf16, {(torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32)}),
+            ("no policy", MixedPrecisionPolicy(), {(torch.bfloat16, torch.bfloat16),
+                                                   (torch.float32, torch.float32)})):
+        what = f"bf16 weights + frozen fp32 norms, {label}"
+        handle = _against_stock(lambda: _mixed_model(mesh, mp), lambda m: train(m, data), what)
+        _served_everywhere(handle, what)
+        check_classes(handle, what, classes)
+        handle.disable()
+
+    # Trainable fp32 norms next to bf16 weights: stock FSDP2 refuses the group in the first
+    # forward; TIDE (which plans it) changes nothing about that.
+    stock = _mixed_model(mesh, bf16, frozen=False)
+    try:
+        train(stock, data)
+    except AssertionError as e:
+        assert "uniform original parameter dtype" in str(e), e
+        model = _mixed_model(mesh, bf16, frozen=False)
+        handle = tide_torch.enable(model, topology=TOPO)
+        try:
+            train(model, data)
+        except AssertionError as e2:
+            assert str(e2) == str(e), e2
+        else:
+            raise AssertionError("trained with TIDE where stock FSDP2 refused")
+        handle.disable()
+    else:
+        raise AssertionError("stock FSDP2 trained trainable parameters of two dtypes: serve them")
+
+    # torch 2.15's per-parameter policies: fp32 masters, weights gathered in bf16 (a cast), norms
+    # kept in fp32 (adopted); their gradients bf16 and fp32.
+    if "param_dtype_override_fn" in MixedPrecisionPolicy.__dataclass_fields__:
+        per_param = MixedPrecisionPolicy(
+            param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
+            param_dtype_override_fn=lambda p: torch.float32 if p.ndim == 1 else None)
+        what = "per-parameter policies"
+        handle = _against_stock(lambda: build(mesh=mesh, mp_policy=per_param), lambda m: train(m, data),
+                                what)
+        _served_everywhere(handle, what)
+        check_classes(handle, what, {(torch.bfloat16, torch.float32), (torch.float32, torch.float32)})
+        handle.disable()
+
+
+def test_dtypes():
+    spawn(_dtypes)
 
 
 def _tp_model(mesh2, *, colwise_rowwise: bool, device=None):

@@ -2,11 +2,13 @@
 on one GPU (one NCCL_HOSTID per process, stock FSDP2 and TIDE's rails over NCCL's socket
 transport; a node's two ranks reach each other's arenas by CUDA IPC), each against stock FSDP2 on
 the same processes: torch's nn.RMSNorm (both modes), reshard_after_forward=2 (backward's
-re-gathers over the post-forward pairs), a bf16 reduce dtype, and TP + FSDP on a dp x tp = 2 x 2
-mesh. Every group served, every all-gather and reduce-scatter through TIDE,
-parameters bitwise equal to stock on exact data (bf16 reduce: gradients one rounding of the
-fp32 sum on per-rank data, no further from the fp32 reference than stock's bf16 NCCL ring). Correctness and overheads on
-emulated hosts, not bandwidth.
+re-gathers over the post-forward pairs), a bf16 reduce dtype, fp16 (an fp16 all-gather, bitwise;
+an fp16 reduce dtype: within one fp16 ulp of the fp32-reduce gradients and closer to them than
+stock's fp16 NCCL ring on the whole), and TP + FSDP on a dp x tp = 2 x 2 mesh. Every group
+served, every all-gather and reduce-scatter through TIDE, parameters bitwise equal to stock on
+exact data (bf16 reduce: gradients one rounding of the fp32 sum on per-rank data, no further
+from the fp32 reference than stock's bf16 NCCL ring). Correctness and overheads on emulated
+hosts, not bandwidth.
 """
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ import torch
 import tide
 from _torch_dist import assert_same, batches, build, mesh_1d, train
 from test_torch_gpu import _deterministic, needs_cuda_tide, spawn_emulated_hosts
-from test_torch_matrix import _grads, _served_everywhere, _tp_model, check_one_rounding
+from test_torch_matrix import _grads, _served_everywhere, _tp_model, check_fp16_reduce, check_one_rounding
 
 TOPO = tide.Topology(nodes=2, gpus_per_node=2)
 
@@ -69,6 +71,31 @@ def _rows(rank, world, log_dir):
     _served_everywhere(handle, "bf16 reduce")
     check_one_rounding(got, stock_g, ref)
     done.append(f"bf16 reduce {handle.stats} one rounding of the fp32 sum, not")
+    handle.disable()
+
+    # fp16 all-gather (TIDE-AG's CAST rounds as torch's .to()), gradients reduced in fp32: bitwise.
+    fp16 = MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float32)
+    stock = build(mesh=mesh, device=device, mp_policy=fp16)
+    train(stock, data, device=device)
+    model = build(mesh=mesh, device=device, mp_policy=fp16)
+    handle = tide_torch.enable(model, topology=TOPO)
+    train(model, data, device=device)
+    handle.synchronize()
+    _served_everywhere(handle, "fp16 all-gather")
+    assert_same(model, stock, "fp16 all-gather")
+    done.append(f"fp16 all-gather {handle.stats}")
+    handle.disable()
+    # An fp16 reduce dtype: FSDP2's pre-division folded into alpha, one rounding of the fp32 sum.
+    ref = _grads(build(mesh=mesh, device=device, mp_policy=fp16), tokens)
+    half = MixedPrecisionPolicy(param_dtype=torch.float16)
+    stock_g = _grads(build(mesh=mesh, device=device, mp_policy=half), tokens)
+    model = build(mesh=mesh, device=device, mp_policy=half)
+    handle = tide_torch.enable(model, topology=TOPO)
+    got = _grads(model, tokens)
+    handle.synchronize()
+    _served_everywhere(handle, "fp16 reduce")
+    check_fp16_reduce(got, stock_g, ref)
+    done.append(f"fp16 reduce {handle.stats} one rounding of the fp32 sum, not")
     handle.disable()
 
     mesh2 = init_device_mesh("cuda", (2, 2), mesh_dim_names=("dp", "tp"))

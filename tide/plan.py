@@ -173,6 +173,29 @@ def plan_chunks(sig: GroupSignature, topo: Topology, mode: str = "in_place",
     return out
 
 
+def plan_classes(shapes: Sequence[Sequence[int]], dtypes: Sequence[tuple[str, str, str]],
+                 topo: Topology, mode: str = "in_place", names: Sequence[str] = (),
+                 **options: int) -> list[tuple[tuple[int, ...], Any]]:
+    """A group whose parameters may differ in dtype as plans of one dtype class each:
+    ``dtypes[p]`` = (ag, grad, shard) dtype names of parameter p. Each class's parameters, in
+    group order, MAX_PARAMS at a time, are one plan: [(their group indices, plan)], ordered by
+    first parameter. A group of one class is plan_chunks' consecutive chunks."""
+    if len(dtypes) != len(shapes):
+        raise PlanError(f"dtypes: {len(dtypes)} entries for {len(shapes)} parameters")
+    names = list(names) or [""] * len(shapes)
+    classes: dict[tuple[str, str, str], list[int]] = {}
+    for p, d in enumerate(dtypes):
+        classes.setdefault(tuple(d), []).append(p)
+    pieces = sorted((members[i:i + MAX_PARAMS], cls) for cls, members in classes.items()
+                    for i in range(0, len(members), MAX_PARAMS))
+    out = []
+    for members, (ag, grad, shard) in pieces:
+        sig = GroupSignature(shapes=[shapes[p] for p in members], ag_dtype=ag, grad_dtype=grad,
+                             shard_dtype=shard, names=tuple(names[p] for p in members))
+        out.append((tuple(members), plan(sig, topo, mode=mode, **options)))
+    return out
+
+
 def regather_plan(base: Any, sub: Topology, mode: str = "in_place", **options: int) -> Any:
     """The all-gather plan over a sub-group of ``sub.world`` ranks (dividing ``base``'s N) that
     lands where ``base`` lands: ``base``'s shapes padded to N R_p rows, each rank's rows its own in

@@ -7,8 +7,9 @@
 For a served group the all-gather input is, per parameter:
 - In-place shard adoption (sharded dtype == all-gather dtype, §3.1): the adopted resident shard
   in the arena, read in place (no copy-in);
-- mixed precision (fp32 master shards, bf16 all-gather): the fp32 shard, which the transport
-  casts into the group's receive-stage slot instead of FSDP2's fresh copy-in buffer.
+- mixed precision (fp32 master shards, bf16 or fp16 all-gather): the fp32 shard, which the
+  transport casts into its chunk's receive-stage slot instead of FSDP2's fresh copy-in buffer.
+A group may mix both, and all-gather dtypes (groups.py [Note: chunks]).
 The copy-out is FSDP2's per-group seam where it has one (``copy_out_for``), else the patched
 ``foreach_all_gather_copy_out``; either only waits for a TIDE result.
 The landing buffers are the FSDPParams' ``all_gather_outputs``: zero-offset arena views at the
@@ -97,22 +98,27 @@ def foreach_all_gather(fsdp_params, group, async_op, all_gather_copy_in_stream,
             all_gather_output=landings[0],
             all_gather_event=event,
             all_gather_work=None,
-            param_all_gather_input_dtypes=[[tg.param_dtype] for _ in numels],
+            param_all_gather_input_dtypes=[[d] for d in tg.ag_dtypes],
             param_all_gather_input_numels=numels,
             all_gather_input_split_sizes=[n[0] for n in numels],
         )
 
 
 def _all_gather_inputs(tg: Any) -> list[torch.Tensor]:
+    """Per parameter: its adopted resident shard, or (mixed precision: a casting chunk) its fp32
+    master shard, which the transport casts into the chunk's receive-stage slot (TIDE-AG's CAST
+    op) instead of FSDP2's fresh copy-in buffer."""
     fsdp_params = tg.pg.fsdp_params
-    if tg.adopts:
-        for p, fp in enumerate(fsdp_params):
-            if fp._sharded_param_data.data_ptr() != tg.resident_views[p].data_ptr():
-                adopt_shard(tg, p)  # e.g. after load_state_dict(assign=True)
-        return tg.resident_views
-    # Mixed precision: the fp32 master shards; the transport casts them into the group's
-    # receive-stage slot (TIDE-AG's CAST op) instead of FSDP2's fresh copy-in buffer.
-    return [fp._sharded_param_data for fp in fsdp_params]
+    inputs = []
+    for p, fp in enumerate(fsdp_params):
+        resident = tg.resident_views[p]
+        if resident is None:
+            inputs.append(fp._sharded_param_data)
+            continue
+        if fp._sharded_param_data.data_ptr() != resident.data_ptr():
+            adopt_shard(tg, p)  # e.g. after load_state_dict(assign=True)
+        inputs.append(resident)
+    return inputs
 
 
 @torch.no_grad()
@@ -132,7 +138,7 @@ def adopt_shard(tg: Any, p: int) -> None:
 def unadopt_shard(tg: Any, p: int) -> None:
     """Moves an adopted shard back into a private tensor (disable())."""
     fp = tg.pg.fsdp_params[p]
-    if fp._sharded_param_data.data_ptr() != tg.resident_views[p].data_ptr():
+    if tg.resident_views[p] is None or fp._sharded_param_data.data_ptr() != tg.resident_views[p].data_ptr():
         return
     own = fp._sharded_param_data.clone()
     length = fp.sharded_param._local_tensor.size(0)

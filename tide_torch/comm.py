@@ -6,8 +6,9 @@ The adapter hands the transport per-parameter tensors whose addresses the plan f
   p: the adopted resident shard (read in place), or the fp32 master shard that the transport
   casts into the group's receive-stage slot (mixed precision). ``landings[p]`` is the padded
   unsharded buffer (``N * e_p`` items at arena offset ``landing(p, 0)`` of p's chunk). Afterwards
-  every rank's shard r of p sits at ``landing(p, r)`` (Eq. 2): no copy-out. A group of more
-  than 256 parameters runs one TIDE-AG per chunk (groups.py [Note: chunks]); with
+  every rank's shard r of p sits at ``landing(p, r)`` (Eq. 2): no copy-out. A group of several
+  dtype classes or of more than 256 parameters runs one TIDE-AG per chunk (groups.py
+  [Note: chunks]); with
   ``post_forward``, ``inputs[p]`` is FSDP2's post-forward shard and the re-gather runs over the
   post-forward group (groups.py [Note: post-forward mesh]).
 - ``reduce_scatter(tg, plan, which, grads, output, alpha)``: ``grads[p]`` is the unpadded
@@ -114,10 +115,10 @@ class ExecutorTransport:
             if kind == AG:
                 region = self._regions[tg.slot]
                 placement = dict(ring_slot=tg.ring_index % 2 if tg.ring_index >= 0 else 0,
-                                 resident=tg.adopts and members is None, landing_region=tg.slot,
+                                 resident=chunk.adopts and members is None, landing_region=tg.slot,
                                  landing_offset=chunk.unsharded_offset - region[0],
                                  resident_offset=(chunk.resident_offset - self._regions["resident"][0]
-                                                  if tg.adopts and members is None else 0))
+                                                  if chunk.adopts and members is None else 0))
             s = tide._core.GroupSession(plan, self._exec, [kind], group=tg.index,
                                         counter_bases={kind: tg.counter_bases[which]},
                                         members=members or self._members(tg), **placement)
@@ -126,10 +127,8 @@ class ExecutorTransport:
 
     def all_gather(self, tg, inputs, landings, post_forward=False):
         for c in tg.chunks:  # one TIDE-AG per chunk, in order on this stream
-            end = c.first + c.count
-            adopted = tg.adopts and not post_forward
-            bindings = [] if adopted else [_buffer("shard", p - c.first, inputs[p])
-                                           for p in range(c.first, end)]
+            adopted = c.adopts and not post_forward
+            bindings = [] if adopted else [_buffer("shard", i, inputs[p]) for i, p in enumerate(c.params)]
             s = (self.session(tg, c.plan_post_forward, c.key("agpf"), chunk=c,
                               members=tg.post_forward_ranks) if post_forward
                  else self.session(tg, c.plan, c.key("ag"), chunk=c))

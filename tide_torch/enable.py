@@ -38,12 +38,13 @@ class TideHandle:
 
     @property
     def plans(self) -> dict[str, Any]:
-        """Group FQN -> tide Plan, for the groups TIDE serves (a group of more than 256
-        parameters: ``FQN[first:end]`` -> each chunk's plan, groups.py [Note: chunks])."""
+        """Group FQN -> tide Plan, for the groups TIDE serves (a group of several chunks:
+        ``FQN[label]`` -> each chunk's plan, its parameters' group indices as runs, "0:256" or
+        "0,2:5", groups.py [Note: chunks])."""
         out = {}
         for g in self._groups:
             for c in g.chunks:
-                out[g.fqn if len(g.chunks) == 1 else f"{g.fqn}[{c.first}:{c.first + c.count}]"] = c.plan
+                out[g.fqn if len(g.chunks) == 1 else f"{g.fqn}[{c.label}]"] = c.plan
         return out
 
     @property
@@ -450,7 +451,7 @@ def _activate(g: TideGroup) -> None:
         _patches.patch_param_free(fp, free_in_arena(g, p))
         if g.world == 1:  # See [Note: world 1] in groups.py
             _patches.patch_param_init_outputs(fp, all_gather.init_outputs_at_world_1(g, p))
-        if g.adopts:
+        if g.resident_views[p] is not None:  # its chunk adopts its shards
             all_gather.adopt_shard(g, p)
     g.pg._reduce_scatter_comm = reduce_scatter.TideReduceScatter(g, g.pg._reduce_scatter_comm)
     if _patches.copy_out_seam():
@@ -470,5 +471,5 @@ def _deactivate(g: TideGroup) -> None:
         _patches.set_copy_out(g.pg, g.previous_copy_out)
         g.previous_copy_out = None
     all_gather.release_landing(g)
-    for p in range(len(g.pg.fsdp_params)) if g.adopts else ():
+    for p in range(len(g.pg.fsdp_params)):
         all_gather.unadopt_shard(g, p)

@@ -3,10 +3,14 @@
 A group is served by TIDE when it meets the TIDE contract (paper §2, fsdp2.md): dim-0 sharding
 over more than one rank (or a single-rank job, see [Note: world 1]), plain tensors or DTensor
 (tensor-parallel) parameters whose local tensors FSDP2 shards (no ``fsdp_pre_all_gather``
-extension, no CPU offload), one parameter dtype, bf16 or fp32 all-gather, a bf16, fp16 or fp32
-reduce dtype, and a shard group whose ranks are node-major on the topology. A group of more
-than 256 parameters (the planner's limit) is planned in chunks (see [Note: chunks]). Everything else falls back to stock FSDP2 with one log line. Gradients may differ in
-dtype per parameter and may be missing for some parameters (reduce_scatter.py, [Note: RS parts]).
+extension, no CPU offload), per parameter a bf16, fp16 or fp32 all-gather dtype from a shard of
+the same dtype or an fp32 shard (the all-gather's CAST), a bf16, fp16 or fp32 reduce dtype, and
+a shard group whose ranks are node-major on the topology. Parameters of one group may differ in
+all of these dtypes (bf16 weights with fp32 norms, torch 2.15's per-parameter policies): the group
+is planned in chunks of one dtype class each, and so is a group of more than 256 parameters (the
+planner's limit; see [Note: chunks]). Everything else falls back to stock FSDP2 with one log
+line. Gradients may differ in dtype per parameter and may be missing for some parameters
+(reduce_scatter.py, [Note: RS parts]).
 
 [Note: DTensor parameters]
 With tensor (or expert) parallelism, or on torchtitan's full SPMD mesh even at TP 1, FSDP2's
@@ -29,17 +33,23 @@ chunk, with counters of their own; a group where the two layouts would differ ke
 re-gathers on stock (counted).
 
 [Note: chunks]
-The planner takes at most 256 parameters (``tide::kMaxParams``; per-expert ``nn.Linear`` MoE
-layers have more). Such a group is cut into chunks of 256 consecutive parameters (the last one
-shorter), each planned on its own: one FSDP2 all-gather runs one TIDE-AG per chunk, back to back
-on the same stream, each landing in its own part of the group's landing storage, and a full
-reduce-scatter is one TIDE-RS part per chunk (reduce_scatter.py [Note: RS parts] cuts parts at
-the same 256-parameter boundaries). Every chunk has its own sessions and counter ranges; a group
-of at most 256 parameters is one chunk.
+One plan has one all-gather dtype and one shard dtype, and at most 256 parameters
+(``tide::kMaxParams``; per-expert ``nn.Linear`` MoE layers have more). A group is cut into
+chunks: its parameters of one dtype class (all-gather dtype, shard dtype) in group order, 256 at
+a time (``tide.plan.plan_classes``); each chunk holds its parameters' group indices, which need
+not be consecutive (bf16 weights between fp32 norms), since TIDE lands every parameter at its own
+planned address. Each chunk is planned on its own, with its own sessions and counter ranges; one
+FSDP2 all-gather runs one TIDE-AG per chunk, back to back on the same stream, each landing in its
+own part of the group's landing storage, each parameter on the wire in its own dtype. A uniform
+group of at most 256 parameters is one chunk. Reduce-scatters are cut
+into parts by FSDP2's packing order and gradient dtype (reduce_scatter.py [Note: RS parts]); a
+part that is a whole chunk in its all-gather dtype runs on the chunk's plan. A group of several
+chunks (at most 256 parameters) also plans itself whole with fp32 gradients
+(``TideGroup.rs_bound``): never run, it sizes the TIDE-RS scratch and counter ranges that every
+sub-plan of the group must fit.
 """
 from __future__ import annotations
 
-import dataclasses
 import logging
 from dataclasses import dataclass, field
 from typing import Any
@@ -51,7 +61,7 @@ import torch.nn as nn
 import tide
 from tide import env
 from tide import ranks as ranks_
-from tide.plan import MAX_PARAMS, RS_SCRATCH, plan_chunks, plan_fitting, regather_plan
+from tide.plan import MAX_PARAMS, RS_SCRATCH, plan_classes, plan_fitting, regather_plan
 from tide_torch import _patches
 
 logger = logging.getLogger("tide_torch")
@@ -78,11 +88,13 @@ class TideEnableError(RuntimeError):
 
 @dataclass(eq=False)
 class Chunk:
-    """Consecutive parameters ``first ..`` of a group with one plan (see [Note: chunks])."""
+    """Parameters of one dtype class of a group, with one plan (see [Note: chunks])."""
 
     index: int                     # position among the group's chunks
-    first: int                     # the group index of its first parameter
+    params: tuple[int, ...]        # its parameters' group indices, ascending
     plan: Any                      # tide Plan
+    ag_dtype: torch.dtype = torch.bfloat16     # its all-gather (unsharded) dtype
+    shard_dtype: torch.dtype = torch.bfloat16  # its sharded (master) dtype
     plan_fp32_grads: Any = None    # the same parameters, fp32 gradients
     plan_post_forward: Any = None  # the post-forward re-gather's plan ([Note: post-forward mesh])
     unsharded_offset: int = -1     # arena byte offset of its parameter-major landing buffer
@@ -90,8 +102,22 @@ class Chunk:
     stage_offset: int = -1         # receive-stage slot for the mixed-precision cast (-1: no cast)
 
     @property
-    def count(self) -> int:
-        return len(self.plan.layout.params)
+    def casts(self) -> bool:
+        return self.ag_dtype != self.shard_dtype
+
+    @property
+    def adopts(self) -> bool:
+        return not self.casts
+
+    @property
+    def label(self) -> str:
+        """Its parameters as runs of group indices: "0:256", "0,2:5"."""
+        runs, start = [], self.params[0]
+        for a, b in zip(self.params, self.params[1:] + (None,)):
+            if b != a + 1:
+                runs.append(f"{start}:{a + 1}" if a > start else f"{start}")
+                start = b
+        return ",".join(runs)
 
     def key(self, which: str) -> str:
         """Its session / counter key: "ag", "rs", "rs32" for chunk 0, "ag:1", ... after."""
@@ -113,10 +139,12 @@ class TideGroup:
     chunks: list[Chunk] = field(default_factory=list)  # its plans (empty on fallback)
     world: int = 1
     topology: tide.Topology | None = None
-    param_dtype: torch.dtype | None = None   # all-gather / unsharded dtype
-    orig_dtype: torch.dtype | None = None    # sharded (master) dtype
-    reduce_dtype: torch.dtype | None = None
+    ag_dtypes: list[torch.dtype] = field(default_factory=list)     # per parameter: all-gather
+    shard_dtypes: list[torch.dtype] = field(default_factory=list)  # per parameter: sharded (master)
     shapes: list[tuple[int, ...]] = field(default_factory=list)
+    chunk_index: list[int] = field(default_factory=list)  # per parameter: its chunk
+    local_index: list[int] = field(default_factory=list)  # per parameter: its index in its chunk's plan
+    rs_bound: Any = None           # the whole group's fp32-gradient plan when it has several chunks
     # Placement (filled by placement.py)
     slot: str = ""                 # "ring0", "ring1" or "fixed"
     ring_index: int = -1
@@ -144,14 +172,6 @@ class TideGroup:
         return self.fallback is None
 
     @property
-    def casts(self) -> bool:
-        return self.param_dtype != self.orig_dtype
-
-    @property
-    def adopts(self) -> bool:
-        return not self.casts
-
-    @property
     def plan(self) -> Any:
         """The group's plan when it is one chunk (None on fallback or in chunks)."""
         return self.chunks[0].plan if len(self.chunks) == 1 else None
@@ -161,7 +181,16 @@ class TideGroup:
         return sum(c.plan.layout.S * c.plan.layout.N for c in self.chunks)
 
     def fall_back(self, reason: str) -> None:
-        self.fallback, self.chunks = reason, []
+        self.fallback, self.chunks, self.rs_bound = reason, [], None
+
+    def set_chunks(self, chunks: list[Chunk]) -> None:
+        """Its chunks, and each parameter's chunk and index in that chunk's plan."""
+        self.chunks = chunks
+        n = sum(len(c.params) for c in chunks)
+        self.chunk_index, self.local_index = [0] * n, [0] * n
+        for c in chunks:
+            for i, p in enumerate(c.params):
+                self.chunk_index[p], self.local_index[p] = c.index, i
 
     @property
     def status(self) -> str:
@@ -174,7 +203,7 @@ class TideGroup:
         return f"tide:{hashes}:{self.slot}"
 
     def chunk_of(self, p: int) -> Chunk:
-        return self.chunks[p // MAX_PARAMS]
+        return self.chunks[self.chunk_index[p]]
 
     def rs_plan(self, params: tuple[int, ...], dtype: torch.dtype) -> tuple[Any, str]:
         """The TIDE-RS plan and session key for gradients of ``params`` (group indices, in
@@ -182,8 +211,8 @@ class TideGroup:
         reduce_scatter.HandBack when no plan can serve them."""
         from tide_torch.reduce_scatter import HandBack
         chunk = self.chunk_of(params[0])
-        if params == tuple(range(chunk.first, chunk.first + chunk.count)):
-            if dtype == self.param_dtype:
+        if params == chunk.params:
+            if dtype == chunk.ag_dtype:
                 return chunk.plan, chunk.key("rs")
             if dtype == torch.float32 and chunk.plan_fp32_grads is not None:
                 return chunk.plan_fp32_grads, chunk.key("rs32")
@@ -191,11 +220,12 @@ class TideGroup:
         got = self.sub_plans.get(key)
         if got is not None:
             return got
-        if dtype not in (torch.bfloat16, torch.float32):
-            raise HandBack(f"{dtype} gradients (TIDE-RS reads bf16 or fp32)")
+        if dtype not in _DTYPE_NAMES:
+            raise HandBack(f"{dtype} gradients (TIDE-RS reads bf16, fp16 or fp32)")
+        # A sub-plan only reduces: any valid (all-gather, shard) pair serves, its first chunk's.
         sig = tide.GroupSignature(
-            shapes=[self.shapes[p] for p in params], ag_dtype=_DTYPE_NAMES[self.param_dtype],
-            grad_dtype=_DTYPE_NAMES[dtype], shard_dtype=_DTYPE_NAMES[self.orig_dtype],
+            shapes=[self.shapes[p] for p in params], ag_dtype=_DTYPE_NAMES[chunk.ag_dtype],
+            grad_dtype=_DTYPE_NAMES[dtype], shard_dtype=_DTYPE_NAMES[chunk.shard_dtype],
             names=tuple(self.names[p] for p in params))
         regions = {n: self.runtime.arena.region(n).nbytes for n in RS_SCRATCH}
         try:
@@ -215,7 +245,7 @@ class TideGroup:
     def landing_address(self, p: int) -> int:
         """Planned address of parameter p's unsharded data (rank 0's landing of p, Eq. 2)."""
         c = self.chunk_of(p)
-        return self.runtime.arena.base_ptr + c.unsharded_offset + c.plan.layout.landing(p - c.first, 0)
+        return self.runtime.arena.base_ptr + c.unsharded_offset + c.plan.layout.landing(self.local_index[p], 0)
 
 
 def find_groups(model: nn.Module) -> list[TideGroup]:
@@ -288,22 +318,23 @@ def _why_not(tg: TideGroup, names: dict[int, str]) -> str | None:
             return f"{who}: fsdp_pre_all_gather extension"
         if fp.offload_to_cpu:
             return "CPU offload"  # See docs/fallbacks.md
-    orig = {fp.sharded_param.dtype for fp in fsdp_params}
-    if len(orig) != 1:
-        return f"mixed parameter dtypes {sorted(map(str, orig))}"
-    tg.orig_dtype = orig.pop()
-    # The mixed-precision policy as FSDP2 resolved it for each parameter (every revision keeps
-    # it on the FSDPParam; 2.15 resolves it per parameter and drops the group's copy).
-    policies = {(fp.mp_policy.param_dtype or tg.orig_dtype,
-                 fp.mp_policy.reduce_dtype or fp.mp_policy.param_dtype or tg.orig_dtype)
-                for fp in fsdp_params}
-    if len(policies) != 1:
-        return f"mixed precision policies differ within the group {sorted(map(str, policies))}"
-    tg.param_dtype, tg.reduce_dtype = policies.pop()
-    if tg.param_dtype not in (torch.bfloat16, torch.float32) or tg.orig_dtype not in _DTYPE_NAMES:
-        return f"all-gather dtype {tg.param_dtype} (fp16 needs pre-division)"
-    if tg.reduce_dtype not in _DTYPE_NAMES:
-        return f"reduce dtype {tg.reduce_dtype} (TIDE-RS sums in fp32 into bf16, fp16 or fp32)"
+    # Per parameter, the mixed-precision policy as FSDP2 resolved it (every revision keeps it on
+    # the FSDPParam; 2.15 resolves it per parameter): dtypes may differ within the group
+    # ([Note: chunks]).
+    tg.ag_dtypes, tg.shard_dtypes = [], []
+    for fp in fsdp_params:
+        who = names.get(id(fp.sharded_param), "?")
+        shard = fp.sharded_param.dtype
+        ag = fp.mp_policy.param_dtype or shard
+        reduce = fp.mp_policy.reduce_dtype or ag
+        if shard not in _DTYPE_NAMES or ag not in _DTYPE_NAMES:
+            return f"{who}: {shard} parameter gathered as {ag} (TIDE gathers bf16, fp16 or fp32)"
+        if ag != shard and shard != torch.float32:
+            return f"{who}: {shard} shards gathered as {ag} (TIDE casts fp32 shards only)"
+        if reduce not in _DTYPE_NAMES:
+            return f"{who}: reduce dtype {reduce} (TIDE-RS sums in fp32 into bf16, fp16 or fp32)"
+        tg.ag_dtypes.append(ag)
+        tg.shard_dtypes.append(shard)
     return None
 
 
@@ -324,27 +355,33 @@ def plan_group(tg: TideGroup, topo: tide.Topology, mode: str, options: dict[str,
         tg.param_index = {id(fp): p for p, fp in enumerate(fsdp_params)}
         tg.shard_numels = [fp.padded_sharded_param_size.numel() for fp in fsdp_params]
         tg.mode, tg.plan_options = mode, dict(options)
-        sig = tide.GroupSignature(
-            shapes=tg.shapes, ag_dtype=_DTYPE_NAMES[tg.param_dtype],
-            grad_dtype=_DTYPE_NAMES[tg.param_dtype], shard_dtype=_DTYPE_NAMES[tg.orig_dtype],
-            names=tuple(tg.names))
+        # A chunk's gradients are planned in its all-gather dtype (what autograd produces).
+        dtypes = [(_DTYPE_NAMES[a], _DTYPE_NAMES[a], _DTYPE_NAMES[s])
+                  for a, s in zip(tg.ag_dtypes, tg.shard_dtypes)]
         try:
-            for k, (first, plan) in enumerate(plan_chunks(sig, tg.topology, mode, **options)):
-                tg.chunks.append(Chunk(k, first, plan))
-                if tg.param_dtype != torch.float32:
+            chunks = []
+            for k, (params, plan) in enumerate(plan_classes(tg.shapes, dtypes, tg.topology, mode,
+                                                            names=tg.names, **options)):
+                c = Chunk(k, params, plan, tg.ag_dtypes[params[0]], tg.shard_dtypes[params[0]])
+                if c.ag_dtype != torch.float32:
                     # fp32 gradients (accumulated without sync in an fp32 reduce dtype, or what
                     # autograd produces for fp32-computed parameters) keep TIDE-RS through a
                     # second plan; it also sizes the TIDE-RS scratch that bounds every sub-plan.
-                    acc = dataclasses.replace(sig, shapes=plan.shapes, names=tuple(plan.names),
-                                              grad_dtype="float32")
-                    tg.chunks[-1].plan_fp32_grads = tide.plan(acc, tg.topology, mode=mode, **options)
+                    c.plan_fp32_grads = _with_grads(plan, "float32", tg.topology, mode, options)
+                chunks.append(c)
+            tg.set_chunks(chunks)
+            if len(chunks) > 1 and len(tg.shapes) <= MAX_PARAMS:
+                # Sub-plans across chunks (a whole reduce-scatter of a mixed group) fit this.
+                sig = tide.GroupSignature(shapes=tg.shapes, ag_dtype=dtypes[0][0], grad_dtype="float32",
+                                          shard_dtype=dtypes[0][2], names=tuple(tg.names))
+                tg.rs_bound = tide.plan(sig, tg.topology, mode=mode, **options)
         except tide.PlanError as e:
             reason = f"plan: {e}"
         else:
-            tg.elements = [pl.e for c in tg.chunks for pl in c.plan.layout.params]
+            tg.elements = [tg.chunk_of(p).plan.layout.params[tg.local_index[p]].e
+                           for p in range(len(tg.shapes))]
             for p, fp in enumerate(fsdp_params):
-                c = tg.chunk_of(p)
-                R = c.plan.layout.params[p - c.first].R
+                R = tg.chunk_of(p).plan.layout.params[tg.local_index[p]].R
                 if fp.padded_sharded_param_size[0] != R:
                     reason = (f"{names.get(id(fp.sharded_param), p)}: FSDP2 pads to "
                               f"{fp.padded_sharded_param_size[0]} rows, the plan to {R}")
@@ -353,6 +390,14 @@ def plan_group(tg: TideGroup, topo: tide.Topology, mode: str, options: dict[str,
         _plan_post_forward(tg, topo, mode, options)
     if reason is not None:
         tg.fall_back(reason)
+
+
+def _with_grads(plan: Any, grad_dtype: str, topo: tide.Topology, mode: str,
+                options: dict[str, int]) -> Any:
+    """``plan``'s parameters and dtypes with gradients in ``grad_dtype``."""
+    sig = tide.GroupSignature(shapes=plan.shapes, ag_dtype=plan.ag_dtype, grad_dtype=grad_dtype,
+                              shard_dtype=plan.shard_dtype, names=tuple(plan.names))
+    return tide.plan(sig, topo, mode=mode, **options)
 
 
 def _plan_post_forward(tg: TideGroup, topo: tide.Topology, mode: str,

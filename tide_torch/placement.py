@@ -89,7 +89,7 @@ def assign(groups: list[TideGroup], use_ring: bool = True, rails: str = "one_sid
         for c in g.chunks:  # a group's chunks land one after the other (groups.py [Note: chunks])
             c.unsharded_offset = base
             base += align_up(c.plan.layout.S * c.plan.layout.N)
-            if g.adopts:
+            if c.adopts:
                 c.resident_offset = sizes["resident"]
                 sizes["resident"] += align_up(c.plan.layout.S)
             else:
@@ -102,8 +102,9 @@ def assign(groups: list[TideGroup], use_ring: bool = True, rails: str = "one_sid
     # TIDE-RS scratch (staging/outbox/inbox/spare): reduce-scatters run one group at a time in
     # collective order, so one set sized for the largest group serves all of them.
     for name in RS_SCRATCH:
-        sizes[name] = max((region_bytes(pl, name) for g in served for c in g.chunks
-                           for pl in (c.plan, c.plan_fp32_grads) if pl is not None), default=0)
+        sizes[name] = max((region_bytes(pl, name) for g in served
+                           for pl in [g.rs_bound] + [q for c in g.chunks for q in (c.plan, c.plan_fp32_grads)]
+                           if pl is not None), default=0)
     # Counters: every group's ranges from one CounterSpace, in group order (the same on every
     # rank); the region also holds the executors' entry fence (tide/session.h).
     counters = tide._core.CounterSpace()
@@ -121,10 +122,11 @@ def assign(groups: list[TideGroup], use_ring: bool = True, rails: str = "one_sid
         # The group's sub-plan pool (reduce_scatter.py, [Note: RS parts]): a TIDE-RS program
         # set's counters depend on the topology and passes, not on the parameters, so ranges
         # sized by the group's plan hold any sub-plan's (checked when one is planned).
+        bound = g.rs_bound or g.chunks[0].plan  # groups.py [Note: chunks]
         one = tide._core.CounterSpace()
-        one.reserve(g.chunks[0].plan, "reduce_scatter", rails=rails)
+        one.reserve(bound, "reduce_scatter", rails=rails)
         g.counter_range = one.used
-        g.counter_pool = [counters.reserve(g.chunks[0].plan, "reduce_scatter", rails=rails)
+        g.counter_pool = [counters.reserve(bound, "reduce_scatter", rails=rails)
                           for _ in range(SUB_PLANS)]
         g.sub_plans = {}
     sizes["counters"] = counters.region_bytes
@@ -146,29 +148,32 @@ def bind(groups: list[TideGroup], arena: Arena) -> None:
         if not g.eligible:
             continue
         region = arena.region(g.slot)
-        g.landing_views, g.resident_views, g.input_views = [], [], []
+        P = len(g.shapes)
+        # Per parameter, in group order (a chunk's parameters need not be consecutive).
+        g.landing_views, g.resident_views, g.input_views = [None] * P, [None] * P, [None] * P
+        casting = 0  # the group's casting chunks so far
         for c in g.chunks:
             c.unsharded_offset += region.offset
             layout = c.plan.layout
             N = layout.N
-            for p, pl in enumerate(layout.params):
+            for i, (p, pl) in enumerate(zip(c.params, layout.params)):
                 # Parameter-major: p's padded unsharded tensor starts at o_p*N (Eq. 2, r = 0).
-                g.landing_views.append(
-                    arena.view(c.unsharded_offset + layout.landing(p, 0), N * pl.e, g.param_dtype))
-            if g.adopts:
+                g.landing_views[p] = arena.view(c.unsharded_offset + layout.landing(i, 0), N * pl.e,
+                                                c.ag_dtype)
+            if c.adopts:
                 c.resident_offset += arena.region("resident").offset
-                g.resident_views += [arena.view(c.resident_offset + pl.o, pl.e, g.orig_dtype)
-                                     for pl in layout.params]
+                for p, pl in zip(c.params, layout.params):
+                    g.resident_views[p] = g.input_views[p] = arena.view(
+                        c.resident_offset + pl.o, pl.e, c.shard_dtype)
             elif stage.nbytes:  # (world 1 never all-gathers: no stage)
-                # [Note: stage parity] consecutive all-gathers (groups, and a group's chunks)
-                # use different stage slots, so the cast of the next never writes the slot the
-                # current all-gather still reads.
-                parity = ((g.ring_index if g.ring_index >= 0 else g.index) + c.index) % 2
+                # [Note: stage parity] consecutive casting all-gathers (groups, and a group's
+                # casting chunks) use different stage slots, so the cast of the next never
+                # writes the slot the current all-gather still reads.
+                parity = ((g.ring_index if g.ring_index >= 0 else g.index) + casting) % 2
+                casting += 1
                 c.stage_offset = stage.offset + parity * half
-                g.input_views += [arena.flat(c.stage_offset + pl.o, pl.e, g.param_dtype)
-                                  for pl in layout.params]
-        if g.adopts:
-            g.input_views = g.resident_views
+                for p, pl in zip(c.params, layout.params):
+                    g.input_views[p] = arena.flat(c.stage_offset + pl.o, pl.e, c.ag_dtype)
 
 
 def region_summary(groups: list[TideGroup], arena: Arena) -> dict:

@@ -25,17 +25,19 @@ collective.
 
 [Note: RS parts]
 FSDP2's output holds, in packing order, each reduced parameter's padded shard. A run of
-consecutive parameters of that order with one gradient dtype (at most 256 of them) is one TIDE-RS
-plan whose output is a contiguous slice of FSDP2's output, so a call is one or more parts, each a
-TIDE-RS over its own gradients into its own slice:
-- a whole chunk in its order (groups.py [Note: chunks]; a group of at most 256 parameters is one),
-  gradients in the all-gather dtype: the chunk's plan (Slot-Reuse may stage a one-chunk group into
+consecutive parameters of that order with one gradient dtype (bf16, fp16 or fp32; at most 256
+of them) is one TIDE-RS plan whose output is a contiguous slice of FSDP2's output, so a call is
+one or more parts, each a TIDE-RS over its own gradients, read in their own dtype, into its own
+slice:
+- a whole chunk (groups.py [Note: chunks]; a uniform group of at most 256 parameters is one),
+  gradients in its all-gather dtype: the chunk's plan (Slot-Reuse may stage a one-chunk group into
   the ring slot); in fp32 (accumulated without sync): its fp32-gradient plan;
-- anything else (bf16 weights with fp32 norm gradients, torch 2.15's per-parameter gradient
-  dtypes; a subset of the group: frozen parameters, experts without tokens): a sub-plan, planned
-  on first use with the group's options and kept per (parameters, dtype). Its counters come from
-  the group's pool reserved at enable() (placement.py, SUB_PLANS ranges) and its scratch must fit
-  the arena's TIDE-RS regions (sized for the group's fp32-gradient plan, which bounds any subset).
+- anything else (bf16 weights with fp32 norm gradients, a group of several dtype classes, torch
+  2.15's per-parameter gradient dtypes; a subset of the group: frozen parameters, experts without
+  tokens): a sub-plan, planned on first use with the group's options and kept per (parameters,
+  dtype). Its counters come from the group's pool reserved at enable() (placement.py, SUB_PLANS
+  ranges) and its scratch must fit the arena's TIDE-RS regions (sized for the group's
+  fp32-gradient plans, or its whole-group ``rs_bound``, which bound any subset).
   Every rank reduces the same parameters in the same order (FSDP2's own contract), so every rank
   plans the same sub-plans in the same order and draws the same counter ranges.
 A call no part can serve (the pool is spent, a gradient that is not contiguous) is handed to
@@ -43,10 +45,11 @@ stock FSDP2 whole, counted and logged once per group and reason (Runtime.hand_ba
 
 [Note: low-precision reduce]
 With ``reduce_dtype`` bf16 or fp16 FSDP2's output is in that dtype. TIDE-RS reads the per-parameter
-gradients, sums in fp32 and writes an fp32 shard; that shard is rounded into FSDP2's output once.
-For fp16 FSDP2 pre-divides its packed input (overflow risk) and post-divides the output; the
-pre-division of the placeholder is recorded (``_Placeholder.div_``) and folded into alpha, where
-the fp32 sum needs no guard against overflow.
+gradients in their own dtype (bf16, fp16 or fp32: torch 2.15 hands them over in the reduce dtype),
+widens each exactly, sums in fp32 and writes an fp32 shard; that shard is rounded into FSDP2's
+output once. For fp16 FSDP2 pre-divides its packed input (overflow risk) and post-divides the
+output; the pre-division of the placeholder is recorded (``_Placeholder.div_``) and folded into
+alpha, where the fp32 sum needs no guard against overflow.
 One rounding of the fp32 sum: never further from the exact sum than a ring that rounds after
 every hop (NCCL's bf16 reduce-scatter), and equal to stock wherever stock's low-precision sum is
 exact. The fp32 shard is 1/N of the gradient (the packed input stock builds is N times larger).

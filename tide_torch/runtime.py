@@ -97,7 +97,7 @@ class Runtime:
         for g in self.groups:
             g.landing_views, g.resident_views, g.input_views = [], [], []
             if at_exit:
-                g.chunks, g.sub_plans = [], {}
+                g.chunks, g.sub_plans, g.rs_bound = [], {}, None
         if self.arena is not None:
             self.arena.release()
         self.released = True

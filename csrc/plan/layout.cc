@@ -56,19 +56,27 @@ Mode parse_mode(const std::string& name) {
 //     any alignment, and the AG head/tail split is on 16-byte boundaries of the byte stream;
 //   - the AG schedule's descriptors (stage slot S, dst pitch L*s_p) are in bytes;
 //   - the RS side (E, o32, S_fp32, staging, App. D's validator) is in elements of the fp32
-//     output and the gradient dtype, which stays bfloat16 or float32.
+//     output and the gradient dtype, which stays bfloat16, float16 or float32.
 // Refused here, naming the field: a 1-byte grad_dtype (TIDE-RS sums gradients), and a cast to
-// or from a 1-byte item (the AG's CAST is fp32 -> bf16 arithmetic).
+// or from a 1-byte item.
+// [Note: dtypes] Gradients are bfloat16, float16 or float32: every SUM/LAND term is widened
+// exactly to fp32 and summed there (tide/numerics.h), whatever the gradient dtype. A shard dtype
+// other than the all-gather dtype means the AG's CAST, which is fp32 -> bfloat16 or fp32 ->
+// float16, round-to-nearest-even (torch's `.to()` bit for bit); any other pair is refused.
 void validate_signature(const GroupSignature& sig, int world) {
   TIDE_PLAN_CHECK(world >= 1, "world: must be >= 1, got ", world);
   TIDE_PLAN_CHECK(sig.grad_dtype != DType::kU8, "GroupSignature.grad_dtype: ", dtype_name(sig.grad_dtype),
-                  " (1-byte items) is an all-gather item only; TIDE-RS sums bfloat16 or float32 gradients");
+                  " (1-byte items) is an all-gather item only; TIDE-RS sums bfloat16, float16 or float32 gradients");
   TIDE_PLAN_CHECK(sig.ag_dtype != DType::kU8 || sig.shard_dtype == DType::kU8, "GroupSignature.ag_dtype: ",
                   dtype_name(sig.ag_dtype), " (1-byte items) is gathered without a cast, but shard_dtype is ",
                   dtype_name(sig.shard_dtype), " (a cast to 1-byte items is not supported)");
   TIDE_PLAN_CHECK(sig.shard_dtype != DType::kU8 || sig.ag_dtype == DType::kU8, "GroupSignature.shard_dtype: ",
                   dtype_name(sig.shard_dtype), " (1-byte items) is gathered without a cast, but ag_dtype is ",
                   dtype_name(sig.ag_dtype), " (a cast from 1-byte items is not supported)");
+  TIDE_PLAN_CHECK(!sig.needs_cast() || (sig.shard_dtype == DType::kFP32 &&
+                                        (sig.ag_dtype == DType::kBF16 || sig.ag_dtype == DType::kFP16)),
+                  "GroupSignature.shard_dtype: ", dtype_name(sig.shard_dtype), " shards gathered as ",
+                  dtype_name(sig.ag_dtype), " (the all-gather casts float32 shards to bfloat16 or float16 only)");
   const int P = static_cast<int>(sig.params.size());
   TIDE_PLAN_CHECK(P >= 1, "GroupSignature.shapes: the group is empty (no parameters)");
   TIDE_PLAN_CHECK(P <= kMaxParams, "GroupSignature.shapes: ", P, " parameters exceed TIDE's limit of ",

@@ -161,12 +161,14 @@ Program base_program(const Plan& plan, const AgCallOptions& opt, int rank, int n
   return prog;
 }
 
-// Mixed precision: every fp32 shard of `rank` cast into its stage slot 0 (at the packed offset).
-Op cast_op(const GroupLayout& lay, int rank) {
+// Mixed precision: every fp32 shard of `rank` cast into its stage slot 0 (at the packed offset),
+// to the all-gather dtype (bf16 or fp16).
+Op cast_op(const GroupLayout& lay, int rank, DType ag_dtype) {
   Op c;
   c.kind = OpKind::kCast;
   c.stream = kCaller;
   c.tag = OpTag::kCast;
+  c.cast_to = ag_dtype;
   for (int p = 0; p < lay.P; ++p) {
     const auto& pl = lay.params[p];
     c.copies.push_back({ref(BufKind::kShard, rank, p, 0, pl.e * 4), ref(BufKind::kStage, rank, 0, pl.o, pl.s)});
@@ -246,7 +248,7 @@ Program build_ag_pull_program(const Plan& plan, const AgCallOptions& opt, int ra
   if (cast) {
     for (int j = 0; j < L; ++j)
       prog.ops.push_back(wait_op(OpKind::kWait, kCaller, OpTag::kCastGate, rank, C.done(j), -1));
-    prog.ops.push_back(cast_op(lay, rank));
+    prog.ops.push_back(cast_op(lay, rank, plan.sig.ag_dtype));
     prog.ops.push_back(wait_op(OpKind::kEventRecord, kCaller, OpTag::kRelease, rank, C.ev_sends(), 0));
   }
   for (int j = 0; j < L; ++j)
@@ -385,7 +387,7 @@ Program build_ag_program(const Plan& plan, const AgCallOptions& opt, int rank) {
   }
 
   // ---- caller stream ----
-  if (cast) prog.ops.push_back(cast_op(lay, rank));
+  if (cast) prog.ops.push_back(cast_op(lay, rank, plan.sig.ag_dtype));
   for (int j = 0; j < L; ++j)
     prog.ops.push_back(wait_op(OpKind::kWait, kCaller, OpTag::kReadyGate, rank, C.ready(j), 0));
   {

@@ -275,8 +275,9 @@ RsProgramGenerator::RsProgramGenerator(std::shared_ptr<const Plan> plan, const R
   TIDE_PLAN_CHECK(opt.struct_size == sizeof(RsCallOptions), "RsCallOptions.struct_size: ",
                   opt.struct_size, " does not match this build's ", sizeof(RsCallOptions));
   TIDE_PLAN_CHECK(opt.bank == 0 || opt.bank == 1, "RsCallOptions.bank: must be 0 or 1, got ", opt.bank);
-  TIDE_PLAN_CHECK(plan_->sig.grad_dtype == DType::kBF16 || plan_->sig.grad_dtype == DType::kFP32,
-                  "GroupSignature.grad_dtype: TIDE-RS reduces bfloat16 or float32 gradients, got ",
+  TIDE_PLAN_CHECK(plan_->sig.grad_dtype == DType::kBF16 || plan_->sig.grad_dtype == DType::kFP16 ||
+                      plan_->sig.grad_dtype == DType::kFP32,
+                  "GroupSignature.grad_dtype: TIDE-RS reduces bfloat16, float16 or float32 gradients, got ",
                   dtype_name(plan_->sig.grad_dtype));
 }
 

@@ -22,6 +22,7 @@
 
 #include "python/bind_common.h"
 #include "tide/errors.h"
+#include "tide/plan.h"
 
 namespace nb = nanobind;
 
@@ -125,7 +126,7 @@ void bind_cuda_ops(nb::module_& m) {
      "byte offset) or None (absent).");
   m.def("sum",
         [](uint64_t dst, int64_t n, const std::vector<uint64_t>& staged, uint64_t segs, int n_segs,
-           const std::vector<uint64_t>& grads, int ctas, uint64_t stream, nb::object options) {
+           const std::vector<uint64_t>& grads, int ctas, uint64_t stream, nb::object options, bool fp16) {
           TIDE_PLAN_CHECK(staged.size() <= static_cast<size_t>(kMaxStaged), "staged: at most ", kMaxStaged);
           TIDE_PLAN_CHECK(grads.size() <= static_cast<size_t>(kMaxGradPtrs), "grads: at most ", kMaxGradPtrs);
           SumArgs a;
@@ -136,17 +137,19 @@ void bind_cuda_ops(nb::module_& m) {
           a.segs = ptr<const SumSegment>(segs);
           a.n_segs = n_segs;
           for (size_t i = 0; i < grads.size(); ++i) a.grad[i] = ptr<const uint16_t>(grads[i]);
+          a.fp16 = fp16 ? 1 : 0;
           launch_sum(a, ctas, knobs_from(options), strm(stream));
         },
         nb::arg("dst"), nb::arg("n"), nb::arg("staged"), nb::arg("segs"), nb::arg("n_segs"),
         nb::arg("grads"), nb::arg("ctas"), nb::arg("stream") = 0, nb::arg("options") = nb::none(),
+        nb::arg("fp16") = false,
         "SUM: dst[k] = ((staged_0 + staged_1) + ...) + own, fp32. `segs` is a device table of "
         "int64 rows (dst_off, len, src_off, param) with param < 0 for zero padding. options: the "
-        "executor options the launch follows (cta_split, full_grid).");
+        "executor options the launch follows (cta_split, full_grid). fp16: operands are fp16, not bf16.");
   m.def("reduce",
         [](uint64_t dst, int64_t n, uint64_t runs, int n_runs, int n_terms, uint32_t fp32_terms, bool land,
            bool accumulate, float alpha, const std::vector<uint64_t>& bases, int ctas, uint64_t stream,
-           nb::object options) {
+           nb::object options, uint32_t fp16_terms) {
           TIDE_PLAN_CHECK(bases.size() <= static_cast<size_t>(kMaxSlots), "bases: at most ", kMaxSlots, " slots");
           ReduceArgs a;
           a.dst = ptr<float>(dst);
@@ -155,6 +158,7 @@ void bind_cuda_ops(nb::module_& m) {
           a.n_runs = n_runs;
           a.n_terms = n_terms;
           a.fp32_terms = fp32_terms;
+          a.fp16_terms = fp16_terms;
           a.land = land ? 1 : 0;
           a.accumulate = accumulate ? 1 : 0;
           a.alpha = alpha;
@@ -163,9 +167,10 @@ void bind_cuda_ops(nb::module_& m) {
         },
         nb::arg("dst"), nb::arg("n"), nb::arg("runs"), nb::arg("n_runs"), nb::arg("n_terms"),
         nb::arg("fp32_terms"), nb::arg("land"), nb::arg("accumulate"), nb::arg("alpha"), nb::arg("bases"),
-        nb::arg("ctas"), nb::arg("stream") = 0, nb::arg("options") = nb::none(),
+        nb::arg("ctas"), nb::arg("stream") = 0, nb::arg("options") = nb::none(), nb::arg("fp16_terms") = 0,
         "REDUCE (the executor's SUM/LAND kernel) over a device run table (tide._core.cuda.reduce_runs, or the run "
-        "table an executor builds from a program's op); `bases[slot]` are the slot base addresses.");
+        "table an executor builds from a program's op); `bases[slot]` are the slot base addresses; a term in "
+        "neither fp32_terms nor fp16_terms is bf16.");
   m.def("resident_ctas_per_sm", &resident_ctas_per_sm, nb::arg("kernel"), nb::arg("n_staged") = 0,
         "CTAs of SUM ('sum', L-1 = n_staged) or REDUCE ('reduce' / 'reduce_fp32', bf16 / fp32 terms) resident "
         "on one SM (occupancy API).");
@@ -187,11 +192,13 @@ void bind_cuda_ops(nb::module_& m) {
     return out;
   }, "Registers and local memory (spills + stack) of every SUM/REDUCE kernel (cudaFuncGetAttributes).");
   m.def("cast",
-        [](uint64_t dst, uint64_t src, int64_t n, int ctas, uint64_t stream) {
-          launch_cast(ptr<uint16_t>(dst), ptr<const float>(src), n, ctas, strm(stream));
+        [](uint64_t dst, uint64_t src, int64_t n, int ctas, uint64_t stream, const std::string& to) {
+          const tide::DType t = tide::parse_dtype(to, "cast: to");
+          TIDE_PLAN_CHECK(t == tide::DType::kBF16 || t == tide::DType::kFP16, "cast: to must be bfloat16 or float16, got ", to);
+          launch_cast(ptr<uint16_t>(dst), ptr<const float>(src), n, ctas, strm(stream), t == tide::DType::kFP16);
         },
         nb::arg("dst"), nb::arg("src"), nb::arg("n"), nb::arg("ctas") = 132, nb::arg("stream") = 0,
-        "CAST: fp32 -> bf16, round to nearest even.");
+        nb::arg("to") = "bfloat16", "CAST: fp32 -> bf16 (or fp16), round to nearest even.");
   m.def("zero",
         [](const std::vector<std::pair<uint64_t, int64_t>>& regions, int ctas, uint64_t stream) {
           TIDE_PLAN_CHECK(regions.size() <= static_cast<size_t>(kMaxZeroRegions), "at most ", kMaxZeroRegions, " regions");

@@ -230,5 +230,14 @@ void bind_cuda_exec(nb::module_& m, nb::module_& testing) {
      "rank's gradient p, ('out',) its output, ('arena', r) group rank r's arena; and where, when the executors run the op as kernels.cu's Level-1 SUM, level1 is "
      "[(slot, byte offset of element 0)] per staged slice and segments its SUM segment table [(dst_off, len, "
      "src_off, param)] (cuda.sum_segments' rows), else both None. Host only.");
+  testing.def("run_table_fp16", [](const ProgramSet& ps, int rank, int op) {
+    std::vector<cuda::ReduceRun> t;
+    const auto info = cuda::build_run_table(ps.progs, rank, op, t);
+    std::vector<cuda::SumSegment> segs;
+    const cuda::Level1Sum l1 = cuda::level1_sum_shape(info, t, segs);
+    return std::make_tuple(info.fp16_terms, l1.n_staged >= 0 && l1.fp16);
+  }, nb::arg("programs"), nb::arg("rank"), nb::arg("op"),
+     "The fp16 side of testing.run_table: (fp16 mask: bit i, term i reads fp16; whether the executors run "
+     "the op as kernels.cu's Level-1 SUM in its fp16 form). Host only.");
 }
 #endif

@@ -27,7 +27,7 @@ bool same_op(const Op& a, const Op& b) {
   if (a.kind != b.kind || a.stream != b.stream || a.tag != b.tag || a.round != b.round ||
       !same_ref(a.dst, b.dst) || a.counter.rank != b.counter.rank || a.counter.index != b.counter.index ||
       a.value != b.value || a.per_call != b.per_call || a.alpha != b.alpha || a.accumulate != b.accumulate ||
-      a.multicast != b.multicast || a.deadline_s != b.deadline_s || a.copies.size() != b.copies.size() ||
+      a.multicast != b.multicast || a.cast_to != b.cast_to || a.deadline_s != b.deadline_s || a.copies.size() != b.copies.size() ||
       a.terms.size() != b.terms.size())
     return false;
   for (size_t i = 0; i < a.copies.size(); ++i)

@@ -3,7 +3,8 @@
 //   ref    = (kind, rank, index, offset, width[, height, pitch])   kind: "shard", "stage", ...
 //   op     = {"kind": "COPY", "stream": 0, "copies": [(ref, ref)], "terms": [(ref, dtype,
 //             dst_elem, elems, term)], "dst": ref, "counter": (rank, index), "value": 1,
-//             "per_call": 0, "alpha": 1.0, "accumulate": False, "tag": 0, "round": -1}
+//             "per_call": 0, "alpha": 1.0, "accumulate": False, "tag": 0, "round": -1,
+//             "cast_to": "bfloat16"}
 //   rank   = {"streams": [...], "num_counters": n, "ops": [op], "release_event": i,
 //             "done_event": i, "user_inputs": [ref], "user_outputs": [ref],
 //             "expects": [(ref, dtype, [(ref, dtype)])], "group": 0}
@@ -115,6 +116,7 @@ void bind_program_spec(nb::module_& m) {
         op.alpha = get<float>(od, "alpha", 1.0f);
         op.accumulate = get<bool>(od, "accumulate", false);
         op.multicast = get<bool>(od, "multicast", false);
+        if (od.contains("cast_to")) op.cast_to = parse_dtype(nb::cast<std::string>(od["cast_to"]), "op cast_to");
         op.deadline_s = get<double>(od, "deadline_s", 0.0);
         TIDE_PLAN_CHECK(op.stream < pr.streams.size(), "program spec: rank ", pr.rank, " op stream ", int(op.stream),
                         " out of range");

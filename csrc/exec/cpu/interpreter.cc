@@ -21,13 +21,6 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-float fp16_to_fp32(uint16_t h) {
-  const uint32_t s = (h >> 15) & 1, e = (h >> 10) & 0x1f, m = h & 0x3ff;
-  float v = e == 0 ? std::ldexp(static_cast<float>(m), -24)
-            : e == 31 ? (m ? NAN : INFINITY)
-                      : std::ldexp(static_cast<float>(m | 0x400), static_cast<int>(e) - 25);
-  return s ? -v : v;
-}
 float load_elem(const uint8_t* p, DType t) {
   if (t == DType::kFP32) { float f; std::memcpy(&f, p, 4); return f; }
   uint16_t h;
@@ -359,6 +352,8 @@ struct Runner {
         }
         break;
       case OpKind::kCast:
+        if (op.cast_to != DType::kBF16 && op.cast_to != DType::kFP16)
+          fail(1, TIDE_STR_CAT(op_name(rs, call, idx), ": CAST to ", dtype_name(op.cast_to), " (bfloat16 or float16)"));
         for (const auto& cd : op.copies) {
           if (cd.src.width != 2 * cd.dst.width || cd.src.height != cd.dst.height)
             fail(1, TIDE_STR_CAT(op_name(rs, call, idx), ": CAST geometry mismatch"));
@@ -368,7 +363,7 @@ struct Runner {
             for (int64_t i = 0; i < cd.dst.width / 2; ++i) {
               float f;
               std::memcpy(&f, s + h * cd.src.pitch + 4 * i, 4);
-              const uint16_t b = fp32_to_bf16(f);
+              const uint16_t b = op.cast_to == DType::kFP16 ? fp32_to_fp16(f) : fp32_to_bf16(f);
               std::memcpy(d + h * cd.dst.pitch + 2 * i, &b, 2);
             }
         }

@@ -3,11 +3,27 @@
 
 #include <cstdint>
 
+#include "tide/numerics.h"
+
 namespace tide::cuda::device {
 
 // bf16 -> fp32 is exact: the bf16 bits are the high half of the fp32 word.
 __device__ __forceinline__ float bf16_lo(uint32_t w) { return __uint_as_float(w << 16); }
 __device__ __forceinline__ float bf16_hi(uint32_t w) { return __uint_as_float(w & 0xffff0000u); }
+// The low / high 16-bit item of a word as fp32, bf16 or (FP16) fp16: exact either way
+// (tide/numerics.h, the CPU executor's conversion).
+template <bool FP16>
+__device__ __forceinline__ float half_lo(uint32_t w) {
+  return FP16 ? tide::fp16_to_fp32(static_cast<uint16_t>(w & 0xffffu)) : bf16_lo(w);
+}
+template <bool FP16>
+__device__ __forceinline__ float half_hi(uint32_t w) {
+  return FP16 ? tide::fp16_to_fp32(static_cast<uint16_t>(w >> 16)) : bf16_hi(w);
+}
+template <bool FP16>
+__device__ __forceinline__ float half_to_f32(uint16_t h) {
+  return FP16 ? tide::fp16_to_fp32(h) : tide::bf16_to_fp32(h);
+}
 
 // [Note: CTA work split]
 // SUM and REDUCE split their element space [0, n) over the grid in one of two ways, picked per

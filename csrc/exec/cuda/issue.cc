@@ -53,8 +53,10 @@ ReduceOpInfo build_run_table(const std::vector<Program>& programs_, const ArenaS
   for (auto& [id, pieces] : by_term) {
     std::sort(pieces.begin(), pieces.end(), [](auto* a, auto* b) { return a->dst_elem < b->dst_elem; });
     const DType dt = pieces[0]->dtype;
-    TIDE_PLAN_CHECK(dt == DType::kBF16 || dt == DType::kFP32, "rank ", rank, " op ", i, ": term dtype");
+    TIDE_PLAN_CHECK(dt == DType::kBF16 || dt == DType::kFP16 || dt == DType::kFP32, "rank ", rank, " op ", i,
+                    ": term dtype ", dtype_name(dt), " (SUM/LAND read bfloat16, float16 or float32)");
     if (dt == DType::kFP32) ro.fp32_terms |= 1u << ti;
+    if (dt == DType::kFP16) ro.fp16_terms |= 1u << ti;
     for (auto* p : pieces) {
       TIDE_PLAN_CHECK(p->dtype == dt, "rank ", rank, " op ", i, ": mixed dtypes in term ", id);
       TIDE_PLAN_CHECK(p->dst_elem >= 0 && p->dst_elem + p->elems <= ro.n, "rank ", rank, " op ", i,
@@ -108,7 +110,10 @@ ReduceOpInfo build_run_table(const std::vector<Program>& programs_, const ArenaS
 Level1Sum level1_sum_shape(const ReduceOpInfo& ro, const std::vector<ReduceRun>& table, std::vector<SumSegment>& segs) {
   Level1Sum l1;
   const int ns = ro.n_terms - 1;
-  if (ro.fp32_terms != 0 || ns < 1 || ns > kMaxStaged || ro.n_runs < 1) return l1;
+  const uint32_t all = (1u << ro.n_terms) - 1u;  // one 16-bit dtype for every term: bf16 or fp16
+  if (ro.fp32_terms != 0 || (ro.fp16_terms != 0 && ro.fp16_terms != all) || ns < 1 || ns > kMaxStaged ||
+      ro.n_runs < 1)
+    return l1;
   const ReduceRun* runs = table.data() + ro.table_offset;
   for (int j = 0; j < ns; ++j) {
     l1.staged_slot[j] = runs[0].slot[j];
@@ -130,6 +135,7 @@ Level1Sum level1_sum_shape(const ReduceOpInfo& ro, const std::vector<ReduceRun>&
   }
   l1.n_segs = ro.n_runs;
   l1.n_staged = ns;
+  l1.fp16 = ro.fp16_terms != 0;
   return l1;
 }
 
@@ -358,6 +364,8 @@ void issue(const IssueContext& c, int rank, int i, int64_t seq) {
       break;
     }
     case OpKind::kCast:
+      TIDE_CHECK(op.cast_to == DType::kBF16 || op.cast_to == DType::kFP16, describe_op(c, rank, i, seq),
+                 ": CAST to ", dtype_name(op.cast_to), " (bfloat16 or float16)");
       for (const auto& cp : op.copies) {
         TIDE_CHECK(cp.src.width == 2 * cp.dst.width && cp.src.height == cp.dst.height, describe_op(c, rank, i, seq),
                    ": CAST shapes");
@@ -365,7 +373,8 @@ void issue(const IssueContext& c, int rank, int i, int64_t seq) {
         const char* src = static_cast<const char*>(resolve(c, cp.src));
         for (int64_t h = 0; h < cp.dst.height; ++h)
           launch_cast(reinterpret_cast<uint16_t*>(dst + h * cp.dst.pitch),
-                      reinterpret_cast<const float*>(src + h * cp.src.pitch), cp.dst.width / 2, opt.cast_ctas, s);
+                      reinterpret_cast<const float*>(src + h * cp.src.pitch), cp.dst.width / 2, opt.cast_ctas, s,
+                      op.cast_to == DType::kFP16);
       }
       break;
     case OpKind::kSum:
@@ -394,6 +403,7 @@ void issue(const IssueContext& c, int rank, int i, int64_t seq) {
         sa.segs = c.tables->d_segs + l1.seg_offset;
         sa.n_segs = l1.n_segs;
         for (int p = 0; p < kMaxGradPtrs; ++p) sa.grad[p] = static_cast<const uint16_t*>(a.base[p]);
+        sa.fp16 = l1.fp16 ? 1 : 0;
         sa.scale = op.alpha != 1.0f;
         sa.accumulate = op.accumulate ? 1 : 0;
         sa.alpha = op.alpha;
@@ -404,6 +414,7 @@ void issue(const IssueContext& c, int rank, int i, int64_t seq) {
       a.n_runs = ro.n_runs;
       a.n_terms = ro.n_terms;
       a.fp32_terms = ro.fp32_terms;
+      a.fp16_terms = ro.fp16_terms;
       a.land = op.kind == OpKind::kLand || op.alpha != 1.0f || op.accumulate;  // a direct SUM: as LAND
       a.accumulate = op.accumulate ? 1 : 0;
       a.alpha = op.alpha;

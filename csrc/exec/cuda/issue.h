@@ -84,6 +84,7 @@ struct Level1Sum {
   int64_t staged_off[kMaxStaged] = {};   // byte offset of the slice's element 0 in that slot
   int64_t seg_offset = 0;                // first SumSegment in ProgramTables::d_segs
   int n_segs = 0;
+  bool fp16 = false;                     // every term fp16 (else every term bf16)
 };
 
 // Cuts SUM/LAND op `op_index` of rank `rank` into REDUCE runs (kernels.h), appended to `table`.
@@ -92,7 +93,8 @@ struct ReduceOpInfo {
   int64_t table_offset = 0;  // first run in the table
   int n_runs = 0;
   int n_terms = 0;
-  uint32_t fp32_terms = 0;
+  uint32_t fp32_terms = 0;   // bit i: term i is fp32
+  uint32_t fp16_terms = 0;   // bit i: term i is fp16 (else bf16 where not fp32)
   int64_t n = 0;             // dst elements
   Level1Sum level1;          // SUM ops only: set by level1_sum_shape()
 };

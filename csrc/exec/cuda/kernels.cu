@@ -35,10 +35,11 @@
 namespace tide::cuda {
 namespace {
 
-using device::bf16_hi;
-using device::bf16_lo;
+using device::half_hi;
+using device::half_lo;
+using device::half_to_f32;
 
-constexpr int kVec = 8;  // bf16 elements per 16-byte vector
+constexpr int kVec = 8;  // bf16 (fp16) elements per 16-byte vector
 
 // Vectors per thread per SUM iteration for `terms` operands (staged + own): ~160 registers of
 // loaded words (the launch bounds allow 255 at kSumThreads = 256), 1..6. L = 8: 5.
@@ -55,13 +56,14 @@ __device__ __forceinline__ void cta_range(int64_t n, int64_t align, int64_t* beg
   *end = min(n, *begin + per);
 }
 
-// Unpack 8 bf16 of `v` and add them to acc (acc = acc + x, left to right per element).
+// Unpack 8 bf16 (fp16) of `v` and add them to acc (acc = acc + x, left to right per element).
+template <bool FP16>
 __device__ __forceinline__ void add8(float (&acc)[kVec], const uint4& v) {
   const uint32_t w[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
-    acc[2 * i] = __fadd_rn(acc[2 * i], bf16_lo(w[i]));
-    acc[2 * i + 1] = __fadd_rn(acc[2 * i + 1], bf16_hi(w[i]));
+    acc[2 * i] = __fadd_rn(acc[2 * i], half_lo<FP16>(w[i]));
+    acc[2 * i + 1] = __fadd_rn(acc[2 * i + 1], half_hi<FP16>(w[i]));
   }
 }
 // A direct Level-1 SUM's alpha and accumulate (SumArgs), on the 8 sums about to go to d[0..1].
@@ -78,17 +80,19 @@ __device__ __forceinline__ void finish8(const SumArgs& a, float (&acc)[kVec], co
     if (a.accumulate) acc[i] = __fadd_rn(old[i], acc[i]);
   }
 }
+template <bool FP16>
 __device__ __forceinline__ void set8(float (&acc)[kVec], const uint4& v) {
   const uint32_t w[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
-    acc[2 * i] = bf16_lo(w[i]);
-    acc[2 * i + 1] = bf16_hi(w[i]);
+    acc[2 * i] = half_lo<FP16>(w[i]);
+    acc[2 * i + 1] = half_hi<FP16>(w[i]);
   }
 }
 
-// SUM over elements [begin, end) of the block (one CTA piece: a tile or a range).
-template <int NS>
+// SUM over elements [begin, end) of the block (one CTA piece: a tile or a range); operands bf16,
+// or fp16 (FP16).
+template <int NS, bool FP16>
 __device__ __forceinline__ void sum_piece(const SumArgs& a, int64_t begin, int64_t end, int vec_ok) {
   // First segment that ends after `begin` (segments are sorted and cover [0, n)).
   int lo = 0, hi = a.n_segs - 1;
@@ -134,12 +138,12 @@ __device__ __forceinline__ void sum_piece(const SumArgs& a, int64_t begin, int64
           if (v0 + u * kSumThreads < nv) {
             float acc[kVec];
             if (NS > 0) {
-              set8(acc, s[0][u]);
+              set8<FP16>(acc, s[0][u]);
 #pragma unroll
-              for (int j = 1; j < NS; ++j) add8(acc, s[j][u]);
-              if (own) add8(acc, o[u]);  // an absent own term is skipped, not added as 0.0f
+              for (int j = 1; j < NS; ++j) add8<FP16>(acc, s[j][u]);
+              if (own) add8<FP16>(acc, o[u]);  // an absent own term is skipped, not added as 0.0f
             } else {
-              set8(acc, o[u]);
+              set8<FP16>(acc, o[u]);
             }
             float4* d = dp + 2 * u * kSumThreads;
             if (a.scale | a.accumulate) finish8(a, acc, d);
@@ -154,12 +158,12 @@ __device__ __forceinline__ void sum_piece(const SumArgs& a, int64_t begin, int64
       }
     }
     for (int64_t k = b_tail + threadIdx.x; k < e; k += blockDim.x) {  // scalar remainder
-      const float x = own ? tide::bf16_to_fp32(own[k + shift]) : 0.0f;
+      const float x = own ? half_to_f32<FP16>(own[k + shift]) : 0.0f;
       float acc;
       if (NS > 0) {
-        acc = tide::bf16_to_fp32(a.staged[0][k]);
+        acc = half_to_f32<FP16>(a.staged[0][k]);
 #pragma unroll
-        for (int j = 1; j < NS; ++j) acc = __fadd_rn(acc, tide::bf16_to_fp32(a.staged[j][k]));
+        for (int j = 1; j < NS; ++j) acc = __fadd_rn(acc, half_to_f32<FP16>(a.staged[j][k]));
         if (own) acc = __fadd_rn(acc, x);
       } else {
         acc = x;
@@ -171,14 +175,21 @@ __device__ __forceinline__ void sum_piece(const SumArgs& a, int64_t begin, int64
   }
 }
 
-template <int NS>
+template <int NS, bool FP16>
 __global__ void __launch_bounds__(kSumThreads, 1) sum_kernel(const __grid_constant__ SumArgs a,
                                                           int vec_ok, int split) {
   constexpr int64_t kTile = static_cast<int64_t>(sum_unroll(NS + 1)) * kSumThreads * kVec;  // one iteration
   device::for_each_piece(a.n, kVec, kTile, split == kSplitRanges,
-                         [&](int64_t b, int64_t e) { sum_piece<NS>(a, b, e, vec_ok); });
+                         [&](int64_t b, int64_t e) { sum_piece<NS, FP16>(a, b, e, vec_ok); });
 }
 
+// fp32 -> a 16-bit item: bf16 or fp16 (FP16), round-to-nearest-even (tide/numerics.h).
+template <bool FP16>
+__device__ __forceinline__ uint16_t to_half(float x) {
+  return FP16 ? tide::fp32_to_fp16(x) : tide::fp32_to_bf16(x);
+}
+
+template <bool FP16>
 __global__ void __launch_bounds__(kCastThreads) cast_kernel(uint16_t* __restrict__ dst,
                                                             const float* __restrict__ src,
                                                             int64_t n, int vec) {
@@ -192,12 +203,12 @@ __global__ void __launch_bounds__(kCastThreads) cast_kernel(uint16_t* __restrict
       const int64_t k = begin + v * 4;
       const float4 x = __ldcs(reinterpret_cast<const float4*>(src + k));
       uint2 o;
-      o.x = static_cast<uint32_t>(tide::fp32_to_bf16(x.x)) | (static_cast<uint32_t>(tide::fp32_to_bf16(x.y)) << 16);
-      o.y = static_cast<uint32_t>(tide::fp32_to_bf16(x.z)) | (static_cast<uint32_t>(tide::fp32_to_bf16(x.w)) << 16);
+      o.x = static_cast<uint32_t>(to_half<FP16>(x.x)) | (static_cast<uint32_t>(to_half<FP16>(x.y)) << 16);
+      o.y = static_cast<uint32_t>(to_half<FP16>(x.z)) | (static_cast<uint32_t>(to_half<FP16>(x.w)) << 16);
       *reinterpret_cast<uint2*>(dst + k) = o;
     }
   }
-  for (int64_t k = b_tail + threadIdx.x; k < end; k += blockDim.x) dst[k] = tide::fp32_to_bf16(src[k]);
+  for (int64_t k = b_tail + threadIdx.x; k < end; k += blockDim.x) dst[k] = to_half<FP16>(src[k]);
 }
 
 __global__ void __launch_bounds__(kZeroThreads) zero_kernel(const __grid_constant__ ZeroArgs a) {
@@ -310,22 +321,30 @@ int clamp_ctas(int ctas, int64_t work_items, int threads) {
   return static_cast<int>(c);
 }
 
+template <int NS, bool FP16>
+void launch_sum_nsh(const SumArgs& a, int ctas, int vec_ok, const LaunchKnobs& k, cudaStream_t s) {
+  constexpr int64_t kTile = static_cast<int64_t>(sum_unroll(NS + 1)) * kSumThreads * kVec;  // sum_kernel's
+  const int grid = grid_for(reinterpret_cast<const void*>(sum_kernel<NS, FP16>), kSumThreads, ctas, a.n, kTile, k);
+  sum_kernel<NS, FP16><<<grid, kSumThreads, 0, s>>>(a, vec_ok, split_for(grid, k));
+}
 template <int NS>
 void launch_sum_ns(const SumArgs& a, int ctas, int vec_ok, const LaunchKnobs& k, cudaStream_t s) {
-  constexpr int64_t kTile = static_cast<int64_t>(sum_unroll(NS + 1)) * kSumThreads * kVec;  // sum_kernel's
-  const int grid = grid_for(reinterpret_cast<const void*>(sum_kernel<NS>), kSumThreads, ctas, a.n, kTile, k);
-  sum_kernel<NS><<<grid, kSumThreads, 0, s>>>(a, vec_ok, split_for(grid, k));
+  if (a.fp16)
+    launch_sum_nsh<NS, true>(a, ctas, vec_ok, k, s);
+  else
+    launch_sum_nsh<NS, false>(a, ctas, vec_ok, k, s);
 }
 
 template <int... I>
 void sum_attrs(std::integer_sequence<int, I...>, std::vector<KernelAttrs>* out) {
-  auto one = [&](auto kernel, int ns) {
+  auto one = [&](auto kernel, int ns, bool fp16) {
     cudaFuncAttributes fa{};
     TIDE_CHECK_CUDA(cudaFuncGetAttributes(&fa, kernel), "cudaFuncGetAttributes(sum_kernel)");
-    out->push_back({"sum_kernel<" + std::to_string(ns) + ">", fa.numRegs, static_cast<int>(fa.localSizeBytes),
-                    static_cast<int>(fa.sharedSizeBytes), fa.maxThreadsPerBlock});
+    out->push_back({"sum_kernel<" + std::to_string(ns) + (fp16 ? ",fp16>" : ">"), fa.numRegs,
+                    static_cast<int>(fa.localSizeBytes), static_cast<int>(fa.sharedSizeBytes), fa.maxThreadsPerBlock});
   };
-  (one(sum_kernel<I>, I), ...);
+  (one(sum_kernel<I, false>, I, false), ...);
+  (one(sum_kernel<I, true>, I, true), ...);
 }
 
 __global__ void stall_kernel(uint64_t ns) {
@@ -401,7 +420,8 @@ void preload_kernels(int device) {
   // cudaFuncGetAttributes loads a lazily loaded kernel: SUM and REDUCE here...
   (void)sum_kernel_attrs();
   // ...and the others.
-  std::vector<const void*> rest = {reinterpret_cast<const void*>(cast_kernel), reinterpret_cast<const void*>(zero_kernel),
+  std::vector<const void*> rest = {reinterpret_cast<const void*>(cast_kernel<false>),
+                                   reinterpret_cast<const void*>(cast_kernel<true>), reinterpret_cast<const void*>(zero_kernel),
                                    reinterpret_cast<const void*>(stall_kernel)};
   for (int vec = 1; vec <= 16; vec *= 2)
     for (bool strided : {false, true}) rest.push_back(reinterpret_cast<const void*>(sm_copy_kernel_for(vec, strided)));
@@ -442,7 +462,7 @@ int sum_occupancy(std::integer_sequence<int, I...>, int n_staged) {
   auto one = [&](auto kernel, int ns) {
     if (ns == n_staged) k = resident_per_sm(reinterpret_cast<const void*>(kernel), kSumThreads);
   };
-  (one(sum_kernel<I>, I), ...);
+  (one(sum_kernel<I, false>, I), ...);  // the bf16 form (sum_kernel_attrs lists both forms)
   return k;
 }
 
@@ -457,10 +477,14 @@ int resident_ctas_per_sm(const std::string& kernel, int n_staged) {
   return reduce_resident_ctas_per_sm(n_staged, kernel == "reduce_fp32");
 }
 
-void launch_cast(uint16_t* dst, const float* src, int64_t n, int ctas, cudaStream_t stream) {
+void launch_cast(uint16_t* dst, const float* src, int64_t n, int ctas, cudaStream_t stream, bool fp16) {
   if (n == 0) return;
   const int vec = (reinterpret_cast<uintptr_t>(dst) & 7) == 0 && (reinterpret_cast<uintptr_t>(src) & 15) == 0;
-  cast_kernel<<<clamp_ctas(ctas, n / 4 + 1, kCastThreads), kCastThreads, 0, stream>>>(dst, src, n, vec);
+  const int grid = clamp_ctas(ctas, n / 4 + 1, kCastThreads);
+  if (fp16)
+    cast_kernel<true><<<grid, kCastThreads, 0, stream>>>(dst, src, n, vec);
+  else
+    cast_kernel<false><<<grid, kCastThreads, 0, stream>>>(dst, src, n, vec);
   TIDE_CHECK_CUDA(cudaGetLastError(), "launching CAST");
 }
 

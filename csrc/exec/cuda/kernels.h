@@ -36,7 +36,8 @@ constexpr int kCopyThreads = 512;
 
 // ---- SUM: fp32 node partial (Level 1) ------------------------------------------------------
 // dst[k] = ((stg_0[k] + stg_1[k]) + ... + stg_{n_staged-1}[k]) + own[k]   (fp32, left to right)
-// where own[k] comes from the segment covering k: grad[param][src_off + (k - dst_off)] (bf16);
+// where own[k] comes from the segment covering k: grad[param][src_off + (k - dst_off)] (bf16,
+// or fp16 with SumArgs::fp16: staged slices and gradients are one 16-bit dtype, widened exactly);
 // where param < 0 (padding rows past D_p) the own term is absent and not added. With
 // n_staged == 0, dst[k] = own[k] (or 0.0f where absent). Same association as REDUCE below.
 // Segments are sorted by dst_off, disjoint, and cover [0, n) exactly.
@@ -51,11 +52,12 @@ struct SumSegment {
 struct SumArgs {
   float* dst = nullptr;
   int64_t n = 0;                                   // elements of dst
-  const uint16_t* staged[kMaxStaged] = {};         // bf16 slices, same indexing as dst
+  const uint16_t* staged[kMaxStaged] = {};         // bf16 (fp16) slices, same indexing as dst
   int n_staged = 0;                                // 0 .. L-1, in local-rank order
   int n_segs = 0;
   const SumSegment* segs = nullptr;                // device table (uploaded at registration)
-  const uint16_t* grad[kMaxGradPtrs] = {};         // per-parameter bf16 gradient base pointers
+  const uint16_t* grad[kMaxGradPtrs] = {};         // per-parameter bf16 (fp16) gradient base pointers
+  int fp16 = 0;                                    // 1: every operand is fp16, else bf16
   // A direct Level-1 SUM into the output ([Note: direct Level 1], plan.h) folds alpha and
   // accumulate in as LAND does: v = alpha * t (only when scale), dst = accumulate ? dst + v : v.
   int scale = 0;
@@ -119,7 +121,8 @@ struct ReduceArgs {
   const ReduceRun* runs = nullptr;  // device table
   int n_runs = 0;
   int n_terms = 0;
-  uint32_t fp32_terms = 0;          // bit i: term i is fp32 (else bf16)
+  uint32_t fp32_terms = 0;          // bit i: term i is fp32
+  uint32_t fp16_terms = 0;          // bit i: term i is fp16 (a term in neither mask is bf16)
   int land = 0;                     // 0: SUM, 1: LAND
   int accumulate = 0;
   float alpha = 1.0f;
@@ -183,7 +186,8 @@ int reduce_resident_ctas_per_sm(int n_terms, bool fp32);  // reduce.cu
 // The occupancy API for one kernel of ours on the current device (return code checked).
 int resident_per_sm(const void* kernel, int threads);
 void launch_sum(const SumArgs& a, int ctas, const LaunchKnobs& knobs, cudaStream_t stream);
-void launch_cast(uint16_t* dst, const float* src, int64_t n, int ctas, cudaStream_t stream);
+// CAST fp32 -> bf16 (or fp16 with `fp16`), round-to-nearest-even (tide/numerics.h).
+void launch_cast(uint16_t* dst, const float* src, int64_t n, int ctas, cudaStream_t stream, bool fp16 = false);
 void launch_zero(const ZeroArgs& a, int ctas, cudaStream_t stream);
 // The widest unit (16, 8, 4, 2, 1 bytes) a copy of these pointers, width and pitches can move.
 int sm_copy_vec(const void* dst, const void* src, int64_t width, int64_t height, int64_t dpitch, int64_t spitch);

@@ -26,8 +26,9 @@ constexpr int kV = 8;  // elements per vector step of the generic body (and the 
 // its one body tested, per term, `src[i] != nullptr` and the runtime dtype bit, and nvcc put each
 // term's 16-byte load in its own branch region together with the unpack that uses it, so the T
 // loads of an iteration waited for each other (T x HBM latency per iteration). Now:
-//   - the dtype pattern is a template parameter (all bf16: Level-1 SUM; all fp32: LAND over
-//     inbox blocks; mixed), picked on the host from fp32_terms;
+//   - the dtype pattern is a template parameter (all bf16: Level-1 SUM; all fp16: the same of
+//     fp16 gradients; all fp32: LAND over inbox blocks; mixed), picked on the host from
+//     fp32_terms and fp16_terms;
 //   - a run whose terms are all present (uniform per run) and whose pattern is not mixed takes
 //     the dense body: every term's 16-byte words for kDenseUnroll words per thread are loaded,
 //     unconditionally, before the first add (as sum_kernel does);
@@ -36,7 +37,9 @@ constexpr int kV = 8;  // elements per vector step of the generic body (and the 
 //     group's adds, so at most ceil(T / group) latencies per iteration.
 // The association is unchanged (kernels.h): the first present term initialises, later present
 // terms are added in order, then LAND's alpha/accumulate.
-enum Pattern : int { kAllBf16 = 0, kAllF32 = 1, kMixed = 2 };
+enum Pattern : int { kAllBf16 = 0, kAllF32 = 1, kMixed = 2, kAllF16 = 3 };
+// All terms 16-bit items of one dtype: 8 elements per 16-byte word.
+constexpr bool half_only(int P) { return P == kAllBf16 || P == kAllF16; }
 
 // 16-byte words per term per thread per dense iteration: ~128 registers of loaded words at most,
 // 1..16. At L = 8 all bf16 that is 256 threads x 4 x 8 x 16 B = 128 KiB in flight per CTA. A cap
@@ -47,7 +50,7 @@ __host__ __device__ constexpr int dense_unroll(int words) {
   return 128 / (4 * words) < 1 ? 1 : (128 / (4 * words) > 16 ? 16 : 128 / (4 * words));
 }
 
-__device__ __forceinline__ void unpack(float (&x)[kV], const uint4& lo, const uint4& hi, bool fp32) {
+__device__ __forceinline__ void unpack(float (&x)[kV], const uint4& lo, const uint4& hi, bool fp32, bool fp16) {
   if (fp32) {
     x[0] = __uint_as_float(lo.x); x[1] = __uint_as_float(lo.y);
     x[2] = __uint_as_float(lo.z); x[3] = __uint_as_float(lo.w);
@@ -57,15 +60,16 @@ __device__ __forceinline__ void unpack(float (&x)[kV], const uint4& lo, const ui
     const uint32_t w[4] = {lo.x, lo.y, lo.z, lo.w};
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-      x[2 * i] = device::bf16_lo(w[i]);
-      x[2 * i + 1] = device::bf16_hi(w[i]);
+      x[2 * i] = fp16 ? device::half_lo<true>(w[i]) : device::bf16_lo(w[i]);
+      x[2 * i + 1] = fp16 ? device::half_hi<true>(w[i]) : device::bf16_hi(w[i]);
     }
   }
 }
 
-__device__ __forceinline__ float load1(const char* p, int64_t k, bool fp32) {
+__device__ __forceinline__ float load1(const char* p, int64_t k, bool fp32, bool fp16) {
   if (fp32) return reinterpret_cast<const float*>(p)[k];
-  return __uint_as_float(static_cast<uint32_t>(reinterpret_cast<const uint16_t*>(p)[k]) << 16);
+  const uint16_t h = reinterpret_cast<const uint16_t*>(p)[k];
+  return fp16 ? tide::fp16_to_fp32(h) : tide::bf16_to_fp32(h);
 }
 
 __device__ __forceinline__ float finish(const ReduceArgs& a, float t, float old) {
@@ -76,7 +80,11 @@ __device__ __forceinline__ float finish(const ReduceArgs& a, float t, float old)
 
 template <int T, int P>
 __device__ __forceinline__ bool term_fp32(const ReduceArgs& a, int i) {
-  return P == kAllF32 ? true : (P == kAllBf16 ? false : ((a.fp32_terms >> i) & 1) != 0);
+  return P == kAllF32 ? true : (half_only(P) ? false : ((a.fp32_terms >> i) & 1) != 0);
+}
+template <int T, int P>
+__device__ __forceinline__ bool term_fp16(const ReduceArgs& a, int i) {
+  return P == kAllF16 ? true : (P != kMixed ? false : ((a.fp16_terms >> i) & 1) != 0);
 }
 
 // Words per term per thread of one dense iteration (dense_body): all fp32 hoists the accumulate
@@ -122,12 +130,12 @@ __device__ __forceinline__ void dense_body(const ReduceArgs& a, const char* cons
       if (w0 + u * kReduceThreads >= nw) continue;
       float t[E];
       float y[kV];
-      unpack(y, x[0][u], x[0][u], P == kAllF32);
+      unpack(y, x[0][u], x[0][u], P == kAllF32, P == kAllF16);
 #pragma unroll
       for (int j = 0; j < E; ++j) t[j] = y[j];
 #pragma unroll
       for (int i = 1; i < T; ++i) {
-        unpack(y, x[i][u], x[i][u], P == kAllF32);
+        unpack(y, x[i][u], x[i][u], P == kAllF32, P == kAllF16);
 #pragma unroll
         for (int j = 0; j < E; ++j) t[j] = __fadd_rn(t[j], y[j]);
       }
@@ -151,7 +159,7 @@ __device__ __forceinline__ void dense_body(const ReduceArgs& a, const char* cons
 template <int T, int P>
 __device__ __forceinline__ void generic_body(const ReduceArgs& a, const char* const (&p)[T], int64_t bv,
                                              int64_t nv) {
-  constexpr int G = P == kAllBf16 ? 8 : 4;  // terms whose loads are issued together
+  constexpr int G = half_only(P) ? 8 : 4;  // terms whose loads are issued together
   const bool acc = a.land && a.accumulate;
   for (int64_t v = threadIdx.x; v < nv; v += blockDim.x) {
     const int64_t k = bv + v * kV;
@@ -173,7 +181,7 @@ __device__ __forceinline__ void generic_body(const ReduceArgs& a, const char* co
         const bool f32 = term_fp32<T, P>(a, i);
         const uint4* q = p[i] ? reinterpret_cast<const uint4*>(p[i] + v * kV * (f32 ? 4 : 2)) : dv;
         lo[j] = __ldcs(q);
-        if (P != kAllBf16) hi[j] = __ldcs(f32 || !p[i] ? q + 1 : q);
+        if (!half_only(P)) hi[j] = __ldcs(f32 || !p[i] ? q + 1 : q);
       }
 #pragma unroll
       for (int j = 0; j < G; ++j) {
@@ -181,15 +189,16 @@ __device__ __forceinline__ void generic_body(const ReduceArgs& a, const char* co
         if (i >= T) break;
         const bool present = p[i] != nullptr;
         float y[kV];
-        if (P == kMixed) {  // both decodings, then a select
-          float yb[kV];
-          unpack(y, lo[j], hi[j], true);
-          unpack(yb, lo[j], lo[j], false);
-          const bool f32 = term_fp32<T, P>(a, i);
+        if (P == kMixed) {  // every decoding, then a select
+          float yb[kV], yh[kV];
+          unpack(y, lo[j], hi[j], true, false);
+          unpack(yb, lo[j], lo[j], false, false);
+          unpack(yh, lo[j], lo[j], false, true);
+          const bool f32 = term_fp32<T, P>(a, i), f16 = term_fp16<T, P>(a, i);
 #pragma unroll
-          for (int e = 0; e < kV; ++e) y[e] = f32 ? y[e] : yb[e];
+          for (int e = 0; e < kV; ++e) y[e] = f32 ? y[e] : (f16 ? yh[e] : yb[e]);
         } else {
-          unpack(y, lo[j], P != kAllBf16 ? hi[j] : lo[j], P == kAllF32);
+          unpack(y, lo[j], half_only(P) ? lo[j] : hi[j], P == kAllF32, P == kAllF16);
         }
 #pragma unroll
         for (int e = 0; e < kV; ++e) {
@@ -253,7 +262,7 @@ __device__ __forceinline__ void reduce_piece(const ReduceArgs& a, int64_t begin,
 #pragma unroll
       for (int i = 0; i < T; ++i)
         if (pv[i]) {
-          const float x = load1(pv[i], k - bv, term_fp32<T, P>(a, i));
+          const float x = load1(pv[i], k - bv, term_fp32<T, P>(a, i), term_fp16<T, P>(a, i));
           t = have ? __fadd_rn(t, x) : x;
           have = true;
         }
@@ -285,9 +294,12 @@ void launch_tp(const ReduceArgs& a, int ctas, const LaunchKnobs& k, cudaStream_t
 
 template <int T>
 void launch_t(const ReduceArgs& a, int ctas, const LaunchKnobs& k, cudaStream_t s) {
-  const uint32_t all = (1u << T) - 1u, f32 = a.fp32_terms & all;
-  if (f32 == 0)
+  const uint32_t all = (1u << T) - 1u, f32 = a.fp32_terms & all, f16 = a.fp16_terms & all;
+  TIDE_CHECK((f32 & f16) == 0, "REDUCE: a term both fp32 and fp16 (", f32, ", ", f16, ")");
+  if (f32 == 0 && f16 == 0)
     launch_tp<T, kAllBf16>(a, ctas, k, s);
+  else if (f16 == all)
+    launch_tp<T, kAllF16>(a, ctas, k, s);
   else if (f32 == all)
     launch_tp<T, kAllF32>(a, ctas, k, s);
   else
@@ -302,8 +314,9 @@ void reduce_attrs(std::integer_sequence<int, I...>, std::vector<KernelAttrs>* ou
     out->push_back({"reduce_kernel<" + std::to_string(t) + pattern + ">", fa.numRegs,
                     static_cast<int>(fa.localSizeBytes), static_cast<int>(fa.sharedSizeBytes), fa.maxThreadsPerBlock});
   };
-  // "<T>": all bf16 (Level-1 SUM), "<T,fp32>": all fp32 (LAND), "<T,mixed>".
+  // "<T>": all bf16 (Level-1 SUM), "<T,fp16>": all fp16, "<T,fp32>": all fp32 (LAND), "<T,mixed>".
   (one(reduce_kernel<I + 1, kAllBf16>, I + 1, ""), ...);
+  (one(reduce_kernel<I + 1, kAllF16>, I + 1, ",fp16"), ...);
   (one(reduce_kernel<I + 1, kAllF32>, I + 1, ",fp32"), ...);
   (one(reduce_kernel<I + 1, kMixed>, I + 1, ",mixed"), ...);
 }

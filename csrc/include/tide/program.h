@@ -108,7 +108,7 @@ struct BufRef {
 };
 
 // One 1-D or 2-D copy: src and dst have the same width and height (CAST: src.width is twice
-// dst.width, fp32 -> bf16 round-to-nearest-even).
+// dst.width, fp32 -> Op::cast_to (bf16 or fp16) round-to-nearest-even, tide/numerics.h).
 struct CopyDesc {
   BufRef src;
   BufRef dst;
@@ -134,7 +134,7 @@ struct CounterRef {
 
 enum class OpKind : uint8_t {
   kCopy = 0,         // batch of CopyDesc (any may target a local peer's arena)
-  kCast = 1,         // batch of CopyDesc, fp32 -> bf16
+  kCast = 1,         // batch of CopyDesc, fp32 -> cast_to (bf16 or fp16)
   kSum = 2,          // dst (fp32) = sum over terms in order (valid extents); with alpha != 1 or
                      // accumulate, as LAND: [accumulate ? dst : 0] + alpha * sum (a direct
                      // Level-1 SUM into the output, [Note: direct Level 1] in plan.h)
@@ -216,6 +216,7 @@ struct Op {
   bool accumulate = false;          // LAND, and a SUM into the output
   bool multicast = false;           // COPY: descriptors form identical-offset groups to all L
                                     // local ranks; an executor may use one multicast write
+  DType cast_to = DType::kBF16;     // CAST: the item written (bf16 or fp16) from fp32
   int64_t target(int64_t seq) const { return value + per_call * seq; }
   double deadline_s = 0;            // WAIT/EVENT_WAIT: own deadline; 0 -> the executor's timeout
   int32_t rail_group = -1;          // SEND/RECV: the rendezvous group ([Note: two-sided rails])
