@@ -27,11 +27,11 @@ namespace {
 
 namespace xf = tide::xla_ffi;
 
+// The core's dtype names (tide::parse_dtype); the handlers move bfloat16, float16 and float32 only.
 tide::DType dtype_named(const std::string& name) {
-  if (name == "bfloat16") return tide::DType::kBF16;
-  if (name == "float16") return tide::DType::kFP16;
-  if (name == "float32") return tide::DType::kFP32;
-  throw tide::PlanError("dtype " + name + " is not supported (TIDE moves bfloat16, float16, float32)");
+  const tide::DType t = tide::parse_dtype(name, "dtype");
+  TIDE_PLAN_CHECK(t != tide::DType::kU8, "dtype ", name, " is not supported (TIDE moves bfloat16, float16, float32)");
+  return t;
 }
 
 tide::Collective collective_named(const std::string& op) {

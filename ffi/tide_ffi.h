@@ -6,7 +6,7 @@
 //     Python registers them from the one `registrations()` dict of this module.
 //   - A call carries one TIDE group: P operands in, P results out. Everything static about the
 //     group travels as attributes (dims0, the device table, topology, mode, op_id, timeout), so a
-//     handler needs no state beyond the process-wide plan cache below.
+//     handler needs no state beyond the core's process-wide plan cache (tide/session_registry.h).
 //   - Rank and group come from the static device table ((process index, device) -> fsdp group,
 //     rank), built in Python from the concrete Mesh. (this process, device ordinal) is only the
 //     key into that table; the ordinal is never used as the rank (a permuted mesh maps ordinals
@@ -285,7 +285,7 @@ void reset_handler_stats();
 Topology group_topology(const GroupAttrs& attrs);
 
 // ---------------------------------------------------------------------------------------------
-// Virtual cluster (virtual.cc): all N ranks of one group on ONE device, operands stacked [N, ...]
+// Virtual cluster (common.cc): all N ranks of one group on ONE device, operands stacked [N, ...]
 // (targets "tide_all_gather_virtual" / "tide_reduce_scatter_virtual"). No rendezvous: the one
 // device thread runs ExecuteGroup() and then CompleteRank() for every rank.
 // ---------------------------------------------------------------------------------------------
