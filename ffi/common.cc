@@ -1,9 +1,7 @@
-// Shared pieces of the TIDE FFI handlers: device table, process index, plan cache, dtypes,
-// error boundary.
+// Shared pieces of the TIDE FFI handlers: device table, process index, dtypes, the group call
+// (over the core's plan cache and rendezvous), the virtual call, error boundary.
 #include <atomic>
 #include <chrono>
-#include <map>
-#include <mutex>
 #include <sstream>
 
 #include "tide_ffi.h"
@@ -98,45 +96,6 @@ std::string rank_owners(ffi::Span<const int64_t> table, int64_t group, int world
   return os.str();
 }
 
-GroupSignature group_signature(Collective op, const std::vector<std::vector<int64_t>>& shapes,
-                               DType in, DType out) {
-  GroupSignature sig;
-  if (op == Collective::kAllGather) {
-    sig.shard_dtype = in;
-    sig.ag_dtype = sig.grad_dtype = out;
-  } else {
-    sig.shard_dtype = sig.ag_dtype = sig.grad_dtype = in;
-  }
-  for (size_t p = 0; p < shapes.size(); ++p) {
-    ParamSpec spec;
-    spec.name = TIDE_STR_CAT("parameter ", p);
-    spec.shape = shapes[p];
-    sig.params.push_back(std::move(spec));
-  }
-  return sig;
-}
-
-std::shared_ptr<const Plan> cached_plan(const GroupSignature& sig, const Topology& topo,
-                                        Mode mode) {
-  std::ostringstream key;
-  key << topo.nodes << 'x' << topo.gpus_per_node << '|' << int(mode) << '|' << int(sig.ag_dtype)
-      << int(sig.grad_dtype) << int(sig.shard_dtype);
-  for (const auto& p : sig.params) {
-    key << '|';
-    for (auto d : p.shape) key << d << ',';
-  }
-  static std::mutex mu;
-  static std::map<std::string, std::shared_ptr<const Plan>> cache;
-  std::lock_guard<std::mutex> lock(mu);
-  auto& slot = cache[key.str()];
-  if (!slot) {
-    Options opt;
-    opt.mode = mode;
-    slot = std::make_shared<const Plan>(make_plan(sig, topo, opt));
-  }
-  return slot;
-}
-
 DType to_tide_dtype(ffi::DataType t, const char* what) {
   switch (t) {
     case ffi::DataType::BF16: return DType::kBF16;
@@ -225,8 +184,7 @@ void run_group_call(const CallSpec& spec, int32_t device_ordinal, int64_t run_id
   io.rank = slot.rank;
   const uint64_t table = table_fingerprint(attrs.device_table);
   // Every rank of the process sees the same flag: all raise here, none waits in the rendezvous.
-  TIDE_PLAN_CHECK(!table_released(table), "the TIDE states of this mesh were released (tide_xla.release, or a "
-                  "re-init of the mesh); call tide_xla.init(mesh, axis) again before running TIDE calls on it");
+  TIDE_PLAN_CHECK(!session_states().released(table), session_states().released_message());
   if (table_spans_processes(attrs.device_table, process)) {
     const std::string owners = rank_owners(attrs.device_table, slot.group, world);
     if (attrs.where != nullptr &&
@@ -253,7 +211,7 @@ void run_group_call(const CallSpec& spec, int32_t device_ordinal, int64_t run_id
   key.run_id = run_id;
   key.group = slot.group;
   key.op_id = attrs.op_id;
-  key.seq = next_seq(device_ordinal, attrs.op_id, run_id);
+  key.seq = next_rendezvous_seq(device_ordinal, attrs.op_id, run_id);
   if (attrs.where != nullptr) {
     const bool group_ok = attrs.where[1] < 0 || attrs.where[1] == slot.group;
     if (attrs.where[0] != slot.rank || !group_ok) {
@@ -272,14 +230,20 @@ void run_group_call(const CallSpec& spec, int32_t device_ordinal, int64_t run_id
   call.group = slot.group;
   call.timeout_ms = attrs.timeout_ms;
   call.table = table;
+  // The meeting hands back every rank's RankIo (each rank's `mine`).
+  auto ranks_of = [](const std::vector<const void*>& mine) {
+    std::vector<const RankIo*> ranks;
+    for (const void* m : mine) ranks.push_back(static_cast<const RankIo*>(m));
+    return ranks;
+  };
   rendezvous_and_run(
-      key, world, io, plan->hash, attrs.timeout_ms,
-      [&](const std::vector<const RankIo*>& ranks) {
-        call.ranks = ranks;
+      key, world, io.rank, &io, plan->hash, attrs.timeout_ms,
+      [&](const std::vector<const void*>& mine) {
+        call.ranks = ranks_of(mine);
         ExecuteGroup(call);
       },
-      [&](const std::vector<const RankIo*>& ranks) {
-        call.ranks = ranks;
+      [&](const std::vector<const void*>& mine) {
+        call.ranks = ranks_of(mine);
         CompleteRank(call, slot.rank);
       });
 }

@@ -52,7 +52,7 @@ void seed_accumulator(const GroupCall& call, const RankIo& io) {
     std::memcpy(io.out[0], io.acc[0], static_cast<size_t>(call.plan->layout.S_fp32));
 }
 
-std::shared_ptr<GroupState> cpu_state(const GroupCall& call) {
+std::shared_ptr<SessionState> cpu_state(const GroupCall& call) {
   return group_state(call, nullptr, [&](const ArenaSpec& spec) {
     return std::make_shared<CpuClusterCallExecutor>(call.plan->topo.world(), spec, false, executor_options_for(call));
   });
@@ -91,7 +91,7 @@ void ExecuteGroup(const GroupCall& call) {
     throw Unimplemented("a CUDA call reached a build without the CUDA executor");
 #endif
   }
-  const std::shared_ptr<GroupState> st = cpu_state(call);
+  const std::shared_ptr<SessionState> st = cpu_state(call);
   for (const RankIo* io : call.ranks) seed_accumulator(call, *io);
   run_session(*st, call, {});
 }
@@ -105,7 +105,7 @@ void CompleteRank(const GroupCall& call, int rank) {
   }
   // TIDE-RS wrote XLA's result in place; a pull landing wrote XLA's AG results in place.
   if (call.spec.op != Collective::kAllGather || pull_landing(*call.plan)) return;
-  const std::shared_ptr<GroupState> st = cpu_state(call);
+  const std::shared_ptr<SessionState> st = cpu_state(call);
   auto& ex = static_cast<CpuClusterCallExecutor&>(st->session->executor());
   copy_landing(call, ex.arena().region(rank, BufKind::kRing0), *call.ranks[static_cast<size_t>(rank)]);
 }
@@ -124,7 +124,7 @@ void open_rank_state(const RankStateKey& key, std::shared_ptr<const Plan> plan,
                      const std::vector<std::string>& segments, int64_t timeout_ms) {
   TIDE_PLAN_CHECK(plan != nullptr && plan->hash == key.plan_hash, "open_rank_state: the plan does not match the key");
   TIDE_PLAN_CHECK(timeout_ms > 0, "timeout_ms: must be > 0, got ", timeout_ms);
-  if (has_rank_state(key)) return;
+  if (session_states().has(key.key())) return;
   const RankArena arena = rank_arena(*plan, key.op);
   ExecutorOptions opt;
   opt.timeout_s = static_cast<double>(timeout_ms) / 1000.0;
@@ -134,8 +134,9 @@ void open_rank_state(const RankStateKey& key, std::shared_ptr<const Plan> plan,
 }
 
 void RunRankCall(const GroupCall& call, uint64_t table, const RankIo& io) {
-  const std::shared_ptr<RankState> st = find_rank_state({call.spec.op, call.plan->hash, table, call.group, io.rank});
-  if (st == nullptr && table_released(table))
+  const RankStateKey key{call.spec.op, call.plan->hash, table, call.group, io.rank};
+  const std::shared_ptr<SessionState> st = session_states().find(key.key());
+  if (st == nullptr && session_states().released(table))
     throw PlanError(TIDE_STR_CAT("rank ", io.rank, " of group ", call.group, ": the TIDE states of this mesh were "
                                  "released (tide_xla.release); call tide_xla.init(mesh, axis) again and re-trace"));
   if (st == nullptr)
@@ -164,10 +165,10 @@ void RunRankCall(const GroupCall& call, uint64_t table, const RankIo& io) {
     if (pull_landing(*call.plan)) return;  // landed in XLA's results
     TIDE_CHECK(st->ring0 >= 0, "cross-process TIDE-AG: the arena has no ring0 region");
     if (!st->cuda) {
-      copy_landing(call, st->arena + st->ring0, io);
+      copy_landing(call, st->arena_base + st->ring0, io);
     } else {
 #ifdef TIDE_WITH_CUDA
-      copy_landing_async(call, reinterpret_cast<const char*>(st->arena) + st->ring0, io);
+      copy_landing_async(call, reinterpret_cast<const char*>(st->arena_base) + st->ring0, io);
 #endif
     }
   } else {
@@ -180,7 +181,7 @@ int64_t release_table(uint64_t table) {
 #ifdef TIDE_WITH_CUDA
   n += release_pending_cuda(table);
 #endif
-  return n + release_states(table);
+  return n + session_states().release(table, "tide_xla.release");
 }
 
 }  // namespace tide::xla_ffi

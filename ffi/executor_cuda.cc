@@ -41,7 +41,7 @@ std::vector<int> devices_of(const GroupCall& call) {
   return d;
 }
 
-std::shared_ptr<GroupState> cuda_state(const GroupCall& call) {
+std::shared_ptr<SessionState> cuda_state(const GroupCall& call) {
   const std::vector<int> devices = devices_of(call);  // group_state counts each rank's arena on its device
   return group_state(call, &devices, [&](const ArenaSpec& spec) {
     return make_cuda_cluster_executor(devices, spec.total, executor_options_for(call));
@@ -94,7 +94,7 @@ void CompleteRankCuda(const GroupCall& call, int rank) {
   // TIDE-RS wrote XLA's result in place; a pull landing wrote XLA's AG results in place.
   if (call.spec.op != Collective::kAllGather || pull_landing(*call.plan)) return;
   const RankIo& io = *call.ranks.at(static_cast<size_t>(rank));
-  const std::shared_ptr<GroupState> st = cuda_state(call);
+  const std::shared_ptr<SessionState> st = cuda_state(call);
   copy_landing_async(call, cuda_cluster_arena(st->session->executor(), rank) +
                                st->arena.offset[static_cast<int>(BufKind::kRing0)], io);
 }

@@ -27,11 +27,11 @@ namespace {
 
 namespace xf = tide::xla_ffi;
 
+// The core's dtype names (tide::parse_dtype); the handlers move bfloat16, float16 and float32 only.
 tide::DType dtype_named(const std::string& name) {
-  if (name == "bfloat16") return tide::DType::kBF16;
-  if (name == "float16") return tide::DType::kFP16;
-  if (name == "float32") return tide::DType::kFP32;
-  throw tide::PlanError("dtype " + name + " is not supported (TIDE moves bfloat16, float16, float32)");
+  const tide::DType t = tide::parse_dtype(name, "dtype");
+  TIDE_PLAN_CHECK(t != tide::DType::kU8, "dtype ", name, " is not supported (TIDE moves bfloat16, float16, float32)");
+  return t;
 }
 
 tide::Collective collective_named(const std::string& op) {
@@ -48,8 +48,8 @@ std::shared_ptr<const tide::Plan> plan_for(const std::string& op, const std::vec
   xf::GroupAttrs a;
   a.nodes = nodes;
   a.gpus_per_node = gpus;
-  const tide::GroupSignature sig = xf::group_signature(collective_named(op), shapes, dtype_named(in), dtype_named(out));
-  return xf::cached_plan(sig, xf::group_topology(a), static_cast<tide::Mode>(mode));
+  const tide::GroupSignature sig = tide::group_signature(collective_named(op), shapes, dtype_named(in), dtype_named(out));
+  return tide::cached_plan(sig, xf::group_topology(a), static_cast<tide::Mode>(mode));
 }
 
 xf::RankStateKey rank_key(const std::string& op, uint64_t plan_hash, uint64_t table, int64_t group, int rank) {
@@ -101,7 +101,7 @@ NB_MODULE(_ffi, m) {
   m.def("group_plan", [](const std::string& op, const std::vector<std::vector<int64_t>>& shapes,
                          const std::string& in, const std::string& out, int nodes, int gpus, int mode) {
     const auto plan = plan_for(op, shapes, in, out, nodes, gpus, mode);
-    const xf::RankArena arena = xf::rank_arena(*plan, collective_named(op));  // XLA:CPU: one host, one-sided
+    const tide::RankArena arena = tide::rank_arena(*plan, collective_named(op));  // XLA:CPU: one host, one-sided
     nb::dict d;
     d["hash"] = plan->hash;
     d["segment_bytes"] = arena.bytes;
@@ -113,7 +113,7 @@ NB_MODULE(_ffi, m) {
         "shared-memory segment each rank needs for it, and whether TIDE-AG lands in XLA's results by pulling "
         "(no copy-out).");
   m.def("has_rank", [](const std::string& op, uint64_t plan_hash, uint64_t table, int64_t group, int rank) {
-    return xf::has_rank_state(rank_key(op, plan_hash, table, group, rank));
+    return xf::session_states().has(rank_key(op, plan_hash, table, group, rank).key());
   });
   m.def("open_rank", [](const std::string& op, const std::vector<std::vector<int64_t>>& shapes,
                         const std::string& in, const std::string& out, int nodes, int gpus, int mode,
@@ -149,7 +149,7 @@ NB_MODULE(_ffi, m) {
         nb::arg("rail_id"),
         "Opens the node's peers (handles[r] per rank, b'' for other nodes) and joins the NCCL rail (rail_id; "
         "several nodes), then builds the rank's session.");
-  m.def("device_arena_bytes", &xf::device_arena_bytes, nb::arg("device"),
+  m.def("device_arena_bytes", [](int device) { return xf::session_states().device_bytes(device); }, nb::arg("device"),
         "Bytes of the TIDE arenas this process allocated on local CUDA device `device` (outside XLA's "
         "allocator).");
   m.def("nccl_unique_id", []() {
@@ -160,7 +160,7 @@ NB_MODULE(_ffi, m) {
         "libnccl.so.2 paths tried after the framework's copy and the loader's path.");
 #endif
   // [Note: state lifetime] in tide_ffi.h: tide_xla.init opens a mesh's table, tide_xla.release frees its states.
-  m.def("open_table", &xf::open_table, nb::arg("table"),
+  m.def("open_table", [](uint64_t table) { xf::session_states().open(table); }, nb::arg("table"),
         "Lets TIDE calls on the mesh of this device-table fingerprint build states again (tide_xla.init).");
   m.def("release_table", [](uint64_t table) {
     nb::gil_scoped_release release;  // waits for the states' enqueued work
@@ -169,9 +169,9 @@ NB_MODULE(_ffi, m) {
         "Frees every state (sessions, executors, arenas) of the mesh of this device-table fingerprint, after "
         "their enqueued work; later calls on it raise until open_table. Returns how many were freed.");
   m.def("live_states", []() {
-    const xf::LiveStates s = xf::live_states();
+    const tide::SessionRegistry::Live s = xf::session_states().live();
     nb::dict d;
-    d["group_states"] = s.group_states;
+    d["group_states"] = s.cluster_states;
     d["rank_states"] = s.rank_states;
     d["arena_bytes"] = s.arena_bytes;
     return d;

@@ -6,14 +6,14 @@
 //     Python registers them from the one `registrations()` dict of this module.
 //   - A call carries one TIDE group: P operands in, P results out. Everything static about the
 //     group travels as attributes (dims0, the device table, topology, mode, op_id, timeout), so a
-//     handler needs no state beyond the process-wide plan cache below.
+//     handler needs no state beyond the core's process-wide plan cache (tide/session_registry.h).
 //   - Rank and group come from the static device table ((process index, device) -> fsdp group,
 //     rank), built in Python from the concrete Mesh. (this process, device ordinal) is only the
 //     key into that table; the ordinal is never used as the rank (a permuted mesh maps ordinals
 //     to other ranks) and never matched against another process's devices.
 //   - A group whose devices all belong to this process is one in-process virtual cluster: XLA runs
 //     each device's call on its own thread, concurrently, so the ranks of a group meet in the
-//     Rendezvous (keyed by RunId, group, op_id, seq); then the group's per-rank programs run
+//     core's rendezvous (tide/rendezvous.h, keyed by RunId, group, op_id, seq); then the group's per-rank programs run
 //     through ExecuteGroup()/CompleteRank() (executor.cc), the one entry into TIDE's core: the
 //     group's GroupSession (tide/session.h). The call path runs one way: executor.cc ->
 //     executor_cuda.cc (CUDA calls) -> session_state.cc (the sessions), and executor.cc ->
@@ -39,7 +39,9 @@
 #include "tide/errors.h"
 #include "tide/plan.h"
 #include "tide/program.h"
+#include "tide/rendezvous.h"
 #include "tide/session.h"
+#include "tide/session_registry.h"
 // The vendored headers end some switch functions without a return; silence only that warning.
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wreturn-type"
@@ -80,10 +82,6 @@ bool table_spans_processes(ffi::Span<const int64_t> device_table, int64_t proces
 uint64_t table_fingerprint(ffi::Span<const int64_t> device_table);
 // "ranks 0-3 on process 0, ranks 4-7 on process 1" for group `group`, for messages.
 std::string rank_owners(ffi::Span<const int64_t> device_table, int64_t group, int world);
-
-// The plan for one group: shapes from dims0 (D_p) and the result/operand trailing dims.
-std::shared_ptr<const Plan> cached_plan(const GroupSignature& sig, const Topology& topo,
-                                        Mode mode);
 
 DType to_tide_dtype(ffi::DataType t, const char* what);  // throws PlanError on others
 std::string dims_str(ffi::Span<const int64_t> dims);
@@ -130,43 +128,27 @@ struct GroupCall {
 // then runs on every rank (its own thread) after ExecuteGroup returned, for per-rank completion
 // work. Both throw tide::Error / TimeoutError / Unimplemented.
 // One (plan, collective, mesh group, virtual device[, rank devices]) of the process: its
-// session over its executor (session_state.cc); `make` builds the executor for the session's arena the
-// first time. run_session: one call of the group through its session (streams: per rank, CUDA).
+// session over its executor in the face's SessionRegistry (session_state.cc; tide/session_registry.h);
+// `make` builds the executor for the session's arena the first time. run_session: one call of the group through its session (streams: per rank, CUDA).
 // TIDE-AG lands in XLA's result buffers by pulling ([Note: pull landing] in tide/program.h) where
 // the plan allows it: one node and fp32 shards cast to the AG dtype (the stage the peers read).
 // Otherwise it lands in the arena's ring slot and the rank copies the landing out.
 bool pull_landing(const Plan& plan);
-// [Note: state lifetime] A state belongs to its mesh's device table (call.table): it lives until
-// release_table(table) (tide_xla.release, or a re-init of the mesh), which frees the states of that
-// table and marks it released until open_table(table) (tide_xla.init). A call on a released table
+// [Note: state lifetime] A state belongs to its mesh's device table (call.table, the registry's
+// scope): it lives until release_table(table) (tide_xla.release, or a re-init of the mesh), which
+// frees the states of that table and marks it released until the registry's open(table)
+// (tide_xla.init) ([Note: session scopes] in tide/session_registry.h). A call on a released table
 // raises PlanError naming tide_xla.release, never reaching freed memory; a call in flight keeps
-// its state alive (shared_ptr) until it returns. The virtual cluster's states (table 0) live as long
-// as the process. Arena bytes are counted per device (-1: host memory) while a state lives.
-struct GroupState {
-  ArenaSpec arena;
-  std::unique_ptr<GroupSession> session;
-  uint64_t table = 0;
-  std::vector<std::pair<int, int64_t>> counted;  // (device, arena bytes) counted for this state
-};
-std::shared_ptr<GroupState> group_state(const GroupCall& call, const std::vector<int>* devices,
-                                        const std::function<std::shared_ptr<CallExecutor>(const ArenaSpec&)>& make);
-// Arena bytes this process's live states hold on `device` (-1: host memory).
-void count_arena(int device, int64_t bytes);
-int64_t device_arena_bytes(int device);
-struct LiveStates {
-  int64_t group_states = 0;
-  int64_t rank_states = 0;
-  int64_t arena_bytes = 0;  // every device and the host
-};
-LiveStates live_states();
-void open_table(uint64_t table);
-bool table_released(uint64_t table);
-// Frees the states of `table` (session_state.cc's; executor.cc's release_table also drops the CUDA
-// ranks still pending); every executor is synchronised first (a failure is printed, and the state
-// freed all the same). Returns how many were freed.
-int64_t release_states(uint64_t table);
+// its state alive (shared_ptr) until it returns. The virtual cluster's states (table 0) live as
+// long as the process. Arena bytes are counted per device (-1: host memory) while a state lives.
+SessionRegistry& session_states();  // this process's XLA states
+std::shared_ptr<SessionState> group_state(const GroupCall& call, const std::vector<int>* devices,
+                                          const std::function<std::shared_ptr<CallExecutor>(const ArenaSpec&)>& make);
+// Frees the states of `table` (the registry's release, and the CUDA ranks still pending); every
+// executor is synchronised first (a failure is printed, and the state freed all the same).
+// Returns how many were freed.
 int64_t release_table(uint64_t table);
-int64_t run_session(GroupState& st, const GroupCall& call, const std::vector<uintptr_t>& streams);
+int64_t run_session(SessionState& st, const GroupCall& call, const std::vector<uintptr_t>& streams);
 // The executor options of a group's executor: the call's timeout (tide_xla.init(timeout_s=)); the
 // executors apply TIDE_EXEC_OPTIONS themselves.
 ExecutorOptions executor_options_for(const GroupCall& call);
@@ -176,7 +158,8 @@ ExecutorOptions executor_options_for(const GroupCall& call);
 // executor (XLA:CPU: a CPU RankExecutor that maps every rank's shared-memory segment; CUDA: the
 // core's CudaProcessRank, its node's peers by CUDA IPC and other nodes over its NCCL rail).
 // Keyed by (collective, plan hash, device-table fingerprint, group, rank); opened at trace time,
-// kept until tide_xla.release of the mesh ([Note: state lifetime] above).
+// kept until tide_xla.release of the mesh ([Note: state lifetime] above). The segment every rank
+// needs: rank_arena (tide/session_registry.h).
 struct RankStateKey {
   Collective op = Collective::kAllGather;
   uint64_t plan_hash = 0;
@@ -184,32 +167,13 @@ struct RankStateKey {
   int64_t group = 0;
   int rank = 0;
   bool operator<(const RankStateKey& o) const;
+  SessionKey key() const;  // its key in session_states()
 };
-// The segment every rank of a cross-process group needs for `op` of `plan`: the session's own
-// arena plus the rank executor's entry-fence counter. regions: name -> (offset, bytes).
-struct RankArena {
-  int64_t bytes = 0;
-  RegionTable regions;
-};
-// rails: two-sided when the ranks' topology has several nodes on CUDA (its lowering's counters).
-RankArena rank_arena(const Plan& plan, Collective op, Rails rails = Rails::kOneSided);
-bool has_rank_state(const RankStateKey& key);
-// A rank state once built (session_state.cc keeps them): `arena` is this rank's arena (host segment or
-// device memory), `ring0` the offset of its landing region (AG), `cuda`: calls go on XLA's stream.
-struct RankState {
-  std::shared_ptr<CallExecutor> executor;
-  std::unique_ptr<GroupSession> session;
-  const uint8_t* arena = nullptr;
-  int64_t ring0 = -1;
-  bool cuda = false;
-  int device = -1;  // where its arena is counted (-1: host)
-  int64_t arena_bytes = 0;
-};
-// Builds the state's session over `executor` (regions: the executor's arena layout, or empty for
-// the set's own) and keeps it under `key` (an existing one stays); its arena counts on `device`.
+// Builds the state's session over `executor` (a rank executor whose arena is `arena`, at
+// `own_arena` in this process: a host segment or device memory) and keeps it under `key` (an
+// existing one stays); its arena counts on `device` (-1: host); `cuda`: calls go on XLA's stream.
 void put_rank_state(const RankStateKey& key, std::shared_ptr<const Plan> plan, std::shared_ptr<CallExecutor> executor,
                     const RankArena& arena, const uint8_t* own_arena, bool cuda, int device);
-std::shared_ptr<RankState> find_rank_state(const RankStateKey& key);  // null: none was built
 // Rank `io.rank`'s XLA buffers as its session's bindings (AG: shards, and the landings when
 // pulled; RS: gradients and the fp32 output).
 RankBindingList rank_bindings(const GroupCall& call, const RankIo& io);
@@ -249,39 +213,6 @@ void copy_accumulator_async(const RankIo& io, int64_t bytes);
 // Why the CUDA executor cannot run in this process ("" when it can: a device is visible).
 std::string cuda_executor_missing();
 #endif
-
-// ---------------------------------------------------------------------------------------------
-// In-process rendezvous (rendezvous.cc)
-// ---------------------------------------------------------------------------------------------
-struct RendezvousKey {
-  int64_t run_id = 0;
-  int64_t group = 0;
-  int64_t op_id = 0;
-  int64_t seq = 0;
-  bool operator<(const RendezvousKey& o) const;
-};
-
-// Per-(device, op_id) call counter, reset when RunId changes: `lax.scan` and remat replay one
-// call site several times per launch, and every device replays it in the same order.
-int64_t next_seq(int32_t device_ordinal, int64_t op_id, int64_t run_id);
-
-// Joins the rendezvous of `key` as `io.rank`. Once every rank of the group has joined (all
-// RankIo visible), rank 0 runs `group_body`; then every rank runs `rank_body`; then all wait
-// until every rank finished (completion fence: until then peers may still touch this rank's
-// buffers). Throws TimeoutError naming the missing ranks when one phase (join, rank 0's run,
-// finish) waits longer than `timeout_ms`, or Error when another rank failed or the ranks
-// disagree on the plan hash.
-void rendezvous_and_run(const RendezvousKey& key, int world, const RankIo& io, uint64_t plan_hash,
-                        int64_t timeout_ms,
-                        const std::function<void(const std::vector<const RankIo*>&)>& group_body,
-                        const std::function<void(const std::vector<const RankIo*>&)>& rank_body);
-
-// Posts a failure into the meeting of `key` on behalf of `rank`, which will not join (its call
-// failed before the rendezvous, e.g. a mesh mismatch): the other ranks fail at once naming it.
-// Fails the meeting for every rank; bad_input: the cause is the caller's input (PlanError), so
-// every rank returns INVALID_ARGUMENT, whichever rank's error the framework reports.
-void rendezvous_fail(const RendezvousKey& key, int world, int rank, const std::string& why,
-                     bool bad_input = false);
 
 // ---------------------------------------------------------------------------------------------
 // One group call, shared by both ops (common.cc): checks the device table, builds or reuses the
@@ -353,14 +284,8 @@ void reset_handler_stats();
 // Topology (M, L) from the attributes; PlanError when out of range.
 Topology group_topology(const GroupAttrs& attrs);
 
-// The signature a handler builds for `op` over parameters of `shapes` (D_p, ...): AG in = shard
-// dtype, out = AG dtype; RS in = out = the gradient dtype. Python's trace-time preparation uses it
-// to get the plan the handlers will look up (same hash).
-GroupSignature group_signature(Collective op, const std::vector<std::vector<int64_t>>& shapes,
-                               DType in, DType out);
-
 // ---------------------------------------------------------------------------------------------
-// Virtual cluster (virtual.cc): all N ranks of one group on ONE device, operands stacked [N, ...]
+// Virtual cluster (common.cc): all N ranks of one group on ONE device, operands stacked [N, ...]
 // (targets "tide_all_gather_virtual" / "tide_reduce_scatter_virtual"). No rendezvous: the one
 // device thread runs ExecuteGroup() and then CompleteRank() for every rank.
 // ---------------------------------------------------------------------------------------------

@@ -1,21 +1,18 @@
-// In-process rendezvous of the XLA:CPU devices of one group, and the per-device call counters.
-//
-// [Note: rendezvous lifetime] A Meeting lives in the table from the first arrival until every
-// rank of the group has left it. A rank leaves after the completion fence (success), or at once
-// when the meeting failed (timeout, plan mismatch, a rank's program threw, a rank posted a
-// failure before joining). A failed meeting whose missing rank never comes stays in the table
-// (a few hundred bytes per failed call): a late rank then fails at once with the meeting's
-// error instead of waiting for peers that already gave up.
+// The in-process rendezvous (contract and [Note: rendezvous lifetime] in tide/rendezvous.h).
+#include "tide/rendezvous.h"
+
 #include <algorithm>
 #include <chrono>
 #include <condition_variable>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <sstream>
+#include <tuple>
 
-#include "tide_ffi.h"
+#include "tide/errors.h"
 
-namespace tide::xla_ffi {
+namespace tide {
 
 bool RendezvousKey::operator<(const RendezvousKey& o) const {
   return std::tie(run_id, group, op_id, seq) < std::tie(o.run_id, o.group, o.op_id, o.seq);
@@ -25,7 +22,7 @@ namespace {
 
 struct Meeting {
   int world = 0;
-  std::vector<const RankIo*> io;  // index = rank
+  std::vector<const void*> io;  // index = rank (each rank's `mine`)
   std::vector<uint64_t> hash;
   std::vector<bool> done;
   int arrived = 0;
@@ -75,15 +72,15 @@ std::shared_ptr<Meeting> meeting(const RendezvousKey& key, int world) {
   return slot;
 }
 
-const RankIo kFailedRank;  // marks a rank that posted a failure instead of joining
+const char kFailedRank = 0;  // marks a rank that posted a failure instead of joining
 
 }  // namespace
 
-int64_t next_seq(int32_t device_ordinal, int64_t op_id, int64_t run_id) {
+int64_t next_rendezvous_seq(int32_t device, int64_t op_id, int64_t run_id) {
   static std::mutex mu;
   static std::map<std::pair<int32_t, int64_t>, std::pair<int64_t, int64_t>> counters;
   std::lock_guard<std::mutex> lock(mu);
-  auto& c = counters[{device_ordinal, op_id}];
+  auto& c = counters[{device, op_id}];
   if (c.first != run_id || c.second < 0) c = {run_id, 0};
   else ++c.second;
   return c.second;
@@ -105,11 +102,9 @@ void rendezvous_fail(const RendezvousKey& key, int world, int rank, const std::s
   g_cv.notify_all();
 }
 
-void rendezvous_and_run(const RendezvousKey& key, int world, const RankIo& io, uint64_t plan_hash,
-                        int64_t timeout_ms,
-                        const std::function<void(const std::vector<const RankIo*>&)>& group_body,
-                        const std::function<void(const std::vector<const RankIo*>&)>& rank_body) {
-  const int rank = io.rank;
+void rendezvous_and_run(const RendezvousKey& key, int world, int rank, const void* mine, uint64_t plan_hash,
+                        int64_t timeout_ms, const RendezvousBody& group_body, const RendezvousBody& rank_body) {
+  TIDE_CHECK(mine != nullptr, "rendezvous: rank ", rank, " joins without its buffers");
   TIDE_CHECK(rank >= 0 && rank < world, "rank ", rank, " outside [0, ", world, ")");
   std::unique_lock<std::mutex> lock(g_mu);
   std::shared_ptr<Meeting> m = meeting(key, world);
@@ -122,7 +117,7 @@ void rendezvous_and_run(const RendezvousKey& key, int world, const RankIo& io, u
     g_cv.notify_all();
     throw Error(m->failure);
   }
-  m->io[rank] = &io;
+  m->io[rank] = mine;
   m->hash[rank] = plan_hash;
   ++m->arrived;
   g_cv.notify_all();
@@ -149,7 +144,7 @@ void rendezvous_and_run(const RendezvousKey& key, int world, const RankIo& io, u
         m->failure = TIDE_STR_CAT(
             "rendezvous ", key_str(key), ": rank ", rank, " waited ", timeout_ms,
             " ms for ranks [", missing_ranks(seen), "] to ", what,
-            " (a device skipped this call, e.g. under a rank-dependent lax.cond, or hangs)");
+            " (a rank skipped this call, e.g. under a rank-dependent branch, or hangs)");
         m->timed_out = true;
         g_cv.notify_all();
       }
@@ -169,7 +164,7 @@ void rendezvous_and_run(const RendezvousKey& key, int world, const RankIo& io, u
     }
   }
   if (!m->failure.empty()) fail();
-  std::vector<const RankIo*> group = m->io;
+  std::vector<const void*> group = m->io;
   auto run = [&](const std::function<void()>& fn) {
     lock.unlock();
     try {
@@ -204,4 +199,4 @@ void rendezvous_and_run(const RendezvousKey& key, int world, const RankIo& io, u
   leave(key, m);
 }
 
-}  // namespace tide::xla_ffi
+}  // namespace tide
