@@ -15,7 +15,9 @@ groups the parameters into other TIDE calls), "skip" (the last process never cal
 last process traces and compiles the gather but never runs it), "no_shm" (process 1's /dev/shm
 has no room for its segments), "release" ("run", then tide_xla.release: no state left, the AG
 executable refused naming tide_xla.release, and after init again a fresh trace gathers the same
-bits).
+bits), "ckpt_save" (2 AdamW steps, an orbax save of the shards and the optax state into
+$CKPT_DIR, then a third step), "ckpt_restore" (fresh shards and state on this job's mesh, the
+orbax restore into them, a step); both write the unsharded params and moments too ("u/...").
 """
 import os
 import sys
@@ -41,6 +43,8 @@ def main():
         shm.free_bytes = lambda: 4096
     devs = sorted(jax.devices(), key=lambda d: d.id)
     mesh = Mesh(np.array(devs), ("fsdp",))
+    if case.startswith("ckpt"):
+        return _checkpoint(jax, jnp, np, tide_xla, mesh)
     tide_xla.init(mesh, "fsdp", topology=topology, timeout_s=3.0 if case in ("skip", "no_run") else 20.0)
     rng = np.random.default_rng(7)
     shapes = {"a": (37, 8), "b": (16,), "c": (5, 3)}
@@ -115,6 +119,62 @@ def _release_checks(jax, tide_xla, mesh, topology, run_ag, gathered, shards, spe
         for a, b in zip(x.addressable_shards, results["ag"][k].addressable_shards):
             assert np.array_equal(np.asarray(a.data), np.asarray(b.data)), k
     tide_xla.release(mesh, "fsdp")
+
+
+def _checkpoint(jax, jnp, np, tide_xla, mesh):
+    """Train, save / restore with orbax (docs/xla.md, "Checkpoints and export")."""
+    import optax
+    import orbax.checkpoint as ocp
+    from jax.sharding import PartitionSpec as P
+    tide_xla.init(mesh, "fsdp", timeout_s=20.0)
+    rng = np.random.default_rng(7)
+    shapes = {"a": (37, 8), "b": (16,), "c": (5, 3)}
+    params = {k: rng.standard_normal(s).astype(np.float32) for k, s in shapes.items()}
+    if case == "ckpt_restore":  # other values: the restore must overwrite every byte
+        params = {k: np.full(s, 3.0, np.float32) for k, s in shapes.items()}
+    shards, layout = tide_xla.shard(params, mesh, "fsdp")
+    tx = optax.adamw(1e-2, weight_decay=0.1)
+    # optax's scalars (Adam's count) on the whole mesh: a restore places them where the target has
+    # them, and a jit of the step needs them on the shards' devices.
+    rep = jax.sharding.NamedSharding(mesh, P())
+    opt = jax.tree.map(lambda x: x if x.ndim else jax.device_put(x, rep), tx.init(shards))
+
+    def local_loss(s):
+        full = tide_xla.gather(s, layout)
+        r = jax.lax.axis_index("fsdp").astype(jnp.float32) + 1.0
+        return sum(jnp.sum(jnp.sin(v.astype(jnp.float32)) * r) for v in full.values())
+
+    grad = jax.shard_map(jax.grad(local_loss), mesh=mesh, in_specs=(layout.specs,), out_specs=layout.specs)
+
+    @jax.jit
+    def step(s, o):
+        updates, o = tx.update(grad(s), o, s)
+        return optax.apply_updates(s, updates), o
+
+    path = os.path.join(os.environ["CKPT_DIR"], "ckpt")
+    ckpt = ocp.StandardCheckpointer()
+    if case == "ckpt_save":
+        for _ in range(2):
+            shards, opt = step(shards, opt)
+        ckpt.save(path, {"shards": shards, "opt": opt})
+        ckpt.wait_until_finished()
+    else:  # the targets give shapes and shardings on this mesh; strict=False pads/truncates dim 0
+        got = ckpt.restore(path, {"shards": shards, "opt": opt}, strict=False)
+        shards, opt = got["shards"], got["opt"]
+    out = {}
+    for name, tree in (("params", shards), ("mu", opt[0].mu), ("nu", opt[0].nu)):
+        for k, x in tide_xla.unshard(tree, layout).items():
+            out[f"u/{name}/{k}"] = np.asarray(x.addressable_data(0)).view(np.uint8)
+        for k, x in tree.items():  # padding rows: zero (FSDP2's), whatever the process count
+            pad = np.asarray(jax.jit(lambda v: jax.sharding.reshard(v, rep))(x).addressable_data(0))[shapes[k][0]:]
+            assert not pad.any(), (name, k, pad)
+    out["u/count"] = np.asarray(opt[0].count.addressable_data(0)).reshape(1).view(np.uint8)
+    shards, opt = step(shards, opt)
+    for k, x in shards.items():
+        for s in x.addressable_shards:
+            out[f"next/{k}/{s.index[0].start or 0}"] = np.asarray(s.data).view(np.uint8)
+    tide_xla.release(mesh, "fsdp")
+    return out
 
 
 try:
