@@ -15,7 +15,8 @@ the backward reduces bf16 gradients into fp32 shards with TIDE-RS. GSPMD: the sa
 `jax.jit` with NamedSharding annotations; XLA inserts its own all-gathers and reduce-scatters.
 On XLA:CPU the devices are threads of one process (TIDE's in-process virtual cluster), so step
 times show overheads, not the network. When jax has a GPU backend the mesh is the GPUs present
-(up to 8; one GPU is a 1 x 1 topology) and TIDE runs through the CUDA handlers.
+(up to 8) and TIDE runs through the CUDA handlers; one GPU keeps stock casts (tide_xla's world-1
+policy) unless --serve-single-rank.
 
 The last line is the verdict on the two runs' losses: tide_xla against GSPMD, the largest
 difference over the steps within LOSS_RTOL (2e-3) of GSPMD's loss (not bitwise: the gradients
@@ -158,9 +159,11 @@ def loss_fn(graphdef, params, tokens):
     return -jnp.mean(jnp.take_along_axis(logp, tokens[:, 1:, None], -1))
 
 
-def train_tide(mesh, graphdef, params, tx, data, warmup, nodes=0):
+def train_tide(mesh, graphdef, params, tx, data, warmup, nodes=0, serve_single_rank=False):
     n = mesh.shape["fsdp"]
-    tide_xla.init(mesh, "fsdp", topology=(nodes, n // nodes) if nodes else None)
+    # One device: stock casts unless serve_single_rank (one log line; docs/xla.md, "World 1")
+    tide_xla.init(mesh, "fsdp", topology=(nodes, n // nodes) if nodes else None,
+                  serve_single_rank=serve_single_rank)
     # fp32 master shards, dim 0 padded; FSDP2's groups
     shards, layout = tide_xla.shard(params, mesh, "fsdp", group_key=group_key)
     opt_state = tx.init(shards)
@@ -211,7 +214,7 @@ def train_tide(mesh, graphdef, params, tx, data, warmup, nodes=0):
     return record
 
 
-def train_gspmd(mesh, graphdef, params, tx, data, warmup, nodes=0):
+def train_gspmd(mesh, graphdef, params, tx, data, warmup, nodes=0, serve_single_rank=False):
     n = mesh.shape["fsdp"]
 
     def spec(x):  # dim-0 sharding where it divides evenly; XLA's own choice otherwise
@@ -347,6 +350,7 @@ def model_argv(args):
     """The arguments that make the same model, data, steps and topology in another process."""
     out = ["--size", args.size, "--seed", str(args.seed), "--steps", str(args.steps),
            "--warmup", str(args.warmup), "--nodes", str(args.nodes)]
+    out += ["--serve-single-rank"] if args.serve_single_rank else []
     for k in common.FIELDS:
         out += [f"--{k.replace('_', '-')}", str(getattr(args, k))]
     return out
@@ -431,6 +435,8 @@ def main(argv=None):
     ap.add_argument("--nodes", type=int, default=0,
                     help="TIDE's topology: this many nodes of world/nodes ranks (0: one node of up to 8; "
                          "with --shared-gpu: one per process)")
+    ap.add_argument("--serve-single-rank", action="store_true",
+                    help="one device: run tide_xla's handlers anyway (by default it keeps stock casts there)")
     ap.add_argument("--no-check", action="store_true",
                     help="with --processes N on XLA:CPU: skip the one-process run whose parameter "
                          "bytes the N processes' are checked against")
@@ -486,7 +492,7 @@ def main(argv=None):
         tx = optax.adamw(hp["lr"], b1=hp["betas"][0], b2=hp["betas"][1], eps=hp["eps"],
                          weight_decay=hp["weight_decay"])
         data = common.token_batches(args, args.steps, args.batch * n, args.seed)
-        records = [RUNS[r](mesh, graphdef, params, tx, data, args.warmup, args.nodes) for r in names]
+        records = [RUNS[r](mesh, graphdef, params, tx, data, args.warmup, args.nodes, args.serve_single_rank) for r in names]
     by_name = {r["name"]: r for r in records}
     if len(by_name) == 2:
         out(loss_verdict(by_name["tide_xla"], by_name["gspmd"])[1])

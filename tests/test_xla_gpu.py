@@ -65,7 +65,7 @@ def bits(x):
 def test_cuda_targets_are_registered_and_lowered():
     assert set(_ffi.registrations()["CUDA"]) == TARGETS
     mesh = Mesh(np.array(GPUS[:1]), ("fsdp",))
-    tide_xla.init(mesh, "fsdp", topology=(1, 1))
+    tide_xla.init(mesh, "fsdp", topology=(1, 1), serve_single_rank=True)
     sharded, layout = tide_xla.shard({"a": jnp.ones((4, 2))}, mesh, "fsdp")
     fn = jax.jit(jax.shard_map(lambda s: tide_xla.gather(s, layout)["a"][None], mesh=mesh,
                                in_specs=(layout.specs,), out_specs=P("fsdp")))
@@ -77,7 +77,7 @@ def test_cuda_targets_are_registered_and_lowered():
 def test_cuda_handler_rejects_a_shard_that_is_not_padded_dim0():
     from tide_xla.all_gather import AllGatherPrimitive
     mesh = Mesh(np.array(GPUS[:1]), ("fsdp",))
-    ctx = tide_xla.init(mesh, "fsdp", topology=(1, 1))
+    ctx = tide_xla.init(mesh, "fsdp", topology=(1, 1), serve_single_rank=True)
 
     def local(x):  # the shard has 2 rows, dims0 says D = 40 -> R_p should be 40
         return AllGatherPrimitive.bind(ctx, [x], [40], jnp.bfloat16)[0][None]
@@ -94,7 +94,7 @@ def gather_and_grad(devs, topology, seed):
     device's cotangent; three steps with new data (call seqs 1..3, both RS banks)."""
     n = len(devs)
     mesh = Mesh(np.array(devs), ("fsdp",))
-    tide_xla.init(mesh, "fsdp", topology=topology)
+    tide_xla.init(mesh, "fsdp", topology=topology, serve_single_rank=True)
     leaves = None
     for step in range(3):
         params = {k: jnp.asarray(ints(s, seed + 10 * step + i))
@@ -134,7 +134,7 @@ def reduce_scatter_vs_psum_scatter(devs, topology, seed):
     """tide_xla.reduce_scatter (one group) == psum_scatter of upcast gradients, bit for bit."""
     n = len(devs)
     mesh = Mesh(np.array(devs), ("fsdp",))
-    tide_xla.init(mesh, "fsdp", topology=topology)
+    tide_xla.init(mesh, "fsdp", topology=topology, serve_single_rank=True)
     _, layout = tide_xla.shard({k: jnp.zeros(s) for k, s in SHAPES.items()}, mesh, "fsdp",
                                group_key=lambda path: "one")
 
@@ -168,7 +168,7 @@ def test_one_gpu_reduce_scatter_equals_psum_scatter():
 
 def test_one_gpu_fp32_accumulation_in_place_through_donation():
     mesh = Mesh(np.array(GPUS[:1]), ("fsdp",))
-    tide_xla.init(mesh, "fsdp", topology=(1, 1))
+    tide_xla.init(mesh, "fsdp", topology=(1, 1), serve_single_rank=True)
     shapes = {"a": (10, 3), "c": (16, 8)}
     _, layout = tide_xla.shard({k: jnp.zeros(s) for k, s in shapes.items()}, mesh, "fsdp",
                                group_key=lambda path: "one")
@@ -209,7 +209,7 @@ def cpu_mesh_gather(fulls, topology, shard_dtype):
     """The CPU path: tide_xla.gather on a mesh of N host devices; [N, D_p, ...] per parameter."""
     n = topology[0] * topology[1]
     mesh = Mesh(np.array(CPUS[:n]), ("fsdp",))
-    tide_xla.init(mesh, "fsdp", topology=topology)
+    tide_xla.init(mesh, "fsdp", topology=topology, serve_single_rank=True)
     params = {f"p{i}": f for i, f in enumerate(fulls)}  # host arrays: shard() puts them on CPUs
     sharded, layout = tide_xla.shard(params, mesh, "fsdp", shard_dtype=shard_dtype,
                                      group_key=lambda path: "one")
@@ -224,7 +224,7 @@ def cpu_mesh_reduce_scatter(grads, topology, scale):
     """The CPU path: tide_xla.reduce_scatter on a mesh of N host devices; [N, E]."""
     n = topology[0] * topology[1]
     mesh = Mesh(np.array(CPUS[:n]), ("fsdp",))
-    tide_xla.init(mesh, "fsdp", topology=topology)
+    tide_xla.init(mesh, "fsdp", topology=topology, serve_single_rank=True)
     _, layout = tide_xla.shard({f"p{i}": jnp.zeros(g.shape[1:]) for i, g in enumerate(grads)},
                                mesh, "fsdp", group_key=lambda path: "one")
     spec = {f"p{i}": P("fsdp") for i in range(len(grads))}

@@ -51,3 +51,21 @@ def test_processes_sharing_a_gpu_equal_the_cpu_results_bitwise(tmp_path, process
     res = launch(tmp_path / "gpu", processes, "exact", topology, EMULATED_HOST,
                  per_process=lambda i: {"NCCL_HOSTID": f"tide-xla-host-{i}"}, wait_s=240)
     assert_same_shards(res, data)
+
+
+@pytest.mark.gpu
+def test_a_process_dying_before_its_rail_makes_the_other_raise_naming_it(tmp_path):
+    """2 x 1 on one GPU: process 1 publishes its IPC handle and dies before joining the NCCL rail;
+    process 0's rail construction (ncclCommInitRankConfig, non-blocking) is aborted at the
+    context's deadline (3 s) and raises naming process 1 ([Note: rail deadline])."""
+    import re
+    why = _cuda_ready()
+    if why:
+        pytest.skip(why)
+    res = launch(tmp_path, 2, "die_at_rail", "2x1", EMULATED_HOST,
+                 per_process=lambda i: {"NCCL_HOSTID": f"tide-xla-host-{i}"}, wait_s=120)
+    assert res[1][0] == 3, res[1][2]
+    rc, _, err = res[0]
+    assert rc == 1 and "NCCL rail (group 0) waited 3 s for ranks [1] of processes [1]" in err, err
+    took = float(re.search(r"\[raised ([0-9.]+) s after tide_xla.init\]", err).group(1))
+    assert took < 3.0 + 10.0, took

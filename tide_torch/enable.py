@@ -321,7 +321,8 @@ def enable(model: nn.Module, *, mode: str = "in_place", topology: tide.Topology 
                 index = device.index if device.index is not None else torch.cuda.current_device()
                 rail = tide._core.cuda.NcclRail(rank // L, topo.nodes, index, records[rank % L]["rail_id"],
                                                 max_ctas=opts.rail_ctas,
-                                                channels_per_peer=opts.rail_channels_per_peer)
+                                                channels_per_peer=opts.rail_channels_per_peer,
+                                                timeout_s=opts.timeout_s)  # construction's deadline
             if fabric == "nccl":  # every rank constructs it here, together
                 nccl = make_nccl_fabric(
                     rank, world, device, max(r["arena_bytes"] for r in records),

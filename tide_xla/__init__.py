@@ -34,9 +34,9 @@ passed in with in_specs P("fsdp") and donated): the packed fp32 shards are accum
 """
 from tide_xla.context import TideContext, arena_bytes, init, live_states, release
 from tide_xla.gather import copy_out_bytes, gather, packed_sizes, reduce_scatter, unpack_grads, zeros_packed
-from tide_xla.sharding import ShardGroup, ShardLayout, default_group_key, shard
+from tide_xla.sharding import ShardGroup, ShardLayout, default_group_key, shard, unshard
 
 __all__ = ["ShardGroup", "ShardLayout", "TideContext", "arena_bytes", "copy_out_bytes", "default_group_key", "gather",
            "init", "live_states",
-           "packed_sizes", "reduce_scatter", "release", "shard", "unpack_grads", "zeros_packed"]
+           "packed_sizes", "reduce_scatter", "release", "shard", "unpack_grads", "unshard", "zeros_packed"]
 __version__ = "0.1.0"

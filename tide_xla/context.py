@@ -16,10 +16,19 @@ tide_xla.release) until the mesh is initialised again; then it runs on fresh sta
 process) or must be traced again (a mesh spanning processes prepares its states at trace time).
 `live_states()` counts the states and their arena bytes. The virtual cluster's states
 (tide_xla.virtual) are not tied to a mesh and live as long as the process.
+
+[Note: world 1]
+The policy of both faces (tide_torch/groups.py, [Note: world 1] there): an FSDP axis of one
+device keeps stock by default, with one log line: there is nothing to gather or reduce, so TIDE
+saves no bytes, and its arena would only add memory. `gather` is then the cast JAX would do
+(shard -> ag_dtype; at N = 1 R_p = D_p, no padding) and `reduce_scatter` the cast back, times the
+scale, into the packed layout (the same bits as TIDE-RS at N = 1); nothing reaches the FFI.
+`init(..., serve_single_rank=True)` serves it anyway (tests on one GPU).
 """
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 from typing import Any
 
@@ -29,6 +38,7 @@ from jax.sharding import Mesh
 from tide_xla._registration import ensure_registered, ffi_module
 
 MODES = {"in_place": 0, "slot_reuse": 1}
+logger = logging.getLogger("tide_xla")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,6 +58,7 @@ class TideContext:
     timeout_ms: int      # rendezvous/executor wait budget of one call
     device_table: tuple[int, ...]  # flat (process, device id, local device, group, rank)
     processes: tuple[int, ...] = (0,)  # jax process indices holding devices of the mesh
+    served: bool = True  # False: N = 1 kept stock ([Note: world 1]): calls are plain JAX casts
 
     @property
     def spans_processes(self) -> bool:
@@ -168,7 +179,7 @@ def device_table(mesh: Mesh, axis: str) -> tuple[int, ...]:
 
 
 def init(mesh: Mesh, axis: str = "fsdp", topology: Any = None, mode: str = "in_place", *,
-         timeout_s: float = 60.0) -> TideContext:
+         timeout_s: float = 60.0, serve_single_rank: bool = False) -> TideContext:
     """Sets up TIDE for the FSDP axis `axis` of `mesh` and registers the FFI handlers.
 
     topology: None (one node of up to 8 ranks, or nodes of 8), `(nodes, gpus_per_node)` or a
@@ -176,6 +187,8 @@ def init(mesh: Mesh, axis: str = "fsdp", topology: Any = None, mode: str = "in_p
     mode: "in_place" or "slot_reuse" (same bytes out; Section 5 of the paper).
     timeout_s: how long a rank waits for the others before the call fails with
       DEADLINE_EXCEEDED naming the missing ranks.
+    serve_single_rank: an axis of one device keeps stock JAX (one log line) unless this is True
+      ([Note: world 1]; the same option and policy as tide_torch.enable).
 
     A mesh whose devices belong to several processes (jax.distributed) runs on XLA:CPU through
     one rank executor per device over shared memory; see tide_xla/processes.py.
@@ -187,13 +200,20 @@ def init(mesh: Mesh, axis: str = "fsdp", topology: Any = None, mode: str = "in_p
         raise ValueError(f"init: axis {axis!r} is not an axis of the mesh {mesh.axis_names}")
     if mode not in MODES:
         raise ValueError(f"init: mode must be one of {sorted(MODES)}, got {mode!r}")
+    if not isinstance(serve_single_rank, bool):
+        raise TypeError(f"init: serve_single_rank must be a bool, got {serve_single_rank!r}")
     n = mesh.shape[axis]
     nodes, gpus = resolve_topology(topology, n)
     import jax
     ctx = TideContext(mesh=mesh, axis=axis, nodes=nodes, gpus_per_node=gpus, mode=mode,
                       timeout_ms=max(1, math.ceil(timeout_s * 1000)),
                       device_table=device_table(mesh, axis),
-                      processes=tuple(sorted({int(d.process_index) for d in mesh.devices.flat})))
+                      processes=tuple(sorted({int(d.process_index) for d in mesh.devices.flat})),
+                      served=n > 1 or serve_single_rank)
+    if not ctx.served:
+        logger.warning("tide_xla: axis %r of the mesh has one device: gather and reduce_scatter stay "
+                       "stock JAX casts (nothing to gather or reduce, no bytes to save; "
+                       "tide_xla.init(serve_single_rank=True) serves it anyway)", axis)
     ensure_registered()
     ffi = ffi_module()
     ffi.set_process_index(jax.process_index())

@@ -67,7 +67,7 @@ def _exchange(key: str, value: str, processes: Sequence[int], timeout_ms: int,
         return TimeoutError(
             f"tide_xla: {what}: process {me} waited {timeout_ms / 1000:g} s for processes "
             f"{missing} of the mesh's processes {list(processes)} to reach it (a process that "
-            f"does not run this call, runs another program, or hangs)")
+            f"died, does not run this call, runs another program, or hangs)")
 
     got = await_keys(client.key_value_dir_get, key, processes, timeout_ms, late)
     return {p: got[p] for p in processes}
@@ -261,6 +261,21 @@ def _add_nccl_candidates(ffi) -> None:
     ffi.nccl_library_candidates(paths)
 
 
+def _rail_late(ctx, client, key: str, group: int, rank: int, err: Exception) -> TimeoutError:
+    """The TimeoutError of rank `rank`'s rail construction: the processes of its rail peers that
+    never reached it (no "joining" key), else every rail peer's process."""
+    import jax
+    L = ctx.gpus_per_node
+    owner = {int(r): int(p) for p, _, _, g, r in _rows(ctx) if g == group}
+    peers = [r for r in range(rank % L, ctx.world, L) if r != rank]
+    joined = {int(k.rsplit("/", 1)[-1]) for k, _ in client.key_value_dir_get(f"{key}/")}
+    absent = [r for r in peers if r not in joined] or peers
+    return TimeoutError(
+        f"tide_xla: process {jax.process_index()}: rank {rank}'s NCCL rail (group {group}) waited "
+        f"{ctx.timeout_ms / 1000:g} s for ranks {absent} of processes {sorted({owner[r] for r in absent})}"
+        f"{' (they never reached it: dead or hung)' if absent != peers else ''}; the rail was aborted ({err})")
+
+
 def _open_cuda_ranks(ctx, ffi, plan_args, plan_hash: int, table: int, slots, desc: str) -> None:
     """Creates this process's rank states for one (collective, plan, mesh) on CUDA: arenas, handle
     exchange, rails (see the note above), then a barrier once every process is connected."""
@@ -284,7 +299,15 @@ def _open_cuda_ranks(ctx, ffi, plan_args, plan_hash: int, table: int, slots, des
         for g, rank in slots:
             if g == group:
                 # Collective over the rail's ranks (one per node, each in its own process): every
-                # process connects its ranks in the same (group, rank) order.
-                ffi.connect_cuda_rank(op, plan_hash, table, group, rank, [bytes.fromhex(h) for h in handles],
-                                      bytes.fromhex(rails[rank % L]) if rails else b"")
+                # process connects its ranks in the same (group, rank) order. The rail's
+                # construction has the context's deadline ([Note: rail deadline] in
+                # csrc/fabric/nccl.cc); who never reached it is read from the "joining" keys.
+                client.key_value_set(f"{key}/{group}/joining/{rank}", "1")
+                try:
+                    ffi.connect_cuda_rank(op, plan_hash, table, group, rank, [bytes.fromhex(h) for h in handles],
+                                          bytes.fromhex(rails[rank % L]) if rails else b"")
+                except Exception as e:  # noqa: BLE001 - a rail deadline is named, anything else re-raised
+                    if "did not join within" not in str(e) and "did not answer within" not in str(e):
+                        raise
+                    raise _rail_late(ctx, client, f"{key}/{group}/joining", group, rank, e) from e
     _exchange(f"{key}/connected", "1", ctx.processes, ctx.timeout_ms, f"connecting the CUDA ranks of {desc}")

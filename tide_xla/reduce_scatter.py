@@ -51,6 +51,9 @@ class ReduceScatterPrimitive:
                                  f"of shape {out_type.shape}")
             operands.append(accumulate)
             aliases = {1 + len(grads): 0}  # operand 0 is `where`
+        if not ctx.served:  # N = 1 kept stock: the packed cast ([Note: world 1] in context.py)
+            packed = jnp.concatenate([jnp.ravel(g).astype(jnp.float32) for g in grads]) * np.float32(scale)
+            return packed if accumulate is None else accumulate + packed
         if ctx.spans_processes:  # agree the call and open the rank states on every process
             from tide_xla import processes
             processes.prepare(ctx, cls.name, [g.shape for g in grads], grads[0].dtype,

@@ -4,10 +4,16 @@ Every leaf of shape (D_p, ...) becomes a global array of shape (N * R_p, ...) wi
 R_p = ceil(D_p / N), sharded over the mesh axis on dim 0 (rank r holds rows [r R_p, (r+1) R_p));
 the N R_p - D_p padding rows are zero, as FSDP2 pads them. Leaves are grouped into TIDE groups
 (one per module or layer, at most 256 parameters each); one group = one FFI call.
+
+`unshard(shards, layout)` is the reverse: the original tree (padding rows dropped, the dtypes
+`shard` was given), and `shard` accepts it: `unshard(shard(p)) == p` bit for bit. `shard` of
+`jax.ShapeDtypeStruct` leaves gives the sharded tree's shapes and shardings without memory (a
+checkpoint restore target; docs/xla.md, "Checkpoints and export").
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Callable, Hashable
 
 import jax
@@ -26,6 +32,7 @@ class LeafLayout:
     shape: tuple[int, ...]    # unsharded shape (D_p, ...)
     rows: int                 # R_p = ceil(D_p / N)
     group: int                # index into ShardLayout.groups
+    dtype: Any = None         # the dtype shard() was given (unshard's default)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,11 +66,33 @@ class ShardLayout:
         return jax.tree_util.tree_unflatten(
             self.treedef, [NamedSharding(self.mesh, P(self.axis))] * len(self.leaves))
 
-    def unshard(self, sharded):
-        """Global padded shards -> the unsharded tree (padding rows dropped), e.g. to save it."""
-        flat = self.treedef.flatten_up_to(sharded)
-        return jax.tree_util.tree_unflatten(
-            self.treedef, [x[: l.shape[0]] for x, l in zip(flat, self.leaves)])
+    def unshard(self, sharded, dtype=None):
+        """``unshard(sharded, self, dtype=dtype)``."""
+        return unshard(sharded, self, dtype=dtype)
+
+
+def unshard(shards, layout: ShardLayout, *, dtype=None):
+    """Global padded shards (or any tree of the same shapes: an optax moment) -> the unsharded
+    tree: leaf p's rows [0, D_p), padding rows dropped, replicated over the layout's mesh (every
+    process holds it whole: np.asarray works on each), in `dtype` (None: the dtype each leaf had
+    when `shard` was given it, so `unshard(shard(p)) == p` bit for bit). Every process of a mesh
+    that spans processes calls it (it is one jitted program)."""
+    flat = layout.treedef.flatten_up_to(shards)
+    rep = NamedSharding(layout.mesh, P())
+    out = []
+    for x, l in zip(flat, layout.leaves):
+        want = (layout.world * l.rows, *l.shape[1:])
+        if tuple(x.shape) != want:
+            raise ValueError(f"unshard: leaf {l.path} has shape {tuple(x.shape)}, expected the "
+                             f"layout's padded {want} (N R_p rows)")
+        to = jnp.dtype(dtype if dtype is not None else (l.dtype or x.dtype))
+        out.append(_unpad(rep, l.shape[0], to)(x))
+    return jax.tree_util.tree_unflatten(layout.treedef, out)
+
+
+@functools.lru_cache(maxsize=None)
+def _unpad(rep, rows: int, dtype):
+    return jax.jit(lambda x: jax.sharding.reshard(x, rep)[:rows].astype(dtype), out_shardings=rep)
 
 
 def default_group_key(path: tuple) -> Hashable:
@@ -108,7 +137,9 @@ def shard(params, mesh: Mesh, axis: str = "fsdp", *, shard_dtype=jnp.float32,
 
     Returns `(sharded, layout)`: `sharded` has the tree structure of `params` with global
     (N R_p, ...) leaves in `shard_dtype` (fp32 master weights by default), sharded P(axis);
-    `layout` is the static ShardLayout that `gather` and `reduce_scatter` take.
+    `layout` is the static ShardLayout that `gather`, `reduce_scatter` and `unshard` take.
+    `jax.ShapeDtypeStruct` leaves give ShapeDtypeStruct leaves of that shape and sharding
+    (nothing is allocated): a restore target on this mesh.
     """
     if not isinstance(mesh, Mesh):
         raise TypeError(f"shard: mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
@@ -152,7 +183,8 @@ def shard(params, mesh: Mesh, axis: str = "fsdp", *, shard_dtype=jnp.float32,
     for grp in groups:  # R_p from the planner's layout of each group
         for i, pl in zip(grp.leaves, tide.layout([leaves[i][1] for i in grp.leaves], n).params):
             rows[i] = pl.R
-    layouts = tuple(LeafLayout(path=name, shape=shape, rows=rows[i], group=leaf_group[i])
+    layouts = tuple(LeafLayout(path=name, shape=shape, rows=rows[i], group=leaf_group[i],
+                               dtype=jnp.dtype(jnp.result_type(arrays[i])))
                     for i, (name, shape) in enumerate(leaves))
     layout = ShardLayout(mesh=mesh, axis=axis, world=n, treedef=treedef, leaves=layouts,
                          groups=tuple(groups), shard_dtype=jnp.dtype(shard_dtype),
@@ -160,9 +192,12 @@ def shard(params, mesh: Mesh, axis: str = "fsdp", *, shard_dtype=jnp.float32,
     target = NamedSharding(mesh, P(axis))
 
     def pad(x, l):
+        if isinstance(x, jax.ShapeDtypeStruct):
+            return jax.ShapeDtypeStruct((n * l.rows, *l.shape[1:]), shard_dtype, sharding=target)
         x = jnp.asarray(x, shard_dtype)
         extra = n * l.rows - l.shape[0]
         return jnp.pad(x, [(0, extra)] + [(0, 0)] * (x.ndim - 1)) if extra else x
 
-    sharded = [jax.device_put(pad(x, l), target) for x, l in zip(arrays, layouts)]
+    sharded = [pad(x, l) if isinstance(x, jax.ShapeDtypeStruct) else jax.device_put(pad(x, l), target)
+               for x, l in zip(arrays, layouts)]
     return jax.tree_util.tree_unflatten(treedef, sharded), layout

@@ -6,11 +6,13 @@
 #include <link.h>
 #include <nccl.h>
 
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <mutex>
+#include <thread>
 
 #include "tide/cuda.h"
 #include "tide/errors.h"
@@ -422,14 +424,42 @@ std::string NcclFabric::release(bool orderly) noexcept {
 }
 
 // ---- NcclRail ([Note: NCCL rail] in nccl.h) ---------------------------------------------------
-NcclRail::NcclRail(int rank, int size, int device, const std::string& unique_id, int max_ctas, int channels_per_peer)
-    : rank_(rank), size_(size), device_(device), max_ctas_(max_ctas), channels_(channels_per_peer) {
+// [Note: rail deadline] With timeout_s > 0 the rail's communicator is non-blocking (config.blocking
+// = 0): ncclCommInitRankConfig returns at once and the constructor polls ncclCommGetAsyncError until
+// the init is done, and the pre-connect polls its stream, each until the deadline; past it the
+// communicator is aborted (ncclCommAbort: NCCL's threads and kernels let go) and a TimeoutError says
+// which rail ranks (nodes) were being waited for: a process of another node that died or never
+// reached its rail cannot keep this one inside NCCL. A non-blocking communicator's ncclGroupEnd may
+// return ncclInProgress; enqueue() then waits for it the same way.
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// Polls `comm` until its pending operation is done; ncclSuccess or the error. Past `deadline` it
+// returns ncclInProgress (the caller aborts).
+ncclResult_t await_comm(const Api& a, ncclComm_t comm, ncclResult_t r, Clock::time_point deadline) {
+  while (r == ncclInProgress) {
+    if (Clock::now() > deadline) return ncclInProgress;
+    std::this_thread::sleep_for(std::chrono::microseconds(200));
+    if (a.CommGetAsyncError(comm, &r) != ncclSuccess) return ncclInternalError;
+  }
+  return r;
+}
+
+}  // namespace
+
+NcclRail::NcclRail(int rank, int size, int device, const std::string& unique_id, int max_ctas, int channels_per_peer,
+                   double timeout_s)
+    : rank_(rank), size_(size), device_(device), max_ctas_(max_ctas), channels_(channels_per_peer),
+      timeout_s_(timeout_s) {
   TIDE_PLAN_CHECK(size >= 1 && rank >= 0 && rank < size, "NcclRail: rank ", rank, " is outside [0, ", size, ")");
   TIDE_PLAN_CHECK(max_ctas >= 1 && max_ctas <= 64, "NcclRail.max_ctas: expected 1..64, got ", max_ctas);
   TIDE_PLAN_CHECK(channels_per_peer >= 1 && channels_per_peer <= 32, "NcclRail.channels_per_peer: expected 1..32, got ",
                   channels_per_peer);
   TIDE_PLAN_CHECK(unique_id.size() == kNcclUniqueIdBytes, "NcclRail: unique_id has ", unique_id.size(), " bytes, an "
                   "ncclUniqueId has ", kNcclUniqueIdBytes);
+  TIDE_PLAN_CHECK(timeout_s >= 0 && timeout_s <= 1e6, "NcclRail.timeout_s: expected 0 (no deadline) .. 1e6, got ",
+                  timeout_s);
   nvls_off_unless_gated(device, "NcclRail");
   const Api& a = checked_api();
   const std::string who = TIDE_STR_CAT("NcclRail rank ", rank_, " of ", size_, " (device ", device_, "): ");
@@ -441,8 +471,19 @@ NcclRail::NcclRail(int rank, int size, int device, const std::string& unique_id,
   config.maxCTAs = max_ctas_;
   config.nChannelsPerNetPeer = channels_;
   config.commName = "tide-rail";
+  config.blocking = timeout_s_ > 0 ? 0 : 1;  // [Note: rail deadline]
+  const auto deadline = Clock::now() + std::chrono::microseconds(static_cast<int64_t>(timeout_s_ * 1e6));
   ncclComm_t comm = nullptr;
-  check_nccl(a, a.CommInitRankConfig(&comm, size_, id, rank_, &config), nullptr, who + "ncclCommInitRankConfig");
+  ncclResult_t init = a.CommInitRankConfig(&comm, size_, id, rank_, &config);
+  if (!config.blocking && comm != nullptr) init = await_comm(a, comm, init, deadline);
+  if (init == ncclInProgress) {
+    a.CommAbort(comm);
+    throw TimeoutError(TIDE_STR_CAT(who, "ncclCommInitRankConfig: rail ranks (nodes) other than ", rank_, " of ", size_,
+                                    " did not join within ", timeout_s_, " s (a process of another node that died, "
+                                    "or never reached its rail); the communicator was aborted"));
+  }
+  if (init != ncclSuccess && comm != nullptr) a.CommAbort(comm);
+  check_nccl(a, init, nullptr, who + "ncclCommInitRankConfig");
   comm_ = comm;
   static std::once_flag logged;  // once per process: which transfer path the rails take
   std::call_once(logged, [&a, this] {
@@ -465,6 +506,17 @@ NcclRail::NcclRail(int rank, int size, int device, const std::string& unique_id,
       recvs.push_back({p, static_cast<char*>(buf) + 16 * p + 8, 8});
     }
     enqueue(sends, recvs, s, "pre-connecting the rail peers");
+    if (timeout_s_ > 0) {  // [Note: rail deadline]: the stream is polled, the deadline aborts
+      cudaError_t q;
+      while ((q = cudaStreamQuery(s)) == cudaErrorNotReady) {
+        if (Clock::now() > deadline)
+          throw TimeoutError(TIDE_STR_CAT(who, "pre-connecting the rail peers: a rail rank (node) other than ", rank_,
+                                          " of ", size_, " did not answer within ", timeout_s_, " s (a process of "
+                                          "another node that died); the communicator was aborted"));
+        std::this_thread::sleep_for(std::chrono::microseconds(200));
+      }
+      TIDE_CHECK_CUDA(q, who, "pre-connecting the rail peers");
+    }
     TIDE_CHECK_CUDA(cudaStreamSynchronize(s), who, "pre-connecting the rail peers");
   } catch (...) {
     if (buf) cudaFree(buf);
@@ -502,7 +554,13 @@ void NcclRail::enqueue(const std::vector<RailXfer>& sends, const std::vector<Rai
     const ncclResult_t r = a.Recv(x.data, static_cast<size_t>(x.bytes), ncclUint8, x.peer, comm, s);
     if (r != ncclSuccess && first == ncclSuccess) { first = r; at = TIDE_STR_CAT("ncclRecv from rail rank ", x.peer); }
   }
-  const ncclResult_t end = a.GroupEnd();
+  ncclResult_t end = a.GroupEnd();
+  if (end == ncclInProgress) {  // a non-blocking rail ([Note: rail deadline]): enqueued, not yet issued
+    const double budget = timeout_s_ > 0 ? timeout_s_ : 1e6;
+    end = await_comm(a, comm, end, Clock::now() + std::chrono::microseconds(static_cast<int64_t>(budget * 1e6)));
+    if (end == ncclInProgress)
+      throw TimeoutError(TIDE_STR_CAT(who, "ncclGroupEnd still in progress after ", budget, " s"));
+  }
   check_nccl(a, first, comm_, who + at);
   check_nccl(a, end, comm_, who + "ncclGroupEnd");
 }
@@ -534,7 +592,7 @@ void NcclRail::close() {
   cuda::DeviceGuard guard(device_, "NcclRail: ");
   const ncclResult_t r = a.CommDestroy(static_cast<ncclComm_t>(comm_));
   comm_ = nullptr;
-  if (r != ncclSuccess) throw Error(TIDE_STR_CAT("NcclRail rank ", rank_, ": ncclCommDestroy failed: ", a.GetErrorString(r)));
+  if (r != ncclSuccess && r != ncclInProgress) throw Error(TIDE_STR_CAT("NcclRail rank ", rank_, ": ncclCommDestroy failed: ", a.GetErrorString(r)));
 }
 
 NcclRail::~NcclRail() {

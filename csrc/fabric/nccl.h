@@ -114,7 +114,10 @@ struct RailXfer {
 
 class NcclRail {
  public:
-  NcclRail(int rank, int size, int device, const std::string& unique_id, int max_ctas, int channels_per_peer);
+  // timeout_s > 0: construction (the init among the rail's ranks, the pre-connect) has that
+  // deadline, then aborts and throws TimeoutError ([Note: rail deadline] in nccl.cc); 0: it blocks.
+  NcclRail(int rank, int size, int device, const std::string& unique_id, int max_ctas, int channels_per_peer,
+           double timeout_s = 0);
   ~NcclRail();
   NcclRail(const NcclRail&) = delete;
   NcclRail& operator=(const NcclRail&) = delete;
@@ -135,6 +138,7 @@ class NcclRail {
 
  private:
   int rank_, size_, device_, max_ctas_, channels_;
+  double timeout_s_ = 0;  // construction's deadline; 0: none ([Note: rail deadline])
   void* comm_ = nullptr;  // ncclComm_t
   std::string aborted_;
   std::mutex mu_;

@@ -109,13 +109,13 @@ void bind_nccl(nb::module_& m) {
                        "ranks with that local index on every node (rail rank = node), on which two-sided programs' "
                        "send/recv groups run. Construction is collective over the rail and pre-connects its peers.")
       .def("__init__", [](NcclRail* self, int rank, int size, int device, const nb::bytes& unique_id, int max_ctas,
-                          int channels_per_peer) {
+                          int channels_per_peer, double timeout_s) {
         add_wheel_candidates();
         const std::string id(unique_id.c_str(), unique_id.size());
-        nb::gil_scoped_release release;  // blocks until every rail rank has joined
-        new (self) NcclRail(rank, size, device, id, max_ctas, channels_per_peer);
+        nb::gil_scoped_release release;  // until every rail rank has joined, or timeout_s (> 0) passed
+        new (self) NcclRail(rank, size, device, id, max_ctas, channels_per_peer, timeout_s);
       }, nb::arg("rank"), nb::arg("size"), nb::arg("device"), nb::arg("unique_id"), nb::arg("max_ctas") = 2,
-         nb::arg("channels_per_peer") = 1)
+         nb::arg("channels_per_peer") = 1, nb::arg("timeout_s") = 0.0)
       .def_prop_ro("rank", &NcclRail::rank)
       .def_prop_ro("size", &NcclRail::size)
       .def_prop_ro("max_ctas", &NcclRail::max_ctas, "The SMs a rail group's kernel may take (ncclConfig_t.maxCTAs).")

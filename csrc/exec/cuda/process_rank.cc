@@ -54,7 +54,7 @@ std::shared_ptr<CallExecutor> CudaProcessRank::connect(const std::vector<std::st
   if (m.topo.nodes > 1) {
 #ifdef TIDE_WITH_NCCL
     ex->executor().set_rail(std::make_shared<fabric::NcclRail>(node, m.topo.nodes, m.fabric->device(), rail_id,
-                                                              opt.rail_ctas, opt.rail_channels_per_peer));
+                                                              opt.rail_ctas, opt.rail_channels_per_peer, opt.timeout_s));
 #else
     (void)rail_id;
     throw PlanError(TIDE_STR_CAT("CudaProcessRank: rank ", m.rank, " reaches ", m.topo.nodes - 1, " other node(s) "
