@@ -132,7 +132,7 @@ def _rank(rank: int, world: int, init: str, args, out_path: str) -> None:
         sig = _signature(args)
         stock_group = dist.new_group(backend="nccl") if cuda else dist.group.WORLD
         stock = hostcall_stock.measure([tuple(s) for s in sig.shapes], device, stock_group,
-                                       args.iters, sync, dist.barrier)
+                                       args.stock_iters, sync, dist.barrier)
         if cuda:
             torch.cuda.empty_cache()
         times = _tide(rank, world, device, sig, args, sync, dist.barrier)
@@ -141,6 +141,7 @@ def _rank(rank: int, world: int, init: str, args, out_path: str) -> None:
         if rank == 0:
             res = {"model": args.model, "group": args.group, "scale": args.scale, "ranks": world,
                    "gpus": ngpu, "mode": args.mode, "iters": args.iters,
+                   "stock_iters": args.stock_iters,
                    "transport": "tide-cuda-executor" if cuda else "tide-executor",
                    "torch": torch.__version__,
                    "device": torch.cuda.get_device_name(device) if cuda else "cpu",
@@ -168,6 +169,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="cuda: the CUDA executor and NCCL (default when there is a GPU); cpu: "
                          "the CPU executor and gloo (a smoke run: not a host-time figure)")
     ap.add_argument("--iters", type=int, default=30, help="timed calls per collective")
+    ap.add_argument("--stock-iters", type=int, default=10,
+                    help="timed calls per collective of stock FSDP2 (each one waits for its "
+                         "collective: on emulated hosts NCCL's sockets carry the whole group)")
     ap.add_argument("--json", default=None, help="write the result to this path")
     args = ap.parse_args(argv)
     import torch
@@ -177,8 +181,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
         print("tide bench hostcall: --device cuda needs a CUDA GPU", file=sys.stderr)
         return 2
-    if args.ranks < 2 or args.iters < 1 or args.scale < 1:
-        ap.error("--ranks must be >= 2, --iters and --scale >= 1")
+    if args.ranks < 2 or min(args.iters, args.stock_iters, args.scale) < 1:
+        ap.error("--ranks must be >= 2, --iters, --stock-iters and --scale >= 1")
     fd, init = tempfile.mkstemp(prefix="tide_hostcall_pg_")
     os.close(fd)
     os.unlink(init)
@@ -198,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
           f"foreach_all_gather + copy-out, foreach_reduce): {res['model']} {res['group']}{scale} "
           f"({res['elements']} elements), {res['ranks']} ranks on {res['gpus']} GPU(s) "
           f"({res['device']}), {res['mode']}, transport {res['transport']}, torch {res['torch']}, "
-          f"{res['iters']} calls per rank; stock's unsharded gradients {res['stock_grad_dtype']}, "
+          f"{res['iters']} calls per rank (stock {res['stock_iters']}); stock's unsharded gradients {res['stock_grad_dtype']}, "
           "TIDE's bfloat16")
     print(f"{'call':5s} {'TIDE med us':>12s} {'TIDE p90 us':>12s} {'stock med us':>13s} "
           f"{'stock p90 us':>13s} {'TIDE/stock':>11s} {'first call ms':>14s}")

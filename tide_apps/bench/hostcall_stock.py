@@ -65,7 +65,6 @@ def measure(shapes: list[tuple[int, ...]], device: torch.device, group, iters: i
     root(torch.ones((), device=device)).backward()  # lazy init, communicators
     sync()
     pg = fully_shard.state(block)._fsdp_param_group
-    grads: list[torch.Tensor] = []
 
     spans: dict[str, float] = {}
     originals = {name: getattr(fpg, name) for name in _TIMED}
@@ -99,20 +98,25 @@ def measure(shapes: list[tuple[int, ...]], device: torch.device, group, iters: i
             times["ag"].append(sample(lambda: (pg.unshard(), pg.wait_for_unshard()), _TIMED[:2]))
             sync()
             pg.reshard()
+        # The gradients' unsharded parameters stay gathered across the reduce-scatter samples
+        # (one all-gather, not one per sample: on emulated hosts NCCL carries it over sockets).
+        pg.unshard()
+        pg.wait_for_unshard()
+        pg.reshard_after_backward = False
+        grads = [torch.randn(fp.unsharded_param.shape, device=device).to(
+            # what autograd leaves there: bf16, or the reduce dtype where torch declares the
+            # unsharded parameter's grad_dtype (newer FSDP2 upcasts on accumulation)
+            getattr(fp.unsharded_param, "grad_dtype", None) or fp.unsharded_param.dtype)
+            for fp in pg.fsdp_params]
         for _ in range(iters + 1):
-            pg.unshard()
-            pg.wait_for_unshard()
-            if not grads:  # what autograd leaves there: bf16, or the reduce dtype where torch
-                # declares the unsharded parameter's grad_dtype (newer FSDP2 upcasts on accumulation)
-                grads = [torch.randn(fp.unsharded_param.shape, device=device).to(
-                    getattr(fp.unsharded_param, "grad_dtype", None) or fp.unsharded_param.dtype)
-                    for fp in pg.fsdp_params]
             for fp, g in zip(pg.fsdp_params, grads):
                 fp.unsharded_param.grad = g
                 fp.sharded_param.grad = None
             times["rs"].append(sample(reduce, _TIMED[2:]))
             sync()
             pg._training_state = TrainingState.IDLE
+        pg.reshard_after_backward = True
+        pg.reshard()
     finally:
         for name, fn in originals.items():
             setattr(fpg, name, fn)

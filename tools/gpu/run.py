@@ -375,8 +375,8 @@ def stage_table(c: Ctx) -> dict:
         Stage("bench:ceproof", 90, [bench("bench:ceproof", "ag", "--ce-proof", "--spin-s", "2", "--sizes", "8", limit=90,
                                           png="ceproof", detail=d_ceproof)],
               "TIDE-AG's rows reach GPU 1 while a spinner holds GPU 0's SMs (INFO on one GPU)"),
-        Stage("bench:hostcall", 300, [Step(f"ranks{n}", [py, "-m", "tide_apps", "bench", "hostcall", "--ranks", str(n), "--iters",
-                                                         "30", "--json", js("hostcall", n)], 150, json=js("hostcall", n),
+        Stage("bench:hostcall", 480, [Step(f"ranks{n}", [py, "-m", "tide_apps", "bench", "hostcall", "--ranks", str(n), "--iters",
+                                                         "30", "--json", js("hostcall", n)], 240, json=js("hostcall", n),
                                            key=True, detail=d_hostcall) for n in (2, 8)],
               "tide bench hostcall: host time per call of tide_torch's CUDA transport beside stock FSDP2's, 2 and 8 ranks"),
     ]
