@@ -104,8 +104,9 @@ def test_lowering_moves_credits_to_the_receiver_and_keeps_one_producer():
     ("rail_size_mismatch", "R rail size mismatch"),
 ])
 def test_rail_faults_are_rejected(name, message):
-    # AG at 2 x 2: head and tail groups between the same pair of nodes.
-    _, plan = make_plan(2, 2, shapes=SMALL)
+    # AG at 2 x 2: one group (a round's head and tail between the same pair of nodes); swapping
+    # needs two groups: 4 x 2 (two rounds).
+    _, plan = make_plan(4 if name == "swap_rail_groups" else 2, 2, shapes=SMALL)
     ps = _core.build_ag_programs(plan, head_bytes=16).lowered()
     assert ps.check(2)[0]
     assert ps.inject_fault(FAULT[name], 1)
@@ -222,3 +223,34 @@ def test_two_sided_counters_are_reserved_for_the_lowered_programs():
     space = _core.CounterSpace()
     assert space.reserve(plan, "reduce_scatter", rails="two_sided") == 0
     assert space.used == _core.build_rs_programs(plan).lowered().num_counters
+
+
+@pytest.mark.parametrize("M,L", [(2, 2), (2, 4), (4, 2)])
+@pytest.mark.parametrize("mode", ["in_place", "slot_reuse"])
+def test_one_rail_group_per_bruck_round(M, L, mode):
+    """The 70B block on emulated hosts: a Bruck round's head and tail PUTs (adjacent on the
+    caller stream, contiguous) post as one group, one SEND per peer; RS keeps one group per
+    wave transfer (a sent event and a credit separate them). Prints what each rank posts per call."""
+    from tide import models
+    plan = tide.plan(models.signature("llama3.1-70b", "block", shard_dtype="float32"), tide.Topology(M, L),
+                     mode=mode)
+    one = _core.build_ag_programs(plan, resident=False)
+    ag = one.lowered()
+    rs = _lowered_rs(plan)
+    assert one.rail_stats(0) == dict(groups=0, sends=0, recvs=0, send_messages=0, send_bytes=0)
+    rounds = (M - 1).bit_length()  # ceil(log2 M)
+    for r in range(M * L):
+        cross = [d for d in one.describe(r) if " PUT " in d and any(int(x) // L != r // L for x in REF.findall(d))]
+        st = ag.rail_stats(r)
+        assert len(cross) == 2 * rounds  # head and tail of every round
+        assert st["groups"] == st["sends"] == st["recvs"] == rounds
+        assert st["send_bytes"] == sum(int(w) for d in cross for w in re.findall(r" (\d+)x1\}", d))
+        for b in (0, 1):
+            s = rs[b].rail_stats(r)
+            assert s["groups"] == s["sends"] == s["recvs"] == s["send_messages"] > 0
+    ok, errors = ag.check(2)
+    assert ok, errors
+    st, s = ag.rail_stats(0), rs[0].rail_stats(0)
+    print(f"\n{M}x{L} {mode}: AG {st['groups']} groups / {st['sends']} SENDs / {st['send_messages']} messages "
+          f"per rank per call (one-sided: {2 * rounds} cross-node PUTs); RS {s['groups']} / {s['sends']} / "
+          f"{s['send_messages']}")

@@ -11,10 +11,13 @@
 //       SIGNAL/CREDIT t -> (s, k) -> the same op on t's fresh counter a(s, k)
 //       WAIT on s for (s, k)      -> t rail_p2p: WAIT a(s, k), before the RECV of the next PUT from
 //                                    s to t on the waiting stream (the transfer it guarded)
-//     pre/post count the cross-node PUTs of their stream (K per call: the j-th has target
-//     j + 1 - K + K*seq), so they are seq-independent like every counter.
-//   - Group key = (round, tag, ordinal among the sender's PUTs with that round and tag); every rank
-//     issues its groups in ascending key order, which each sender's stream order must agree with.
+//     pre/post count the rail units of their stream (K per call: the j-th has target
+//     j + 1 - K + K*seq), so they are seq-independent like every counter. A unit is one PUT, or
+//     a rank's adjacent PUTs of one group on one stream: pre/post sit at its last PUT.
+//   - Key = (round, tag, ordinal among the sender's PUTs with that round and tag); keys of one
+//     round share a group where the schedule allows (the Note says when); every rank issues its
+//     groups in ascending key order, which each sender's stream order must agree with. Per group,
+//     one SEND and one RECV per peer, rows that continue each other merged into one message.
 #include <algorithm>
 #include <map>
 #include <tuple>
@@ -46,6 +49,26 @@ size_t rail_group_end(const Program& pr, const std::vector<int>& stream_ops, siz
   return e;
 }
 
+RailStats rail_stats(const Program& prog) {
+  RailStats st;
+  int32_t last = -1;
+  for (const Op& op : prog.ops) {
+    if (!is_rail_op(op)) continue;
+    if (op.rail_group != last) ++st.groups;  // a group's ops are consecutive on rail_p2p
+    last = op.rail_group;
+    if (op.kind == OpKind::kRecv) {
+      ++st.recvs;
+      continue;
+    }
+    ++st.sends;
+    for (const auto& cd : op.copies) {
+      ++st.send_messages;
+      st.send_bytes += cd.src.bytes();
+    }
+  }
+  return st;
+}
+
 namespace {
 
 using Key = std::tuple<int32_t, uint16_t, int32_t>;  // round, tag, ordinal
@@ -65,6 +88,23 @@ struct PutInfo {
   bool empty = false;         // no data: the receiver bumps the counter itself at the key's place
 };
 
+// Appends a 1-D row to a transfer's rows, extending the last one when it continues it in both
+// source and destination (one larger message).
+void append_row(std::vector<CopyDesc>& rows, const CopyDesc& cd) {
+  if (!rows.empty()) {
+    CopyDesc& b = rows.back();
+    auto continues = [](const BufRef& a, const BufRef& c) {
+      return a.kind == c.kind && a.rank == c.rank && a.index == c.index && a.offset + a.width == c.offset;
+    };
+    if (continues(b.src, cd.src) && continues(b.dst, cd.dst)) {
+      b.src.width += cd.src.width;
+      b.dst.width += cd.dst.width;
+      return;
+    }
+  }
+  rows.push_back(cd);
+}
+
 std::vector<CopyDesc> rows_of(const Op& op) {  // 1-D descriptors (a 2-D copy row by row)
   std::vector<CopyDesc> out;
   for (const auto& cd : op.copies)
@@ -74,7 +114,7 @@ std::vector<CopyDesc> rows_of(const Op& op) {  // 1-D descriptors (a 2-D copy ro
       r.dst.offset += h * (cd.dst.height > 1 ? cd.dst.pitch : 0);
       r.src.height = r.dst.height = 1;
       r.src.pitch = r.dst.pitch = 0;
-      out.push_back(r);
+      append_row(out, r);
     }
   return out;
 }
@@ -200,13 +240,9 @@ void lower_two_sided(std::vector<Program>& progs) {
     }
   }
 
-  // Pass C: groups. Each rank's PUTs (per stream) must come in ascending key order.
-  std::map<Key, int> group_of;
-  for (const auto& p : puts) group_of[p.key] = 0;
-  int g = 0;
-  for (auto& kv : group_of) kv.second = g++;
+  // Pass C: keys. Each rank's PUTs (per stream) must come in ascending key order.
+  std::map<Key, std::vector<size_t>> by_key;  // key -> its transfers
   std::vector<std::map<Key, size_t>> outgoing(N), incoming(N);
-  std::vector<std::map<uint8_t, int>> per_stream(N);  // stream -> cross-node PUTs per call
   std::vector<std::map<uint8_t, Key>> last_key(N);
   for (size_t x = 0; x < puts.size(); ++x) {
     PutInfo& p = puts[x];
@@ -214,13 +250,64 @@ void lower_two_sided(std::vector<Program>& progs) {
     TIDE_PLAN_CHECK(lk == last_key[p.rank].end() || lk->second < p.key, where(p.rank, static_cast<size_t>(p.op)),
                     ": its rail transfers are not in (round, tag) order on their stream: not lowerable");
     last_key[p.rank][p.stream] = p.key;
-    if (!p.empty) p.ordinal_in_stream = per_stream[p.rank][p.stream]++;
+    by_key[p.key].push_back(x);
     outgoing[p.rank][p.key] = x;
     TIDE_PLAN_CHECK(!incoming[p.peer].count(p.key), where(p.rank, static_cast<size_t>(p.op)), ": rank ", p.peer,
                     " receives two transfers of round ", std::get<0>(p.key), " tag ",
                     op_tag_name(static_cast<OpTag>(std::get<1>(p.key))), " #", std::get<2>(p.key), " (ranks ",
                     puts[incoming[p.peer].count(p.key) ? incoming[p.peer][p.key] : x].rank, " and ", p.rank, ")");
     incoming[p.peer][p.key] = x;
+  }
+
+  // Pass C': groups ([Note: two-sided rails], "one group per round"). Keys in ascending order;
+  // a key joins the group of the key before it when both are of one round and every transfer of
+  // it is mergeable: no guard, and its sender's previous transfer in the group sits right before
+  // it on the same stream (no op between), so one pre/post pair covers both.
+  auto adjacent = [&](const PutInfo& a, const PutInfo& b) {  // b right after a on a's stream
+    if (a.rank != b.rank || a.stream != b.stream || a.op >= b.op) return false;
+    const Program& pr = progs[a.rank];
+    for (int i = a.op + 1; i < b.op; ++i)
+      if (pr.ops[static_cast<size_t>(i)].stream == a.stream) return false;
+    return true;
+  };
+  std::map<Key, int> group_of;
+  std::vector<std::vector<Key>> group_keys;
+  {
+    std::map<int, size_t> last;  // rank -> its latest transfer in the open group
+    for (const auto& [key, xs] : by_key) {
+      bool join = !group_keys.empty() && std::get<0>(group_keys.back().front()) == std::get<0>(key);
+      for (size_t x : xs) {
+        if (!join) break;
+        auto it = last.find(puts[x].rank);
+        join = puts[x].guards.empty() && it != last.end() && adjacent(puts[it->second], puts[x]);
+      }
+      if (!join) {
+        group_keys.emplace_back();
+        last.clear();
+      }
+      group_keys.back().push_back(key);
+      group_of[key] = static_cast<int>(group_keys.size()) - 1;
+      for (size_t x : xs) last[puts[x].rank] = x;
+    }
+  }
+  // Units: a rank's transfers of one group (adjacent on one stream) share one pre/post pair,
+  // placed at the last non-empty one; pre/post count the stream's units (K per call).
+  std::vector<std::map<uint8_t, int>> per_stream(N);  // stream -> units per call
+  std::vector<char> unit_end(puts.size(), 0);
+  for (int r = 0; r < N; ++r) {
+    int open = -1;
+    size_t last_full = puts.size();
+    for (const auto& [key, x] : outgoing[r]) {
+      const int g = group_of.at(key);
+      if (g != open && last_full < puts.size()) unit_end[last_full] = 1;
+      if (g != open) last_full = puts.size();
+      open = g;
+      if (puts[x].empty) continue;
+      if (last_full == puts.size()) puts[x].ordinal_in_stream = per_stream[r][puts[x].stream]++;
+      else puts[x].ordinal_in_stream = puts[last_full].ordinal_in_stream;
+      last_full = x;
+    }
+    if (last_full < puts.size()) unit_end[last_full] = 1;
   }
 
   // Pass D: rewrite every rank.
@@ -255,59 +342,74 @@ void lower_two_sided(std::vector<Program>& progs) {
         continue;
       }
       const PutInfo& p = puts[pit->second];
-      if (p.empty) continue;  // the receiver bumps its counter itself
+      if (p.empty || !unit_end[pit->second]) continue;  // the receiver bumps; or the unit goes on
       const int K = per_stream[r].at(p.stream);
       const auto [pre, post] = prepost[r].at(p.stream);
       out.push_back(counter_op(OpKind::kEventRecord, op.stream, op, r, pre, p.ordinal_in_stream + 1 - K, K));
       out.push_back(counter_op(OpKind::kEventWait, op.stream, op, r, post, p.ordinal_in_stream + 1 - K, K));
     }
-    // The rail_p2p stream: groups in key order.
-    for (const auto& [key, gid] : group_of) {
-      auto o = outgoing[r].find(key);
-      auto in = incoming[r].find(key);
-      if (o == outgoing[r].end() && in == incoming[r].end()) continue;
-      if (in != incoming[r].end()) {
-        const PutInfo& p = puts[in->second];
-        for (const Guard& gd : p.guards) {
-          Op w = counter_op(OpKind::kWait, rail, progs[p.rank].ops[p.op], r, gd.counter, gd.value, gd.per_call);
+    // The rail_p2p stream: groups in key order; per peer one SEND and one RECV.
+    for (size_t gid = 0; gid < group_keys.size(); ++gid) {
+      std::vector<size_t> sends, recvs;
+      for (const Key& key : group_keys[gid]) {
+        if (auto o = outgoing[r].find(key); o != outgoing[r].end()) sends.push_back(o->second);
+        if (auto in = incoming[r].find(key); in != incoming[r].end()) recvs.push_back(in->second);
+      }
+      if (sends.empty() && recvs.empty()) continue;
+      for (size_t x : recvs)
+        for (const Guard& gd : puts[x].guards) {
+          Op w = counter_op(OpKind::kWait, rail, progs[puts[x].rank].ops[puts[x].op], r, gd.counter, gd.value,
+                            gd.per_call);
           w.tag = OpTag::kCreditWait;
           w.deadline_s = gd.deadline_s;
           out.push_back(w);
         }
-      }
-      const PutInfo* send = o != outgoing[r].end() && !puts[o->second].empty ? &puts[o->second] : nullptr;
+      const PutInfo* unit = nullptr;  // the group's last non-empty SEND: its unit's pre/post
+      for (size_t x : sends)
+        if (!puts[x].empty) unit = &puts[x];
       int K = 0;
-      if (send) {
-        K = per_stream[r].at(send->stream);
-        const Op& put = pr.ops[send->op];
-        out.push_back(counter_op(OpKind::kEventWait, rail, put, r, prepost[r].at(send->stream).first,
-                                 send->ordinal_in_stream + 1 - K, K));
-        Op s = put;
-        s.kind = OpKind::kSend;
-        s.stream = rail;
-        s.copies = rows_of(put);
-        s.counter = CounterRef{};
-        s.value = 0;
-        s.rail_group = gid;
-        out.push_back(std::move(s));
+      if (unit) {
+        K = per_stream[r].at(unit->stream);
+        out.push_back(counter_op(OpKind::kEventWait, rail, pr.ops[unit->op], r, prepost[r].at(unit->stream).first,
+                                 unit->ordinal_in_stream + 1 - K, K));
       }
-      if (in != incoming[r].end() && puts[in->second].empty) {
-        const PutInfo& p = puts[in->second];
-        const Op& put = progs[p.rank].ops[p.op];
-        out.push_back(counter_op(OpKind::kSignal, rail, put, r, put.counter.index, put.value, 0));
-      } else if (in != incoming[r].end()) {
-        const PutInfo& p = puts[in->second];
-        const Op& put = progs[p.rank].ops[p.op];
-        Op v = put;
-        v.kind = OpKind::kRecv;
-        v.stream = rail;
-        v.copies = rows_of(put);
-        v.rail_group = gid;
-        out.push_back(std::move(v));
-      }
-      if (send)
-        out.push_back(counter_op(OpKind::kEventRecord, rail, pr.ops[send->op], r, prepost[r].at(send->stream).second,
-                                 send->ordinal_in_stream + 1 - K, K));
+      std::vector<Op> after;  // the group's other receive-side bumps, once its transfers are done
+      auto transfers = [&](const std::vector<size_t>& xs, OpKind kind) {
+        std::map<int, size_t> at;  // peer -> its op in `out`
+        for (size_t x : xs) {
+          const PutInfo& p = puts[x];
+          const Op& put = progs[p.rank].ops[p.op];
+          const int peer = kind == OpKind::kSend ? p.peer : p.rank;
+          if (p.empty) {
+            if (kind == OpKind::kRecv) after.push_back(counter_op(OpKind::kSignal, rail, put, r, put.counter.index, put.value, 0));
+            continue;
+          }
+          auto it = at.find(peer);
+          if (it == at.end()) {
+            Op t = put;
+            t.kind = kind;
+            t.stream = rail;
+            t.copies = rows_of(put);
+            t.rail_group = static_cast<int32_t>(gid);
+            if (kind == OpKind::kSend) {
+              t.counter = CounterRef{};
+              t.value = 0;
+            }
+            at[peer] = out.size();
+            out.push_back(std::move(t));
+            continue;
+          }
+          for (const CopyDesc& cd : rows_of(put)) append_row(out[it->second].copies, cd);
+          if (kind == OpKind::kRecv && put.counter.index >= 0)
+            after.push_back(counter_op(OpKind::kSignal, rail, put, r, put.counter.index, put.value, 0));
+        }
+      };
+      transfers(sends, OpKind::kSend);
+      transfers(recvs, OpKind::kRecv);
+      for (Op& a : after) out.push_back(std::move(a));
+      if (unit)
+        out.push_back(counter_op(OpKind::kEventRecord, rail, pr.ops[unit->op], r, prepost[r].at(unit->stream).second,
+                                 unit->ordinal_in_stream + 1 - K, K));
     }
   }
   for (int r = 0; r < N; ++r) {

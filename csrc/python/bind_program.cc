@@ -121,6 +121,18 @@ void bind_program(nb::module_& m) {
         auto st = ag_program_stats(s.progs.at(r));
         return std::make_tuple(st.scatter_descriptors, st.put_ops, st.ops);
       })
+      .def("rail_stats", [](const ProgramSet& s, int r) {
+        const RailStats st = rail_stats(s.program(r));
+        nb::dict d;
+        d["groups"] = st.groups;
+        d["sends"] = st.sends;
+        d["recvs"] = st.recvs;
+        d["send_messages"] = st.send_messages;
+        d["send_bytes"] = st.send_bytes;
+        return d;
+      }, nb::arg("rank"),
+         "Rank r's rail per call ([Note: two-sided rails]): groups, sends, recvs, send_messages (1-D "
+         "descriptors), send_bytes; zeros for a one-sided set.")
       .def("check", [](const ProgramSet& s, int calls) {
         s.require_built("ProgramSet.check");
         auto rep = check_program_set(s.progs, calls);

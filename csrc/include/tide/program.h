@@ -165,13 +165,26 @@ enum class OpKind : uint8_t {
 //     move to the receiver's rail_p2p stream, just before the RECV of the transfer they guarded
 //     (the next PUT to that rank on the waiting stream): a two-sided receive is posted only once
 //     its buffer is free, so the sender needs no credit;
-//   - transfers are grouped by (round, tag, ordinal): group g of rank r holds r's SEND and RECV
-//     of that key (consecutive ops with rail_group = g, one ncclGroupStart/End), and every rank
-//     issues its groups in the same key order, so matched groups meet (the checker proves it:
-//     matching, sizes, order, rendezvous deadlock freedom).
+//   - transfers are keyed by (round, tag, ordinal) and grouped one group per round where the
+//     schedule allows: consecutive keys of one round share a group when every transfer of the
+//     later key has no moved wait and directly follows its sender's previous transfer of the
+//     group on the same stream (no op between them there), e.g. a Bruck round's head and tail.
+//     A rank's transfers of one group then form one unit on their stream: one local event pair
+//     (recorded at the unit's last PUT) instead of one per PUT, so the sender does not wait for
+//     the first transfer before posting the group that carries both. Other keys keep a group of
+//     their own (e.g. an RS wave's transfers, which a sent event or a credit separates);
+//   - group g of rank r holds one SEND per peer and one RECV per peer (consecutive ops with
+//     rail_group = g, one ncclGroupStart/End); a peer's PUTs of the group become that SEND's rows
+//     in key order, a row that continues the previous one in both source and destination (same
+//     buffer and index) extending it into one larger message. The RECV bumps the first PUT's
+//     counter; the others' counters (and an empty PUT's) are bumped by SIGNALs on rail_p2p right
+//     after the group, once its data has landed;
+//   - every rank issues its groups in the same key order, so matched groups meet (the checker
+//     proves it: matching, sizes, order, rendezvous deadlock freedom).
 // A rendezvous group completes once every peer holding a matched transfer has posted its group;
 // a RECV's bytes are those the SEND read. Sends and receives are 1-D descriptors, matched in
 // order per (sender, receiver) pair: the k-th SEND descriptor with the k-th RECV descriptor.
+// rail_stats() counts a program's groups, SENDs and messages per call.
 const char* op_kind_name(OpKind k);
 
 // What an op is for: lets traces, messages and fault injection name ops without string labels.
@@ -361,6 +374,14 @@ AgProgramStats ag_program_stats(const Program& prog);
 // PlanError naming rank and op for a program it cannot lower (a cross-node COPY, a remote wait,
 // a cross-node wait that guards no rail transfer).
 void lower_two_sided(std::vector<Program>& progs);
+
+// What one two-sided program posts on its rail per call: rendezvous groups (one
+// ncclGroupStart/End each), SEND and RECV ops (one per peer and group), the 1-D messages they
+// carry (descriptors) and the bytes sent. All zero for a one-sided program.
+struct RailStats {
+  int64_t groups = 0, sends = 0, recvs = 0, send_messages = 0, send_bytes = 0;
+};
+RailStats rail_stats(const Program& prog);
 
 // ---------------------------------------------------------------------------------------------
 // Static checker (csrc/program/checker.cc): proves I1-I4 for one collective order.
