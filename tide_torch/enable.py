@@ -133,6 +133,10 @@ class TideHandle:
             _deactivate(g)
         if served:
             _patches.uninstall()
+            # The executor before the rail: calls it captured as CUDA graphs hold the rail's NCCL
+            # work, and the communicator's teardown waits for them (exec/cuda/graph.h).
+            if self._rt.transport is not None:
+                self._rt.transport.close()
             self._rt.arena.close()
             # NCCL fabric: every rank is here, after the barrier above (its teardown is collective).
             self._rt.arena.close_fabric()
