@@ -56,7 +56,11 @@ if glob.glob(os.path.join(_ROOT, "tide", "_core*.so")):
 from tide_apps import llama  # noqa: E402 - the checkout's, when its core is built in place
 from tide_apps import llama_spec as common  # noqa: E402
 
-VARIANTS = {"stock": None, "tide_in_place": "in_place", "tide_slot_reuse": "slot_reuse"}
+VARIANTS = {"stock": None, "tide_in_place": "in_place", "tide_slot_reuse": "slot_reuse",
+            "tide_in_place_graphs": "in_place"}
+DEFAULT_VARIANTS = ("stock", "tide_in_place", "tide_slot_reuse")
+# CUDA: calls replayed as CUDA graphs (tide.ExecutorOptions(graphs=True); exec/cuda/graph.h).
+GRAPHS = {"tide_in_place_graphs"}
 PROFILE_STEP = 1  # step 0 builds the unsharded parameters: the layout copies of a later one
 
 
@@ -106,7 +110,8 @@ def run(args, device: torch.device, variant: str) -> tuple[dict, dict]:
             topo = tide.Topology(nodes=args.nodes, gpus_per_node=world // args.nodes)
         handle = tide_torch.enable(model, mode=VARIANTS[variant], topology=topo,
                                    transport=args.transport, fabric=args.fabric,
-                                   serve_single_rank=args.serve_single_rank)
+                                   serve_single_rank=args.serve_single_rank,
+                                   executor_options=tide.ExecutorOptions(graphs=variant in GRAPHS))
     hp = common.ADAMW
     opt = torch.optim.AdamW(model.parameters(), lr=hp["lr"], betas=hp["betas"], eps=hp["eps"],
                             weight_decay=hp["weight_decay"])
@@ -145,7 +150,8 @@ def run(args, device: torch.device, variant: str) -> tuple[dict, dict]:
              # printed, not in the JSON:
              "arena_bytes": arena, "transport": handle.transport if handle else "stock",
              "fallbacks": handle.fallbacks if handle else {}, "phases": phases,
-             "served": f"{len(handle.plans)}/{len(handle.groups)}" if handle else "-"}
+             "served": f"{len(handle.plans)}/{len(handle.groups)}" if handle else "-",
+             "tide_stats": handle.stats if handle else {}}
     shards = {n: p.to_local().detach().float().cpu() for n, p in model.named_parameters()}
     if handle is not None:
         handle.disable()
@@ -198,6 +204,8 @@ def main_worker(rank: int, world: int, init: str, args) -> None:
                         f"{k} {v / 2**20:.1f}" for k, v in s["phases"].items()))
                 if s["fallbacks"]:
                     print(f"  {s['name']} stock fallbacks: {s['fallbacks']}")
+                if s["tide_stats"]:
+                    print(f"  {s['name']} calls: " + ", ".join(f"{k} {v}" for k, v in s["tide_stats"].items()))
                 if s["layout_copies"] is not None:
                     print(f"  {s['name']} FSDP2 layout copies ({s['copies_source']}): " + ", ".join(
                         f"{op} {c['calls']} ({c['bytes']:,} B)"
@@ -237,8 +245,9 @@ def main() -> None:
     ap.add_argument("--shared-gpu", action="store_true",
                     help="CUDA: the --world ranks share GPU 0, each an emulated host (its own NCCL_HOSTID, "
                          "NCCL over loopback sockets): correctness and overheads, not bandwidth")
-    ap.add_argument("--variants", default=",".join(VARIANTS),
-                    help=f"comma-separated subset of {','.join(VARIANTS)}")
+    ap.add_argument("--variants", default=",".join(DEFAULT_VARIANTS),
+                    help=f"comma-separated subset of {','.join(VARIANTS)} (default "
+                         f"{','.join(DEFAULT_VARIANTS)}; tide_in_place_graphs: CUDA calls replayed as graphs)")
     ap.add_argument("--transport", default="auto", choices=("auto", "executor"),
                     help="tide_torch.enable(transport=...): auto (TIDE's executor for the model's "
                          "device, stock FSDP2 where it cannot run) or executor (raise instead)")

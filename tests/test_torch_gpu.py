@@ -287,7 +287,20 @@ def _one_gpu_world2(rank, world):
             assert not _pg_collectives(names), (mode, _pg_collectives(names))
             _check_tide_run(handle, model, ref, losses, stock_losses,
                             f"1 GPU world 2 exact={exact} {mode}", exact=exact)
+            assert handle.stats["graph_launches"] == 0, handle.stats  # graphs are opt-in
             handle.disable()
+        # Calls replayed as CUDA graphs (exec/cuda/graph.h): the same bits, and replays happened
+        # (an all-gather's buffers repeat every step; a reduce-scatter's when the allocator
+        # hands its gradients the same addresses).
+        model = build(mesh=mesh, device=device)
+        handle = tide_torch.enable(model, mode="in_place", topology=topo,
+                                   executor_options=tide.ExecutorOptions(graphs=True))
+        losses, _ = _train_profiled(model, data, device)
+        _check_tide_run(handle, model, ref, losses, stock_losses, f"1 GPU world 2 exact={exact} graphs",
+                        exact=exact)
+        stats = handle.stats
+        assert stats["graph_captures"] > 0 and stats["graph_launches"] > stats["graph_captures"], stats
+        handle.disable()
 
     # fp32 parameters (in-place shard adoption: the all-gather reads the shards in the arena),
     # SGD: same GPU bitwise, and within fp32 tolerance of the same training on CPU.

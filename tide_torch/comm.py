@@ -159,6 +159,15 @@ class CudaExecutorTransport(ExecutorTransport):
         diagnosed(self._exec.synchronize, self._rank, self._timeout_s, _default_store)
 
 
+def graph_counts(transport: Any) -> dict[str, int]:
+    """The CUDA executor's calls captured and launched as graphs (exec/cuda/graph.h); {} when
+    the transport has none (CPU) or is closed."""
+    ex = getattr(transport, "_exec", None)
+    if not isinstance(transport, CudaExecutorTransport) or ex is None:
+        return {}
+    return {"graph_captures": ex.graph_captures, "graph_launches": ex.graph_launches}
+
+
 def cuda_executor_available() -> bool:
     """Whether this build can run TIDE's programs on CUDA ranks (executor + CUDA-IPC fabric)."""
     return bool(tide._core.cuda.built and tide._core.cuda.available())

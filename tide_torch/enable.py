@@ -77,8 +77,11 @@ class TideHandle:
 
     @property
     def stats(self) -> dict[str, int]:
-        """Calls served by TIDE vs. handed to stock FSDP2, per collective."""
-        return dict(self._rt.stats)
+        """Calls served by TIDE vs. handed to stock FSDP2, per collective; on CUDA with
+        ``ExecutorOptions(graphs=True)`` also the calls captured and launched as CUDA graphs."""
+        out = dict(self._rt.stats)
+        out.update(comm.graph_counts(self._rt.transport))
+        return out
 
     @property
     def hand_backs(self) -> dict[tuple[str, str, str], int]:
