@@ -51,7 +51,6 @@ CudaExecutor::CudaExecutor(std::shared_ptr<fabric::Fabric> fabric, const Executo
   if (opt_.graphs && one_device && !canary_) {
     DeviceGuard guard(devices[0], "CudaExecutor: ");
     graphs_ = std::make_unique<CallGraphs>(devices[0], opt_.timeout_s);
-    TIDE_CHECK_CUDA(cudaStreamCreateWithFlags(&origin_, cudaStreamNonBlocking), "the capture stream");
     for (cudaEvent_t* e : {&fork_, &done_}) TIDE_CHECK_CUDA(cudaEventCreateWithFlags(e, cudaEventDisableTiming));
   }
 }
@@ -60,7 +59,6 @@ CudaExecutor::~CudaExecutor() {
   fs_->quiesce();
   cache_.clear();
   graphs_.reset();
-  if (origin_) cudaStreamDestroy(origin_);
   for (cudaEvent_t e : {fork_, done_})
     if (e) cudaEventDestroy(e);
   for (size_t r = 0; r < ready_.size(); ++r) {
@@ -155,23 +153,14 @@ void CudaExecutor::run(const std::shared_ptr<const ProgramSet>& set, int64_t seq
     c.canary_call = canary_->begin_call(seq);
   }
   // [Note: replayed calls]: a replay's handoff is its launch's; fault injection stays eager.
-  if (graphs_ != nullptr && !caller.empty() && opt_.dead_rank < 0 && opt_.stall_rank < 0) {
-    check_graph_fault();
-    const uint64_t key = bindings_key(buffers);
-    const SetGraphs::Decision d = e.graphs.decide(key);
-    if (d.graph != nullptr || d.capture) {
-      fs_->guarded([&] {
-        if (d.graph != nullptr)
-          launch(*d.graph, seq, caller, true);
-        else  // the capture advanced the mirror for this call already
-          launch(capture(e, key, c, seq), seq, caller, false);
-      });
-      if (opt_.sync_every_call) {
+  if (graphs_ != nullptr && !caller.empty() && opt_.dead_rank < 0 && opt_.stall_rank < 0 &&
+      graphs_->run(e.graphs, bindings_key(buffers), *fs_, [&](GraphCapture& cap) { capture(cap, c, seq); },
+                   [&](CallGraph& g, bool advance) { launch(g, seq, caller, advance); })) {
+    if (opt_.sync_every_call) fs_->guarded([&] {
         fs_->drain_and_sync("executor stream");
-        check_graph_fault();
-      }
-      return;
-    }
+        graphs_->check(*fs_);
+      });
+    return;
   }
   // [Note: stream handoff] in: nothing of call `seq` before each caller stream got here.
   for (int r = 0; r < n && !caller.empty(); ++r) {
@@ -195,37 +184,18 @@ void CudaExecutor::run(const std::shared_ptr<const ProgramSet>& set, int64_t seq
   }
 }
 
-void CudaExecutor::check_graph_fault() {
-  if (!graphs_) return;
-  const std::string f = graphs_->fault();
-  if (f.empty()) return;
-  fs_->fail(f);
-  throw TimeoutError(f);
-}
-
-CallGraph& CudaExecutor::capture(Entry& e, uint64_t key, IssueContext& c, int64_t seq) {
-  std::unique_ptr<GraphCapture> cap = graphs_->begin();
+void CudaExecutor::capture(GraphCapture& cap, IssueContext& c, int64_t seq) {
   const int n = fabric_->world();
   const std::vector<Program>& programs = *c.programs;
   auto ns = [&](int r) { return std::max<size_t>(1, programs[static_cast<size_t>(r)].streams.size()); };
-  cudaGraph_t g = nullptr;
-  TIDE_CHECK_CUDA(cudaStreamBeginCapture(origin_, cudaStreamCaptureModeThreadLocal), "capturing a call");
-  try {
-    launch_head(*cap, origin_);
-    TIDE_CHECK_CUDA(cudaEventRecord(fork_, origin_));
-    for (int r = 0; r < n; ++r)
-      for (size_t s = 0; s < ns(r); ++s) TIDE_CHECK_CUDA(cudaStreamWaitEvent(fs_->streams(static_cast<size_t>(r))[s], fork_, 0));
-    c.graph = cap.get();
-    issue_call(c, seq);
-    for (int r = 0; r < n; ++r)
-      fs_->join_caller(static_cast<size_t>(r), ns(r), origin_, true, TIDE_STR_CAT("rank ", r, " capturing call seq ", seq));
-  } catch (...) {
-    cudaStreamEndCapture(origin_, &g);  // abandon it
-    if (g) cudaGraphDestroy(g);
-    throw;
-  }
-  TIDE_CHECK_CUDA(cudaStreamEndCapture(origin_, &g), "ending the capture of a call");
-  return e.graphs.add(key, graphs_->finish(g, *cap));
+  const cudaStream_t origin = graphs_->origin();
+  TIDE_CHECK_CUDA(cudaEventRecord(fork_, origin));
+  for (int r = 0; r < n; ++r)
+    for (size_t s = 0; s < ns(r); ++s) TIDE_CHECK_CUDA(cudaStreamWaitEvent(fs_->streams(static_cast<size_t>(r))[s], fork_, 0));
+  c.graph = &cap;
+  issue_call(c, seq);
+  for (int r = 0; r < n; ++r)
+    fs_->join_caller(static_cast<size_t>(r), ns(r), origin, true, TIDE_STR_CAT("rank ", r, " capturing call seq ", seq));
 }
 
 void CudaExecutor::launch(CallGraph& g, int64_t seq, const std::vector<cudaStream_t>& caller, bool advance) {
@@ -257,7 +227,7 @@ void CudaExecutor::synchronize() {
   std::lock_guard<std::mutex> lock(mu_);
   fs_->synchronize("executor stream");
   check_canary();
-  check_graph_fault();
+  if (graphs_) graphs_->check(*fs_);
 }
 
 }  // namespace tide::cuda

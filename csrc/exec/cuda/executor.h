@@ -71,11 +71,10 @@ class CudaExecutor {
  private:
   struct Entry;
   Entry& prepare(const std::shared_ptr<const ProgramSet>& set);
-  // [Note: replayed calls]: records call `seq` (issued through `c`) as a graph of `e`; launches a
-  // graph on the caller streams, watched.
-  CallGraph& capture(Entry& e, uint64_t key, IssueContext& c, int64_t seq);
+  // [Note: replayed calls]: capture() enqueues call `seq` (through `c`) into `cap`, forked from
+  // and joined back into the capture stream; launch() launches a graph on the caller streams.
+  void capture(GraphCapture& cap, IssueContext& c, int64_t seq);
   void launch(CallGraph& g, int64_t seq, const std::vector<cudaStream_t>& caller, bool advance);
-  void check_graph_fault();
   void check_canary();  // after the streams synchronised: a recorded staging race fails the executor
 
   std::shared_ptr<fabric::Fabric> fabric_;
@@ -86,7 +85,6 @@ class CudaExecutor {
   SetCache<Entry> cache_;
   std::unique_ptr<StagingCanary> canary_;  // ExecutorOptions::staging_canary
   std::unique_ptr<CallGraphs> graphs_;     // ExecutorOptions::graphs on one device
-  cudaStream_t origin_ = nullptr;          // captures start and end here
   cudaEvent_t fork_ = nullptr, done_ = nullptr;
   std::mutex mu_;
 };

@@ -86,7 +86,7 @@ CallGraph& SetGraphs::add(uint64_t key, std::unique_ptr<CallGraph> g) {
 // ---- per executor -------------------------------------------------------------------------------
 CallGraphs::CallGraphs(int device, double timeout_s) : device_(device), timeout_s_(timeout_s) {
   DeviceGuard guard(device, "CallGraphs: ");
-  preload_graph_kernels(device);
+  TIDE_CHECK_CUDA(cudaStreamCreateWithFlags(&origin_, cudaStreamNonBlocking), "the capture stream");
   TIDE_CHECK_CUDA(cudaHostAlloc(reinterpret_cast<void**>(&host_flags_), sizeof(GraphFlags), cudaHostAllocMapped),
                   "graph flags");
   std::memset(host_flags_, 0, sizeof(GraphFlags));
@@ -104,6 +104,7 @@ CallGraphs::~CallGraphs() {
   if (cudaSetDevice(device_) == cudaSuccess) {  // teardown: unchecked
     if (fault_) cudaFree(fault_);
     if (host_flags_) cudaFreeHost(host_flags_);
+    if (origin_) cudaStreamDestroy(origin_);
   }
   cudaSetDevice(prev);
 }
@@ -161,7 +162,8 @@ void CallGraphs::launch(CallGraph& g, fabric::Fabric& f, int64_t seq, uint64_t r
                         bool advance) {
   cudaKernelNodeParams kp{};
   void* args[] = {&g.params, &seq, &run};
-  kp.func = const_cast<void*>(graph_head_kernel_fn());
+  static const void* const head_kernel = graph_kernels()[0];
+  kp.func = const_cast<void*>(head_kernel);
   kp.gridDim = dim3(1);
   kp.blockDim = dim3(1);
   kp.kernelParams = args;
@@ -169,6 +171,13 @@ void CallGraphs::launch(CallGraph& g, fabric::Fabric& f, int64_t seq, uint64_t r
   TIDE_CHECK_CUDA(cudaGraphLaunch(g.exec, stream), "launching a captured call");
   if (advance) g.advance.apply(f, seq, run);
   ++replays_;
+}
+
+void CallGraphs::check(FailStopStreams& fs) const {
+  const std::string f = fault();
+  if (f.empty()) return;
+  fs.fail(f);
+  throw TimeoutError(f);
 }
 
 std::string CallGraphs::fault() const {

@@ -49,8 +49,10 @@
 #include <string>
 #include <vector>
 
+#include "exec/cuda/fail_stop.h"
 #include "fabric/fabric.h"
 #include "tide/bindings.h"
+#include "tide/errors.h"
 
 namespace tide::cuda {
 
@@ -87,8 +89,9 @@ void launch_graph_wait(const uint64_t* counter, GraphValue v, const CallParams* 
                        cudaStream_t stream);
 void launch_graph_add(uint64_t* counter, uint64_t v, cudaStream_t stream);
 void launch_graph_raise(uint64_t* counter, GraphValue v, const CallParams* p, cudaStream_t stream);
-void preload_graph_kernels(int device);
-const void* graph_head_kernel_fn();  // the head's kernel (per-launch node updates)  // [Note: eager kernel loading], kernels.h
+// The graph ops' kernels, which preload_kernels() loads with the others ([Note: eager kernel
+// loading], kernels.h); [0] is the head's (per-launch node updates).
+std::vector<const void*> graph_kernels();
 
 // What one call does to the host's counter mirror (Fabric::issued), recorded at capture.
 class MirrorAdvance {
@@ -164,7 +167,8 @@ class SetGraphs {
 };
 
 // One executor's graph machinery: the fault record, the wait descriptions of every capture
-// (by graph id, for the fault message), capture and launch. Not thread-safe (the executor's lock).
+// (by graph id, for the fault message), the capture stream, capture and launch. Not
+// thread-safe (the executor's lock).
 class CallGraphs {
  public:
   CallGraphs(int device, double timeout_s);
@@ -172,23 +176,60 @@ class CallGraphs {
   CallGraphs(const CallGraphs&) = delete;
   CallGraphs& operator=(const CallGraphs&) = delete;
 
-  // Starts a capture's context (params slot, fault record, ids, deadline).
-  std::unique_ptr<GraphCapture> begin();
-  // Instantiates captured graph `g` (owned by the result from here on) and returns it.
-  std::unique_ptr<CallGraph> finish(cudaGraph_t g, GraphCapture& cap);
+  // The executors' one entry for a call that may replay: raises a recorded fault (failing `fs`),
+  // then replays the call's graph of `sg` (launch(graph, true)), or captures it (capture(cap),
+  // which enqueues the call into the capture that begins on origin() after the head and joins
+  // it back there) and launches the new graph (launch(graph, false): the capture advanced the
+  // mirror). Returns false when the call is to be issued eagerly (nothing done).
+  template <class Capture, class Launch>
+  bool run(SetGraphs& sg, uint64_t key, FailStopStreams& fs, Capture&& capture, Launch&& launch) {
+    check(fs);
+    const SetGraphs::Decision d = sg.decide(key);
+    if (d.graph == nullptr && !d.capture) return false;
+    fs.guarded([&] {
+      if (d.graph != nullptr)
+        launch(*d.graph, true);
+      else
+        launch(sg.add(key, record(capture)), false);
+    });
+    return true;
+  }
   // Launches `g` for call `seq` (run: the entry fence's) on `stream`; advance: `f`'s mirror by
-  // the graph's record (false right after its capture, which advanced it).
+  // the graph's record.
   void launch(CallGraph& g, fabric::Fabric& f, int64_t seq, uint64_t run, cudaStream_t stream, bool advance);
+  // Raises a recorded fault (TimeoutError naming the wait, rank, op and seq), failing `fs`.
+  void check(FailStopStreams& fs) const;
   // Empty when no replayed wait passed its deadline; else "<wait description> seq S: ...".
   std::string fault() const;
   void abort() { reinterpret_cast<volatile GraphFlags*>(host_flags_)->abort = 1; }
   void set_timeout(double s) { timeout_s_ = s; }
+  cudaStream_t origin() const { return origin_; }
   int64_t captures() const { return static_cast<int64_t>(waits_.size()); }
   int64_t replays() const { return replays_; }
 
  private:
+  template <class Capture>
+  std::unique_ptr<CallGraph> record(Capture& capture) {
+    std::unique_ptr<GraphCapture> cap = begin();
+    cudaGraph_t g = nullptr;
+    TIDE_CHECK_CUDA(cudaStreamBeginCapture(origin_, cudaStreamCaptureModeThreadLocal), "capturing a call");
+    try {
+      launch_head(*cap, origin_);
+      capture(*cap);
+    } catch (...) {
+      cudaStreamEndCapture(origin_, &g);  // abandon it
+      if (g) cudaGraphDestroy(g);
+      throw;
+    }
+    TIDE_CHECK_CUDA(cudaStreamEndCapture(origin_, &g), "ending the capture of a call");
+    return finish(g, *cap);
+  }
+  std::unique_ptr<GraphCapture> begin();
+  std::unique_ptr<CallGraph> finish(cudaGraph_t g, GraphCapture& cap);
+
   int device_;
   double timeout_s_;
+  cudaStream_t origin_ = nullptr;  // captures begin and end here
   GraphFlags* host_flags_ = nullptr;
   GraphFlags* dev_flags_ = nullptr;
   GraphFault* fault_ = nullptr;  // device

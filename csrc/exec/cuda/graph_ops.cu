@@ -2,8 +2,7 @@
 // value from the call's device-side parameters. Every launch is checked.
 #include <cuda_runtime.h>
 
-#include <mutex>
-#include <set>
+#include <vector>
 
 #include "exec/cuda/graph.h"
 #include "tide/errors.h"
@@ -100,23 +99,9 @@ void launch_graph_raise(uint64_t* counter, GraphValue v, const CallParams* p, cu
   TIDE_CHECK_CUDA(cudaGetLastError(), "launching a graph raise");
 }
 
-const void* graph_head_kernel_fn() { return reinterpret_cast<const void*>(graph_head_kernel); }
-
-void preload_graph_kernels(int device) {
-  static std::mutex mu;
-  static std::set<int> loaded;
-  std::lock_guard<std::mutex> g(mu);
-  if (loaded.count(device)) return;
-  int prev = 0;
-  TIDE_CHECK_CUDA(cudaGetDevice(&prev));
-  TIDE_CHECK_CUDA(cudaSetDevice(device), "device ", device);
-  for (const void* k : {reinterpret_cast<const void*>(graph_head_kernel), reinterpret_cast<const void*>(graph_wait_kernel),
-                        reinterpret_cast<const void*>(graph_add_kernel), reinterpret_cast<const void*>(graph_raise_kernel)}) {
-    cudaFuncAttributes fa{};
-    TIDE_CHECK_CUDA(cudaFuncGetAttributes(&fa, k), "loading the graph ops on device ", device);
-  }
-  TIDE_CHECK_CUDA(cudaSetDevice(prev));
-  loaded.insert(device);
+std::vector<const void*> graph_kernels() {
+  return {reinterpret_cast<const void*>(graph_head_kernel), reinterpret_cast<const void*>(graph_wait_kernel),
+          reinterpret_cast<const void*>(graph_add_kernel), reinterpret_cast<const void*>(graph_raise_kernel)};
 }
 
 }  // namespace tide::cuda

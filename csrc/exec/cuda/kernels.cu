@@ -28,6 +28,7 @@
 #include <vector>
 
 #include "exec/cuda/device.cuh"
+#include "exec/cuda/graph.h"
 #include "exec/cuda/kernels.h"
 #include "tide/numerics.h"
 #include "tide/errors.h"
@@ -425,6 +426,7 @@ void preload_kernels(int device) {
                                    reinterpret_cast<const void*>(stall_kernel)};
   for (int vec = 1; vec <= 16; vec *= 2)
     for (bool strided : {false, true}) rest.push_back(reinterpret_cast<const void*>(sm_copy_kernel_for(vec, strided)));
+  for (const void* k : graph_kernels()) rest.push_back(k);  // graph.h
   for (const void* k : rest) {
     cudaFuncAttributes fa{};
     TIDE_CHECK_CUDA(cudaFuncGetAttributes(&fa, k), "loading the TIDE kernels on device ", device);

@@ -50,10 +50,7 @@ CudaRankExecutor::CudaRankExecutor(std::shared_ptr<fabric::Fabric> fabric, int r
   fs_ = std::make_unique<FailStopStreams>("CudaRankExecutor", std::vector<int>{device_}, opt_.timeout_s);
   for (cudaEvent_t* e : {&ev_caller_, &ev_entry_})
     TIDE_CHECK_CUDA(cudaEventCreateWithFlags(e, cudaEventDisableTiming));
-  if (opt_.graphs) {
-    graphs_ = std::make_unique<CallGraphs>(device_, opt_.timeout_s);
-    TIDE_CHECK_CUDA(cudaStreamCreateWithFlags(&origin_, cudaStreamNonBlocking), "the capture stream");
-  }
+  if (opt_.graphs) graphs_ = std::make_unique<CallGraphs>(device_, opt_.timeout_s);
 }
 
 CudaRankExecutor::~CudaRankExecutor() {
@@ -61,7 +58,6 @@ CudaRankExecutor::~CudaRankExecutor() {
   fs_->quiesce();
   cache_.clear();
   graphs_.reset();
-  if (origin_) cudaStreamDestroy(origin_);
   for (cudaEvent_t e : {ev_caller_, ev_entry_})
     if (e) cudaEventDestroy(e);
 }
@@ -191,14 +187,6 @@ void CudaRankExecutor::fence(const Entry& e, int64_t seq, const std::vector<Prog
   }
 }
 
-void CudaRankExecutor::check_graph_fault() {
-  if (!graphs_) return;
-  const std::string f = graphs_->fault();
-  if (f.empty()) return;
-  fs_->fail(f);
-  throw TimeoutError(f);
-}
-
 void CudaRankExecutor::replay(CallGraph& g, int64_t seq, cudaStream_t caller, bool advance) {
   ++runs_;
   graphs_->launch(g, *fabric_, seq, runs_, caller, advance);
@@ -212,30 +200,19 @@ void CudaRankExecutor::replay(CallGraph& g, int64_t seq, cudaStream_t caller, bo
   });
 }
 
-CallGraph& CudaRankExecutor::capture(Entry& e, uint64_t key, IssueContext& c, int64_t seq,
-                                     const std::vector<Program>& progs) {
-  std::unique_ptr<GraphCapture> cap = graphs_->begin();
+void CudaRankExecutor::capture(const Entry& e, GraphCapture& cap, IssueContext& c, int64_t seq,
+                               const std::vector<Program>& progs) {
   const size_t ns = e.tables->stream_ops[static_cast<size_t>(e.me)].size();
   const std::vector<cudaStream_t>& own = fs_->streams(0);
-  cudaGraph_t g = nullptr;
-  TIDE_CHECK_CUDA(cudaStreamBeginCapture(origin_, cudaStreamCaptureModeThreadLocal), "capturing a call");
-  try {
-    launch_head(*cap, origin_);
-    TIDE_CHECK_CUDA(cudaEventRecord(ev_caller_, origin_));
-    TIDE_CHECK_CUDA(cudaStreamWaitEvent(own[0], ev_caller_, 0));
-    if (fence_) fence(e, seq, progs, cap.get());
-    TIDE_CHECK_CUDA(cudaEventRecord(ev_entry_, own[0]));
-    for (size_t s = 1; s < ns; ++s) TIDE_CHECK_CUDA(cudaStreamWaitEvent(own[s], ev_entry_, 0));
-    c.graph = cap.get();
-    issue_call(c, seq);
-    fs_->join_caller(0, ns, origin_, true, TIDE_STR_CAT("rank ", rank_, " capturing call seq ", seq));
-  } catch (...) {
-    cudaStreamEndCapture(origin_, &g);  // abandon it
-    if (g) cudaGraphDestroy(g);
-    throw;
-  }
-  TIDE_CHECK_CUDA(cudaStreamEndCapture(origin_, &g), "ending the capture of a call");
-  return e.graphs.add(key, graphs_->finish(g, *cap));
+  const cudaStream_t origin = graphs_->origin();
+  TIDE_CHECK_CUDA(cudaEventRecord(ev_caller_, origin));
+  TIDE_CHECK_CUDA(cudaStreamWaitEvent(own[0], ev_caller_, 0));
+  if (fence_) fence(e, seq, progs, &cap);
+  TIDE_CHECK_CUDA(cudaEventRecord(ev_entry_, own[0]));
+  for (size_t s = 1; s < ns; ++s) TIDE_CHECK_CUDA(cudaStreamWaitEvent(own[s], ev_entry_, 0));
+  c.graph = &cap;
+  issue_call(c, seq);
+  fs_->join_caller(0, ns, origin, true, TIDE_STR_CAT("rank ", rank_, " capturing call seq ", seq));
 }
 
 void CudaRankExecutor::run(const std::shared_ptr<const ProgramSet>& set, int64_t seq, const RankBindings& buffers,
@@ -285,23 +262,14 @@ void CudaRankExecutor::run(const std::shared_ptr<const ProgramSet>& set, int64_t
   c.rail = rail_;
   c.rail_gpus_per_node = topo_.gpus_per_node;
   const std::string call = TIDE_STR_CAT("rank ", rank_, " call seq ", seq);
-  if (graphs_) {  // [Note: replayed calls]
-    check_graph_fault();
-    const uint64_t key = bindings_key(bufs);
-    const SetGraphs::Decision d = e.graphs.decide(key);
-    if (d.graph != nullptr || d.capture) {
-      fs_->guarded([&] {
-        if (d.graph != nullptr)
-          replay(*d.graph, seq, caller, true);
-        else  // the capture advanced the mirror for this call already
-          replay(capture(e, key, c, seq, *progs), seq, caller, false);
-        if (opt_.sync_every_call) {
-          fs_->drain_and_sync(call);
-          check_graph_fault();
-        }
+  if (graphs_ &&  // [Note: replayed calls]
+      graphs_->run(e.graphs, bindings_key(bufs), *fs_, [&](GraphCapture& cap) { capture(e, cap, c, seq, *progs); },
+                   [&](CallGraph& g, bool advance) { replay(g, seq, caller, advance); })) {
+    if (opt_.sync_every_call) fs_->guarded([&] {
+        fs_->drain_and_sync(call);
+        graphs_->check(*fs_);
       });
-      return;
-    }
+    return;
   }
   try {
     TIDE_CHECK_CUDA(cudaEventRecord(ev_caller_, caller), "recording the caller stream");
@@ -335,7 +303,7 @@ void CudaRankExecutor::synchronize() {
   std::lock_guard<std::mutex> lock(mu_);
   DeviceGuard device(device_);
   fs_->synchronize(TIDE_STR_CAT("rank ", rank_, " executor stream"));
-  check_graph_fault();
+  if (graphs_) graphs_->check(*fs_);
 }
 
 }  // namespace tide::cuda

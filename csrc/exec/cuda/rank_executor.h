@@ -88,11 +88,10 @@ class CudaRankExecutor {
   Entry& prepare(const std::shared_ptr<const ProgramSet>& set, const std::vector<int>& members);
   void check_buffers(const Entry& e, const RankBindings& b) const;
   void fence(const Entry& e, int64_t seq, const std::vector<Program>& progs, GraphCapture* graph = nullptr);
-  // Launches `g` for call `seq` on `caller`, watched (advance: the host mirror by its record);
-  // capture() records the call (issued through `c`) as a graph of `e`.
+  // [Note: replayed calls]: capture() enqueues the call (through `c`) into `cap`, forked from and
+  // joined back into the capture stream; replay() launches a graph on `caller`, watched.
+  void capture(const Entry& e, GraphCapture& cap, IssueContext& c, int64_t seq, const std::vector<Program>& progs);
   void replay(CallGraph& g, int64_t seq, cudaStream_t caller, bool advance);
-  CallGraph& capture(Entry& e, uint64_t key, IssueContext& c, int64_t seq, const std::vector<Program>& progs);
-  void check_graph_fault();
 
   std::shared_ptr<fabric::Fabric> fabric_;
   std::shared_ptr<fabric::NcclRail> rail_;
@@ -108,7 +107,6 @@ class CudaRankExecutor {
   std::unique_ptr<FailStopStreams> fs_;  // slot 0: this rank's streams; the watchdog, fail-stop
   cudaEvent_t ev_caller_ = nullptr, ev_entry_ = nullptr;
   std::unique_ptr<CallGraphs> graphs_;  // ExecutorOptions::graphs
-  cudaStream_t origin_ = nullptr;       // captures start and end here
   SetCache<Entry> cache_;
   std::mutex mu_;
 };
