@@ -31,6 +31,31 @@ def test_hostcall_cpu_prints_stock_beside_tide(capsys, tmp_path):
         assert row[5] == f"{tide_['ratio_to_stock']:.2f}x"
 
 
+def test_hostcall_graphs_column_beside_eager_and_stock(capsys, tmp_path):
+    """--graphs: TIDE's replayed column (ExecutorOptions(graphs=True)) beside the eager one and
+    stock's, ratios against stock. On CPU the executor has no graphs: the column runs eager and
+    the table says so (on CUDA it reports how many calls were launched as graphs)."""
+    path = tmp_path / "hostcall.json"
+    rc = cli.main(["bench", "hostcall", "--device", "cpu", "--ranks", "2", "--scale", "128",
+                   "--iters", "3", "--graphs", "--json", str(path)])
+    out = capsys.readouterr().out
+    assert rc == 0
+    res = json.loads(path.read_text())
+    assert res["graphs"] and res["graph_calls_per_rank"] == 8
+    assert res["graph_launches"] == [None, None] and res["graph_captures"] == [None, None]
+    for what in ("ag", "rs"):
+        eager, graph, stock = res[what], res["graphs_" + what], res["stock_" + what]
+        assert 0 < graph["median_us"] <= graph["p90_us"]
+        assert graph["ratio_to_stock"] == pytest.approx(graph["median_us"] / stock["median_us"])
+        assert graph["ratio_to_eager"] == pytest.approx(graph["median_us"] / eager["median_us"])
+        row = next(line.split() for line in out.splitlines() if line.startswith(what + " "))
+        assert float(row[1]) == pytest.approx(eager["median_us"], abs=0.05)
+        assert float(row[3]) == pytest.approx(graph["median_us"], abs=0.05)
+        assert float(row[5]) == pytest.approx(stock["median_us"], abs=0.05)
+        assert row[7] == f"{eager['ratio_to_stock']:.2f}x" and row[8] == f"{graph['ratio_to_stock']:.2f}x"
+    assert "no CUDA graphs" in out
+
+
 def test_hostcall_stock_times_fsdp2s_own_functions():
     """The patched names are the ones FSDP2's param group calls (it imports them by name): a
     rename in torch would leave the stock column timing nothing, which measure() refuses."""

@@ -14,7 +14,8 @@
 #include <vector>
 
 #include "exec/cuda/call_executors.h"
-#include "exec/cuda/issue.h"  // build_run_table, level1_sum_shape
+#include "exec/cuda/enqueue_order.h"  // walk_call
+#include "exec/cuda/issue.h"          // build_run_table, level1_sum_shape
 #include "fabric/inprocess.h"
 #include "fabric/ipc.h"
 #ifdef TIDE_WITH_NCCL
@@ -230,6 +231,73 @@ void bind_cuda_exec(nb::module_& m, nb::module_& testing) {
      "rank's gradient p, ('out',) its output, ('arena', r) group rank r's arena; and where, when the executors run the op as kernels.cu's Level-1 SUM, level1 is "
      "[(slot, byte offset of element 0)] per staged slice and segments its SUM segment table [(dst_off, len, "
      "src_off, param)] (cuda.sum_segments' rows), else both None. Host only.");
+  testing.def("enqueue_orders", [](const ProgramSet& ps, std::vector<int> local_ranks, std::vector<int64_t> seqs) {
+    // The issue path's walk ([Note: enqueue order]) and its recorded replay ([Note: replayed
+    // enqueue order]) side by side over calls `seqs`, each on its own counter mirror, bumps
+    // simulated as the issue path advances them.
+    const std::vector<Program>& progs = ps.progs;
+    const size_t n = progs.size();
+    const auto index = ps.index();
+    std::vector<std::vector<int>> producer(n);
+    for (size_t r = 0; r < n; ++r)
+      for (const auto& p : index->producer[r]) producer[r].push_back(p.rank);
+    std::vector<char> local(n, local_ranks.empty() ? 1 : 0);
+    for (int r : local_ranks) local.at(static_cast<size_t>(r)) = 1;
+    cuda::OrderInput in;
+    in.programs = &progs;
+    in.stream_ops = &index->stream_ops;
+    in.producer = &producer;
+    in.local = &local;
+    std::vector<std::vector<uint64_t>> mw(n), mr(n);
+    for (size_t r = 0; r < n; ++r) {
+      mw[r].assign(static_cast<size_t>(progs[r].num_counters), 0);
+      mr[r].assign(static_cast<size_t>(progs[r].num_counters), 0);
+    }
+    auto ptrs = [&](std::vector<std::vector<uint64_t>>& m) {
+      std::vector<uint64_t*> v;
+      for (auto& x : m) v.push_back(x.data());
+      return v;
+    };
+    cuda::OrderRecord record;
+    nb::list out;
+    for (int64_t seq : seqs) {
+      using Step = std::tuple<int, int, int, int>;
+      auto run = [&](std::vector<std::vector<uint64_t>>& m, cuda::OrderRecord* rec, std::vector<Step>& order) {
+        std::vector<uint64_t*> mp = ptrs(m);
+        auto visit = [&](int r, int s, size_t k, size_t end) {
+          order.emplace_back(r, s, static_cast<int>(k), static_cast<int>(end));
+          const auto& ops = index->stream_ops[static_cast<size_t>(r)][static_cast<size_t>(s)];
+          for (size_t q = k; q < end; ++q) {
+            const Op& op = progs[static_cast<size_t>(r)].ops[static_cast<size_t>(ops[q])];
+            const bool arrives = op.kind == OpKind::kRecv && op.counter.index >= 0;
+            if (!arrives && !cuda::bumps(op.kind)) continue;
+            uint64_t& c = m[static_cast<size_t>(op.counter.rank)][static_cast<size_t>(op.counter.index)];
+            c = cuda::advanced(op, seq, c);
+          }
+        };
+        return cuda::walk_call(in, seq, mp.data(), visit, rec);
+      };
+      std::vector<Step> walked, replayed;
+      const cuda::WalkResult a = run(mw, nullptr, walked);
+      const cuda::WalkResult b = run(mr, &record, replayed);
+      nb::dict d;
+      d["seq"] = seq;
+      d["walk"] = walked;
+      d["replay"] = replayed;
+      d["stalled"] = nb::make_tuple(a.stalled, b.stalled);
+      d["trusted_remote"] = nb::make_tuple(a.trusted_remote, b.trusted_remote);
+      d["replayed_steps"] = b.replayed;
+      d["deviated"] = b.deviated;
+      d["record_steps"] = record.valid ? static_cast<int64_t>(record.steps.size()) : -1;
+      d["mirrors_equal"] = mw == mr;
+      out.append(d);
+    }
+    return out;
+  }, nb::arg("programs"), nb::arg("local_ranks"), nb::arg("seqs"),
+     "The CUDA issue path's enqueue order (host only): per call of `seqs`, a dict with the walk's visits "
+     "[(rank, stream, k, end)] ('walk'), the same call through the set's recorded walk ('replay'), "
+     "(stalled, stalled) and (trusted_remote, trusted_remote) of both, replayed_steps and deviated of the "
+     "replay, record_steps (-1: no record) and mirrors_equal. local_ranks: the executor's ranks (empty: all).");
   testing.def("run_table_fp16", [](const ProgramSet& ps, int rank, int op) {
     std::vector<cuda::ReduceRun> t;
     const auto info = cuda::build_run_table(ps.progs, rank, op, t);

@@ -2,212 +2,16 @@
 #include "exec/cuda/issue.h"
 
 #include <algorithm>
-#include <map>
-#include <set>
 
 #include "tide/errors.h"
 
 namespace tide::cuda {
-
-namespace {
-bool is_wait(OpKind k) { return k == OpKind::kWait || k == OpKind::kEventWait; }
-}  // namespace
-
-ReduceOpInfo build_run_table(const std::vector<Program>& programs, int rank, int i,
-                             std::vector<ReduceRun>& table) {
-  return build_run_table(programs, programs.at(0).arena, rank, i, table);
-}
-
-ReduceOpInfo build_run_table(const std::vector<Program>& programs_, const ArenaSpec& layout, int rank, int i,
-                             std::vector<ReduceRun>& table) {
-  const Op& op = programs_.at(static_cast<size_t>(rank)).ops.at(static_cast<size_t>(i));
-  TIDE_PLAN_CHECK(op.kind == OpKind::kSum || op.kind == OpKind::kLand, "rank ", rank, " op ", i,
-                  " is not a SUM/LAND");
-  TIDE_PLAN_CHECK(op.dst.height == 1 && op.dst.width % 4 == 0, "rank ", rank, " op ", i,
-                  ": SUM/LAND dst must be one row of fp32");
-  ReduceOpInfo ro;
-  ro.n = op.dst.width / 4;
-  std::map<int, std::vector<const SumTerm*>> by_term;  // term id ascending = operand order
-  for (const auto& t : op.terms) by_term[t.term].push_back(&t);
-  ro.n_terms = static_cast<int>(by_term.size());
-  if (ro.n_terms == 0) {
-    // No operand at all (e.g. a landing whose wave has no contributor): every element is 0.0f
-    // before alpha/accumulate, as on the CPU. One absent term keeps the kernel shape.
-    ro.n_terms = 1;
-    ro.table_offset = static_cast<int64_t>(table.size());
-    if (ro.n > 0) {
-      ReduceRun run{};
-      run.dst_off = 0;
-      run.len = ro.n;
-      for (auto& sl : run.slot) sl = -1;
-      table.push_back(run);
-    }
-    ro.n_runs = static_cast<int>(table.size() - static_cast<size_t>(ro.table_offset));
-    return ro;
-  }
-  TIDE_PLAN_CHECK(ro.n_terms >= 1 && ro.n_terms <= kMaxTerms, "rank ", rank, " op ", i, ": ", ro.n_terms,
-                  " terms (1..", kMaxTerms, ")");
-  std::vector<std::vector<const SumTerm*>> terms;
-  std::set<int64_t> cuts = {0, ro.n};
-  int ti = 0;
-  for (auto& [id, pieces] : by_term) {
-    std::sort(pieces.begin(), pieces.end(), [](auto* a, auto* b) { return a->dst_elem < b->dst_elem; });
-    const DType dt = pieces[0]->dtype;
-    TIDE_PLAN_CHECK(dt == DType::kBF16 || dt == DType::kFP16 || dt == DType::kFP32, "rank ", rank, " op ", i,
-                    ": term dtype ", dtype_name(dt), " (SUM/LAND read bfloat16, float16 or float32)");
-    if (dt == DType::kFP32) ro.fp32_terms |= 1u << ti;
-    if (dt == DType::kFP16) ro.fp16_terms |= 1u << ti;
-    for (auto* p : pieces) {
-      TIDE_PLAN_CHECK(p->dtype == dt, "rank ", rank, " op ", i, ": mixed dtypes in term ", id);
-      TIDE_PLAN_CHECK(p->dst_elem >= 0 && p->dst_elem + p->elems <= ro.n, "rank ", rank, " op ", i,
-                      ": term piece outside dst");
-      cuts.insert(p->dst_elem);
-      cuts.insert(p->dst_elem + p->elems);
-    }
-    terms.push_back(pieces);
-    ++ti;
-  }
-  ro.table_offset = static_cast<int64_t>(table.size());
-  std::vector<size_t> at(terms.size(), 0);
-  std::vector<int64_t> cv(cuts.begin(), cuts.end());
-  for (size_t c = 0; c + 1 < cv.size(); ++c) {
-    ReduceRun run{};
-    run.dst_off = cv[c];
-    run.len = cv[c + 1] - cv[c];
-    for (size_t t = 0; t < terms.size(); ++t) {
-      run.slot[t] = -1;
-      auto& v = terms[t];
-      while (at[t] < v.size() && v[at[t]]->dst_elem + v[at[t]]->elems <= run.dst_off) ++at[t];
-      if (at[t] >= v.size() || v[at[t]]->dst_elem > run.dst_off) continue;
-      const SumTerm& p = *v[at[t]];
-      const int64_t size = dtype_size(p.dtype);
-      const int64_t skip = (run.dst_off - p.dst_elem) * size;
-      const BufRef& s = p.src;
-      if (s.kind == BufKind::kGrad) {
-        TIDE_PLAN_CHECK(s.rank == rank && s.index >= 0 && s.index < kMaxGradPtrs, "rank ", rank, " op ", i,
-                        ": grad term of rank ", s.rank, "[", s.index, "]");
-        run.slot[t] = static_cast<int16_t>(s.index);
-        run.off[t] = s.offset + skip;
-      } else if (s.kind == BufKind::kOut) {
-        run.slot[t] = kSlotOut;
-        run.off[t] = s.offset + skip;
-      } else if (!is_user_buffer(s.kind)) {
-        const int k = static_cast<int>(s.kind);
-        TIDE_PLAN_CHECK(s.offset + p.elems * size <= layout.bytes[k], "rank ", rank, " op ", i,
-                        ": term beyond ", buf_kind_name(s.kind));
-        run.slot[t] = static_cast<int16_t>(kSlotArena0 + s.rank);
-        run.off[t] = layout.offset[k] + s.offset + skip;
-      } else {
-        throw PlanError(TIDE_STR_CAT("rank ", rank, " op ", i, ": SUM/LAND cannot read ", buf_kind_name(s.kind)));
-      }
-    }
-    table.push_back(run);
-  }
-  ro.n_runs = static_cast<int>(table.size() - static_cast<size_t>(ro.table_offset));
-  return ro;
-}
-
-Level1Sum level1_sum_shape(const ReduceOpInfo& ro, const std::vector<ReduceRun>& table, std::vector<SumSegment>& segs) {
-  Level1Sum l1;
-  const int ns = ro.n_terms - 1;
-  const uint32_t all = (1u << ro.n_terms) - 1u;  // one 16-bit dtype for every term: bf16 or fp16
-  if (ro.fp32_terms != 0 || (ro.fp16_terms != 0 && ro.fp16_terms != all) || ns < 1 || ns > kMaxStaged ||
-      ro.n_runs < 1)
-    return l1;
-  const ReduceRun* runs = table.data() + ro.table_offset;
-  for (int j = 0; j < ns; ++j) {
-    l1.staged_slot[j] = runs[0].slot[j];
-    l1.staged_off[j] = runs[0].off[j] - 2 * runs[0].dst_off;
-  }
-  for (int r = 0; r < ro.n_runs; ++r) {
-    const ReduceRun& run = runs[r];
-    for (int j = 0; j < ns; ++j)  // slice j: present, one slot, laid out like dst
-      if (run.slot[j] < 0 || run.slot[j] != l1.staged_slot[j] || run.off[j] - 2 * run.dst_off != l1.staged_off[j])
-        return l1;
-    const int own = run.slot[ns];
-    if (own >= kMaxGradPtrs || (own >= 0 && run.off[ns] % 2 != 0)) return l1;  // own: a gradient piece or absent
-  }
-  l1.seg_offset = static_cast<int64_t>(segs.size());
-  for (int r = 0; r < ro.n_runs; ++r) {
-    const ReduceRun& run = runs[r];
-    const int own = run.slot[ns];
-    segs.push_back({run.dst_off, run.len, own >= 0 ? run.off[ns] / 2 : 0, own >= 0 ? own : -1, 0});
-  }
-  l1.n_segs = ro.n_runs;
-  l1.n_staged = ns;
-  l1.fp16 = ro.fp16_terms != 0;
-  return l1;
-}
-
-// ---- program tables ---------------------------------------------------------------------------
-ProgramTables::~ProgramTables() {
-  if (d_runs || d_segs) {
-    cudaSetDevice(device);
-    if (d_runs) cudaFree(d_runs);
-    if (d_segs) cudaFree(d_segs);
-  }
-}
-
-std::unique_ptr<ProgramTables> make_program_tables(const std::vector<Program>& programs, const ProgramIndex& index,
-                                                   std::vector<int> members, std::vector<char> local,
-                                                   const ArenaSpec& layout, int device) {
-  auto t = std::make_unique<ProgramTables>();
-  const size_t n = programs.size();
-  TIDE_CHECK(members.size() == n && local.size() == n && index.stream_ops.size() == n, "program tables: ", n,
-             " programs, ", members.size(), " members");
-  t->members = std::move(members);
-  t->local = std::move(local);
-  t->layout = layout;
-  t->device = device;
-  t->stream_ops = index.stream_ops;
-  t->reduce.resize(n);
-  t->producer.resize(n);
-  for (size_t r = 0; r < n; ++r) {
-    t->producer[r].resize(index.producer[r].size());
-    for (size_t c = 0; c < index.producer[r].size(); ++c) t->producer[r][c] = index.producer[r][c].rank;
-  }
-  std::vector<ReduceRun> table;
-  std::vector<SumSegment> segs;
-  for (size_t r = 0; r < n; ++r) {
-    if (!t->local[r]) continue;
-    const Program& p = programs[r];
-    t->reduce[r].resize(p.ops.size());
-    for (size_t i = 0; i < p.ops.size(); ++i) {
-      const Op& op = p.ops[i];
-      if (op.kind != OpKind::kSum && op.kind != OpKind::kLand) continue;
-      ReduceOpInfo& ro = t->reduce[r][i];
-      ro = build_run_table(programs, layout, static_cast<int>(r), static_cast<int>(i), table);
-      if (op.kind == OpKind::kSum) ro.level1 = level1_sum_shape(ro, table, segs);
-    }
-  }
-  if (!table.empty()) {
-    TIDE_CHECK_CUDA(cudaSetDevice(device));
-    TIDE_CHECK_CUDA(cudaMalloc(reinterpret_cast<void**>(&t->d_runs), table.size() * sizeof(ReduceRun)), "run tables");
-    TIDE_CHECK_CUDA(cudaMemcpy(t->d_runs, table.data(), table.size() * sizeof(ReduceRun), cudaMemcpyHostToDevice),
-                    "uploading run tables");
-  }
-  if (!segs.empty()) {
-    TIDE_CHECK_CUDA(cudaSetDevice(device));
-    TIDE_CHECK_CUDA(cudaMalloc(reinterpret_cast<void**>(&t->d_segs), segs.size() * sizeof(SumSegment)),
-                    "Level-1 SUM segment tables");
-    TIDE_CHECK_CUDA(cudaMemcpy(t->d_segs, segs.data(), segs.size() * sizeof(SumSegment), cudaMemcpyHostToDevice),
-                    "uploading Level-1 SUM segment tables");
-  }
-  return t;
-}
 
 // ---- issue ------------------------------------------------------------------------------------
 namespace {
 
 const Program& prog(const IssueContext& c, int r) { return (*c.programs)[static_cast<size_t>(r)]; }
 int fabric_rank(const IssueContext& c, int r) { return c.tables->members[static_cast<size_t>(r)]; }
-
-// The fabric's issued value of a counter (group ranks).
-uint64_t& shadow(const IssueContext& c, const CounterRef& ref) {
-  const Program& p = prog(c, ref.rank);
-  TIDE_CHECK(ref.index >= 0 && ref.index < p.num_counters, "counter ", ref.index, " of rank ", ref.rank);
-  return c.fabric->issued(fabric_rank(c, ref.rank), static_cast<size_t>(p.num_counters))[static_cast<size_t>(ref.index)];
-}
 
 void* resolve(const IssueContext& c, const BufRef& ref) {
   TIDE_CHECK(ref.rank >= 0 && static_cast<size_t>(ref.rank) < c.programs->size(), "buffer rank ", ref.rank);
@@ -240,31 +44,81 @@ bool copies_on_sms(const IssueContext& c, const Op& op) {
   return false;
 }
 
-// The counter value after a bump op (PUT/SIGNAL/CREDIT add, EVENT_RECORD raises to its target).
-uint64_t bumped(const Op& op, int64_t seq, uint64_t cur) {
-  if (op.kind == OpKind::kEventRecord) return std::max(cur, static_cast<uint64_t>(std::max<int64_t>(0, op.target(seq))));
-  return cur + static_cast<uint64_t>(op.value);
-}
-bool bumps(OpKind k) {
-  return k == OpKind::kPut || k == OpKind::kSignal || k == OpKind::kCredit || k == OpKind::kEventRecord;
-}
-// Advances the host mirror of op's counter (a bump, or a RECV's arrival: + value) and returns its
-// new value; while capturing, also records the change for every replay ([Note: replayed calls]).
-uint64_t advance(const IssueContext& c, const Op& op, int64_t seq) {
-  uint64_t& sh = shadow(c, op.counter);
-  sh = op.kind == OpKind::kRecv ? sh + static_cast<uint64_t>(op.value) : bumped(op, seq, sh);
-  if (c.graph != nullptr) {
-    const int f = fabric_rank(c, op.counter.rank), n = prog(c, op.counter.rank).num_counters;
-    if (op.kind == OpKind::kEventRecord)
-      c.graph->advance.raise(f, n, op.counter.index, GraphValue{op.value, op.per_call, false});
-    else
-      c.graph->advance.add(f, n, op.counter.index, static_cast<uint64_t>(op.value));
+// One call being issued: the counter mirror of every group rank (the fabric's issued values,
+// resolved once per call) and the pending stream memory operations of one stream (issue.h:
+// consecutive waits or writes of a stream go in one call).
+struct Call {
+  const IssueContext& c;
+  int64_t seq;
+  std::vector<uint64_t*> mirror;  // [group rank] -> its counters' issued values
+  cudaStream_t stream = nullptr;  // of the pending batch
+  int device = 0;
+  double deadline_s = 0;
+  std::vector<WaitSpec> waits;
+  std::vector<CounterWrite> writes;
+
+  Call(const IssueContext& ctx, int64_t s) : c(ctx), seq(s) {
+    const size_t n = c.programs->size();
+    mirror.resize(n);
+    for (size_t r = 0; r < n; ++r) {
+      const size_t nc = static_cast<size_t>((*c.programs)[r].num_counters);
+      mirror[r] = c.fabric->issued(fabric_rank(c, static_cast<int>(r)), nc).data();
+    }
   }
-  return sh;
-}
+  uint64_t& shadow(const CounterRef& ref) {
+    TIDE_CHECK(ref.rank >= 0 && static_cast<size_t>(ref.rank) < mirror.size() && ref.index >= 0 &&
+                   ref.index < prog(c, ref.rank).num_counters,
+               "counter ", ref.index, " of rank ", ref.rank);
+    return mirror[static_cast<size_t>(ref.rank)][ref.index];
+  }
+  // Advances the host mirror of op's counter (a bump, or a RECV's arrival: + value) and returns
+  // its new value; while capturing, also records the change for every replay ([Note: replayed
+  // calls]).
+  uint64_t advance(const Op& op) {
+    uint64_t& sh = shadow(op.counter);
+    sh = advanced(op, seq, sh);
+    if (c.graph != nullptr) {
+      const int f = fabric_rank(c, op.counter.rank), n = prog(c, op.counter.rank).num_counters;
+      if (op.kind == OpKind::kEventRecord)
+        c.graph->advance.raise(f, n, op.counter.index, GraphValue{op.value, op.per_call, false});
+      else
+        c.graph->advance.add(f, n, op.counter.index, static_cast<uint64_t>(op.value));
+    }
+    return sh;
+  }
+  // Enqueues the pending batch (issue.h): the waits as one watched batch, or the writes.
+  void flush() {
+    if (!waits.empty()) {
+      c.watchdog->watched_waits(stream, device, waits.data(), waits.size(), c.tables->wait_labels, seq, deadline_s);
+      waits.clear();
+    }
+    if (!writes.empty()) {
+      signal_all(stream, writes.data(), writes.size());
+      writes.clear();
+    }
+  }
+  void add_wait(cudaStream_t s, int rank, const WaitSpec& w, double deadline) {
+    if (!writes.empty() || (!waits.empty() && (s != stream || deadline != deadline_s))) flush();
+    if (waits.empty()) {
+      stream = s;
+      device = c.fabric->device_of(fabric_rank(c, rank));
+      deadline_s = deadline;
+    }
+    waits.push_back(w);
+  }
+  void add_write(cudaStream_t s, uint64_t* counter, uint64_t v) {
+    if (!waits.empty() || (!writes.empty() && s != stream)) flush();
+    stream = s;
+    writes.push_back({counter, v});
+  }
+  void issue_group(int r, const std::vector<int>& ops, size_t k, size_t end);
+  void issue(int rank, int i);
+};
+
 // Local rank r's rendezvous group ops[k, end) on the rail ([Note: NCCL rail], fabric/nccl.h),
 // watched; then its receives' counter bumps on the same stream.
-void issue_group(const IssueContext& c, int r, const std::vector<int>& ops, size_t k, size_t end, int64_t seq) {
+void Call::issue_group(int r, const std::vector<int>& ops, size_t k, size_t end) {
+  flush();
   const Program& pr = prog(c, r);
   const Op& first = pr.ops[static_cast<size_t>(ops[k])];
   TIDE_CHECK(c.rail != nullptr && c.rail_gpus_per_node > 0, describe_op(c, r, ops[k], seq),
@@ -308,17 +162,21 @@ void issue_group(const IssueContext& c, int r, const std::vector<int>& ops, size
   for (size_t q = k; q < end; ++q) {
     const Op& op = pr.ops[static_cast<size_t>(ops[q])];
     if (op.kind != OpKind::kRecv || op.counter.index < 0) continue;
-    const uint64_t v = advance(c, op, seq);
+    const uint64_t v = advance(op);
     uint64_t* counter = counter_address(c, op.counter.rank, op.counter.index);
     if (c.graph == nullptr)
-      signal(s, counter, v);
+      add_write(s, counter, v);
     else
       launch_graph_add(counter, static_cast<uint64_t>(op.value), s);
   }
 }
 
-void issue(const IssueContext& c, int rank, int i, int64_t seq) {
+void Call::issue(int rank, int i) {
   const Op& op = prog(c, rank).ops[static_cast<size_t>(i)];
+  // A stream memory operation joins the pending batch; anything else enqueues the batch first.
+  const bool memop = is_wait(op.kind) || op.kind == OpKind::kSignal || op.kind == OpKind::kCredit ||
+                     op.kind == OpKind::kEventRecord;
+  if (!memop || c.canary != nullptr) flush();
   const RankBindings& b = (*c.buffers)[static_cast<size_t>(rank)];
   const CudaRunOptions& opt = *c.opt;
   const LaunchKnobs knobs = launch_knobs(opt);
@@ -327,10 +185,10 @@ void issue(const IssueContext& c, int rank, int i, int64_t seq) {
   const int land_ctas = pr.land_ctas > 0 ? pr.land_ctas : kDefaultLandCtas;
   cudaStream_t s = (*c.streams)[static_cast<size_t>(rank)][op.stream];
   auto bump = [&]() {
-    const uint64_t v = advance(c, op, seq);
+    const uint64_t v = advance(op);
     uint64_t* counter = counter_address(c, op.counter.rank, op.counter.index);
     if (c.graph == nullptr)
-      signal(s, counter, v);
+      add_write(s, counter, v);
     else if (op.kind == OpKind::kEventRecord)
       launch_graph_raise(counter, GraphValue{op.value, op.per_call, false}, c.graph->params, s);
     else
@@ -450,12 +308,17 @@ void issue(const IssueContext& c, int rank, int i, int64_t seq) {
         break;
       }
       if (op.target(seq) <= 0) break;  // counters start at 0: trivially satisfied (first call)
-      WaitSpec w{counter_address(c, op.counter.rank, op.counter.index), static_cast<uint64_t>(op.target(seq))};
-      c.watchdog->watched_wait(s, &w, 1, describe_op(c, rank, i, seq), op.deadline_s);  // 0: executor's
+      const int32_t label = c.tables->wait_label[static_cast<size_t>(rank)][static_cast<size_t>(i)];
+      add_wait(s, rank, WaitSpec{counter_address(c, op.counter.rank, op.counter.index),
+                                 static_cast<uint64_t>(op.target(seq)), label},
+               op.deadline_s);  // 0: the executor's deadline
       break;
     }
   }
-  if (c.canary != nullptr) c.canary->after(*c.canary_plan, rank, i, c.canary_call, s);
+  if (c.canary != nullptr) {
+    flush();
+    c.canary->after(*c.canary_plan, rank, i, c.canary_call, s);
+  }
 }
 
 }  // namespace
@@ -470,96 +333,57 @@ uint64_t* counter_address(const IssueContext& c, int rank, int index) {
 
 std::string describe_op(const IssueContext& c, int rank, int i, int64_t seq) {
   const Op& op = prog(c, rank).ops[static_cast<size_t>(i)];
-  std::string s = TIDE_STR_CAT("rank ", fabric_rank(c, rank), " op ", i, " (", op_kind_name(op.kind), ", tag ",
-                               static_cast<int>(op.tag));
-  if (op.round >= 0) s += TIDE_STR_CAT(", round ", op.round);
-  if (is_wait(op.kind) && op.counter.index >= 0) {
-    const Program& pc = prog(c, op.counter.rank);
-    const size_t idx = static_cast<size_t>(op.counter.index);
-    const std::string name = idx < pc.counter_names.size() && !pc.counter_names[idx].empty()
-                                 ? pc.counter_names[idx] : std::to_string(op.counter.index);
-    s += TIDE_STR_CAT(", counter ", name, "@rank ", fabric_rank(c, op.counter.rank));
-    if (seq >= 0) s += TIDE_STR_CAT(" >= ", op.target(seq));
-    const int producer = c.tables->producer[static_cast<size_t>(op.counter.rank)][idx];
-    s += producer >= 0 ? TIDE_STR_CAT(", produced by rank ", fabric_rank(c, producer)) : std::string(", no producer");
-  }
-  return seq >= 0 ? s + TIDE_STR_CAT(") seq ", seq) : s + ")";
+  return op_text(*c.programs, c.tables->members, c.tables->producer, rank, i).text(seq, op.target(seq));
 }
 
 void issue_call(const IssueContext& c, int64_t seq) {
   const ProgramTables& t = *c.tables;
-  const int n = static_cast<int>(c.programs->size());
-  std::vector<std::vector<size_t>> cur(static_cast<size_t>(n));
-  for (int r = 0; r < n; ++r) cur[static_cast<size_t>(r)].assign(t.stream_ops[static_cast<size_t>(r)].size(), 0);
-  // trust_remote: the simulation stalled on a peer's stream; local waits on remote producers
-  // are then enqueued ungated and peers are no longer simulated ([Note: enqueue order]).
-  bool trust_remote = false;
-  auto considered = [&](int r) { return r != c.dead_rank && (t.local[static_cast<size_t>(r)] || !trust_remote); };
-  for (;;) {
-    bool progress = false, done = true, remote_left = false;
-    for (int r = 0; r < n; ++r) {
-      if (!considered(r)) continue;
-      const bool local = t.local[static_cast<size_t>(r)];
-      const Program& p = prog(c, r);
-      for (size_t s = 0; s < cur[static_cast<size_t>(r)].size(); ++s) {
-        const auto& ops = t.stream_ops[static_cast<size_t>(r)][s];
-        size_t& k = cur[static_cast<size_t>(r)][s];
-        while (k < ops.size()) {
-          const Op& op = p.ops[static_cast<size_t>(ops[k])];
-          if (is_rail_op(op)) {  // a rendezvous group: issued whole (the GPU meets its peers)
-            const size_t end = rail_group_end(p, ops, k);
-            if (local) {
-              issue_group(c, r, ops, k, end, seq);
-            } else {
-              for (size_t q = k; q < end; ++q) {
-                const Op& o = p.ops[static_cast<size_t>(ops[q])];
-                if (o.kind == OpKind::kRecv && o.counter.index >= 0) advance(c, o, seq);
-              }
-            }
-            k = end;
-            progress = true;
-            continue;
-          }
-          if (is_wait(op.kind) && op.target(seq) > 0) {
-            const int producer = t.producer[static_cast<size_t>(op.counter.rank)][static_cast<size_t>(op.counter.index)];
-            const bool gated = !(trust_remote && producer >= 0 && !t.local[static_cast<size_t>(producer)]);
-            if (gated && shadow(c, op.counter) < static_cast<uint64_t>(op.target(seq))) break;  // producer not issued
-          }
-          if (local) {
-            issue(c, r, ops[k], seq);
-          } else if (bumps(op.kind)) {
-            advance(c, op, seq);  // a peer's bump: simulated
-          }
-          ++k;
-          progress = true;
-        }
-        if (k < ops.size()) {
-          done = false;
-          remote_left = remote_left || !local;
+  Call call(c, seq);
+  OrderInput in;
+  in.programs = c.programs;
+  in.stream_ops = &t.stream_ops;
+  in.producer = &t.producer;
+  in.local = &t.local;
+  in.dead_rank = c.dead_rank;
+  auto visit = [&](int r, int s, size_t k, size_t end) {
+    const auto& ops = t.stream_ops[static_cast<size_t>(r)][static_cast<size_t>(s)];
+    const Program& p = prog(c, r);
+    const Op& op = p.ops[static_cast<size_t>(ops[k])];
+    const bool local = t.local[static_cast<size_t>(r)];
+    if (is_rail_op(op)) {  // a rendezvous group: issued whole (the GPU meets its peers)
+      if (local) {
+        call.issue_group(r, ops, k, end);
+      } else {
+        for (size_t q = k; q < end; ++q) {
+          const Op& o = p.ops[static_cast<size_t>(ops[q])];
+          if (o.kind == OpKind::kRecv && o.counter.index >= 0) call.advance(o);
         }
       }
+    } else if (local) {
+      call.issue(r, ops[k]);
+    } else if (bumps(op.kind)) {
+      call.advance(op);  // a peer's bump: simulated
     }
-    if (done) return;
-    if (progress) continue;
-    if (remote_left && !trust_remote) {
-      trust_remote = true;
-      continue;
+  };
+  WalkResult res;
+  try {
+    res = walk_call(in, seq, call.mirror.data(), visit, &t.order);  // [Note: replayed enqueue order]
+    call.flush();
+  } catch (...) {
+    try {
+      call.flush();  // what was issued before the error is enqueued, as op by op
+    } catch (...) {
     }
-    std::string stuck;
-    int shown = 0;
-    for (int r = 0; r < n && shown < 4; ++r) {
-      if (!considered(r)) continue;
-      for (size_t s = 0; s < cur[static_cast<size_t>(r)].size() && shown < 4; ++s) {
-        const auto& ops = t.stream_ops[static_cast<size_t>(r)][s];
-        const size_t k = cur[static_cast<size_t>(r)][s];
-        if (k < ops.size()) {
-          stuck += (shown ? "; " : "") + describe_op(c, r, ops[k], seq);
-          ++shown;
-        }
-      }
-    }
-    throw TimeoutError("wait never satisfied, its producer is never issued (fail-stop): " + stuck);
+    throw;
   }
+  if (!res.stalled) return;
+  std::string stuck;
+  int shown = 0;
+  for (const auto& [r, op] : res.unfinished) {
+    if (shown == 4) break;
+    stuck += (shown++ ? "; " : "") + describe_op(c, r, op, seq);
+  }
+  throw TimeoutError("wait never satisfied, its producer is never issued (fail-stop): " + stuck);
 }
 
 }  // namespace tide::cuda

@@ -2,23 +2,32 @@
 // it enqueued onto CUDA streams (issue_call). CudaExecutor (executor.h, every rank of an
 // in-process fabric) and CudaRankExecutor (rank_executor.h, one rank) both issue through it; it
 // owns no streams, events or executor state (fail_stop.h holds what the executors share besides).
+// issue.cc enqueues; program_tables.cc prepares; enqueue_order.h is the order's host-only walk.
 //
 // Contract
 //   - Preparation: make_program_tables() cuts every local rank's SUM/LAND into a run table and
-//     uploads all tables once per program set (the executors cache them per set). Nothing is
-//     allocated or uploaded per call after.
+//     uploads all tables once per program set (the executors cache them per set), and labels the
+//     local ranks' waits for the watchdog. Nothing is allocated or uploaded per call after.
 //   - issue_call(c, seq) enqueues call `seq` of the local ranks; user buffers are the device
 //     pointers of c.buffers (RankBindings, tide/bindings.h), bound per call.
 //   - Op mapping: COPY/PUT -> submit_copies (batched when eager; on SMs between ranks that share a
 //     device, runtime.h [Note: copies on SMs]); CAST/SUM/LAND/ZERO -> kernels;
-//     SIGNAL/CREDIT/PUT bumps and EVENT_RECORD -> cuStreamWriteValue64 of the counter's new
-//     absolute value (single producer per counter, so the host tracks it: "counter += v" is a
-//     write of shadow + v); WAIT/EVENT_WAIT -> cuStreamBatchMemOp WAIT_VALUE_64 GEQ, watched by
-//     the executor's watchdog; SEND/RECV rendezvous groups -> the NCCL rail, watched.
+//     SIGNAL/CREDIT/PUT bumps and EVENT_RECORD -> a write of the counter's new absolute value
+//     (single producer per counter, so the host tracks it: "counter += v" is a write of shadow +
+//     v); WAIT/EVENT_WAIT -> WAIT_VALUE_64 GEQ, watched by the executor's watchdog; SEND/RECV
+//     rendezvous groups -> the NCCL rail, watched.
+//   - Eager, consecutive stream memory operations of one stream with nothing enqueued between
+//     them go in one call: consecutive waits (same deadline) as one cuStreamBatchMemOp watched as
+//     one watchdog entry, consecutive writes as one cuStreamBatchMemOp of WRITE_VALUE_64 (the
+//     driver enqueues a batch's operations in array order; waits and writes never share a batch).
+//     A batch is enqueued before anything else is, on any stream, so the host enqueue order and
+//     every stream's device order are those of the ops issued one by one. While capturing
+//     ([Note: replayed calls]) or with the staging canary, every op is enqueued on its own.
 //   - Fail-stop: a wait whose producer is never enqueued (dropped credit, dead peer) raises
 //     tide::TimeoutError at enqueue time; a wait whose producer is enqueued but late past the
 //     deadline (stalled peer) is raised by the watchdog. Messages name rank, op index, kind,
-//     tag and seq (describe_op).
+//     tag and seq (describe_op; the watchdog builds them from the set's wait labels only when it
+//     reports).
 //
 // [Note: enqueue order]
 // Streams share a limited number of hardware queues, and a blocked stream wait also blocks the
@@ -34,6 +43,9 @@
 // process has its own hardware queues). If the simulation stalls on a peer's stream, the local
 // waits on remote producers are enqueued ungated (the watchdog judges them); only a wait whose
 // LOCAL producer is never issued fails at enqueue time.
+// The walk is enqueue_order.h's walk_call; each set keeps its last call's walk and the next call
+// replays it, testing every gate the walk would test ([Note: replayed enqueue order]): the order
+// is the walk's whichever runs, and the walk takes over at the first gate whose outcome differs.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -43,6 +55,7 @@
 #include <string>
 #include <vector>
 
+#include "exec/cuda/enqueue_order.h"
 #include "exec/cuda/graph.h"
 #include "exec/cuda/kernels.h"
 #include "exec/cuda/runtime.h"
@@ -118,6 +131,12 @@ struct ProgramTables {
   std::vector<std::vector<std::vector<int>>> stream_ops;  // [rank][stream] -> op indices
   std::vector<std::vector<ReduceOpInfo>> reduce;          // [rank][op] (local ranks)
   std::vector<std::vector<int>> producer;                 // [owner][counter] -> rank, -1: none
+  // The local ranks' waits as the watchdog names them: wait_label[rank][op] is the label of a
+  // WAIT/EVENT_WAIT in wait_labels, -1 otherwise ([Note: watchdog and fail-stop], runtime.h).
+  std::shared_ptr<const WaitLabels> wait_labels;
+  std::vector<std::vector<int32_t>> wait_label;
+  // The last call's walk ([Note: replayed enqueue order]); the executor's lock guards it.
+  mutable OrderRecord order;
   int device = 0;
   ReduceRun* d_runs = nullptr;
   SumSegment* d_segs = nullptr;  // the Level-1 SUMs' own-term segments
@@ -161,6 +180,17 @@ void issue_call(const IssueContext& c, int64_t seq);
 // "rank R op I (KIND, tag T[, round D][, counter NAME@rank Q >= V, produced by rank P]) seq S"
 // (fabric ranks); seq < 0: without ">= V" and "seq S" (a captured wait, valid for every replay).
 std::string describe_op(const IssueContext& c, int rank, int op_index, int64_t seq);
+// describe_op's text in parts that do not depend on the call (host only): the watchdog's wait
+// labels are built from them once per set. members: group rank -> fabric rank.
+struct OpText {
+  std::string head;      // "rank R op I (KIND, tag T[, round D]"
+  std::string counter;   // a wait's ", counter NAME@rank Q"; empty otherwise
+  std::string producer;  // with a counter: ", produced by rank P" or ", no producer"
+  std::string body(int64_t target) const;              // "... >= V, produced by rank P)"
+  std::string text(int64_t seq, int64_t target) const;  // describe_op's
+};
+OpText op_text(const std::vector<Program>& programs, const std::vector<int>& members,
+               const std::vector<std::vector<int>>& producer, int rank, int op_index);
 uint64_t* counter_address(const IssueContext& c, int rank, int index);
 
 }  // namespace tide::cuda

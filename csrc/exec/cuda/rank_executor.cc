@@ -8,6 +8,33 @@
 
 namespace tide::cuda {
 
+namespace {
+// The entry fence's waits as the watchdog names them when overdue ([Note: watchdog and
+// fail-stop]): a wait's label is the index of the peer in `peers`, its value the run number.
+class FenceLabels final : public WaitLabels {
+ public:
+  FenceLabels(int rank, std::string group, std::vector<int> peers)
+      : rank_(rank), group_(std::move(group)), peers_(std::move(peers)) {}
+  std::string describe(const WaitSpec* specs, size_t n, int64_t seq) const override {
+    std::string s;
+    for (size_t i = 0; i < n; ++i) {
+      const int g = specs[i].label >= 0 && static_cast<size_t>(specs[i].label) < peers_.size()
+                        ? peers_[static_cast<size_t>(specs[i].label)] : -1;
+      const uint64_t k = specs[i].value;
+      s += TIDE_STR_CAT(i ? "; or " : "", "rank ", rank_, " entry fence before op 0 (waits for rank ", g,
+                        " to start run #", k, "; counter fence@rank ", g, " >= ", k, ") seq ", seq, " group ", group_,
+                        ": rank ", g, " is behind (still in an earlier collective, stalled or dead)");
+    }
+    return s;
+  }
+
+ private:
+  int rank_;
+  std::string group_;
+  std::vector<int> peers_;
+};
+}  // namespace
+
 struct CudaRankExecutor::Entry : CachedSet {
   std::vector<int> members;
   bool program_layout = false;
@@ -17,6 +44,7 @@ struct CudaRankExecutor::Entry : CachedSet {
   std::vector<int> writes;           // fabric ranks whose arenas this rank writes (entry fence)
   std::map<std::pair<int, int>, int64_t> needs;  // (user kind, index) -> bytes the program touches
   int64_t fence_index = -1;          // the executor's counter in region "counters"
+  std::shared_ptr<const WaitLabels> fence_labels;  // the fence's waits, named when overdue
   SetGraphs graphs;                  // this set's captured calls
 };
 
@@ -130,7 +158,10 @@ CudaRankExecutor::Entry& CudaRankExecutor::prepare(const std::shared_ptr<const P
                              ") uses arena region 'counters', which the arena layout does not have"));
   e->needs = index.use[static_cast<size_t>(e->me)].user_end;
   for (int g : index.use[static_cast<size_t>(e->me)].writes) e->writes.push_back(members[static_cast<size_t>(g)]);
-  if (fence_) e->fence_index = layout.counters_bytes / 8 - 1;
+  if (fence_) {
+    e->fence_index = layout.counters_bytes / 8 - 1;
+    e->fence_labels = std::make_shared<FenceLabels>(rank_, TIDE_STR_CAT(mine.group), e->writes);
+  }
   std::vector<char> local(static_cast<size_t>(N), 0);
   local[static_cast<size_t>(e->me)] = 1;
   TIDE_CHECK_CUDA(cudaSetDevice(device_));
@@ -169,7 +200,9 @@ void CudaRankExecutor::fence(const Entry& e, int64_t seq, const std::vector<Prog
     signal(s0, fence_ptr(rank_), k);
   else
     launch_graph_raise(fence_ptr(rank_), by_run, graph->params, s0);
-  for (int g : e.writes) {
+  std::vector<WaitSpec> waits;  // eager: one watched batch ([Note: watchdog and fail-stop])
+  for (size_t i = 0; i < e.writes.size(); ++i) {
+    const int g = e.writes[i];
     if (graph != nullptr) {
       const std::string what = TIDE_STR_CAT("rank ", rank_, " entry fence before op 0 (waits for rank ", g,
                                             " to start this run; counter fence@rank ", g, ") group ", progs[0].group,
@@ -178,13 +211,9 @@ void CudaRankExecutor::fence(const Entry& e, int64_t seq, const std::vector<Prog
                         graph->add_wait(what), graph->graph_id, s0);
       continue;
     }
-    WaitSpec w{fence_ptr(g), k};
-    const std::string what = TIDE_STR_CAT("rank ", rank_, " entry fence before op 0 (waits for rank ", g,
-                                          " to start run #", k, "; counter fence@rank ", g, " >= ", k, ") seq ",
-                                          seq, " group ", progs[0].group, ": rank ", g,
-                                          " is behind (still in an earlier collective, stalled or dead)");
-    fs_->watchdog().watched_wait(s0, &w, 1, what);
+    waits.push_back(WaitSpec{fence_ptr(g), k, static_cast<int32_t>(i)});
   }
+  if (!waits.empty()) fs_->watchdog().watched_waits(s0, device_, waits.data(), waits.size(), e.fence_labels, seq);
 }
 
 void CudaRankExecutor::replay(CallGraph& g, int64_t seq, cudaStream_t caller, bool advance) {

@@ -93,20 +93,37 @@ void signal(cudaStream_t stream, uint64_t* counter, uint64_t value) {
            "cuStreamWriteValue64 (SIGNAL)");
 }
 
-void wait_geq(cudaStream_t stream, const WaitSpec* specs, size_t n) {
+void signal_all(cudaStream_t stream, const CounterWrite* writes, size_t n) {
+  if (n == 1) return signal(stream, writes[0].counter, writes[0].value);
   constexpr size_t kMaxBatch = 255;  // cuStreamBatchMemOp takes < 256 operations
-  std::vector<CUstreamBatchMemOpParams> ops;
+  CUstreamBatchMemOpParams ops[kMaxBatch];
   for (size_t i0 = 0; i0 < n; i0 += kMaxBatch) {
     const size_t m = std::min(kMaxBatch, n - i0);
-    ops.assign(m, CUstreamBatchMemOpParams{});
     for (size_t i = 0; i < m; ++i) {
+      ops[i] = CUstreamBatchMemOpParams{};
+      ops[i].writeValue.operation = CU_STREAM_MEM_OP_WRITE_VALUE_64;
+      ops[i].writeValue.address = reinterpret_cast<CUdeviceptr>(writes[i0 + i].counter);
+      ops[i].writeValue.value64 = writes[i0 + i].value;
+      ops[i].writeValue.flags = CU_STREAM_WRITE_VALUE_DEFAULT;
+    }
+    check_cu(driver().stream_batch_mem_op(reinterpret_cast<CUstream>(stream), static_cast<unsigned>(m), ops, 0),
+             "cuStreamBatchMemOp (WRITE_VALUE_64: SIGNAL/CREDIT)");
+  }
+}
+
+void wait_geq(cudaStream_t stream, const WaitSpec* specs, size_t n) {
+  constexpr size_t kMaxBatch = 255;  // cuStreamBatchMemOp takes < 256 operations
+  CUstreamBatchMemOpParams ops[kMaxBatch];
+  for (size_t i0 = 0; i0 < n; i0 += kMaxBatch) {
+    const size_t m = std::min(kMaxBatch, n - i0);
+    for (size_t i = 0; i < m; ++i) {
+      ops[i] = CUstreamBatchMemOpParams{};
       ops[i].waitValue.operation = CU_STREAM_MEM_OP_WAIT_VALUE_64;
       ops[i].waitValue.address = reinterpret_cast<CUdeviceptr>(specs[i0 + i].counter);
       ops[i].waitValue.value64 = specs[i0 + i].value;
       ops[i].waitValue.flags = CU_STREAM_WAIT_VALUE_GEQ;
     }
-    check_cu(driver().stream_batch_mem_op(reinterpret_cast<CUstream>(stream),
-                                          static_cast<unsigned>(m), ops.data(), 0),
+    check_cu(driver().stream_batch_mem_op(reinterpret_cast<CUstream>(stream), static_cast<unsigned>(m), ops, 0),
              "cuStreamBatchMemOp (WAIT_VALUE_64 GEQ)");
   }
 }
@@ -299,10 +316,11 @@ Watchdog::~Watchdog() {
   cv_.notify_all();
   thread_.join();
   cudaSetDevice(device_);
-  for (auto& e : entries_) {
-    release(e);  // never leave a stream blocked on a wait nobody will satisfy
-    cudaEventDestroy(e.done);
-  }
+  for (std::vector<Entry>* v : {&active_, &entries_})
+    for (auto& e : *v) {
+      release(e);  // never leave a stream blocked on a wait nobody will satisfy
+      cudaEventDestroy(e.done);
+    }
   for (auto& [dev, evs] : free_events_)
     for (auto ev : evs) cudaEventDestroy(ev);
   cudaStreamSynchronize(rescue_);
@@ -311,27 +329,38 @@ Watchdog::~Watchdog() {
 
 void Watchdog::watched_wait(cudaStream_t stream, const WaitSpec* specs, size_t n,
                             const std::string& what, double timeout_s) {
-  wait_geq(stream, specs, n);
-  Entry e;
-  e.specs.assign(specs, specs + n);
-  e.what = what;
-  watch(stream, std::move(e), timeout_s > 0 ? timeout_s : timeout_s_);
-}
-
-void Watchdog::watched_work(cudaStream_t stream, const std::string& what, std::function<void()> on_timeout,
-                            double timeout_s) {
-  Entry e;
-  e.what = what;
-  e.on_timeout = std::move(on_timeout);
-  watch(stream, std::move(e), timeout_s > 0 ? timeout_s : timeout_s_);
-}
-
-void Watchdog::watch(cudaStream_t stream, Entry e, double limit) {
-  const std::string& what = e.what;
   // One watchdog may watch streams of several devices (an in-process executor over several
   // GPUs); the event must belong to the stream's device.
   int dev = 0;
   TIDE_CHECK_CUDA(cudaStreamGetDevice(stream, &dev), "watchdog: device of the stream for ", what);
+  wait_geq(stream, specs, n);
+  Entry e;
+  e.specs.assign(specs, specs + n);
+  e.what = what;
+  watch(stream, dev, std::move(e), timeout_s > 0 ? timeout_s : timeout_s_);
+}
+
+void Watchdog::watched_waits(cudaStream_t stream, int device, const WaitSpec* specs, size_t n,
+                             std::shared_ptr<const WaitLabels> labels, int64_t seq, double timeout_s) {
+  wait_geq(stream, specs, n);
+  Entry e;
+  e.specs.assign(specs, specs + n);
+  e.labels = std::move(labels);
+  e.seq = seq;
+  watch(stream, device, std::move(e), timeout_s > 0 ? timeout_s : timeout_s_);
+}
+
+void Watchdog::watched_work(cudaStream_t stream, const std::string& what, std::function<void()> on_timeout,
+                            double timeout_s) {
+  int dev = 0;
+  TIDE_CHECK_CUDA(cudaStreamGetDevice(stream, &dev), "watchdog: device of the stream for ", what);
+  Entry e;
+  e.what = what;
+  e.on_timeout = std::move(on_timeout);
+  watch(stream, dev, std::move(e), timeout_s > 0 ? timeout_s : timeout_s_);
+}
+
+void Watchdog::watch(cudaStream_t stream, int dev, Entry e, double limit) {
   cudaEvent_t ev = nullptr;
   {
     std::lock_guard<std::mutex> g(mu_);
@@ -345,15 +374,26 @@ void Watchdog::watch(cudaStream_t stream, Entry e, double limit) {
     DeviceGuard on(dev, "watchdog event: ");
     TIDE_CHECK_CUDA(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming));
   }
-  TIDE_CHECK_CUDA(cudaEventRecord(ev, stream), "watchdog event for ", what);
+  const cudaError_t rec = cudaEventRecord(ev, stream);
+  if (rec != cudaSuccess) {
+    {
+      std::lock_guard<std::mutex> g(mu_);
+      free_events_[dev].push_back(ev);
+    }
+    TIDE_CHECK_CUDA(rec, "watchdog event for ", e.describe());
+  }
   e.done = ev;
+  e.stream = stream;
   e.device = dev;
   e.deadline = std::chrono::steady_clock::now() + std::chrono::microseconds(static_cast<int64_t>(limit * 1e6));
+  bool wake = false;
   {
     std::lock_guard<std::mutex> g(mu_);
     entries_.push_back(std::move(e));
+    ++pending_;
+    wake = idle_;  // a busy thread takes it on its next pass (<= 200 us)
   }
-  cv_.notify_all();
+  if (wake) cv_.notify_all();
 }
 
 void Watchdog::release(const Entry& e) {
@@ -370,40 +410,65 @@ void Watchdog::loop() {
   register_dump_thread(true);
   cudaSetDevice(device_);
   std::unique_lock<std::mutex> lk(mu_);
+  std::vector<std::pair<int, cudaEvent_t>> freed;  // returned to the pools under mu_
+  std::vector<cudaStream_t> behind;                // streams with an unfinished entry this pass
+  std::string first_error;
   while (!stop_) {
-    if (entries_.empty()) {
+    for (auto& e : entries_) active_.push_back(std::move(e));
+    entries_.clear();
+    if (active_.empty()) {
+      idle_ = true;
       cv_.wait(lk);
+      idle_ = false;
       continue;
     }
+    lk.unlock();
+    // The pass, without the lock ([Note: watchdog and fail-stop]).
     const auto now = std::chrono::steady_clock::now();
     std::vector<std::function<void()>> late_work;  // run after every overdue wait is released
-    for (size_t i = 0; i < entries_.size();) {
-      const cudaError_t q = cudaEventQuery(entries_[i].done);
+    size_t removed = 0;
+    behind.clear();
+    first_error.clear();
+    size_t keep = 0;  // active_[0, keep): still watched, in registration order
+    for (size_t i = 0; i < active_.size(); ++i) {
+      Entry& e = active_[i];
+      // Events on one stream complete in order: behind an unfinished entry, only the deadline is
+      // looked at (and the event queried when it is past, so a finished entry never times out).
+      const bool skip = std::find(behind.begin(), behind.end(), e.stream) != behind.end() && now <= e.deadline;
+      const cudaError_t q = skip ? cudaErrorNotReady : cudaEventQuery(e.done);
       if (q == cudaSuccess) {
-        free_events_[entries_[i].device].push_back(entries_[i].done);
-        entries_.erase(entries_.begin() + static_cast<long>(i));
+        freed.emplace_back(e.device, e.done);
+        ++removed;
         continue;
       }
+      if (!skip) behind.push_back(e.stream);
       if (q != cudaErrorNotReady) {
-        if (error_.empty()) error_ = TIDE_STR_CAT("CUDA error ", cudaGetErrorName(q), " while watching ", entries_[i].what);
-        entries_.erase(entries_.begin() + static_cast<long>(i));  // its event is unusable
+        if (first_error.empty())
+          first_error = TIDE_STR_CAT("CUDA error ", cudaGetErrorName(q), " while watching ", e.describe());
+        ++removed;  // its event is unusable
         continue;
-      } else if (now > entries_[i].deadline) {
-        if (error_.empty())
-          error_ = TIDE_STR_CAT("timeout: ", entries_[i].what,
-                                " never saw its producer (fail-stop)");
-        release(entries_[i]);
-        if (entries_[i].on_timeout) late_work.push_back(std::move(entries_[i].on_timeout));
-        entries_[i].on_timeout = nullptr;
-        entries_[i].deadline = now + std::chrono::hours(24);  // released once
       }
-      ++i;
+      if (now > e.deadline) {
+        if (first_error.empty()) first_error = TIDE_STR_CAT("timeout: ", e.describe(), " never saw its producer (fail-stop)");
+        release(e);
+        if (e.on_timeout) late_work.push_back(std::move(e.on_timeout));
+        e.on_timeout = nullptr;
+        e.deadline = now + std::chrono::hours(24);  // released once
+      }
+      if (keep != i) active_[keep] = std::move(e);
+      ++keep;
     }
+    active_.resize(keep);
     // [Note: late work] An overdue rail group's abort (ncclCommAbort) may wait for its stream,
     // which may sit behind a stuck wait this loop releases: it runs on a thread of its own, after
     // the rescue writes of this pass, so neither waits for the other.
     for (auto& f : late_work) std::thread(std::move(f)).detach();
-    cv_.notify_all();
+    lk.lock();
+    for (auto& [dev, ev] : freed) free_events_[dev].push_back(ev);
+    freed.clear();
+    pending_ -= removed;
+    if (!first_error.empty() && error_.empty()) error_ = first_error;
+    cv_.notify_all();  // drain()
     cv_.wait_for(lk, std::chrono::microseconds(200));
   }
   register_dump_thread(false);
@@ -411,7 +476,7 @@ void Watchdog::loop() {
 
 void Watchdog::drain() {
   std::unique_lock<std::mutex> lk(mu_);
-  cv_.wait(lk, [this] { return entries_.empty() || stop_; });
+  cv_.wait(lk, [this] { return pending_ == 0 || stop_; });
   if (!error_.empty()) {
     std::string m;
     m.swap(error_);

@@ -48,10 +48,19 @@ void check_cu(CUresult r, const char* what);
 struct WaitSpec {
   const uint64_t* counter;  // device address (this GPU's or a peer's)
   uint64_t value;           // wait until *counter >= value
+  int32_t label = -1;       // the issuer's name for this wait (WaitLabels), -1: none
 };
 // Writes `value` to `counter` after all prior work on `stream` (the default write flag orders it
 // after prior memory operations, like __threadfence_system).
 void signal(cudaStream_t stream, uint64_t* counter, uint64_t value);
+// Several such writes as WRITE_VALUE_64 operations of one cuStreamBatchMemOp (split in batches of
+// 255), which enqueues them in array order: each is ordered after all prior work on `stream`, as
+// the same writes issued one by one are.
+struct CounterWrite {
+  uint64_t* counter;
+  uint64_t value;
+};
+void signal_all(cudaStream_t stream, const CounterWrite* writes, size_t n);
 // One cuStreamBatchMemOp of WAIT_VALUE_64 GEQ over every spec (split in batches of 255).
 void wait_geq(cudaStream_t stream, const WaitSpec* specs, size_t n);
 
@@ -154,12 +163,29 @@ void register_dump_thread(bool on);  // the calling thread joins (true) or leave
 
 // ---- watchdog --------------------------------------------------------------------------------
 // [Note: watchdog and fail-stop]
-// Each WAIT the executor enqueues is followed by an event record on the same stream and
+// Each batch of WAITs the executor enqueues (one wait, or the consecutive waits of one stream:
+// issue.h [Note: enqueue order]) is followed by one event record on the same stream and
 // registered here with its deadline and description (rank, op, sequence). A host thread polls
-// the events; when one is overdue it (1) records a TimeoutError message naming the wait, and
-// (2) releases the stuck stream by writing `release_value` into the awaited counter from a
+// the events; when one is overdue it (1) records a TimeoutError message naming the waits, and
+// (2) releases the stuck stream by writing each wait's value into its awaited counter from a
 // dedicated non-blocking rescue stream, so the GPU never stays hung. Any later check() throws
 // tide::TimeoutError; the data produced after a release is garbage by design (fail-stop).
+// Descriptions are built only when reported: the issue path registers a batch with WaitLabels
+// (shared with the entry, so it outlives the program set) and the call's seq, and the watchdog
+// asks the labels for the text when the batch is overdue. A batch of several waits names every
+// wait in it (the stream stops at the first unsatisfied one; the watchdog does not read the
+// counters to tell which). Registering takes the lock for a push and wakes the thread only when it
+// sleeps idle; the thread polls its entries without the lock (an entry behind an unfinished one
+// on its stream is not queried: events on one stream complete in order), so the issuing thread
+// never waits behind a pass over hundreds of events.
+// What a batch of watched waits reports when overdue, built only then.
+class WaitLabels {
+ public:
+  virtual ~WaitLabels() = default;
+  // The description of waits specs[0..n) (by their labels) of call `seq`.
+  virtual std::string describe(const WaitSpec* specs, size_t n, int64_t seq) const = 0;
+};
+
 class Watchdog {
  public:
   explicit Watchdog(int device, double timeout_s);
@@ -171,6 +197,10 @@ class Watchdog {
   // Returns immediately.
   void watched_wait(cudaStream_t stream, const WaitSpec* specs, size_t n, const std::string& what,
                     double timeout_s = 0);
+  // The same for a batch described lazily (labels->describe(specs, n, seq) when overdue) on a
+  // stream of `device`.
+  void watched_waits(cudaStream_t stream, int device, const WaitSpec* specs, size_t n,
+                     std::shared_ptr<const WaitLabels> labels, int64_t seq, double timeout_s = 0);
   // Watch the work enqueued on `stream` so far (an event after it): past the deadline it is
   // reported like a stuck wait and `on_timeout` runs once on the watchdog's thread (a rail group:
   // abort the rail communicator so its kernel exits).
@@ -186,13 +216,17 @@ class Watchdog {
  private:
   struct Entry {
     cudaEvent_t done;
+    cudaStream_t stream;
     int device;  // the watched stream's: an event records only on its own device's streams
     std::chrono::steady_clock::time_point deadline;
     std::vector<WaitSpec> specs;
-    std::string what;
+    std::string what;                         // when labels is null
+    std::shared_ptr<const WaitLabels> labels;  // else the description, built when reported
+    int64_t seq = 0;
     std::function<void()> on_timeout;  // watched_work
+    std::string describe() const { return labels ? labels->describe(specs.data(), specs.size(), seq) : what; }
   };
-  void watch(cudaStream_t stream, Entry e, double limit);
+  void watch(cudaStream_t stream, int device, Entry e, double limit);
   void loop();
   void release(const Entry& e);
 
@@ -201,8 +235,11 @@ class Watchdog {
   cudaStream_t rescue_ = nullptr;
   std::mutex mu_;
   std::condition_variable cv_;
-  std::vector<Entry> entries_;
-  std::map<int, std::vector<cudaEvent_t>> free_events_;  // per device
+  std::vector<Entry> entries_;  // registered, not yet taken by the thread (mu_)
+  std::vector<Entry> active_;   // the thread's (polled without mu_)
+  size_t pending_ = 0;          // entries_ + active_ (mu_)
+  bool idle_ = false;           // the thread sleeps until notified (mu_)
+  std::map<int, std::vector<cudaEvent_t>> free_events_;  // per device (mu_)
   std::string error_;
   bool stop_ = false;
   std::thread thread_;
