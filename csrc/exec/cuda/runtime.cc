@@ -93,39 +93,41 @@ void signal(cudaStream_t stream, uint64_t* counter, uint64_t value) {
            "cuStreamWriteValue64 (SIGNAL)");
 }
 
-void signal_all(cudaStream_t stream, const CounterWrite* writes, size_t n) {
-  if (n == 1) return signal(stream, writes[0].counter, writes[0].value);
-  constexpr size_t kMaxBatch = 255;  // cuStreamBatchMemOp takes < 256 operations
+namespace {
+// n stream memory operations in batches of at most 255 (cuStreamBatchMemOp takes < 256), each
+// filled by set(op, i); the driver runs a batch in array order.
+template <class Set>
+void batch_mem_ops(cudaStream_t stream, size_t n, const char* what, Set&& set) {
+  constexpr size_t kMaxBatch = 255;
   CUstreamBatchMemOpParams ops[kMaxBatch];
   for (size_t i0 = 0; i0 < n; i0 += kMaxBatch) {
     const size_t m = std::min(kMaxBatch, n - i0);
     for (size_t i = 0; i < m; ++i) {
       ops[i] = CUstreamBatchMemOpParams{};
-      ops[i].writeValue.operation = CU_STREAM_MEM_OP_WRITE_VALUE_64;
-      ops[i].writeValue.address = reinterpret_cast<CUdeviceptr>(writes[i0 + i].counter);
-      ops[i].writeValue.value64 = writes[i0 + i].value;
-      ops[i].writeValue.flags = CU_STREAM_WRITE_VALUE_DEFAULT;
+      set(ops[i], i0 + i);
     }
-    check_cu(driver().stream_batch_mem_op(reinterpret_cast<CUstream>(stream), static_cast<unsigned>(m), ops, 0),
-             "cuStreamBatchMemOp (WRITE_VALUE_64: SIGNAL/CREDIT)");
+    check_cu(driver().stream_batch_mem_op(reinterpret_cast<CUstream>(stream), static_cast<unsigned>(m), ops, 0), what);
   }
+}
+}  // namespace
+
+void signal_all(cudaStream_t stream, const CounterWrite* writes, size_t n) {
+  if (n == 1) return signal(stream, writes[0].counter, writes[0].value);
+  batch_mem_ops(stream, n, "cuStreamBatchMemOp (WRITE_VALUE_64: SIGNAL/CREDIT)", [&](CUstreamBatchMemOpParams& op, size_t i) {
+    op.writeValue.operation = CU_STREAM_MEM_OP_WRITE_VALUE_64;
+    op.writeValue.address = reinterpret_cast<CUdeviceptr>(writes[i].counter);
+    op.writeValue.value64 = writes[i].value;
+    op.writeValue.flags = CU_STREAM_WRITE_VALUE_DEFAULT;
+  });
 }
 
 void wait_geq(cudaStream_t stream, const WaitSpec* specs, size_t n) {
-  constexpr size_t kMaxBatch = 255;  // cuStreamBatchMemOp takes < 256 operations
-  CUstreamBatchMemOpParams ops[kMaxBatch];
-  for (size_t i0 = 0; i0 < n; i0 += kMaxBatch) {
-    const size_t m = std::min(kMaxBatch, n - i0);
-    for (size_t i = 0; i < m; ++i) {
-      ops[i] = CUstreamBatchMemOpParams{};
-      ops[i].waitValue.operation = CU_STREAM_MEM_OP_WAIT_VALUE_64;
-      ops[i].waitValue.address = reinterpret_cast<CUdeviceptr>(specs[i0 + i].counter);
-      ops[i].waitValue.value64 = specs[i0 + i].value;
-      ops[i].waitValue.flags = CU_STREAM_WAIT_VALUE_GEQ;
-    }
-    check_cu(driver().stream_batch_mem_op(reinterpret_cast<CUstream>(stream), static_cast<unsigned>(m), ops, 0),
-             "cuStreamBatchMemOp (WAIT_VALUE_64 GEQ)");
-  }
+  batch_mem_ops(stream, n, "cuStreamBatchMemOp (WAIT_VALUE_64 GEQ)", [&](CUstreamBatchMemOpParams& op, size_t i) {
+    op.waitValue.operation = CU_STREAM_MEM_OP_WAIT_VALUE_64;
+    op.waitValue.address = reinterpret_cast<CUdeviceptr>(specs[i].counter);
+    op.waitValue.value64 = specs[i].value;
+    op.waitValue.flags = CU_STREAM_WAIT_VALUE_GEQ;
+  });
 }
 
 // ---- copies ------------------------------------------------------------------------------------
