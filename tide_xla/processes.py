@@ -22,6 +22,9 @@ Contract
   - At run time each device's call runs only its rank's program over those segments
     ([Note: cross-process ranks] in ffi/executor.cc): same programs, same op interpreter, so the
     bytes equal one process holding every device.
+  - A rank's TimeoutError inside a call gets the survivors' diagnosis (tide/diagnosis.py) over
+    jax.distributed's key-value store appended by the handler that timed out: the chain of posted
+    roots down to the rank (and process) that stopped.
   - Never imports torch. The store is jax's coordination-service client
     (jax._src.distributed.global_state.client: key_value_set, key_value_dir_get); jax has no
     public key-value API in the releases tide_xla supports.
@@ -35,13 +38,14 @@ from typing import Sequence
 import numpy as np
 
 import tide
-from tide import shm
+from tide import diagnosis, shm
 from tide.ranks import await_keys
 from tide_xla._registration import ffi_module
 
 _PREFIX = "tide_xla"
 _calls = itertools.count()          # this process's cross-process calls, in trace order
 _segments: set[str] = set()         # names this process created and has not unlinked yet
+_diagnosing = False                 # the survivors' diagnosis is set in tide_xla._ffi
 
 
 def _client():
@@ -52,6 +56,14 @@ def _client():
             "tide_xla: the mesh holds devices of several processes but jax.distributed is not "
             "initialised in this process; call jax.distributed.initialize(...) first")
     return client
+
+
+def _survivors(message: str, group: int, rank: int, owners: list[int], timeout_ms: int) -> str:
+    """The survivors' diagnosis of a rank's timeout (the handler calls it; see the contract)."""
+    from jax._src import distributed
+    client = distributed.global_state.client
+    return diagnosis.appended(message, rank, timeout_ms / 1000, client and diagnosis.DirStore(client),
+                              prefix=f"{_PREFIX}/timeout/{group}/", name=lambda r: f"rank {r} (process {owners[r]})")
 
 
 def _exchange(key: str, value: str, processes: Sequence[int], timeout_ms: int,
@@ -137,6 +149,10 @@ def prepare(ctx, op: str, shapes: Sequence[Sequence[int]], in_dtype, out_dtype) 
             f"tide_xla: {op}: the mesh spans processes {list(ctx.processes)} on {platform}; "
             f"tide_xla runs a mesh across processes on XLA:CPU and CUDA")
     ffi = ffi_module()
+    global _diagnosing
+    if not _diagnosing:
+        ffi.set_timeout_diagnosis(_survivors)
+        _diagnosing = True
     if cuda:
         _check_cuda_slots(ctx, op)
     shapes = [[int(d) for d in s] for s in shapes]
