@@ -15,10 +15,12 @@ Contract
     (one CPU RankExecutor per local rank, tide_xla._ffi.open_rank) and, once every process has
     mapped them, unlinks its own names (nothing outlives the processes; atexit unlinks what is
     left after a failure).
-  - On CUDA (one process per GPU; several processes may share one GPU) step (2) is instead: each
-    local rank allocates a CUDA-IPC arena and publishes its handle, node 0's rank of each local
-    index publishes its rail's NCCL unique id (several nodes), every rank opens its node's
-    arenas and joins its rail, and a barrier follows ([Note: CUDA rank states] below).
+  - On CUDA (one process per GPU, several processes sharing one GPU, or one process holding
+    several ranks of its node, e.g. one per host) step (2) is instead: each local rank allocates
+    a CUDA-IPC arena and publishes its handle, node 0's rank of each local index publishes its
+    rail's NCCL unique id (several nodes), every rank opens its node's arenas (this process's by
+    pointer) and joins its rail, and a barrier follows ([Note: CUDA rank states] below). A
+    process holding ranks of two nodes of one group is refused at trace time, naming them.
   - At run time each device's call runs only its rank's program over those segments
     ([Note: cross-process ranks] in ffi/executor.cc): same programs, same op interpreter, so the
     bytes equal one process holding every device.
@@ -240,23 +242,19 @@ def _rows(ctx):
 
 
 def _check_cuda_slots(ctx, op: str) -> None:
-    """A process may hold at most one rank of each topology node per group on CUDA: two ranks of
-    one node in one process would have to open each other's arena by CUDA IPC, which CUDA refuses
-    inside one process."""
+    """On CUDA a process may hold several ranks of one topology node per group (their arenas by
+    pointer: [Note: same-process peers] in csrc/fabric/ipc.h), not ranks of two nodes: a node is
+    a host, and the two would meet on an NCCL rail with both ends in this process."""
     import jax
     me, L = jax.process_index(), ctx.gpus_per_node
-    seen: dict[tuple[int, int], int] = {}
+    seen: dict[int, int] = {}
     for p, _, _, g, r in _rows(ctx):
-        if int(p) != me:
-            continue
-        node = int(r) // L
-        if (int(g), node) in seen:
+        if int(p) == me and seen.setdefault(int(g), int(r)) // L != int(r) // L:
             raise NotImplementedError(
-                f"tide_xla: {op}: process {me} holds ranks {seen[(int(g), node)]} and {int(r)} of node {node} "
-                f"(group {int(g)}, topology {ctx.nodes}x{L}) in a mesh that spans processes; on CUDA "
-                f"tide_xla needs one process per GPU when the mesh spans processes (one process "
-                f"holding a whole node next to other processes is not supported yet)")
-        seen[(int(g), node)] = int(r)
+                f"tide_xla: {op}: process {me} holds rank {seen[int(g)]} of node {seen[int(g)] // L} and rank "
+                f"{int(r)} of node {int(r) // L} (group {int(g)}, topology {ctx.nodes}x{L}); on CUDA a process "
+                f"holds ranks of its own node only (a node is a host): pass a topology whose nodes are the "
+                f"processes' hosts")
 
 
 _nccl_paths_added = False
