@@ -2,6 +2,7 @@
 // (over the core's plan cache and rendezvous), the virtual call, error boundary.
 #include <atomic>
 #include <chrono>
+#include <mutex>
 #include <sstream>
 
 #include "tide_ffi.h"
@@ -14,7 +15,14 @@ const char* target_name(Collective c) {
 
 namespace {
 std::atomic<int64_t> g_process{0};
+std::mutex g_diagnosis_mu;
+TimeoutDiagnosis g_diagnosis;  // empty: timeouts leave unchanged
 }  // namespace
+
+void set_timeout_diagnosis(TimeoutDiagnosis fn) {
+  const std::lock_guard<std::mutex> lock(g_diagnosis_mu);
+  g_diagnosis = std::move(fn);
+}
 
 void set_process_index(int64_t process) {
   TIDE_PLAN_CHECK(process >= 0, "process index must be >= 0, got ", process);
@@ -79,11 +87,16 @@ uint64_t table_fingerprint(ffi::Span<const int64_t> table) {
   return h;
 }
 
-std::string rank_owners(ffi::Span<const int64_t> table, int64_t group, int world) {
+static std::vector<int64_t> owners_of(ffi::Span<const int64_t> table, int64_t group, int world) {
   std::vector<int64_t> owner(static_cast<size_t>(world), -1);
   for (size_t i = 0; i + kTableWidth <= table.size(); i += kTableWidth)
     if (table[i + 3] == group && table[i + 4] >= 0 && table[i + 4] < world)
       owner[static_cast<size_t>(table[i + 4])] = table[i];
+  return owner;
+}
+
+std::string rank_owners(ffi::Span<const int64_t> table, int64_t group, int world) {
+  const std::vector<int64_t> owner = owners_of(table, group, world);
   std::ostringstream os;
   for (int r = 0; r < world;) {
     int e = r;
@@ -202,8 +215,15 @@ void run_group_call(const CallSpec& spec, int32_t device_ordinal, int64_t run_id
     try {
       RunRankCall(call, table, io);
     } catch (const TimeoutError& e) {
+      TimeoutDiagnosis diagnose;  // run outside the lock: it waits for the other survivors' posts
+      {
+        const std::lock_guard<std::mutex> lock(g_diagnosis_mu);
+        diagnose = g_diagnosis;
+      }
+      const std::string found = diagnose ? diagnose(e.what(), slot.group, slot.rank, owners_of(attrs.device_table,
+                                                    slot.group, world), attrs.timeout_ms) : "";
       throw TimeoutError(TIDE_STR_CAT(e.what(), " [process ", process, "; group ", slot.group,
-                                      ": ", owners, "]"));
+                                      ": ", owners, "]", found));
     }
     return;
   }

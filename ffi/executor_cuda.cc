@@ -107,14 +107,19 @@ void CompleteRankCuda(const GroupCall& call, int rank) {
 // a missing process is a TimeoutError naming it. Here only the rail's construction waits (NCCL's
 // init among the rail's processes, which have all passed that exchange). The states live until
 // tide_xla.release of their mesh, which every process calls after its last step and a barrier
-// (their peers may push into the arena until the last call of every process).
+// (their peers may push into the arena until the last call of every process). A process holding
+// several ranks of a node connects each with the others of its group ([Note: same-process peers]
+// in csrc/fabric/ipc.h), so a connected rank stays listed here until the release; it joins its
+// rail in (group, rank) order, which is rail order on every process (all of a process's ranks are
+// on its node): no process waits on a rail another reaches only after one it waits on.
 namespace {
 
 struct PendingRank {
   std::shared_ptr<const Plan> plan;
-  std::unique_ptr<CudaProcessRank> rank;
+  std::shared_ptr<CudaProcessRank> rank;
   int64_t timeout_ms = 0;
   int device = -1;
+  bool connected = false;
 };
 
 std::mutex g_pending_mu;
@@ -128,10 +133,13 @@ std::string create_cuda_rank_state(const RankStateKey& key, std::shared_ptr<cons
   TIDE_PLAN_CHECK(timeout_ms > 0, "timeout_ms: must be > 0, got ", timeout_ms);
   std::lock_guard<std::mutex> lock(g_pending_mu);
   auto it = g_pending->find(key);
-  if (it != g_pending->end()) return it->second.rank->ipc_handle();
+  if (it != g_pending->end()) {
+    TIDE_CHECK(!it->second.connected, "create_cuda_rank_state: rank ", key.rank, " is connected already");
+    return it->second.rank->ipc_handle();
+  }
   const RankArena arena = rank_arena(*plan, key.op, CudaProcessRank::rails_for(plan->topo));
   PendingRank p;
-  p.rank = std::make_unique<CudaProcessRank>(key.rank, plan->topo, device, arena.bytes);
+  p.rank = std::make_shared<CudaProcessRank>(key.rank, plan->topo, device, arena.bytes);
   p.device = device;  // counted once connected (put_rank_state)
   p.plan = std::move(plan);
   p.timeout_ms = timeout_ms;
@@ -143,25 +151,35 @@ std::string create_cuda_rank_state(const RankStateKey& key, std::shared_ptr<cons
 void connect_cuda_rank_state(const RankStateKey& key, const std::vector<std::string>& handles,
                              const std::string& rail_id) {
   PendingRank p;
+  std::vector<std::shared_ptr<CudaProcessRank>> others;  // this process's other ranks of the group
   {
     std::lock_guard<std::mutex> lock(g_pending_mu);
     auto it = g_pending->find(key);
-    TIDE_CHECK(it != g_pending->end(), "connect_cuda_rank_state: rank ", key.rank, " of group ", key.group,
-               " was not created (create_cuda_rank_state first)");
-    p = std::move(it->second);
-    g_pending->erase(it);
+    TIDE_CHECK(it != g_pending->end() && !it->second.connected, "connect_cuda_rank_state: rank ", key.rank,
+               " of group ", key.group, " was not created (create_cuda_rank_state first) or is connected already");
+    p = it->second;
+    for (const auto& [k, q] : *g_pending)
+      if (k.op == key.op && k.plan_hash == key.plan_hash && k.table == key.table && k.group == key.group &&
+          k.rank != key.rank)
+        others.push_back(q.rank);
   }
   const RankArena arena = rank_arena(*p.plan, key.op, CudaProcessRank::rails_for(p.plan->topo));
   ExecutorOptions opt;
   opt.timeout_s = static_cast<double>(p.timeout_ms) / 1000.0;
-  std::shared_ptr<CallExecutor> ex = p.rank->connect(handles, rail_id, arena.regions, opt);
+  std::vector<const CudaProcessRank*> local;
+  for (const auto& o : others) local.push_back(o.get());
+  std::shared_ptr<CallExecutor> ex = p.rank->connect(handles, rail_id, arena.regions, opt, local);
   const auto* base = reinterpret_cast<const uint8_t*>(p.rank->arena());
-  // The executor keeps the arena and the rail; the CudaProcessRank object itself may go.
+  // The executor keeps the arena, the same-process peers' and the rail.
   put_rank_state(key, p.plan, std::move(ex), arena, base, true, p.device);
+  std::lock_guard<std::mutex> lock(g_pending_mu);
+  auto it = g_pending->find(key);
+  if (it != g_pending->end()) it->second.connected = true;
 }
 
 int64_t release_pending_cuda(uint64_t table) {
   std::vector<PendingRank> gone;
+  int64_t pending = 0;  // connected ranks are counted as the states they became
   {
     std::lock_guard<std::mutex> lock(g_pending_mu);
     for (auto it = g_pending->begin(); it != g_pending->end();) {
@@ -169,11 +187,12 @@ int64_t release_pending_cuda(uint64_t table) {
         ++it;
         continue;
       }
+      pending += it->second.connected ? 0 : 1;
       gone.push_back(std::move(it->second));
       it = g_pending->erase(it);
     }
   }
-  return static_cast<int64_t>(gone.size());  // their arenas are freed here, outside the lock
+  return pending;  // arenas no executor holds are freed here, outside the lock
 }
 
 }  // namespace tide::xla_ffi

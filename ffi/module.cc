@@ -95,6 +95,20 @@ NB_MODULE(_ffi, m) {
   m.def("set_process_index", &xf::set_process_index, nb::arg("process"),
         "This process's jax.distributed index: the device table's key is (process, ordinal).");
   m.def("process_index", &xf::process_index);
+  m.def("set_timeout_diagnosis", [](nb::object fn) {
+    PyObject* f = fn.release().ptr();  // kept for the process's life: never dropped without the GIL
+    xf::set_timeout_diagnosis([f](const std::string& message, int64_t group, int rank,
+                                  const std::vector<int64_t>& owners, int64_t timeout_ms) -> std::string {
+      if (!Py_IsInitialized()) return "";
+      nb::gil_scoped_acquire gil;  // XLA's thread running the handler
+      try {
+        return nb::cast<std::string>(nb::handle(f)(message, group, rank, owners, timeout_ms));
+      } catch (const std::exception&) {  // a diagnosis that fails leaves the timeout as it is
+        return "";
+      }
+    });
+  }, nb::arg("fn"), "fn(message, group, rank, owners, timeout_ms) -> str, appended to a cross-process rank's "
+     "TimeoutError (the survivors' diagnosis; set once per process).");
   m.def("table_fingerprint", [](const std::vector<int64_t>& table) {
     return xf::table_fingerprint(xf::ffi::Span<const int64_t>(table.data(), table.size()));
   });

@@ -82,6 +82,12 @@ bool table_spans_processes(ffi::Span<const int64_t> device_table, int64_t proces
 uint64_t table_fingerprint(ffi::Span<const int64_t> device_table);
 // "ranks 0-3 on process 0, ranks 4-7 on process 1" for group `group`, for messages.
 std::string rank_owners(ffi::Span<const int64_t> device_table, int64_t group, int world);
+// The survivors' diagnosis of a cross-process rank's timeout (tide/diagnosis.py, over the job's
+// key-value store; tide_xla/processes.py sets it): (message, group, rank, owning process of each
+// rank of the group, timeout_ms) -> text appended to the TimeoutError ("" when there is none).
+using TimeoutDiagnosis = std::function<std::string(const std::string&, int64_t, int, const std::vector<int64_t>&,
+                                                   int64_t)>;
+void set_timeout_diagnosis(TimeoutDiagnosis fn);
 
 DType to_tide_dtype(ffi::DataType t, const char* what);  // throws PlanError on others
 std::string dims_str(ffi::Span<const int64_t> dims);

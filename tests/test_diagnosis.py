@@ -46,3 +46,36 @@ def test_without_a_store_or_a_root_the_error_is_unchanged():
                             lambda: None)
     assert "survivors' diagnosis" not in str(e.value)  # no store
     assert diagnosis.survivors_diagnosis(_err("no root in here"), 0, 0.1, torch.distributed.HashStore()) == ""
+
+
+class _KeyValueClient:
+    """jax.distributed's client as DirStore sees it: key_value_set (once per key) and key_value_dir_get."""
+
+    def __init__(self):
+        self.kv = {}
+
+    def key_value_set(self, key, value):
+        if key in self.kv:
+            raise RuntimeError(f"ALREADY_EXISTS: {key}")
+        self.kv[key] = value
+
+    def key_value_dir_get(self, prefix):
+        return [(k, v) for k, v in self.kv.items() if k.startswith(prefix)]
+
+
+def test_a_dir_store_over_a_key_value_client_names_the_rank_and_its_process():
+    client = _KeyValueClient()
+    client.key_value_set("tide_xla/timeout/1/3", '{"root": 2, "head": "rank 3 ..."}')
+    client.key_value_set("tide_xla/timeout/10/2", '{"root": null, "head": "another group"}')  # not group 1's
+    owners = [0, 0, 1, 1]
+    got = diagnosis.appended("rank 0 ... root: rank 3 never posted", 0, 0.5, diagnosis.DirStore(client),
+                             prefix="tide_xla/timeout/1/", name=lambda r: f"rank {r} (process {owners[r]})")
+    assert got == ("; survivors' diagnosis: rank 3 (process 1) (timed out, waits for rank 2) -> rank 2 (process 1) "
+                   "stopped (it posted no timeout diagnosis: dead, hung outside TIDE, or it never made this call)"), got
+    assert client.kv["tide_xla/timeout/1/0"].startswith('{"root": 3')
+    store = diagnosis.DirStore(client)
+    assert store.check(["tide_xla/timeout/1/0"]) and not store.check(["tide_xla/timeout/1/9"])
+    with pytest.raises(ValueError):
+        store.get("tide_xla/timeout/1/9")
+    # A second timeout of the same rank cannot post again (write-once keys): no diagnosis, no error.
+    assert diagnosis.appended("root: rank 3 never posted", 0, 0.5, store, prefix="tide_xla/timeout/1/") == ""

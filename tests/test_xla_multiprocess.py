@@ -144,17 +144,23 @@ def test_flax_example_across_processes_ends_bitwise_equal(tmp_path, flax_one_pro
     assert max(abs(x - y) for x, y in zip(a["losses"], b["losses"])) < 1e-5
 
 
-def test_cuda_refuses_two_ranks_of_one_node_in_one_process():
-    """On CUDA a process may hold one rank of each node per group (two ranks of one node would
-    open each other's arena by CUDA IPC inside one process, which CUDA refuses): refused at trace
-    time naming the ranks; one rank per node passes."""
+def test_cuda_takes_several_ranks_of_one_node_per_process_and_refuses_two_nodes():
+    """On CUDA a process may hold several ranks of its node (one process per host: their arenas by
+    pointer) or one rank of each; ranks of two nodes of one group in one process are refused at
+    trace time naming them (a node is a host; their rail would have both ends in the process)."""
     from types import SimpleNamespace
 
     from tide_xla import processes
     # (process, device id, local device, group, rank) rows of a 2 x 2 topology over 2 processes
-    rows = lambda owners: tuple(v for r, p in enumerate(owners) for v in (p, r, 0, 0, r))  # noqa: E731
-    ctx = SimpleNamespace(device_table=rows([0, 0, 1, 1]), gpus_per_node=2, nodes=2)
-    with pytest.raises(NotImplementedError, match="process 0 holds ranks 0 and 1 of node 0"):
-        processes._check_cuda_slots(ctx, "tide_all_gather")
-    processes._check_cuda_slots(SimpleNamespace(device_table=rows([0, 1, 0, 1]), gpus_per_node=2, nodes=2),
-                                "tide_all_gather")
+    rows = lambda owners, group=lambda r: 0: tuple(v for r, p in enumerate(owners)  # noqa: E731
+                                                   for v in (p, r, 0, group(r), r % 4))
+    for owners in ([0, 0, 1, 1], [0, 1, 2, 3], [0, 0, 1, 2], [0, 1, 2, 2]):
+        processes._check_cuda_slots(SimpleNamespace(device_table=rows(owners), gpus_per_node=2, nodes=2), "ag")
+    # fsdp x data: process 0 holds node 0 of group 0 and node 0 of group 1
+    processes._check_cuda_slots(SimpleNamespace(device_table=rows([0, 0, 1, 1, 0, 0, 1, 1], lambda r: r // 4),
+                                                gpus_per_node=2, nodes=2), "ag")
+    for owners, match in (([0, 1, 1, 0], "process 0 holds rank 0 of node 0 and rank 3 of node 1"),
+                          ([0, 1, 0, 1], "process 0 holds rank 0 of node 0 and rank 2 of node 1")):
+        ctx = SimpleNamespace(device_table=rows(owners), gpus_per_node=2, nodes=2)
+        with pytest.raises(NotImplementedError, match=match + r" \(group 0, topology 2x2\)"):
+            processes._check_cuda_slots(ctx, "tide_all_gather")

@@ -22,15 +22,16 @@ def free_port() -> int:
 
 
 def launch(out_dir, processes: int, case: str, topology: str | None, env: dict,
-           per_process=None, wait_s: float = 50.0):
-    """Runs the worker as `processes` processes with `env` on top of ours (`per_process(i)`: more
-    variables for process i); returns {process: (returncode, results npz or None, error text)}.
+           per_process=None, wait_s: float = 50.0, worker: str = WORKER):
+    """Runs `worker` (the same command line as tests/_xla_mp_worker.py's) as `processes` processes
+    with `env` on top of ours (`per_process(i)`: more variables for process i); returns
+    {process: (returncode, results npz or None, error text)}.
     A launch that takes longer than `wait_s` (a healthy one takes seconds) fails the test."""
     os.makedirs(out_dir, exist_ok=True)
     base = dict(os.environ, **env, PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]))
     port = str(free_port())
     args = [case] + ([topology] if topology else [])
-    procs = [subprocess.Popen([sys.executable, WORKER, str(out_dir), str(i), str(processes), port, *args],
+    procs = [subprocess.Popen([sys.executable, worker, str(out_dir), str(i), str(processes), port, *args],
                               env=dict(base, **(per_process(i) if per_process else {})),
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
              for i in range(processes)]

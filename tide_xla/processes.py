@@ -15,13 +15,18 @@ Contract
     (one CPU RankExecutor per local rank, tide_xla._ffi.open_rank) and, once every process has
     mapped them, unlinks its own names (nothing outlives the processes; atexit unlinks what is
     left after a failure).
-  - On CUDA (one process per GPU; several processes may share one GPU) step (2) is instead: each
-    local rank allocates a CUDA-IPC arena and publishes its handle, node 0's rank of each local
-    index publishes its rail's NCCL unique id (several nodes), every rank opens its node's
-    arenas and joins its rail, and a barrier follows ([Note: CUDA rank states] below).
+  - On CUDA (one process per GPU, several processes sharing one GPU, or one process holding
+    several ranks of its node, e.g. one per host) step (2) is instead: each local rank allocates
+    a CUDA-IPC arena and publishes its handle, node 0's rank of each local index publishes its
+    rail's NCCL unique id (several nodes), every rank opens its node's arenas (this process's by
+    pointer) and joins its rail, and a barrier follows ([Note: CUDA rank states] below). A
+    process holding ranks of two nodes of one group is refused at trace time, naming them.
   - At run time each device's call runs only its rank's program over those segments
     ([Note: cross-process ranks] in ffi/executor.cc): same programs, same op interpreter, so the
     bytes equal one process holding every device.
+  - A rank's TimeoutError inside a call gets the survivors' diagnosis (tide/diagnosis.py) over
+    jax.distributed's key-value store appended by the handler that timed out: the chain of posted
+    roots down to the rank (and process) that stopped.
   - Never imports torch. The store is jax's coordination-service client
     (jax._src.distributed.global_state.client: key_value_set, key_value_dir_get); jax has no
     public key-value API in the releases tide_xla supports.
@@ -35,13 +40,14 @@ from typing import Sequence
 import numpy as np
 
 import tide
-from tide import shm
+from tide import diagnosis, shm
 from tide.ranks import await_keys
 from tide_xla._registration import ffi_module
 
 _PREFIX = "tide_xla"
 _calls = itertools.count()          # this process's cross-process calls, in trace order
 _segments: set[str] = set()         # names this process created and has not unlinked yet
+_diagnosing = False                 # the survivors' diagnosis is set in tide_xla._ffi
 
 
 def _client():
@@ -52,6 +58,14 @@ def _client():
             "tide_xla: the mesh holds devices of several processes but jax.distributed is not "
             "initialised in this process; call jax.distributed.initialize(...) first")
     return client
+
+
+def _survivors(message: str, group: int, rank: int, owners: list[int], timeout_ms: int) -> str:
+    """The survivors' diagnosis of a rank's timeout (the handler calls it; see the contract)."""
+    from jax._src import distributed
+    client = distributed.global_state.client
+    return diagnosis.appended(message, rank, timeout_ms / 1000, client and diagnosis.DirStore(client),
+                              prefix=f"{_PREFIX}/timeout/{group}/", name=lambda r: f"rank {r} (process {owners[r]})")
 
 
 def _exchange(key: str, value: str, processes: Sequence[int], timeout_ms: int,
@@ -137,6 +151,10 @@ def prepare(ctx, op: str, shapes: Sequence[Sequence[int]], in_dtype, out_dtype) 
             f"tide_xla: {op}: the mesh spans processes {list(ctx.processes)} on {platform}; "
             f"tide_xla runs a mesh across processes on XLA:CPU and CUDA")
     ffi = ffi_module()
+    global _diagnosing
+    if not _diagnosing:
+        ffi.set_timeout_diagnosis(_survivors)
+        _diagnosing = True
     if cuda:
         _check_cuda_slots(ctx, op)
     shapes = [[int(d) for d in s] for s in shapes]
@@ -224,23 +242,19 @@ def _rows(ctx):
 
 
 def _check_cuda_slots(ctx, op: str) -> None:
-    """A process may hold at most one rank of each topology node per group on CUDA: two ranks of
-    one node in one process would have to open each other's arena by CUDA IPC, which CUDA refuses
-    inside one process."""
+    """On CUDA a process may hold several ranks of one topology node per group (their arenas by
+    pointer: [Note: same-process peers] in csrc/fabric/ipc.h), not ranks of two nodes: a node is
+    a host, and the two would meet on an NCCL rail with both ends in this process."""
     import jax
     me, L = jax.process_index(), ctx.gpus_per_node
-    seen: dict[tuple[int, int], int] = {}
+    seen: dict[int, int] = {}
     for p, _, _, g, r in _rows(ctx):
-        if int(p) != me:
-            continue
-        node = int(r) // L
-        if (int(g), node) in seen:
+        if int(p) == me and seen.setdefault(int(g), int(r)) // L != int(r) // L:
             raise NotImplementedError(
-                f"tide_xla: {op}: process {me} holds ranks {seen[(int(g), node)]} and {int(r)} of node {node} "
-                f"(group {int(g)}, topology {ctx.nodes}x{L}) in a mesh that spans processes; on CUDA "
-                f"tide_xla needs one process per GPU when the mesh spans processes (one process "
-                f"holding a whole node next to other processes is not supported yet)")
-        seen[(int(g), node)] = int(r)
+                f"tide_xla: {op}: process {me} holds rank {seen[int(g)]} of node {seen[int(g)] // L} and rank "
+                f"{int(r)} of node {int(r) // L} (group {int(g)}, topology {ctx.nodes}x{L}); on CUDA a process "
+                f"holds ranks of its own node only (a node is a host): pass a topology whose nodes are the "
+                f"processes' hosts")
 
 
 _nccl_paths_added = False

@@ -24,6 +24,7 @@ IpcFabric::IpcFabric(int rank, int world, int device, int64_t arena_bytes)
   TIDE_PLAN_CHECK(device >= 0 && device < n, "CudaIpcFabric: device ", device, " is not a usable CUDA device (",
                   n, " visible)");
   arena_.assign(static_cast<size_t>(world), nullptr);
+  borrowed_.assign(static_cast<size_t>(world), false);
   check_device_room(device_, 1, arena_bytes_, "CudaIpcFabric");
   TIDE_CHECK_CUDA(cudaSetDevice(device_), "device ", device_);
   void* p = nullptr;
@@ -52,43 +53,76 @@ void IpcFabric::close_all() noexcept {
     char*& a = arena_[static_cast<size_t>(r)];
     if (!a) continue;
     if (r == rank_) cudaFree(a);
-    else cudaIpcCloseMemHandle(a);
+    else if (!borrowed_[static_cast<size_t>(r)]) cudaIpcCloseMemHandle(a);
     a = nullptr;
   }
 }
 
 std::string IpcFabric::handle() const { return handle_; }
 
-void IpcFabric::open_peers(const std::vector<std::string>& handles) {
+// A same-process peer's arena by pointer ([Note: same-process peers] in ipc.h).
+void IpcFabric::borrow(int r, const IpcFabric& peer) {
+  TIDE_PLAN_CHECK(peer.world_ == world_ && peer.rank_ == r && peer.arena_bytes_ == arena_bytes_,
+                  "CudaIpcFabric.open_peers: same_process[", r, "] is rank ", peer.rank_, " of ", peer.world_, " with ",
+                  peer.arena_bytes_, "-byte arenas, expected rank ", r, " of ", world_, " with ", arena_bytes_);
+  if (peer.device_ != device_) {
+    int ok = 0;
+    TIDE_CHECK_CUDA(cudaDeviceCanAccessPeer(&ok, device_, peer.device_));
+    TIDE_PLAN_CHECK(ok, "CudaIpcFabric: rank ", rank_, " (device ", device_, ") cannot access device ", peer.device_,
+                    " of rank ", r, " (same process, no peer access)");
+    const cudaError_t e = cudaDeviceEnablePeerAccess(peer.device_, 0);
+    if (e == cudaErrorPeerAccessAlreadyEnabled) {
+      cudaGetLastError();
+    } else {
+      TIDE_CHECK_CUDA(e, "enabling peer access ", device_, " -> ", peer.device_);
+    }
+  }
+  arena_[static_cast<size_t>(r)] = peer.arena_[static_cast<size_t>(r)];
+  borrowed_[static_cast<size_t>(r)] = true;
+}
+
+void IpcFabric::open_peers(const std::vector<std::string>& handles, const std::vector<const IpcFabric*>& same_process) {
   TIDE_PLAN_CHECK(!opened_, "CudaIpcFabric.open_peers: rank ", rank_, "'s peers are already open");
   TIDE_PLAN_CHECK(static_cast<int>(handles.size()) == world_, "CudaIpcFabric.open_peers: ", handles.size(),
                   " handles for ", world_, " ranks");
+  TIDE_PLAN_CHECK(same_process.empty() || static_cast<int>(same_process.size()) == world_,
+                  "CudaIpcFabric.open_peers: same_process has ", same_process.size(), " entries for ", world_, " ranks");
+  auto in_process = [&](int r) { return !same_process.empty() && same_process[static_cast<size_t>(r)] != nullptr; };
   for (int r = 0; r < world_; ++r)
-    TIDE_PLAN_CHECK(r == rank_ || handles[static_cast<size_t>(r)].empty() ||
+    TIDE_PLAN_CHECK(r == rank_ || in_process(r) || handles[static_cast<size_t>(r)].empty() ||
                         handles[static_cast<size_t>(r)].size() == kIpcHandleBytes,
                     "CudaIpcFabric.open_peers: handles[", r, "] has ", handles[static_cast<size_t>(r)].size(),
                     " bytes, a CUDA IPC handle has ", kIpcHandleBytes);
   TIDE_CHECK_CUDA(cudaSetDevice(device_), "device ", device_);
-  for (int r = 0; r < world_; ++r) {
-    if (r == rank_) continue;  // a process cannot open its own handle; arena(rank) is the base
-    if (handles[static_cast<size_t>(r)].empty()) continue;  // host isolation: another node's, never mapped
-    cudaIpcMemHandle_t h{};
-    std::memcpy(&h, handles[static_cast<size_t>(r)].data(), sizeof(h));
-    void* p = nullptr;
-    const cudaError_t e = cudaIpcOpenMemHandle(&p, h, cudaIpcMemLazyEnablePeerAccess);
-    if (e != cudaSuccess) {
-      cudaGetLastError();
-      for (int q = 0; q < r; ++q) {
-        char*& a = arena_[static_cast<size_t>(q)];
-        if (q != rank_ && a) {
-          cudaIpcCloseMemHandle(a);
-          a = nullptr;
-        }
+  try {
+    for (int r = 0; r < world_; ++r) {
+      if (r == rank_) continue;  // a process cannot open its own handle; arena(rank) is the base
+      if (in_process(r)) {
+        borrow(r, *same_process[static_cast<size_t>(r)]);
+        continue;
       }
-      throw Error(TIDE_STR_CAT("CudaIpcFabric: rank ", rank_, " (device ", device_, ") cannot open rank ", r,
-                               "'s arena handle: ", cudaGetErrorName(e), " (", cudaGetErrorString(e), ")"));
+      if (handles[static_cast<size_t>(r)].empty()) continue;  // host isolation: another node's, never mapped
+      cudaIpcMemHandle_t h{};
+      std::memcpy(&h, handles[static_cast<size_t>(r)].data(), sizeof(h));
+      void* p = nullptr;
+      const cudaError_t e = cudaIpcOpenMemHandle(&p, h, cudaIpcMemLazyEnablePeerAccess);
+      if (e != cudaSuccess) {
+        cudaGetLastError();
+        throw Error(TIDE_STR_CAT("CudaIpcFabric: rank ", rank_, " (device ", device_, ") cannot open rank ", r,
+                                 "'s arena handle: ", cudaGetErrorName(e), " (", cudaGetErrorString(e), ")"));
+      }
+      arena_[static_cast<size_t>(r)] = static_cast<char*>(p);
     }
-    arena_[static_cast<size_t>(r)] = static_cast<char*>(p);
+  } catch (...) {
+    for (int q = 0; q < world_; ++q) {  // what was opened so far; the own arena stays
+      char*& a = arena_[static_cast<size_t>(q)];
+      if (q != rank_ && a && !borrowed_[static_cast<size_t>(q)]) cudaIpcCloseMemHandle(a);
+      if (q != rank_) {
+        a = nullptr;
+        borrowed_[static_cast<size_t>(q)] = false;
+      }
+    }
+    throw;
   }
   opened_ = true;
 }

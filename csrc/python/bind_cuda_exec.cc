@@ -86,15 +86,20 @@ void bind_cuda_exec(nb::module_& m, nb::module_& testing) {
         const std::string h = f.handle();
         return nb::bytes(h.data(), h.size());
       }, "This rank's CUDA IPC handle (64 bytes).")
-      .def("open_peers", [](fabric::IpcFabric& f, const nb::list& handles) {
+      .def("open_peers", [](fabric::IpcFabric& f, const nb::list& handles, nb::object same_process) {
         std::vector<std::string> v;
         for (auto h : handles) {
           TIDE_PLAN_CHECK(nb::isinstance<nb::bytes>(h), "IpcFabric.open_peers: handles[", v.size(), "] is not bytes");
           nb::bytes b = nb::borrow<nb::bytes>(h);
           v.emplace_back(b.c_str(), b.size());
         }
-        f.open_peers(v);
-      }, nb::arg("handles"), "handles[r]: every rank's handle() (the own entry is ignored).");
+        std::vector<const fabric::IpcFabric*> local;
+        if (!same_process.is_none())
+          for (auto o : same_process) local.push_back(o.is_none() ? nullptr : nb::cast<const fabric::IpcFabric*>(o));
+        f.open_peers(v, local);
+      }, nb::arg("handles"), nb::arg("same_process") = nb::none(),
+         "handles[r]: every rank's handle() (the own entry is ignored; b'': not mapped). same_process[r]: rank r's "
+         "IpcFabric when it lives in this process (its arena by pointer; the caller keeps it alive), else None.");
 
   nb::class_<cuda::CudaClusterCallExecutor, CallExecutor>(
       m, "ClusterExecutor",

@@ -337,12 +337,13 @@ def stage_table(c: Ctx) -> dict:
               "tide_xla on CUDA: the FFI handlers' GPU tests (and synchronised), the CPU xla tests, the Flax example"),
         Stage("xlaproc", 420, [
             pytest("xla_processes", "-q", "-rs", "-x", "-m", "gpu", "tests/test_xla_gpu_processes.py", limit=300),
+            pytest("host_processes", "-q", "-rs", "-x", "-m", "gpu", "tests/test_cuda_host_processes.py", limit=240),
             *[bench(f"bench:train_shared{n}x{m}", "train", "--shared-gpu", str(n), "--nodes", str(m), "--steps", "6",
                     "--timeout", "150", limit=330, png=f"train_shared{n}x{m}", detail=d_train,
                     show=grep_lines(r"^(model|fw|torch|jax) ", 12))
               for n, m in ((2, 2), (4, 2))]],
               "tide_xla across processes on CUDA: 2 and 4 processes sharing the GPU (emulated hosts: IPC in a node, "
-              "NCCL rails across) bitwise vs the CPU; tide bench train with both frameworks on those processes"),
+              "NCCL rails across) bitwise vs the CPU; 2 processes x 2 in-process ranks on the core's path; tide bench train with both frameworks on those processes"),
         Stage("examplecmp", 150, [fsdp2(n, [py], "small", 10, fabric, 300, env=e,
                                         detail=lambda t, d: "; ".join(f"{r['name']} {r['step_ms']:.2f} ms "
                                                                       f"{r['peak_bytes'] / 2**30:.2f} GiB" for r in d["runs"]))

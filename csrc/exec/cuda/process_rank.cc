@@ -34,23 +34,43 @@ int CudaProcessRank::device() const { return impl_->fabric->device(); }
 
 std::shared_ptr<CallExecutor> CudaProcessRank::connect(const std::vector<std::string>& handles,
                                                        const std::string& rail_id, const RegionTable& regions,
-                                                       ExecutorOptions opt) {
+                                                       ExecutorOptions opt,
+                                                       const std::vector<const CudaProcessRank*>& same_process) {
   Impl& m = *impl_;
   const int L = m.topo.gpus_per_node, node = m.rank / L;
   TIDE_CHECK(!m.connected, "CudaProcessRank: rank ", m.rank, " is connected already");
   TIDE_PLAN_CHECK(static_cast<int>(handles.size()) == m.topo.world(), "CudaProcessRank.connect: ", handles.size(),
                   " IPC handles for ", m.topo.world(), " ranks");
+  // [Note: same-process peers] in fabric/ipc.h: this node's ranks of this process by pointer. The
+  // executor's fabric is an alias of the own fabric that also owns theirs: a rank's arena lives
+  // until the last executor that reaches it is gone (no cycle: fabrics own nothing).
+  std::vector<const fabric::IpcFabric*> local(handles.size(), nullptr);
+  auto kept = std::make_shared<std::vector<std::shared_ptr<fabric::IpcFabric>>>(1, m.fabric);
+  for (const CudaProcessRank* other : same_process) {
+    const Impl& o = *other->impl_;
+    if (o.rank == m.rank) continue;
+    TIDE_PLAN_CHECK(o.topo.nodes == m.topo.nodes && o.topo.gpus_per_node == L, "CudaProcessRank.connect: rank ",
+                    o.rank, " of this process has topology ", o.topo.nodes, "x", o.topo.gpus_per_node, ", rank ", m.rank,
+                    " has ", m.topo.nodes, "x", L);
+    TIDE_PLAN_CHECK(o.rank / L == node, "CudaProcessRank: this process holds rank ", m.rank, " (node ", node,
+                    ") and rank ", o.rank, " (node ", o.rank / L, ") of one group (topology ", m.topo.nodes, "x", L,
+                    "): a process may hold several ranks of its own node only (a node is a host; ranks of two nodes "
+                    "would meet on an NCCL rail with both ends in this process)");
+    local[static_cast<size_t>(o.rank)] = o.fabric.get();
+    kept->push_back(o.fabric);
+  }
   std::vector<std::string> mine(handles.size());  // this node's peers only; "" = reached by the rail
   for (int q = 0; q < m.topo.world(); ++q) {
-    if (q / L != node || q == m.rank) continue;
+    if (q / L != node || q == m.rank || local[static_cast<size_t>(q)] != nullptr) continue;
     TIDE_PLAN_CHECK(handles[static_cast<size_t>(q)].size() == fabric::kIpcHandleBytes, "CudaProcessRank.connect: "
                     "rank ", q, " (node ", node, ", as rank ", m.rank, ") sent a ", handles[static_cast<size_t>(q)].size(),
                     "-byte IPC handle, expected ", fabric::kIpcHandleBytes);
     mine[static_cast<size_t>(q)] = handles[static_cast<size_t>(q)];
   }
-  m.fabric->open_peers(mine);
+  m.fabric->open_peers(mine, local);
   opt.rails = rails_for(m.topo);
-  auto ex = std::make_shared<cuda::CudaRankCallExecutor>(m.fabric, m.rank, m.topo, regions, opt);
+  const std::shared_ptr<fabric::Fabric> fab(kept, m.fabric.get());
+  auto ex = std::make_shared<cuda::CudaRankCallExecutor>(fab, m.rank, m.topo, regions, opt);
   if (m.topo.nodes > 1) {
 #ifdef TIDE_WITH_NCCL
     ex->executor().set_rail(std::make_shared<fabric::NcclRail>(node, m.topo.nodes, m.fabric->device(), rail_id,

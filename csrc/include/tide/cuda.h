@@ -7,10 +7,11 @@
 //     (cudaStream_t as uintptr_t): the call's streams wait for the caller's prior work and every
 //     caller stream waits for the whole call (no host synchronisation).
 //   - copy_async(): device-to-device copies on a stream through the executors' copy path.
-//   - CudaProcessRank: one rank of a job whose ranks are processes (one per GPU, or several
-//     processes sharing a GPU), for faces that have no Python fabric objects (ffi/): its
-//     CUDA-IPC arena, the arenas of its topology node's peers, its NCCL rail to the other nodes,
-//     and its CUDA rank executor over them.
+//   - CudaProcessRank: one rank of a job whose ranks live in processes (one per GPU, several
+//     processes sharing a GPU, or one process holding several ranks of its node), for faces that
+//     have no Python fabric objects (ffi/): its CUDA-IPC arena, the arenas of its topology node's
+//     peers (by IPC, or by pointer in this process), its NCCL rail to the other nodes, and its
+//     CUDA rank executor over them.
 //   - multicast_allowed() and DeviceGuard: what the fabrics (csrc/fabric) share with the
 //     executors; the executors' own headers (csrc/exec/cuda) stay private to them.
 //   - Only in a build with CUDA (TIDE_WITH_CUDA); callers guard with that macro.
@@ -56,8 +57,13 @@ class CudaProcessRank {
   std::string ipc_handle() const;
   char* arena() const;  // this rank's arena (device pointer)
   int device() const;
+  // same_process: this process's other ranks of the group (a process holding several ranks of its
+  // node: their arenas by pointer, [Note: same-process peers] in fabric/ipc.h; the executor keeps
+  // them alive). A rank of another topology node in this process is refused by name: a node is a
+  // host, and the rail between the two would have both ends in this process.
   std::shared_ptr<CallExecutor> connect(const std::vector<std::string>& handles, const std::string& rail_id,
-                                        const RegionTable& regions, ExecutorOptions opt);
+                                        const RegionTable& regions, ExecutorOptions opt,
+                                        const std::vector<const CudaProcessRank*>& same_process = {});
   // How a rank of `topo` reaches other nodes: two-sided rails when there are any (what connect()
   // sets, and what the arena's counters must be sized for).
   static Rails rails_for(const Topology& topo) { return topo.nodes > 1 ? Rails::kTwoSided : Rails::kOneSided; }
