@@ -18,13 +18,10 @@ import threading
 import time
 import traceback
 
-import numpy as np
 import pytest
 
 from tide import _core
-from tide.plan import rs_bank
-from test_cuda_ipc import (ALPHA, CALLS, KIND, RAIL_ENV, RS_BASE, _ag_inputs, _layout, _plan, _reference,
-                           _rs_inputs, reaped)
+from test_cuda_ipc import CALLS, RAIL_ENV, _layout, _plan, _reference, reaped, torch_stream_calls
 
 pytestmark = pytest.mark.gpu
 PER_PROCESS = 2
@@ -34,37 +31,7 @@ def _rank_calls(rank, cfg, fab, ex, plan, out):
     """Rank `rank`'s CALLS calls on its own torch stream (the torch mode of tests/test_cuda_ipc.py)."""
     try:
         import torch
-        M, L, seed = cfg["M"], cfg["L"], cfg["seed"]
-        N, lay, regions = M * L, plan.layout, cfg["regions"]
-        base, NS = fab.arena_ptr, lay.S * N
-        ring0, resident = regions["ring0"][0], regions["resident"][0]
-        dev = torch.device("cuda", 0)
-        ag = _core.build_ag_programs(plan, arena=regions, landing_region="ring0")
-        rs = {b: _core.build_rs_programs(plan, bank=b, alpha=ALPHA, accumulate=False, arena=regions,
-                                         counter_base=RS_BASE) for b in (0, 1)}
-        if M > 1:  # two-sided rails: other nodes only over the NCCL rail
-            ag, rs = ag.lowered(), {b: ps.lowered() for b, ps in rs.items()}
-        side = torch.cuda.Stream(device=dev)
-        calls = []
-        with torch.cuda.stream(side):
-            h = side.cuda_stream
-            for seq in range(1, CALLS + 1):
-                shards = _ag_inputs(plan, N, seed, seq, False)[rank]
-                ts = [torch.from_numpy(np.ascontiguousarray(x).view(np.int16).reshape(-1)).to(dev) for x in shards]
-                _core.cuda.memset(base + ring0, 0xFF, NS, h)  # poison the landing
-                _core.cuda.copies([(base + resident + lay.params[p].o, t.data_ptr(), t.numel() * 2, 1, 0, 0)
-                                   for p, t in enumerate(ts)], h)
-                ex.run(ag, seq, stream=h)
-                land = torch.empty(NS, dtype=torch.uint8, device=dev)
-                _core.cuda.copies([(land.data_ptr(), base + ring0, NS, 1, 0, 0)], h)
-                grads = [torch.from_numpy(np.ascontiguousarray(g).view(np.int16)).to(dev)
-                         for g in _rs_inputs(plan, N, seed, seq)[rank]]
-                res = torch.full((lay.E,), float("nan"), dtype=torch.float32, device=dev)
-                binds = [(KIND["grad"], p, g.data_ptr(), g.numel() * 2) for p, g in enumerate(grads)]
-                binds.append((KIND["out"], -1, res.data_ptr(), lay.E * 4))
-                ex.run(rs[rs_bank(seq)], seq, buffers=binds, stream=h)
-                calls.append((seq, land.cpu().numpy().tobytes(), res.cpu().numpy().tobytes()))
-        ex.synchronize()
+        calls = list(torch_stream_calls(rank, cfg, fab, ex, plan, torch.device("cuda", 0), lowered=cfg["M"] > 1))
         out[rank] = (calls, (ex.cached_program_sets, ex.runs_started))
     except BaseException:  # noqa: BLE001 - reported by the process
         out[rank] = traceback.format_exc()

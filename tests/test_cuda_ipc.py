@@ -135,25 +135,27 @@ def _calls_raw(rank, cfg, fab, ex, plan, conn):
         _core.cuda.free(p)
 
 
-def _calls_torch(rank, cfg, fab, ex, plan, conn):
-    """torch tensors on a side stream passed as the caller stream; no host synchronisation except
-    the final .cpu() copies (on that stream)."""
+def torch_stream_calls(rank, cfg, fab, ex, plan, dev, lowered=False):
+    """Rank `rank`'s CALLS calls with torch tensors on a side stream passed as the caller stream;
+    no host synchronisation except the .cpu() copies (on that stream). Yields (seq, landing bytes,
+    RS output bytes). lowered: the two-sided programs (other nodes over the NCCL rail)."""
     import torch
     M, L, seed = cfg["M"], cfg["L"], cfg["seed"]
     N, lay, regions = M * L, plan.layout, cfg["regions"]
     base, NS = fab.arena_ptr, lay.S * M * L
     ring0, resident = regions["ring0"][0], regions["resident"][0]
-    dev = torch.device("cuda", cfg["devices"][rank])
     ag = _core.build_ag_programs(plan, arena=regions, landing_region="ring0")
     rs = {b: _core.build_rs_programs(plan, bank=b, alpha=ALPHA, accumulate=False, arena=regions,
                                      counter_base=RS_BASE) for b in (0, 1)}
+    if lowered:
+        ag, rs = ag.lowered(), {b: ps.lowered() for b, ps in rs.items()}
     side = torch.cuda.Stream(device=dev)
     with torch.cuda.stream(side):
         h = side.cuda_stream
         for seq in range(1, CALLS + 1):
             shards = _ag_inputs(plan, N, seed, seq, False)[rank]
             ts = [torch.from_numpy(np.ascontiguousarray(x).view(np.int16).reshape(-1)).to(dev) for x in shards]
-            _core.cuda.memset(base + ring0, 0xFF, NS, h)
+            _core.cuda.memset(base + ring0, 0xFF, NS, h)  # poison the landing
             _core.cuda.copies([(base + resident + lay.params[p].o, t.data_ptr(), t.numel() * 2, 1, 0, 0)
                                for p, t in enumerate(ts)], h)
             ex.run(ag, seq, stream=h)
@@ -165,8 +167,14 @@ def _calls_torch(rank, cfg, fab, ex, plan, conn):
             binds = [(KIND["grad"], p, g.data_ptr(), g.numel() * 2) for p, g in enumerate(grads)]
             binds.append((KIND["out"], -1, out.data_ptr(), lay.E * 4))
             ex.run(rs[rs_bank(seq)], seq, buffers=binds, stream=h)
-            conn.send(("call", (seq, land.cpu().numpy().tobytes(), out.cpu().numpy().tobytes())))
+            yield seq, land.cpu().numpy().tobytes(), out.cpu().numpy().tobytes()
     ex.synchronize()
+
+
+def _calls_torch(rank, cfg, fab, ex, plan, conn):
+    import torch
+    for call in torch_stream_calls(rank, cfg, fab, ex, plan, torch.device("cuda", cfg["devices"][rank])):
+        conn.send(("call", call))
 
 
 def _calls_hsdp(rank, cfg, fab, ex, plan, conn):
