@@ -156,6 +156,7 @@ class TideReduceScatter(_patches.ReduceScatter):
             return
         first = staged.parts[0]
         if (len(staged.parts) == 1 and first.which == "rs" and len(tg.chunks) == 1
+                and not tg.has_extensions  # the slot's geometry is the items', not the gradients'
                 and rt.mode == "slot_reuse" and rt.slot_is_free(tg)):
             views = [lv.narrow(0, 0, g.numel()).view(g.shape)
                      for lv, g in zip(tg.landing_views, first.grads)]
@@ -187,6 +188,8 @@ class TideReduceScatter(_patches.ReduceScatter):
                                f"planned {tg.shapes[p]}")
             if not g.is_contiguous():
                 raise HandBack(f"parameter {tg.names[p]}: gradient is not contiguous")
+            if type(g) is not torch.Tensor:
+                raise HandBack(f"parameter {tg.names[p]}: gradient is a {type(g).__name__}")
         parts: list[_Part] = []
         offset = 0
         start = 0

@@ -257,6 +257,9 @@ def free_in_arena(tg: Any, p: int) -> Any:
     def free_unsharded_param() -> None:
         if _patches.compiled_autograd_enabled():
             raise RuntimeError("tide_torch does not support compiled autograd; disable TIDE")
+        if tg.extension[p]:  # its own unsharded storage, not the landing (extensions.py)
+            from tide_torch import extensions
+            extensions.free_inner_tensors(tg.pg.fsdp_params[p], tg.runtime.arena)
         if p == 0:  # once per group reshard
             tg.runtime.release_slot_after_compute(tg)
     return free_unsharded_param
