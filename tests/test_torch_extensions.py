@@ -126,10 +126,14 @@ BLOCKS = (
 )
 
 
-def build_encoded(mesh) -> nn.Module:
+def build_encoded(mesh, device=None) -> nn.Module:
+    """TinyLlama with BLOCKS' extension weights, FSDP2 on every block and the root (bf16 policy);
+    ``device``: where it lives (initial values drawn on CPU)."""
     from tide_apps.llama import fully_shard_llama
     torch.manual_seed(0)
     model = TinyLlama(len(BLOCKS))
+    if device is not None:
+        model = model.to(device)
     for block, codecs in zip(model.layers, BLOCKS):
         for name in ("wq", "wk", "wv", "wo", "w1", "w2", "w3"):
             lin = getattr(block, name)

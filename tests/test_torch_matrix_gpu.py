@@ -4,7 +4,9 @@ transport; a node's two ranks reach each other's arenas by CUDA IPC), each again
 the same processes: torch's nn.RMSNorm (both modes), reshard_after_forward=2 (backward's
 re-gathers over the post-forward pairs), a bf16 reduce dtype, fp16 (an fp16 all-gather, bitwise;
 an fp16 reduce dtype: within one fp16 ulp of the fp32-reduce gradients and closer to them than
-stock's fp16 NCCL ring on the whole), and TP + FSDP on a dp x tp = 2 x 2 mesh. Every group
+stock's fp16 NCCL ring on the whole), FSDP2 all-gather extensions (test_torch_extensions.py:
+1- and 2-byte outputs, one and two per parameter, both modes), and TP + FSDP on a dp x tp = 2 x 2
+mesh. Every group
 served, every all-gather and reduce-scatter through TIDE, parameters bitwise equal to stock on
 exact data (bf16 reduce: gradients one rounding of the fp32 sum on per-rank data, no further
 from the fp32 reference than stock's bf16 NCCL ring). Correctness and overheads on emulated
@@ -97,6 +99,22 @@ def _rows(rank, world, log_dir):
     check_fp16_reduce(got, stock_g, ref)
     done.append(f"fp16 reduce {handle.stats} one rounding of the fp32 sum, not")
     handle.disable()
+
+    # FSDP2 all-gather extensions (fp8 / bf16 / fp8 + row scales / bf16 pairs; 1- and 5-argument
+    # forms): every pre-all-gather output lands where fsdp_post_all_gather reads it.
+    from test_torch_extensions import build_encoded
+    stock = build_encoded(mesh, device=device)
+    train(stock, data, device=device)
+    for mode in ("in_place", "slot_reuse"):
+        model = build_encoded(mesh, device=device)
+        handle = tide_torch.enable(model, mode=mode, topology=TOPO)
+        train(model, data, device=device)
+        handle.synchronize()
+        _served_everywhere(handle, f"extensions {mode}")
+        assert all(got == planned for planned, got in handle.landings().values()), mode
+        assert_same(model, stock, f"extensions {mode}")
+        done.append(f"all-gather extensions {mode} {handle.stats}")
+        handle.disable()
 
     mesh2 = init_device_mesh("cuda", (2, 2), mesh_dim_names=("dp", "tp"))
     stock = _tp_model(mesh2, colwise_rowwise=True, device=device)
