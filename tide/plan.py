@@ -131,6 +131,35 @@ def layout(shapes: Sequence[Sequence[int]], world: int, ag_dtype: str = "bfloat1
 
 
 MAX_PARAMS = 256  # tide::kMaxParams: the parameters one plan holds
+
+
+# [Note: Shard(k) as rows]
+# A parameter sharded on dim k > 0 over N ranks (FSDP2's Shard(k): MoE expert weights on dim 1)
+# has shape (A_0.., D_k, B..), each rank's shard being columns [r D_k/N, (r+1) D_k/N) of every
+# one of its A = prod(A_0..) rows, contiguous as (A, D_k/N, B..). Planned as A consecutive
+# dim-0 items of shape (N, c), c = (D_k/N) prod(B..) (R = 1, s = c b), item a's landing is
+#     landing(a, r) = (o_0 + a s) N + r s = o_0 N + a (N s) + r s,
+# which is exactly byte (a, r-th column block) of the row-major unsharded tensor at o_0 N: the
+# strided landing of rank r's columns, with no change to Eq. 2 and no copy. The A items' packed
+# shards (o_a = o_0 + a s) are the rank's contiguous (A, D_k/N, B..) shard, and item a's gradient
+# is row a of the unsharded gradient (N c contiguous elements), whose rank-r block is the
+# rank's reduced shard row: TIDE-RS reads the gradient in place and writes the Shard(k) shard.
+# The items must be consecutive in one plan (a face checks where it chunks).
+def shard_rows(shape: Sequence[int], dim: int, world: int) -> tuple[int, tuple[int, int]]:
+    """(A, item shape (N, c)) of a parameter of ``shape`` sharded on ``dim`` over ``world`` ranks
+    ([Note: Shard(k) as rows]); raises PlanError unless ``shape[dim]`` divides by ``world``."""
+    shape = [_as_int(d, f"shape[{i}]") for i, d in enumerate(shape)]
+    if not 0 < dim < len(shape):
+        raise PlanError(f"shard dim {dim}: expected 1..{len(shape) - 1} for shape {tuple(shape)}")
+    if shape[dim] % world:
+        raise PlanError(f"shard dim {dim}: {shape[dim]} does not divide by {world} ranks")
+    rows = 1
+    for d in shape[:dim]:
+        rows *= d
+    cols = shape[dim] // world
+    for d in shape[dim + 1:]:
+        cols *= d
+    return rows, (world, cols)
 RS_SCRATCH = ("staging", "outbox", "inbox", "spare")  # TIDE-RS regions groups of one arena share
 
 

@@ -102,8 +102,12 @@ def foreach_all_gather(fsdp_params, group, async_op, all_gather_copy_in_stream,
             all_gather_output=landings[0],
             all_gather_event=event,
             all_gather_work=None,
-            param_all_gather_input_dtypes=[[tg.item_dtypes[i] for i in its] for its in tg.param_items],
-            param_all_gather_input_numels=[[tg.elements[i] for i in its] for its in tg.param_items],
+            param_all_gather_input_dtypes=[[tg.item_dtypes[i] for i in its] if ext
+                                           else [tg.item_dtypes[its[0]]]
+                                           for its, ext in zip(tg.param_items, tg.extension)],
+            param_all_gather_input_numels=[[tg.elements[i] for i in its] if ext
+                                           else [sum(tg.elements[i] for i in its)]
+                                           for its, ext in zip(tg.param_items, tg.extension)],
             all_gather_input_split_sizes=list(tg.elements),
         )
 
@@ -127,13 +131,17 @@ def _all_gather_inputs(tg: Any, all_gather_stream: Any) -> list[torch.Tensor] | 
                     t.record_stream(all_gather_stream)
                 inputs[i] = t
             continue
-        resident = tg.resident_views[i]
-        if resident is None:
-            inputs[i] = fp._sharded_param_data
-            continue
-        if fp._sharded_param_data.data_ptr() != resident.data_ptr():
+        its = tg.param_items[p]
+        resident = tg.param_resident[p]
+        if resident is not None and fp._sharded_param_data.data_ptr() != resident.data_ptr():
             adopt_shard(tg, p)  # e.g. after load_state_dict(assign=True)
-        inputs[i] = resident
+        shard = fp._sharded_param_data if resident is None else resident
+        if len(its) == 1:
+            inputs[i] = shard
+            continue
+        # A Shard(k > 0) parameter: its shard's rows, one per item (tide/plan.py [Note: Shard(k) as rows]).
+        for i, row in zip(its, shard.view(len(its), -1)):
+            inputs[i] = row
     return inputs
 
 
@@ -142,25 +150,26 @@ def adopt_shard(tg: Any, p: int) -> None:
     """§3.1 in-place shard adoption: copy the padded shard into the resident region once and
     repoint the sharded parameter's data and its DTensor local view (zero-offset views)."""
     fp = tg.pg.fsdp_params[p]
-    resident = tg.resident_views[tg.param_items[p][0]]
+    resident = tg.param_resident[p]
     resident.copy_(fp._sharded_param_data)
     fp._sharded_param_data = resident
-    local = fp.sharded_param._local_tensor
-    length = local.size(0)
-    fp.sharded_param._local_tensor = resident.view(fp.padded_sharded_param_size).narrow(0, 0, length)
+    dim = fp.fsdp_placement.dim
+    length = fp.sharded_param._local_tensor.size(dim)
+    fp.sharded_param._local_tensor = resident.view(fp.padded_sharded_param_size).narrow(dim, 0, length)
 
 
 @torch.no_grad()
 def unadopt_shard(tg: Any, p: int) -> None:
     """Moves an adopted shard back into a private tensor (disable())."""
     fp = tg.pg.fsdp_params[p]
-    resident = tg.resident_views[tg.param_items[p][0]] if tg.resident_views else None
+    resident = tg.param_resident[p] if tg.param_resident else None
     if resident is None or fp._sharded_param_data.data_ptr() != resident.data_ptr():
         return
     own = fp._sharded_param_data.clone()
-    length = fp.sharded_param._local_tensor.size(0)
+    dim = fp.fsdp_placement.dim
+    length = fp.sharded_param._local_tensor.size(dim)
     fp._sharded_param_data = own
-    fp.sharded_param._local_tensor = own.view(fp.padded_sharded_param_size).narrow(0, 0, length)
+    fp.sharded_param._local_tensor = own.view(fp.padded_sharded_param_size).narrow(dim, 0, length)
 
 
 def release_landing(tg: Any) -> None:

@@ -456,11 +456,12 @@ def _activate(g: TideGroup) -> None:
         if hasattr(fp, "_unsharded_param"):
             # Built by an earlier stock all-gather: FSDP2 rebuilds it over the landing view.
             del fp._unsharded_param
-        fp.all_gather_outputs = [g.landing_views[i] for i in g.param_items[p]]
+        fp.all_gather_outputs = ([g.landing_views[i] for i in g.param_items[p]] if g.extension[p]
+                                 else [g.param_landing[p]])
         _patches.patch_param_free(fp, free_in_arena(g, p))
         if g.world == 1:  # See [Note: world 1] in groups.py
             _patches.patch_param_init_outputs(fp, all_gather.init_outputs_at_world_1(g, p))
-        if g.resident_views[g.param_items[p][0]] is not None:  # its chunk adopts its shards
+        if g.param_resident[p] is not None:  # its chunk adopts its shards
             all_gather.adopt_shard(g, p)
     g.pg._reduce_scatter_comm = reduce_scatter.TideReduceScatter(g, g.pg._reduce_scatter_comm)
     if _patches.copy_out_seam():

@@ -65,7 +65,7 @@ import torch.nn as nn
 import tide
 from tide import env
 from tide import ranks as ranks_
-from tide.plan import MAX_PARAMS, RS_SCRATCH, plan_classes, plan_fitting, regather_plan
+from tide.plan import MAX_PARAMS, RS_SCRATCH, plan_classes, plan_fitting, regather_plan, shard_rows
 from tide_torch import _patches, extensions
 
 logger = logging.getLogger("tide_torch")
@@ -158,7 +158,14 @@ class TideGroup:
     param_items: list[list[int]] = field(default_factory=list)     # parameter -> its items
     item_dtypes: list[torch.dtype] = field(default_factory=list)   # per item: its landing dtype
     extension: list[bool] = field(default_factory=list)            # per parameter
-    rs_chunks: list[Chunk] = field(default_factory=list)  # TIDE-RS plans over the parameters
+    shard_dims: list[int] = field(default_factory=list)            # per parameter: FSDP2's Shard(k)
+    # RS items: one per parameter, or one per row of a Shard(k > 0) parameter (tide/plan.py
+    # [Note: Shard(k) as rows]); a plain parameter's AG items are its RS items.
+    rs_items: list[tuple[int, int]] = field(default_factory=list)  # item -> (parameter, row)
+    param_rs_items: list[list[int]] = field(default_factory=list)
+    rs_shapes: list[tuple[int, ...]] = field(default_factory=list)
+    rs_elements: list[int] = field(default_factory=list)
+    rs_chunks: list[Chunk] = field(default_factory=list)  # TIDE-RS plans over the RS items
     rs_chunk_index: list[int] = field(default_factory=list)
     rs_local_index: list[int] = field(default_factory=list)
     # Placement (filled by placement.py)
@@ -168,6 +175,8 @@ class TideGroup:
     landing_views: list[torch.Tensor] = field(default_factory=list)
     input_views: list[torch.Tensor] = field(default_factory=list)
     resident_views: list[torch.Tensor] = field(default_factory=list)
+    param_landing: list[torch.Tensor] = field(default_factory=list)   # per parameter (not extensions)
+    param_resident: list[torch.Tensor] = field(default_factory=list)  # per parameter (None: not adopted)
     runtime: Any = None
     previous_copy_out: Any = None  # the group's FSDP2 copy-out seam before TIDE (where it has one)
     counter_bases: dict[str, int] = field(default_factory=dict)  # Chunk.key(...) or "sub<k>" -> first counter
@@ -218,10 +227,11 @@ class TideGroup:
             return which, local
         self.chunk_index, self.local_index = index(chunks)
         self.rs_chunk_index, self.rs_local_index = index(self.rs_chunks)
-        if not self.items:  # no extension parameters: item p is parameter p
+        if not self.items:  # dim-0 parameters without extensions: item p is parameter p
             n = len(self.chunk_index)
             self.items, self.param_items = [(p, 0) for p in range(n)], [[p] for p in range(n)]
-            self.extension = [False] * n
+            self.rs_items, self.param_rs_items = list(self.items), [[p] for p in range(n)]
+            self.extension, self.shard_dims = [False] * n, [0] * n
             self.item_dtypes = [self.chunk_of(p).ag_dtype for p in range(n)]
 
     @property
@@ -239,13 +249,13 @@ class TideGroup:
         """AG item i's chunk."""
         return self.chunks[self.chunk_index[i]]
 
-    def rs_chunk_of(self, p: int) -> Chunk:
-        """Parameter p's TIDE-RS chunk."""
-        return self.rs_chunks[self.rs_chunk_index[p]]
+    def rs_chunk_of(self, i: int) -> Chunk:
+        """RS item i's TIDE-RS chunk."""
+        return self.rs_chunks[self.rs_chunk_index[i]]
 
     def rs_plan(self, params: tuple[int, ...], dtype: torch.dtype) -> tuple[Any, str]:
-        """The TIDE-RS plan and session key for gradients of ``params`` (group indices, in
-        FSDP2's packing order) in ``dtype``; see [Note: RS parts] in reduce_scatter.py. Raises
+        """The TIDE-RS plan and session key for gradients of ``params`` (RS items, in FSDP2's
+        packing order) in ``dtype``; see [Note: RS parts] in reduce_scatter.py. Raises
         reduce_scatter.HandBack when no plan can serve them."""
         from tide_torch.reduce_scatter import HandBack
         chunk = self.rs_chunk_of(params[0])
@@ -262,9 +272,9 @@ class TideGroup:
             raise HandBack(f"{dtype} gradients (TIDE-RS reads bf16, fp16 or fp32)")
         # A sub-plan only reduces: any valid (all-gather, shard) pair serves, its first chunk's.
         sig = tide.GroupSignature(
-            shapes=[self.shapes[p] for p in params], ag_dtype=_DTYPE_NAMES[chunk.ag_dtype],
+            shapes=[self.rs_shapes[i] for i in params], ag_dtype=_DTYPE_NAMES[chunk.ag_dtype],
             grad_dtype=_DTYPE_NAMES[dtype], shard_dtype=_DTYPE_NAMES[chunk.shard_dtype],
-            names=tuple(self.names[p] for p in params))
+            names=tuple(self.names[self.rs_items[i][0]] for i in params))
         regions = {n: self.runtime.arena.region(n).nbytes for n in RS_SCRATCH}
         try:
             plan = plan_fitting(sig, self.topology, self.mode, self.plan_options,
@@ -350,8 +360,8 @@ def _why_not(tg: TideGroup, names: dict[int, str]) -> str | None:
         return "shard world size 1 inside a larger job"
     for fp in fsdp_params:
         who = names.get(id(fp.sharded_param), "?")
-        if fp.fsdp_placement.dim != 0:
-            return f"{who}: Shard({fp.fsdp_placement.dim}) placement"
+        if fp.fsdp_placement.dim != 0 and tg.world == 1:
+            return f"{who}: Shard({fp.fsdp_placement.dim}) placement in a single-rank job"
         if extensions.has_extension(fp) and tg.world == 1:
             return f"{who}: fsdp_pre_all_gather extension in a single-rank job"
         if fp.offload_to_cpu:
@@ -396,29 +406,26 @@ def plan_group(tg: TideGroup, topo: tide.Topology, mode: str, options: dict[str,
         reason = _find_items(tg)
     if reason is None:
         try:
-            rs_chunks = _param_chunks(tg, mode, options)
+            rs_chunks = _rs_chunks(tg, mode, options)
             if not tg.has_extensions:
                 tg.set_chunks(rs_chunks)
             else:
                 tg.set_chunks(_item_chunks(tg, mode, options), rs_chunks)
-            if len(rs_chunks) > 1 and len(tg.shapes) <= MAX_PARAMS:
+            if len(rs_chunks) > 1 and len(tg.rs_items) <= MAX_PARAMS:
                 # Sub-plans across chunks (a whole reduce-scatter of a mixed group) fit this.
                 c0 = rs_chunks[0]
-                sig = tide.GroupSignature(shapes=tg.shapes, ag_dtype=_DTYPE_NAMES[c0.ag_dtype],
+                sig = tide.GroupSignature(shapes=tg.rs_shapes, ag_dtype=_DTYPE_NAMES[c0.ag_dtype],
                                           grad_dtype="float32", shard_dtype=_DTYPE_NAMES[c0.shard_dtype],
-                                          names=tuple(tg.names))
+                                          names=tuple(tg.names[p] for p, _ in tg.rs_items))
                 tg.rs_bound = tide.plan(sig, tg.topology, mode=mode, **options)
         except tide.PlanError as e:
             reason = f"plan: {e}"
         else:
             tg.elements = [tg.chunk_of(i).plan.layout.params[tg.local_index[i]].e
                            for i in range(len(tg.items))]
-            for p, fp in enumerate(fsdp_params):
-                R = tg.rs_chunk_of(p).plan.layout.params[tg.rs_local_index[p]].R
-                if fp.padded_sharded_param_size[0] != R:
-                    reason = (f"{names.get(id(fp.sharded_param), p)}: FSDP2 pads to "
-                              f"{fp.padded_sharded_param_size[0]} rows, the plan to {R}")
-                    break
+            tg.rs_elements = [tg.rs_chunk_of(i).plan.layout.params[tg.rs_local_index[i]].e
+                              for i in range(len(tg.rs_items))]
+            reason = _check_rows(tg, names)
     if reason is None:
         _plan_post_forward(tg, topo, mode, options)
     if reason is not None:
@@ -426,13 +433,27 @@ def plan_group(tg: TideGroup, topo: tide.Topology, mode: str, options: dict[str,
 
 
 def _find_items(tg: TideGroup) -> str | None:
-    """tg's AG items: one per plain parameter, one per pre-all-gather output of an extension
-    parameter (extensions.py [Note: all-gather extensions]); or why tg is not served."""
+    """tg's RS items (one per parameter, one per row of a Shard(k > 0) parameter: tide/plan.py
+    [Note: Shard(k) as rows]) and AG items (a plain parameter's RS items; one per pre-all-gather
+    output of an extension parameter: extensions.py [Note: all-gather extensions]); or why tg is
+    not served."""
     tg.items, tg.param_items, tg.item_dtypes, tg.extension = [], [], [], []
-    tg.item_shapes = []
+    tg.item_shapes, tg.shard_dims = [], []
+    tg.rs_items, tg.param_rs_items, tg.rs_shapes = [], [], []
     for p, fp in enumerate(tg.pg.fsdp_params):
+        dim = fp.fsdp_placement.dim
+        rows, shape = 1, tg.shapes[p]
+        if dim:
+            try:
+                rows, shape = shard_rows(tg.shapes[p], dim, tg.world)
+            except tide.PlanError as e:
+                return f"{tg.names[p] or p}: Shard({dim}): {e}"
+        tg.shard_dims.append(dim)
+        tg.param_rs_items.append(list(range(len(tg.rs_items), len(tg.rs_items) + rows)))
+        tg.rs_items += [(p, a) for a in range(rows)]
+        tg.rs_shapes += [shape] * rows
         ext = extensions.has_extension(fp)
-        got = extensions.probe(fp, tg.world) if ext else ([tg.shapes[p]], [tg.ag_dtypes[p]])
+        got = extensions.probe(fp, tg.world) if ext else ([shape] * rows, [tg.ag_dtypes[p]] * rows)
         if isinstance(got, str):
             return f"{tg.names[p] or p}: {got}"
         tg.extension.append(ext)
@@ -444,16 +465,37 @@ def _find_items(tg: TideGroup) -> str | None:
     return None
 
 
-def _param_chunks(tg: TideGroup, mode: str, options: dict[str, int]) -> list[Chunk]:
-    """Plans over the parameters, one per dtype class ([Note: chunks]): a group's AG and RS
+def _check_rows(tg: TideGroup, names: dict[int, str]) -> str | None:
+    """FSDP2's padding is the plan's (dim-0 parameters), and a Shard(k > 0) parameter's rows are
+    consecutive items of one AG plan (tide/plan.py [Note: Shard(k) as rows])."""
+    for p, fp in enumerate(tg.pg.fsdp_params):
+        who = names.get(id(fp.sharded_param), p)
+        if tg.shard_dims[p]:
+            its = tg.param_items[p]
+            if (len({tg.chunk_index[i] for i in its}) > 1
+                    or [tg.local_index[i] for i in its] != list(range(tg.local_index[its[0]],
+                                                                    tg.local_index[its[0]] + len(its)))):
+                return f"{who}: Shard({tg.shard_dims[p]}): its {len(its)} rows straddle two plans"
+            continue
+        i = tg.param_rs_items[p][0]
+        R = tg.rs_chunk_of(i).plan.layout.params[tg.rs_local_index[i]].R
+        if fp.padded_sharded_param_size[0] != R:
+            return f"{who}: FSDP2 pads to {fp.padded_sharded_param_size[0]} rows, the plan to {R}"
+    return None
+
+
+def _rs_chunks(tg: TideGroup, mode: str, options: dict[str, int]) -> list[Chunk]:
+    """Plans over the RS items, one per dtype class ([Note: chunks]): a group's AG and RS
     chunks, or only its RS chunks when it has extension parameters."""
     # A chunk's gradients are planned in its all-gather dtype (what autograd produces).
-    dtypes = [(_DTYPE_NAMES[a], _DTYPE_NAMES[a], _DTYPE_NAMES[s])
-              for a, s in zip(tg.ag_dtypes, tg.shard_dtypes)]
+    dtypes = [(_DTYPE_NAMES[tg.ag_dtypes[p]], _DTYPE_NAMES[tg.ag_dtypes[p]],
+               _DTYPE_NAMES[tg.shard_dtypes[p]]) for p, _ in tg.rs_items]
     chunks = []
-    for k, (params, plan) in enumerate(plan_classes(tg.shapes, dtypes, tg.topology, mode,
-                                                    names=tg.names, **options)):
-        c = Chunk(k, params, plan, tg.ag_dtypes[params[0]], tg.shard_dtypes[params[0]])
+    for k, (params, plan) in enumerate(plan_classes(tg.rs_shapes, dtypes, tg.topology, mode,
+                                                    names=[tg.names[p] for p, _ in tg.rs_items],
+                                                    **options)):
+        first = tg.rs_items[params[0]][0]
+        c = Chunk(k, params, plan, tg.ag_dtypes[first], tg.shard_dtypes[first])
         if c.ag_dtype != torch.float32:
             # fp32 gradients (accumulated without sync in an fp32 reduce dtype, or what
             # autograd produces for fp32-computed parameters) keep TIDE-RS through a
@@ -509,8 +551,9 @@ def _plan_post_forward(tg: TideGroup, topo: tide.Topology, mode: str,
     """See [Note: post-forward mesh]. Leaves the chunks' post-forward plans None (those
     all-gathers are handed back, counted) where the group cannot take one."""
     pf = tg.pg.post_forward_mesh_info
-    if tg.has_extensions:
-        return  # FSDP2 has no post-forward form of the extension protocol (extensions.py)
+    if tg.has_extensions or any(tg.shard_dims):
+        return  # FSDP2 has no post-forward form of the extension protocol (extensions.py); a
+        # Shard(k > 0) post-forward shard is cut from dim 0 (its re-gathers are handed back)
     if pf is None or pf.shard_process_group.size() in (1, tg.world):
         return
     ranks = dist.get_process_group_ranks(pf.shard_process_group)

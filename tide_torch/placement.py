@@ -177,6 +177,29 @@ def bind(groups: list[TideGroup], arena: Arena) -> None:
                 c.stage_offset = stage.offset + parity * half
                 for p, pl in zip(c.params, layout.params):
                     g.input_views[p] = arena.flat(c.stage_offset + pl.o, pl.e, c.ag_dtype)
+        _param_views(g, arena)
+
+
+def _param_views(g: TideGroup, arena: Arena) -> None:
+    """Per parameter, its landing (FSDPParam.all_gather_outputs[0]) and adopted resident shard:
+    its one item's views, or one view over the consecutive rows of a Shard(k > 0) parameter
+    (tide/plan.py [Note: Shard(k) as rows]). None for extension parameters (their outputs are
+    the items' landing views)."""
+    n = len(g.param_items)
+    g.param_landing, g.param_resident = [None] * n, [None] * n
+    for p, its in enumerate(g.param_items):
+        if g.extension[p]:
+            continue
+        if len(its) == 1:
+            g.param_landing[p], g.param_resident[p] = g.landing_views[its[0]], g.resident_views[its[0]]
+            continue
+        c, first = g.chunk_of(its[0]), g.local_index[its[0]]
+        layout, total = c.plan.layout, sum(g.elements[i] for i in its)
+        g.param_landing[p] = arena.view(c.unsharded_offset + layout.landing(first, 0),
+                                        layout.N * total, c.ag_dtype)
+        if c.adopts:
+            g.param_resident[p] = arena.view(c.resident_offset + layout.params[first].o, total,
+                                             c.shard_dtype)
 
 
 def region_summary(groups: list[TideGroup], arena: Arena) -> dict:

@@ -96,6 +96,7 @@ class Runtime:
             self.transport.close()
         for g in self.groups:
             g.landing_views, g.resident_views, g.input_views = [], [], []
+            g.param_landing, g.param_resident = [], []
             if at_exit:
                 g.chunks, g.sub_plans, g.rs_bound = [], {}, None
         if self.arena is not None:
