@@ -202,21 +202,44 @@ def plan_chunks(sig: GroupSignature, topo: Topology, mode: str = "in_place",
     return out
 
 
+def _cut(members: list[int], bundles: Sequence[int] | None) -> list[list[int]]:
+    """``members`` in runs of at most MAX_PARAMS, never splitting consecutive members of one
+    bundle (a bundle longer than MAX_PARAMS is cut where it must)."""
+    if bundles is None:
+        return [members[i:i + MAX_PARAMS] for i in range(0, len(members), MAX_PARAMS)]
+    runs: list[list[int]] = []
+    for m in members:
+        if runs and bundles[m] == bundles[runs[-1][-1]] and len(runs[-1]) < MAX_PARAMS:
+            runs[-1].append(m)  # the bundle continues
+        else:
+            runs.append([m])
+    pieces: list[list[int]] = []
+    for run in runs:
+        if pieces and len(pieces[-1]) + len(run) <= MAX_PARAMS:
+            pieces[-1] += run
+        else:
+            pieces.append(run)
+    return pieces
+
+
 def plan_classes(shapes: Sequence[Sequence[int]], dtypes: Sequence[tuple[str, str, str]],
                  topo: Topology, mode: str = "in_place", names: Sequence[str] = (),
+                 bundles: Sequence[int] | None = None,
                  **options: int) -> list[tuple[tuple[int, ...], Any]]:
     """A group whose parameters may differ in dtype as plans of one dtype class each:
     ``dtypes[p]`` = (ag, grad, shard) dtype names of parameter p. Each class's parameters, in
     group order, MAX_PARAMS at a time, are one plan: [(their group indices, plan)], ordered by
-    first parameter. A group of one class is plan_chunks' consecutive chunks."""
+    first parameter. A group of one class is plan_chunks' consecutive chunks. ``bundles[p]``:
+    consecutive parameters with the same bundle stay in one plan where they fit (the rows of a
+    Shard(k) parameter: [Note: Shard(k) as rows])."""
     if len(dtypes) != len(shapes):
         raise PlanError(f"dtypes: {len(dtypes)} entries for {len(shapes)} parameters")
     names = list(names) or [""] * len(shapes)
     classes: dict[tuple[str, str, str], list[int]] = {}
     for p, d in enumerate(dtypes):
         classes.setdefault(tuple(d), []).append(p)
-    pieces = sorted((members[i:i + MAX_PARAMS], cls) for cls, members in classes.items()
-                    for i in range(0, len(members), MAX_PARAMS))
+    pieces = sorted((piece, cls) for cls, members in classes.items()
+                    for piece in _cut(members, bundles))
     out = []
     for members, (ag, grad, shard) in pieces:
         sig = GroupSignature(shapes=[shapes[p] for p in members], ag_dtype=ag, grad_dtype=grad,

@@ -493,7 +493,7 @@ def _rs_chunks(tg: TideGroup, mode: str, options: dict[str, int]) -> list[Chunk]
     chunks = []
     for k, (params, plan) in enumerate(plan_classes(tg.rs_shapes, dtypes, tg.topology, mode,
                                                     names=[tg.names[p] for p, _ in tg.rs_items],
-                                                    **options)):
+                                                    bundles=[p for p, _ in tg.rs_items], **options)):
         first = tg.rs_items[params[0]][0]
         c = Chunk(k, params, plan, tg.ag_dtypes[first], tg.shard_dtypes[first])
         if c.ag_dtype != torch.float32:
@@ -528,7 +528,7 @@ def _item_chunks(tg: TideGroup, mode: str, options: dict[str, int]) -> list[Chun
                                _DTYPE_NAMES[tg.shard_dtypes[p]]))
         for sub, plan in plan_classes([tg.item_shapes[i] for i in members], dtypes, tg.topology,
                                       mode, names=[tg.names[tg.items[i][0]] for i in members],
-                                      **options):
+                                      bundles=[tg.items[i][0] for i in members], **options):
             pieces.append((tuple(members[k] for k in sub), plan, ext))
     chunks = []
     for k, (items, plan, ext) in enumerate(sorted(pieces, key=lambda x: x[0])):
