@@ -5,7 +5,8 @@ the same processes: torch's nn.RMSNorm (both modes), reshard_after_forward=2 (ba
 re-gathers over the post-forward pairs), a bf16 reduce dtype, fp16 (an fp16 all-gather, bitwise;
 an fp16 reduce dtype: within one fp16 ulp of the fp32-reduce gradients and closer to them than
 stock's fp16 NCCL ring on the whole), FSDP2 all-gather extensions (test_torch_extensions.py:
-1- and 2-byte outputs, one and two per parameter, both modes), and TP + FSDP on a dp x tp = 2 x 2
+1- and 2-byte outputs, one and two per parameter, both modes), Shard(1) (a Llama block's 2-D
+weights and a torchtitan-style MoE's 3-D experts), and TP + FSDP on a dp x tp = 2 x 2
 mesh. Every group
 served, every all-gather and reduce-scatter through TIDE, parameters bitwise equal to stock on
 exact data (bf16 reduce: gradients one rounding of the fp32 sum on per-rank data, no further
@@ -115,6 +116,30 @@ def _rows(rank, world, log_dir):
         assert_same(model, stock, f"extensions {mode}")
         done.append(f"all-gather extensions {mode} {handle.stats}")
         handle.disable()
+
+    # Shard(1): a Llama block's 2-D weights and a torchtitan-style MoE's 3-D experts, each rank's
+    # columns landing strided (tide/plan.py [Note: Shard(k) as rows]).
+    from test_torch_shard_dim import _moe_model, _moe_train, _shard1
+    stock = build(mesh=mesh, device=device, shard_placement_fn=_shard1)
+    train(stock, data, device=device)
+    model = build(mesh=mesh, device=device, shard_placement_fn=_shard1)
+    handle = tide_torch.enable(model, topology=TOPO)
+    train(model, data, device=device)
+    handle.synchronize()
+    _served_everywhere(handle, "Shard(1)")
+    assert_same(model, stock, "Shard(1)")
+    done.append(f"Shard(1) {handle.stats}")
+    handle.disable()
+    stock = _moe_model(mesh, device)
+    want = _moe_train(stock, data)
+    model = _moe_model(mesh, device)
+    handle = tide_torch.enable(model, topology=TOPO)
+    assert _moe_train(model, data) == want
+    handle.synchronize()
+    _served_everywhere(handle, "MoE Shard(1)")
+    assert_same(model, stock, "MoE Shard(1)")
+    done.append(f"MoE Shard(1) experts {handle.stats}")
+    handle.disable()
 
     mesh2 = init_device_mesh("cuda", (2, 2), mesh_dim_names=("dp", "tp"))
     stock = _tp_model(mesh2, colwise_rowwise=True, device=device)

@@ -99,11 +99,13 @@ class MoEModel(nn.Module):
         return self.output(h)
 
 
-def _moe_model(mesh):
+def _moe_model(mesh, device=None):
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from torch.distributed.tensor import Shard
     torch.manual_seed(0)
     model = MoEModel()
+    if device is not None:
+        model = model.to(device)
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for layer in model.layers:
         fully_shard(layer, mesh=mesh, mp_policy=mp,
@@ -115,7 +117,9 @@ def _moe_model(mesh):
 def _moe_train(model, data):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     losses = []
+    device = next(model.parameters()).device
     for tokens in data:
+        tokens = tokens.to(device)
         logits = model(tokens[:, :-1])
         loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
         loss.backward()
