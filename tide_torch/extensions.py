@@ -27,7 +27,8 @@ outputs against the plan and hands a call that differs to stock FSDP2.
 
 The reduce-scatter is over the original parameters: gradients of the unsharded parameters
 (bf16 under a bf16 policy) reduce through TIDE-RS into fp32 shards, planned per dtype class of
-the parameters (``TideGroup.rs_chunks``; reduce_scatter.py [Note: RS parts]).
+the parameters' RS items (``TideGroup.rs_chunks``; reduce_scatter.py [Note: RS parts]). An
+extension parameter is sharded on dim 0 (FSDP2's protocol has no Shard(k > 0) form here).
 
 Lifetimes. The unsharded parameter (or its inner tensors, ``_unsharded_inner_tensors``) may alias
 the landing views (torchao wraps the gathered fp8 data) or be storage of its own (a dequantized

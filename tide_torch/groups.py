@@ -48,9 +48,11 @@ part that is a whole chunk in its all-gather dtype runs on the chunk's plan. A g
 chunks (at most 256 parameters) also plans itself whole with fp32 gradients
 (``TideGroup.rs_bound``): never run, it sizes the TIDE-RS scratch and counter ranges that every
 sub-plan of the group must fit.
-A group with extension parameters has AG items instead of parameters in its chunks (one per
-pre-all-gather output, ``TideGroup.items``), and its TIDE-RS chunks over the parameters apart
-(``TideGroup.rs_chunks``; the same list when the group has no extension parameter).
+Chunks hold items: a group's AG items (``TideGroup.items``: one per parameter, one per row of a
+Shard(k > 0) parameter, tide/plan.py [Note: Shard(k) as rows]; one per pre-all-gather output of an
+extension parameter, extensions.py) and RS items (``TideGroup.rs_items``: the same without
+extensions); a group with extension parameters has its TIDE-RS chunks apart
+(``TideGroup.rs_chunks``; otherwise the same list).
 """
 from __future__ import annotations
 
