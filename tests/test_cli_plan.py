@@ -210,3 +210,25 @@ def test_memory_table_names_a_failing_topology(capsys, tmp_path):
     assert {r["nodes"] for r in ok} == {1, 2, 3, 4}
     assert all(r["tide_live_bytes"] == _expect(r["nodes"], 7, r["mode"], w_wave=2)[0]
                ["live_tide_bytes"] for r in ok)
+
+
+def test_plan_shard_dim_rows(capsys, tmp_path):
+    """--shard-dim NAME=K: a Shard(K) parameter planned as its rows (tide/plan.py [Note: Shard(k)
+    as rows]), with where each rank's columns land; the fp8 (1-byte) layout beside it."""
+    path = tmp_path / "moe.json"
+    path.write_text(json.dumps({"router": [8, 64], "w1": [4, 32, 64], "w2": [4, 64, 32]}))
+    rc, out, err = _run(capsys, "plan", "--shapes", str(path), "--nodes", "2", "--gpus-per-node", "2",
+                        "--shard-dim", "w1=1", "--shard-dim", "w2=1")
+    assert rc == 0, err
+    # w1: 4 rows of (4, 8 * 64) bf16 items: s = 1024 B, each row's 4 ranks' columns 4096 B apart.
+    assert re.search(r"Shard\(1\) w1 \(4, 32, 64\): 4 rows = params 1\.\.4 of \(4, 512\); rank r's "
+                     r"columns of row a land at 1024 \+ a\*4096 \+ r\*1024", out), out
+    assert "w2[3]" in out and "Layout (P=9)" in out
+    rc, out, err = _run(capsys, "plan", "--shapes", str(path), "--nodes", "2", "--gpus-per-node", "2",
+                        "--dtype", "float8_e4m3fn", "--shard-dim", "w1=1")
+    assert rc == 0 and "ag uint8" in out and "Layout (P=6)" in out, err
+    rc, out, err = _run(capsys, "plan", "--shapes", str(path), "--shard-dim", "w9=1")
+    assert rc == 2 and "--shard-dim w9=1: expected NAME=K" in err
+    rc, out, err = _run(capsys, "plan", "--shapes", str(path), "--nodes", "2", "--gpus-per-node", "3",
+                        "--shard-dim", "w1=1")
+    assert rc == 2 and "does not divide by 6 ranks" in err

@@ -4,7 +4,10 @@ transport; a node's two ranks reach each other's arenas by CUDA IPC), each again
 the same processes: torch's nn.RMSNorm (both modes), reshard_after_forward=2 (backward's
 re-gathers over the post-forward pairs), a bf16 reduce dtype, fp16 (an fp16 all-gather, bitwise;
 an fp16 reduce dtype: within one fp16 ulp of the fp32-reduce gradients and closer to them than
-stock's fp16 NCCL ring on the whole), and TP + FSDP on a dp x tp = 2 x 2 mesh. Every group
+stock's fp16 NCCL ring on the whole), FSDP2 all-gather extensions (test_torch_extensions.py:
+1- and 2-byte outputs, one and two per parameter, both modes), Shard(1) (a Llama block's 2-D
+weights and a torchtitan-style MoE's 3-D experts), and TP + FSDP on a dp x tp = 2 x 2
+mesh. Every group
 served, every all-gather and reduce-scatter through TIDE, parameters bitwise equal to stock on
 exact data (bf16 reduce: gradients one rounding of the fp32 sum on per-rank data, no further
 from the fp32 reference than stock's bf16 NCCL ring). Correctness and overheads on emulated
@@ -96,6 +99,46 @@ def _rows(rank, world, log_dir):
     _served_everywhere(handle, "fp16 reduce")
     check_fp16_reduce(got, stock_g, ref)
     done.append(f"fp16 reduce {handle.stats} one rounding of the fp32 sum, not")
+    handle.disable()
+
+    # FSDP2 all-gather extensions (fp8 / bf16 / fp8 + row scales / bf16 pairs; 1- and 5-argument
+    # forms): every pre-all-gather output lands where fsdp_post_all_gather reads it.
+    from test_torch_extensions import build_encoded
+    stock = build_encoded(mesh, device=device)
+    train(stock, data, device=device)
+    for mode in ("in_place", "slot_reuse"):
+        model = build_encoded(mesh, device=device)
+        handle = tide_torch.enable(model, mode=mode, topology=TOPO)
+        train(model, data, device=device)
+        handle.synchronize()
+        _served_everywhere(handle, f"extensions {mode}")
+        assert all(got == planned for planned, got in handle.landings().values()), mode
+        assert_same(model, stock, f"extensions {mode}")
+        done.append(f"all-gather extensions {mode} {handle.stats}")
+        handle.disable()
+
+    # Shard(1): a Llama block's 2-D weights and a torchtitan-style MoE's 3-D experts, each rank's
+    # columns landing strided (tide/plan.py [Note: Shard(k) as rows]).
+    from test_torch_shard_dim import _moe_model, _moe_train, _shard1
+    stock = build(mesh=mesh, device=device, shard_placement_fn=_shard1)
+    train(stock, data, device=device)
+    model = build(mesh=mesh, device=device, shard_placement_fn=_shard1)
+    handle = tide_torch.enable(model, topology=TOPO)
+    train(model, data, device=device)
+    handle.synchronize()
+    _served_everywhere(handle, "Shard(1)")
+    assert_same(model, stock, "Shard(1)")
+    done.append(f"Shard(1) {handle.stats}")
+    handle.disable()
+    stock = _moe_model(mesh, device)
+    want = _moe_train(stock, data)
+    model = _moe_model(mesh, device)
+    handle = tide_torch.enable(model, topology=TOPO)
+    assert _moe_train(model, data) == want
+    handle.synchronize()
+    _served_everywhere(handle, "MoE Shard(1)")
+    assert_same(model, stock, "MoE Shard(1)")
+    done.append(f"MoE Shard(1) experts {handle.stats}")
     handle.disable()
 
     mesh2 = init_device_mesh("cuda", (2, 2), mesh_dim_names=("dp", "tp"))

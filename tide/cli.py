@@ -36,6 +36,9 @@ def _add_plan_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--grad-dtype", help="gradient dtype (default --dtype; bfloat16 for "
                     "a 1-byte --dtype: uint8, float8_e4m3fn, float8_e5m2)")
     ap.add_argument("--shard-dtype", help="sharded (master) dtype; differs from --dtype = cast")
+    ap.add_argument("--shard-dim", action="append", default=[], metavar="NAME=K",
+                    help="parameter NAME (of a --shapes {name: shape} file, or its index) is "
+                    "sharded on dim K > 0 (FSDP2's Shard(K)): planned as its rows (repeatable)")
     ap.add_argument("--json", action="store_true", help="print the plan as JSON")
     ap.add_argument("--validate-all", action="store_true",
                     help="validate every base plan up to --max-nodes at --gpus-per-node")
@@ -76,6 +79,45 @@ def _signature(args: argparse.Namespace):
     if group == "largest":
         title += f" ({models.largest_group_name(args.model)})"
     return title, models.signature(args.model, group, **dt)
+
+
+def _shard_dims(sig, specs: list[str], world: int):
+    """--shard-dim NAME=K: ``sig`` with each such parameter as its rows (tide/plan.py
+    [Note: Shard(k) as rows]), and one line per parameter saying where its columns land."""
+    from tide.plan import GroupSignature, shard_rows
+    if not specs:
+        return sig, {}
+    names = [str(n) for n in sig.names] or [str(i) for i in range(len(sig.shapes))]
+    dims = {}
+    for spec in specs:
+        name, _, k = spec.rpartition("=")
+        if name not in names or not k.lstrip("-").isdigit():
+            raise ValueError(f"--shard-dim {spec}: expected NAME=K with NAME one of {names}")
+        dims[names.index(name)] = int(k)
+    shapes, out_names, where = [], [], {}
+    for p, shape in enumerate(sig.shapes):
+        if p not in dims:
+            shapes.append(shape)
+            out_names.append(names[p])
+            continue
+        rows, item = shard_rows(shape, dims[p], world)
+        where[p] = (len(shapes), rows, item, dims[p])
+        shapes += [item] * rows
+        out_names += [f"{names[p]}[{a}]" for a in range(rows)]
+    return GroupSignature(shapes=shapes, ag_dtype=sig.ag_dtype, grad_dtype=sig.grad_dtype,
+                          shard_dtype=sig.shard_dtype, names=tuple(out_names)), where
+
+
+def _shard_dim_lines(p, sig, where) -> list[str]:
+    lines = []
+    for q, (first, rows, item, dim) in where.items():
+        pl = p.layout.params[first]
+        N = p.layout.N
+        lines.append(f"Shard({dim}) {sig.names[q] if sig.names else q} {tuple(sig.shapes[q])}: "
+                     f"{rows} rows = params {first}..{first + rows - 1} of ({N}, {item[1]}); rank r's "
+                     f"columns of row a land at {p.layout.landing(first, 0)} + a*{N * pl.s} + r*{pl.s} "
+                     f"(a 2-D block: {rows} rows of {pl.s} B, pitch {N * pl.s} B)")
+    return lines
 
 
 def _ranges(values: list[int]) -> str:
@@ -176,15 +218,18 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     try:
         title, sig = _signature(args)
         opts = _plan_options(args)
-        p = tide.plan(sig, tide.Topology(args.nodes, args.gpus_per_node), mode=args.mode, **opts)
+        planned, where = _shard_dims(sig, args.shard_dim, args.nodes * args.gpus_per_node)
+        p = tide.plan(planned, tide.Topology(args.nodes, args.gpus_per_node), mode=args.mode, **opts)
     except (ValueError, OSError) as e:  # tide.PlanError is a ValueError
         print(f"tide plan: error: {e}", file=sys.stderr)
         return 2
     rows = memory_by_topology(sig, args.gpus_per_node, TABLE_NODES + (args.nodes,), **opts)
     if args.json:
-        print(json.dumps(dict(group=title, **plan_dict(p), memory_by_topology=rows), indent=1))
+        print(json.dumps(dict(group=title, **plan_dict(p), memory_by_topology=rows,
+                              shard_dims=_shard_dim_lines(p, sig, where)), indent=1))
     else:
-        print(format_plan(p, title) + "\n\n" + format_memory_table(rows))
+        print("\n".join([format_plan(p, title)] + _shard_dim_lines(p, sig, where)) + "\n\n"
+              + format_memory_table(rows))
     return 0
 
 

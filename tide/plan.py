@@ -131,6 +131,35 @@ def layout(shapes: Sequence[Sequence[int]], world: int, ag_dtype: str = "bfloat1
 
 
 MAX_PARAMS = 256  # tide::kMaxParams: the parameters one plan holds
+
+
+# [Note: Shard(k) as rows]
+# A parameter sharded on dim k > 0 over N ranks (FSDP2's Shard(k): MoE expert weights on dim 1)
+# has shape (A_0.., D_k, B..), each rank's shard being columns [r D_k/N, (r+1) D_k/N) of every
+# one of its A = prod(A_0..) rows, contiguous as (A, D_k/N, B..). Planned as A consecutive
+# dim-0 items of shape (N, c), c = (D_k/N) prod(B..) (R = 1, s = c b), item a's landing is
+#     landing(a, r) = (o_0 + a s) N + r s = o_0 N + a (N s) + r s,
+# which is exactly byte (a, r-th column block) of the row-major unsharded tensor at o_0 N: the
+# strided landing of rank r's columns, with no change to Eq. 2 and no copy. The A items' packed
+# shards (o_a = o_0 + a s) are the rank's contiguous (A, D_k/N, B..) shard, and item a's gradient
+# is row a of the unsharded gradient (N c contiguous elements), whose rank-r block is the
+# rank's reduced shard row: TIDE-RS reads the gradient in place and writes the Shard(k) shard.
+# The items must be consecutive in one plan (a face checks where it chunks).
+def shard_rows(shape: Sequence[int], dim: int, world: int) -> tuple[int, tuple[int, int]]:
+    """(A, item shape (N, c)) of a parameter of ``shape`` sharded on ``dim`` over ``world`` ranks
+    ([Note: Shard(k) as rows]); raises PlanError unless ``shape[dim]`` divides by ``world``."""
+    shape = [_as_int(d, f"shape[{i}]") for i, d in enumerate(shape)]
+    if not 0 < dim < len(shape):
+        raise PlanError(f"shard dim {dim}: expected 1..{len(shape) - 1} for shape {tuple(shape)}")
+    if shape[dim] % world:
+        raise PlanError(f"shard dim {dim}: {shape[dim]} does not divide by {world} ranks")
+    rows = 1
+    for d in shape[:dim]:
+        rows *= d
+    cols = shape[dim] // world
+    for d in shape[dim + 1:]:
+        cols *= d
+    return rows, (world, cols)
 RS_SCRATCH = ("staging", "outbox", "inbox", "spare")  # TIDE-RS regions groups of one arena share
 
 
@@ -173,21 +202,44 @@ def plan_chunks(sig: GroupSignature, topo: Topology, mode: str = "in_place",
     return out
 
 
+def _cut(members: list[int], bundles: Sequence[int] | None) -> list[list[int]]:
+    """``members`` in runs of at most MAX_PARAMS, never splitting consecutive members of one
+    bundle (a bundle longer than MAX_PARAMS is cut where it must)."""
+    if bundles is None:
+        return [members[i:i + MAX_PARAMS] for i in range(0, len(members), MAX_PARAMS)]
+    runs: list[list[int]] = []
+    for m in members:
+        if runs and bundles[m] == bundles[runs[-1][-1]] and len(runs[-1]) < MAX_PARAMS:
+            runs[-1].append(m)  # the bundle continues
+        else:
+            runs.append([m])
+    pieces: list[list[int]] = []
+    for run in runs:
+        if pieces and len(pieces[-1]) + len(run) <= MAX_PARAMS:
+            pieces[-1] += run
+        else:
+            pieces.append(run)
+    return pieces
+
+
 def plan_classes(shapes: Sequence[Sequence[int]], dtypes: Sequence[tuple[str, str, str]],
                  topo: Topology, mode: str = "in_place", names: Sequence[str] = (),
+                 bundles: Sequence[int] | None = None,
                  **options: int) -> list[tuple[tuple[int, ...], Any]]:
     """A group whose parameters may differ in dtype as plans of one dtype class each:
     ``dtypes[p]`` = (ag, grad, shard) dtype names of parameter p. Each class's parameters, in
     group order, MAX_PARAMS at a time, are one plan: [(their group indices, plan)], ordered by
-    first parameter. A group of one class is plan_chunks' consecutive chunks."""
+    first parameter. A group of one class is plan_chunks' consecutive chunks. ``bundles[p]``:
+    consecutive parameters with the same bundle stay in one plan where they fit (the rows of a
+    Shard(k) parameter: [Note: Shard(k) as rows])."""
     if len(dtypes) != len(shapes):
         raise PlanError(f"dtypes: {len(dtypes)} entries for {len(shapes)} parameters")
     names = list(names) or [""] * len(shapes)
     classes: dict[tuple[str, str, str], list[int]] = {}
     for p, d in enumerate(dtypes):
         classes.setdefault(tuple(d), []).append(p)
-    pieces = sorted((members[i:i + MAX_PARAMS], cls) for cls, members in classes.items()
-                    for i in range(0, len(members), MAX_PARAMS))
+    pieces = sorted((piece, cls) for cls, members in classes.items()
+                    for piece in _cut(members, bundles))
     out = []
     for members, (ag, grad, shard) in pieces:
         sig = GroupSignature(shapes=[shapes[p] for p in members], ag_dtype=ag, grad_dtype=grad,

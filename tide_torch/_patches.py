@@ -310,12 +310,21 @@ def default_copy_out() -> Callable:
 
 
 def patch_param_free(fsdp_param: Any, fn: Callable) -> None:
-    """Per-instance override of FSDPParam.free_unsharded_param (undone by unpatch_param_free)."""
+    """Per-instance override of FSDPParam.free_unsharded_param, and of free_all_gather_outputs
+    where FSDP2 has it (torch 2.15 calls it right after an extension's post-all-gather): the
+    landing's arena storage is never freed (undone by unpatch_param_free)."""
     fsdp_param.free_unsharded_param = fn
+    if hasattr(type(fsdp_param), "free_all_gather_outputs"):
+        fsdp_param.free_all_gather_outputs = _keep_all_gather_outputs
+
+
+def _keep_all_gather_outputs() -> None:
+    """The landing belongs to the group's ring slot until the group reshards (runtime.py)."""
 
 
 def unpatch_param_free(fsdp_param: Any) -> None:
     fsdp_param.__dict__.pop("free_unsharded_param", None)
+    fsdp_param.__dict__.pop("free_all_gather_outputs", None)
     fsdp_param.__dict__.pop("init_all_gather_outputs", None)
 
 

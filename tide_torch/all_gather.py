@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch.distributed.device_mesh import _get_device_handle
 
-from tide_torch import _patches
+from tide_torch import _patches, extensions
 
 # id(FSDPParamGroup.fsdp_params) -> TideGroup. The list object is the group's identity in the
 # calls FSDP2 makes to foreach_all_gather / foreach_all_gather_copy_out.
@@ -73,9 +73,13 @@ def foreach_all_gather(fsdp_params, group, async_op, all_gather_copy_in_stream,
         post_forward = group.size() != tg.world
         inputs = None if not landed else (
             [fp._sharded_post_forward_param_data for fp in fsdp_params] if post_forward
-            else _all_gather_inputs(tg))
-    if not landed:  # tg has moved to its own storage (placement.py, [Note: ring depth])
+            else _all_gather_inputs(tg, all_gather_stream))
+    if isinstance(inputs, str):  # pre-all-gather outputs that differ from the plan
+        rt.hand_back(tg, "ag", inputs)
+        landed = False
+    elif not landed:  # tg has moved to its own storage (placement.py, [Note: ring depth])
         rt.hand_back(tg, "ag", tg.ag_stock_reason)
+    if not landed:
         return _patches.stock(_patches._pg, "foreach_all_gather")(
             fsdp_params, group, async_op, all_gather_copy_in_stream, all_gather_stream, device,
             all_gather_comm)
@@ -93,31 +97,51 @@ def foreach_all_gather(fsdp_params, group, async_op, all_gather_copy_in_stream,
         event = all_gather_stream.record_event()
         rt.stats["ag_tide"] += 1
         rt.stats["ag_post_forward"] += post_forward
-        numels = [[e] for e in tg.elements]
+        # Per parameter, its items' (pre-all-gather outputs') dtypes and numels, as FSDP2's.
         return TideAllGatherResult(
             all_gather_output=landings[0],
             all_gather_event=event,
             all_gather_work=None,
-            param_all_gather_input_dtypes=[[d] for d in tg.ag_dtypes],
-            param_all_gather_input_numels=numels,
-            all_gather_input_split_sizes=[n[0] for n in numels],
+            param_all_gather_input_dtypes=[[tg.item_dtypes[i] for i in its] if ext
+                                           else [tg.item_dtypes[its[0]]]
+                                           for its, ext in zip(tg.param_items, tg.extension)],
+            param_all_gather_input_numels=[[tg.elements[i] for i in its] if ext
+                                           else [sum(tg.elements[i] for i in its)]
+                                           for its, ext in zip(tg.param_items, tg.extension)],
+            all_gather_input_split_sizes=list(tg.elements),
         )
 
 
-def _all_gather_inputs(tg: Any) -> list[torch.Tensor]:
-    """Per parameter: its adopted resident shard, or (mixed precision: a casting chunk) its fp32
-    master shard, which the transport casts into the chunk's receive-stage slot (TIDE-AG's CAST
-    op) instead of FSDP2's fresh copy-in buffer."""
+def _all_gather_inputs(tg: Any, all_gather_stream: Any) -> list[torch.Tensor] | str:
+    """Per AG item: a plain parameter's adopted resident shard, or (mixed precision: a casting
+    chunk) its fp32 master shard, which the transport casts into the chunk's receive-stage slot
+    (TIDE-AG's CAST op) instead of FSDP2's fresh copy-in buffer; an extension parameter's
+    pre-all-gather outputs, read where they are (extensions.py [Note: all-gather extensions]).
+    A string: why this call's pre-all-gather outputs differ from the plan."""
     fsdp_params = tg.pg.fsdp_params
-    inputs = []
+    inputs: list[Any] = [None] * len(tg.items)
     for p, fp in enumerate(fsdp_params):
-        resident = tg.resident_views[p]
-        if resident is None:
-            inputs.append(fp._sharded_param_data)
+        i = tg.param_items[p][0]
+        if tg.extension[p]:
+            outputs = extensions.gather_inputs(tg, p, fp)
+            if isinstance(outputs, str):
+                return outputs
+            for i, t in zip(tg.param_items[p], outputs):
+                if t.device.type == "cuda":  # fresh tensors of the copy-in stream, read on the AG stream
+                    t.record_stream(all_gather_stream)
+                inputs[i] = t
             continue
-        if fp._sharded_param_data.data_ptr() != resident.data_ptr():
+        its = tg.param_items[p]
+        resident = tg.param_resident[p]
+        if resident is not None and fp._sharded_param_data.data_ptr() != resident.data_ptr():
             adopt_shard(tg, p)  # e.g. after load_state_dict(assign=True)
-        inputs.append(resident)
+        shard = fp._sharded_param_data if resident is None else resident
+        if len(its) == 1:
+            inputs[i] = shard
+            continue
+        # A Shard(k > 0) parameter: its shard's rows, one per item (tide/plan.py [Note: Shard(k) as rows]).
+        for i, row in zip(its, shard.view(len(its), -1)):
+            inputs[i] = row
     return inputs
 
 
@@ -126,24 +150,26 @@ def adopt_shard(tg: Any, p: int) -> None:
     """§3.1 in-place shard adoption: copy the padded shard into the resident region once and
     repoint the sharded parameter's data and its DTensor local view (zero-offset views)."""
     fp = tg.pg.fsdp_params[p]
-    resident = tg.resident_views[p]
+    resident = tg.param_resident[p]
     resident.copy_(fp._sharded_param_data)
     fp._sharded_param_data = resident
-    local = fp.sharded_param._local_tensor
-    length = local.size(0)
-    fp.sharded_param._local_tensor = resident.view(fp.padded_sharded_param_size).narrow(0, 0, length)
+    dim = fp.fsdp_placement.dim
+    length = fp.sharded_param._local_tensor.size(dim)
+    fp.sharded_param._local_tensor = resident.view(fp.padded_sharded_param_size).narrow(dim, 0, length)
 
 
 @torch.no_grad()
 def unadopt_shard(tg: Any, p: int) -> None:
     """Moves an adopted shard back into a private tensor (disable())."""
     fp = tg.pg.fsdp_params[p]
-    if tg.resident_views[p] is None or fp._sharded_param_data.data_ptr() != tg.resident_views[p].data_ptr():
+    resident = tg.param_resident[p] if tg.param_resident else None
+    if resident is None or fp._sharded_param_data.data_ptr() != resident.data_ptr():
         return
     own = fp._sharded_param_data.clone()
-    length = fp.sharded_param._local_tensor.size(0)
+    dim = fp.fsdp_placement.dim
+    length = fp.sharded_param._local_tensor.size(dim)
     fp._sharded_param_data = own
-    fp.sharded_param._local_tensor = own.view(fp.padded_sharded_param_size).narrow(0, 0, length)
+    fp.sharded_param._local_tensor = own.view(fp.padded_sharded_param_size).narrow(dim, 0, length)
 
 
 def release_landing(tg: Any) -> None:
@@ -153,6 +179,7 @@ def release_landing(tg: Any) -> None:
     for fp in tg.pg.fsdp_params:
         _patches.unpatch_param_free(fp)
         fp.all_gather_outputs = []
+        fp._unsharded_inner_tensors = []  # an extension's may alias the landing
         if hasattr(fp, "_unsharded_param"):
             del fp._unsharded_param
 

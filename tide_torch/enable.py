@@ -97,15 +97,23 @@ class TideHandle:
 
     def landings(self) -> dict[str, tuple[int, int | None]]:
         """Parameter FQN -> (planned landing address, unsharded parameter's data_ptr or None
-        before its first all-gather)."""
+        before its first all-gather). An extension parameter's pre-all-gather output j is
+        ``FQN#j`` -> (its planned landing, its all-gather output's data_ptr): its unsharded
+        parameter is what ``fsdp_post_all_gather`` built over them (tide_torch/extensions.py)."""
         out = {}
         for g in self._groups:
             if not g.eligible:
                 continue
             for p, fp in enumerate(g.pg.fsdp_params):
                 name = fp._param_fqn or f"{g.fqn}[{p}]"
+                if g.extension[p]:
+                    for j, i in enumerate(g.param_items[p]):
+                        outs = fp.all_gather_outputs
+                        out[f"{name}#{j}"] = (g.landing_address(i),
+                                              outs[j].data_ptr() if j < len(outs) else None)
+                    continue
                 got = fp._unsharded_param.data_ptr() if hasattr(fp, "_unsharded_param") else None
-                out[name] = (g.landing_address(p), got)
+                out[name] = (g.landing_address(g.param_items[p][0]), got)
         return out
 
     def synchronize(self) -> None:
@@ -455,11 +463,12 @@ def _activate(g: TideGroup) -> None:
         if hasattr(fp, "_unsharded_param"):
             # Built by an earlier stock all-gather: FSDP2 rebuilds it over the landing view.
             del fp._unsharded_param
-        fp.all_gather_outputs = [g.landing_views[p]]
+        fp.all_gather_outputs = ([g.landing_views[i] for i in g.param_items[p]] if g.extension[p]
+                                 else [g.param_landing[p]])
         _patches.patch_param_free(fp, free_in_arena(g, p))
         if g.world == 1:  # See [Note: world 1] in groups.py
             _patches.patch_param_init_outputs(fp, all_gather.init_outputs_at_world_1(g, p))
-        if g.resident_views[p] is not None:  # its chunk adopts its shards
+        if g.param_resident[p] is not None:  # its chunk adopts its shards
             all_gather.adopt_shard(g, p)
     g.pg._reduce_scatter_comm = reduce_scatter.TideReduceScatter(g, g.pg._reduce_scatter_comm)
     if _patches.copy_out_seam():

@@ -2,8 +2,9 @@
 
 A group is served by TIDE when it meets the TIDE contract (paper §2, fsdp2.md): dim-0 sharding
 over more than one rank (or a single-rank job, see [Note: world 1]), plain tensors or DTensor
-(tensor-parallel) parameters whose local tensors FSDP2 shards (no ``fsdp_pre_all_gather``
-extension, no CPU offload), per parameter a bf16, fp16 or fp32 all-gather dtype from a shard of
+(tensor-parallel) parameters whose local tensors FSDP2 shards, or whose local tensors implement
+FSDP2's all-gather extension (``fsdp_pre_all_gather``: its outputs are gathered, extensions.py
+[Note: all-gather extensions]), no CPU offload, per parameter a bf16, fp16 or fp32 all-gather dtype from a shard of
 the same dtype or an fp32 shard (the all-gather's CAST), a bf16, fp16 or fp32 reduce dtype, and
 a shard group whose ranks are node-major on the topology. Parameters of one group may differ in
 all of these dtypes (bf16 weights with fp32 norms, torch 2.15's per-parameter policies): the group
@@ -47,6 +48,11 @@ part that is a whole chunk in its all-gather dtype runs on the chunk's plan. A g
 chunks (at most 256 parameters) also plans itself whole with fp32 gradients
 (``TideGroup.rs_bound``): never run, it sizes the TIDE-RS scratch and counter ranges that every
 sub-plan of the group must fit.
+Chunks hold items: a group's AG items (``TideGroup.items``: one per parameter, one per row of a
+Shard(k > 0) parameter, tide/plan.py [Note: Shard(k) as rows]; one per pre-all-gather output of an
+extension parameter, extensions.py) and RS items (``TideGroup.rs_items``: the same without
+extensions); a group with extension parameters has its TIDE-RS chunks apart
+(``TideGroup.rs_chunks``; otherwise the same list).
 """
 from __future__ import annotations
 
@@ -61,8 +67,8 @@ import torch.nn as nn
 import tide
 from tide import env
 from tide import ranks as ranks_
-from tide.plan import MAX_PARAMS, RS_SCRATCH, plan_classes, plan_fitting, regather_plan
-from tide_torch import _patches
+from tide.plan import MAX_PARAMS, RS_SCRATCH, plan_classes, plan_fitting, regather_plan, shard_rows
+from tide_torch import _patches, extensions
 
 logger = logging.getLogger("tide_torch")
 
@@ -91,10 +97,12 @@ class Chunk:
     """Parameters of one dtype class of a group, with one plan (see [Note: chunks])."""
 
     index: int                     # position among the group's chunks
-    params: tuple[int, ...]        # its parameters' group indices, ascending
+    params: tuple[int, ...]        # its AG items' indices, ascending (item p is parameter p in a
+                                   # group without extensions; an RS chunk's: parameters)
     plan: Any                      # tide Plan
     ag_dtype: torch.dtype = torch.bfloat16     # its all-gather (unsharded) dtype
     shard_dtype: torch.dtype = torch.bfloat16  # its sharded (master) dtype
+    extension: bool = False        # pre-all-gather outputs (extensions.py [Note: all-gather extensions])
     plan_fp32_grads: Any = None    # the same parameters, fp32 gradients
     plan_post_forward: Any = None  # the post-forward re-gather's plan ([Note: post-forward mesh])
     unsharded_offset: int = -1     # arena byte offset of its parameter-major landing buffer
@@ -107,7 +115,7 @@ class Chunk:
 
     @property
     def adopts(self) -> bool:
-        return not self.casts
+        return not self.casts and not self.extension
 
     @property
     def label(self) -> str:
@@ -141,10 +149,27 @@ class TideGroup:
     topology: tide.Topology | None = None
     ag_dtypes: list[torch.dtype] = field(default_factory=list)     # per parameter: all-gather
     shard_dtypes: list[torch.dtype] = field(default_factory=list)  # per parameter: sharded (master)
-    shapes: list[tuple[int, ...]] = field(default_factory=list)
-    chunk_index: list[int] = field(default_factory=list)  # per parameter: its chunk
-    local_index: list[int] = field(default_factory=list)  # per parameter: its index in its chunk's plan
+    shapes: list[tuple[int, ...]] = field(default_factory=list)       # per parameter
+    item_shapes: list[tuple[int, ...]] = field(default_factory=list)  # per AG item (planned)
+    chunk_index: list[int] = field(default_factory=list)  # per AG item: its chunk
+    local_index: list[int] = field(default_factory=list)  # per AG item: its index in its chunk's plan
     rs_bound: Any = None           # the whole group's fp32-gradient plan when it has several chunks
+    # AG items (extensions.py [Note: all-gather extensions]): one per parameter, or one per
+    # pre-all-gather output of an extension parameter.
+    items: list[tuple[int, int]] = field(default_factory=list)     # item -> (parameter, output)
+    param_items: list[list[int]] = field(default_factory=list)     # parameter -> its items
+    item_dtypes: list[torch.dtype] = field(default_factory=list)   # per item: its landing dtype
+    extension: list[bool] = field(default_factory=list)            # per parameter
+    shard_dims: list[int] = field(default_factory=list)            # per parameter: FSDP2's Shard(k)
+    # RS items: one per parameter, or one per row of a Shard(k > 0) parameter (tide/plan.py
+    # [Note: Shard(k) as rows]); a plain parameter's AG items are its RS items.
+    rs_items: list[tuple[int, int]] = field(default_factory=list)  # item -> (parameter, row)
+    param_rs_items: list[list[int]] = field(default_factory=list)
+    rs_shapes: list[tuple[int, ...]] = field(default_factory=list)
+    rs_elements: list[int] = field(default_factory=list)
+    rs_chunks: list[Chunk] = field(default_factory=list)  # TIDE-RS plans over the RS items
+    rs_chunk_index: list[int] = field(default_factory=list)
+    rs_local_index: list[int] = field(default_factory=list)
     # Placement (filled by placement.py)
     slot: str = ""                 # "ring0", "ring1" or "fixed"
     ring_index: int = -1
@@ -152,11 +177,13 @@ class TideGroup:
     landing_views: list[torch.Tensor] = field(default_factory=list)
     input_views: list[torch.Tensor] = field(default_factory=list)
     resident_views: list[torch.Tensor] = field(default_factory=list)
+    param_landing: list[torch.Tensor] = field(default_factory=list)   # per parameter (not extensions)
+    param_resident: list[torch.Tensor] = field(default_factory=list)  # per parameter (None: not adopted)
     runtime: Any = None
     previous_copy_out: Any = None  # the group's FSDP2 copy-out seam before TIDE (where it has one)
     counter_bases: dict[str, int] = field(default_factory=dict)  # Chunk.key(...) or "sub<k>" -> first counter
     post_forward_ranks: list[int] = field(default_factory=list)  # reshard_after_forward=int's group
-    elements: list[int] = field(default_factory=list)        # e_p: padded shard elements per parameter
+    elements: list[int] = field(default_factory=list)        # e: padded shard elements per AG item
     # TIDE-RS parts (reduce_scatter.py, [Note: RS parts])
     mode: str = "in_place"
     plan_options: dict[str, int] = field(default_factory=dict)
@@ -181,16 +208,33 @@ class TideGroup:
         return sum(c.plan.layout.S * c.plan.layout.N for c in self.chunks)
 
     def fall_back(self, reason: str) -> None:
-        self.fallback, self.chunks, self.rs_bound = reason, [], None
+        self.fallback, self.chunks, self.rs_chunks, self.rs_bound = reason, [], [], None
 
-    def set_chunks(self, chunks: list[Chunk]) -> None:
-        """Its chunks, and each parameter's chunk and index in that chunk's plan."""
+    @property
+    def has_extensions(self) -> bool:
+        return any(self.extension)
+
+    def set_chunks(self, chunks: list[Chunk], rs_chunks: list[Chunk] | None = None) -> None:
+        """Its AG chunks (over items) and RS chunks (over parameters; the same list in a group
+        without extensions), and each item's / parameter's chunk and index in its plan."""
         self.chunks = chunks
-        n = sum(len(c.params) for c in chunks)
-        self.chunk_index, self.local_index = [0] * n, [0] * n
-        for c in chunks:
-            for i, p in enumerate(c.params):
-                self.chunk_index[p], self.local_index[p] = c.index, i
+        self.rs_chunks = chunks if rs_chunks is None else rs_chunks
+
+        def index(cs):
+            n = sum(len(c.params) for c in cs)
+            which, local = [0] * n, [0] * n
+            for c in cs:
+                for i, p in enumerate(c.params):
+                    which[p], local[p] = c.index, i
+            return which, local
+        self.chunk_index, self.local_index = index(chunks)
+        self.rs_chunk_index, self.rs_local_index = index(self.rs_chunks)
+        if not self.items:  # dim-0 parameters without extensions: item p is parameter p
+            n = len(self.chunk_index)
+            self.items, self.param_items = [(p, 0) for p in range(n)], [[p] for p in range(n)]
+            self.rs_items, self.param_rs_items = list(self.items), [[p] for p in range(n)]
+            self.extension, self.shard_dims = [False] * n, [0] * n
+            self.item_dtypes = [self.chunk_of(p).ag_dtype for p in range(n)]
 
     @property
     def status(self) -> str:
@@ -199,18 +243,24 @@ class TideGroup:
             return "stock"
         hashes = "/".join(f"{c.plan.hash:016x}" + (f"+{c.plan_fp32_grads.hash:016x}"
                                                     if c.plan_fp32_grads is not None else "")
-                          for c in self.chunks)
+                          for c in self.chunks + ([] if self.rs_chunks is self.chunks
+                                                  else self.rs_chunks))
         return f"tide:{hashes}:{self.slot}"
 
-    def chunk_of(self, p: int) -> Chunk:
-        return self.chunks[self.chunk_index[p]]
+    def chunk_of(self, i: int) -> Chunk:
+        """AG item i's chunk."""
+        return self.chunks[self.chunk_index[i]]
+
+    def rs_chunk_of(self, i: int) -> Chunk:
+        """RS item i's TIDE-RS chunk."""
+        return self.rs_chunks[self.rs_chunk_index[i]]
 
     def rs_plan(self, params: tuple[int, ...], dtype: torch.dtype) -> tuple[Any, str]:
-        """The TIDE-RS plan and session key for gradients of ``params`` (group indices, in
-        FSDP2's packing order) in ``dtype``; see [Note: RS parts] in reduce_scatter.py. Raises
+        """The TIDE-RS plan and session key for gradients of ``params`` (RS items, in FSDP2's
+        packing order) in ``dtype``; see [Note: RS parts] in reduce_scatter.py. Raises
         reduce_scatter.HandBack when no plan can serve them."""
         from tide_torch.reduce_scatter import HandBack
-        chunk = self.chunk_of(params[0])
+        chunk = self.rs_chunk_of(params[0])
         if params == chunk.params:
             if dtype == chunk.ag_dtype:
                 return chunk.plan, chunk.key("rs")
@@ -224,9 +274,9 @@ class TideGroup:
             raise HandBack(f"{dtype} gradients (TIDE-RS reads bf16, fp16 or fp32)")
         # A sub-plan only reduces: any valid (all-gather, shard) pair serves, its first chunk's.
         sig = tide.GroupSignature(
-            shapes=[self.shapes[p] for p in params], ag_dtype=_DTYPE_NAMES[chunk.ag_dtype],
+            shapes=[self.rs_shapes[i] for i in params], ag_dtype=_DTYPE_NAMES[chunk.ag_dtype],
             grad_dtype=_DTYPE_NAMES[dtype], shard_dtype=_DTYPE_NAMES[chunk.shard_dtype],
-            names=tuple(self.names[p] for p in params))
+            names=tuple(self.names[self.rs_items[i][0]] for i in params))
         regions = {n: self.runtime.arena.region(n).nbytes for n in RS_SCRATCH}
         try:
             plan = plan_fitting(sig, self.topology, self.mode, self.plan_options,
@@ -242,10 +292,10 @@ class TideGroup:
         self.sub_plans[key] = (plan, which)
         return plan, which
 
-    def landing_address(self, p: int) -> int:
-        """Planned address of parameter p's unsharded data (rank 0's landing of p, Eq. 2)."""
-        c = self.chunk_of(p)
-        return self.runtime.arena.base_ptr + c.unsharded_offset + c.plan.layout.landing(self.local_index[p], 0)
+    def landing_address(self, i: int) -> int:
+        """Planned address of AG item i's unsharded data (rank 0's landing of i, Eq. 2)."""
+        c = self.chunk_of(i)
+        return self.runtime.arena.base_ptr + c.unsharded_offset + c.plan.layout.landing(self.local_index[i], 0)
 
 
 def find_groups(model: nn.Module) -> list[TideGroup]:
@@ -312,10 +362,10 @@ def _why_not(tg: TideGroup, names: dict[int, str]) -> str | None:
         return "shard world size 1 inside a larger job"
     for fp in fsdp_params:
         who = names.get(id(fp.sharded_param), "?")
-        if fp.fsdp_placement.dim != 0:
-            return f"{who}: Shard({fp.fsdp_placement.dim}) placement"
-        if hasattr(fp._sharded_local_tensor, "fsdp_pre_all_gather"):
-            return f"{who}: fsdp_pre_all_gather extension"
+        if fp.fsdp_placement.dim != 0 and tg.world == 1:
+            return f"{who}: Shard({fp.fsdp_placement.dim}) placement in a single-rank job"
+        if extensions.has_extension(fp) and tg.world == 1:
+            return f"{who}: fsdp_pre_all_gather extension in a single-rank job"
         if fp.offload_to_cpu:
             return "CPU offload"  # See docs/fallbacks.md
     # Per parameter, the mixed-precision policy as FSDP2 resolved it (every revision keeps it on
@@ -355,41 +405,139 @@ def plan_group(tg: TideGroup, topo: tide.Topology, mode: str, options: dict[str,
         tg.param_index = {id(fp): p for p, fp in enumerate(fsdp_params)}
         tg.shard_numels = [fp.padded_sharded_param_size.numel() for fp in fsdp_params]
         tg.mode, tg.plan_options = mode, dict(options)
-        # A chunk's gradients are planned in its all-gather dtype (what autograd produces).
-        dtypes = [(_DTYPE_NAMES[a], _DTYPE_NAMES[a], _DTYPE_NAMES[s])
-                  for a, s in zip(tg.ag_dtypes, tg.shard_dtypes)]
+        reason = _find_items(tg)
+    if reason is None:
         try:
-            chunks = []
-            for k, (params, plan) in enumerate(plan_classes(tg.shapes, dtypes, tg.topology, mode,
-                                                            names=tg.names, **options)):
-                c = Chunk(k, params, plan, tg.ag_dtypes[params[0]], tg.shard_dtypes[params[0]])
-                if c.ag_dtype != torch.float32:
-                    # fp32 gradients (accumulated without sync in an fp32 reduce dtype, or what
-                    # autograd produces for fp32-computed parameters) keep TIDE-RS through a
-                    # second plan; it also sizes the TIDE-RS scratch that bounds every sub-plan.
-                    c.plan_fp32_grads = _with_grads(plan, "float32", tg.topology, mode, options)
-                chunks.append(c)
-            tg.set_chunks(chunks)
-            if len(chunks) > 1 and len(tg.shapes) <= MAX_PARAMS:
+            rs_chunks = _rs_chunks(tg, mode, options)
+            if not tg.has_extensions:
+                tg.set_chunks(rs_chunks)
+            else:
+                tg.set_chunks(_item_chunks(tg, mode, options), rs_chunks)
+            if len(rs_chunks) > 1 and len(tg.rs_items) <= MAX_PARAMS:
                 # Sub-plans across chunks (a whole reduce-scatter of a mixed group) fit this.
-                sig = tide.GroupSignature(shapes=tg.shapes, ag_dtype=dtypes[0][0], grad_dtype="float32",
-                                          shard_dtype=dtypes[0][2], names=tuple(tg.names))
+                c0 = rs_chunks[0]
+                sig = tide.GroupSignature(shapes=tg.rs_shapes, ag_dtype=_DTYPE_NAMES[c0.ag_dtype],
+                                          grad_dtype="float32", shard_dtype=_DTYPE_NAMES[c0.shard_dtype],
+                                          names=tuple(tg.names[p] for p, _ in tg.rs_items))
                 tg.rs_bound = tide.plan(sig, tg.topology, mode=mode, **options)
         except tide.PlanError as e:
             reason = f"plan: {e}"
         else:
-            tg.elements = [tg.chunk_of(p).plan.layout.params[tg.local_index[p]].e
-                           for p in range(len(tg.shapes))]
-            for p, fp in enumerate(fsdp_params):
-                R = tg.chunk_of(p).plan.layout.params[tg.local_index[p]].R
-                if fp.padded_sharded_param_size[0] != R:
-                    reason = (f"{names.get(id(fp.sharded_param), p)}: FSDP2 pads to "
-                              f"{fp.padded_sharded_param_size[0]} rows, the plan to {R}")
-                    break
+            tg.elements = [tg.chunk_of(i).plan.layout.params[tg.local_index[i]].e
+                           for i in range(len(tg.items))]
+            tg.rs_elements = [tg.rs_chunk_of(i).plan.layout.params[tg.rs_local_index[i]].e
+                              for i in range(len(tg.rs_items))]
+            reason = _check_rows(tg, names)
     if reason is None:
         _plan_post_forward(tg, topo, mode, options)
     if reason is not None:
         tg.fall_back(reason)
+
+
+def _find_items(tg: TideGroup) -> str | None:
+    """tg's RS items (one per parameter, one per row of a Shard(k > 0) parameter: tide/plan.py
+    [Note: Shard(k) as rows]) and AG items (a plain parameter's RS items; one per pre-all-gather
+    output of an extension parameter: extensions.py [Note: all-gather extensions]); or why tg is
+    not served."""
+    tg.items, tg.param_items, tg.item_dtypes, tg.extension = [], [], [], []
+    tg.item_shapes, tg.shard_dims = [], []
+    tg.rs_items, tg.param_rs_items, tg.rs_shapes = [], [], []
+    for p, fp in enumerate(tg.pg.fsdp_params):
+        dim = fp.fsdp_placement.dim
+        rows, shape = 1, tg.shapes[p]
+        if dim:
+            try:
+                rows, shape = shard_rows(tg.shapes[p], dim, tg.world)
+            except tide.PlanError as e:
+                return f"{tg.names[p] or p}: Shard({dim}): {e}"
+        tg.shard_dims.append(dim)
+        tg.param_rs_items.append(list(range(len(tg.rs_items), len(tg.rs_items) + rows)))
+        tg.rs_items += [(p, a) for a in range(rows)]
+        tg.rs_shapes += [shape] * rows
+        ext = extensions.has_extension(fp)
+        got = extensions.probe(fp, tg.world) if ext else ([shape] * rows, [tg.ag_dtypes[p]] * rows)
+        if isinstance(got, str):
+            return f"{tg.names[p] or p}: {got}"
+        tg.extension.append(ext)
+        tg.param_items.append(list(range(len(tg.items), len(tg.items) + len(got[0]))))
+        for j, (shape, dtype) in enumerate(zip(*got)):
+            tg.items.append((p, j))
+            tg.item_shapes.append(shape)
+            tg.item_dtypes.append(dtype)
+    return None
+
+
+def _check_rows(tg: TideGroup, names: dict[int, str]) -> str | None:
+    """FSDP2's padding is the plan's (dim-0 parameters), and a Shard(k > 0) parameter's rows are
+    consecutive items of one AG plan (tide/plan.py [Note: Shard(k) as rows])."""
+    for p, fp in enumerate(tg.pg.fsdp_params):
+        who = names.get(id(fp.sharded_param), p)
+        if tg.shard_dims[p]:
+            its = tg.param_items[p]
+            if (len({tg.chunk_index[i] for i in its}) > 1
+                    or [tg.local_index[i] for i in its] != list(range(tg.local_index[its[0]],
+                                                                    tg.local_index[its[0]] + len(its)))):
+                return f"{who}: Shard({tg.shard_dims[p]}): its {len(its)} rows straddle two plans"
+            continue
+        i = tg.param_rs_items[p][0]
+        R = tg.rs_chunk_of(i).plan.layout.params[tg.rs_local_index[i]].R
+        if fp.padded_sharded_param_size[0] != R:
+            return f"{who}: FSDP2 pads to {fp.padded_sharded_param_size[0]} rows, the plan to {R}"
+    return None
+
+
+def _rs_chunks(tg: TideGroup, mode: str, options: dict[str, int]) -> list[Chunk]:
+    """Plans over the RS items, one per dtype class ([Note: chunks]): a group's AG and RS
+    chunks, or only its RS chunks when it has extension parameters."""
+    # A chunk's gradients are planned in its all-gather dtype (what autograd produces).
+    dtypes = [(_DTYPE_NAMES[tg.ag_dtypes[p]], _DTYPE_NAMES[tg.ag_dtypes[p]],
+               _DTYPE_NAMES[tg.shard_dtypes[p]]) for p, _ in tg.rs_items]
+    chunks = []
+    for k, (params, plan) in enumerate(plan_classes(tg.rs_shapes, dtypes, tg.topology, mode,
+                                                    names=[tg.names[p] for p, _ in tg.rs_items],
+                                                    bundles=[p for p, _ in tg.rs_items], **options)):
+        first = tg.rs_items[params[0]][0]
+        c = Chunk(k, params, plan, tg.ag_dtypes[first], tg.shard_dtypes[first])
+        if c.ag_dtype != torch.float32:
+            # fp32 gradients (accumulated without sync in an fp32 reduce dtype, or what
+            # autograd produces for fp32-computed parameters) keep TIDE-RS through a
+            # second plan; it also sizes the TIDE-RS scratch that bounds every sub-plan.
+            c.plan_fp32_grads = _with_grads(plan, "float32", tg.topology, mode, options)
+        chunks.append(c)
+    return chunks
+
+
+def _item_chunks(tg: TideGroup, mode: str, options: dict[str, int]) -> list[Chunk]:
+    """AG plans over the items of a group with extension parameters: plain parameters' items in
+    their dtype classes as always, pre-all-gather outputs in classes of their own (read from
+    the user's buffer, never adopted nor cast)."""
+    plain, outputs = [], []
+    for i, (p, _) in enumerate(tg.items):
+        (outputs if tg.extension[p] else plain).append(i)
+    pieces = []
+    for members, ext in ((plain, False), (outputs, True)):
+        if not members:
+            continue
+        dtypes = []
+        for i in members:
+            p = tg.items[i][0]
+            if ext:
+                item = extensions.item_name(tg.item_dtypes[i])
+                # 1-byte items are never gradients: the (unused) gradient dtype is bf16.
+                dtypes.append((item, "bfloat16" if item == "uint8" else item, item))
+            else:
+                dtypes.append((_DTYPE_NAMES[tg.ag_dtypes[p]], _DTYPE_NAMES[tg.ag_dtypes[p]],
+                               _DTYPE_NAMES[tg.shard_dtypes[p]]))
+        for sub, plan in plan_classes([tg.item_shapes[i] for i in members], dtypes, tg.topology,
+                                      mode, names=[tg.names[tg.items[i][0]] for i in members],
+                                      bundles=[tg.items[i][0] for i in members], **options):
+            pieces.append((tuple(members[k] for k in sub), plan, ext))
+    chunks = []
+    for k, (items, plan, ext) in enumerate(sorted(pieces, key=lambda x: x[0])):
+        first = tg.items[items[0]][0]
+        ag = tg.item_dtypes[items[0]]
+        chunks.append(Chunk(k, items, plan, ag, ag if ext else tg.shard_dtypes[first], extension=ext))
+    return chunks
 
 
 def _with_grads(plan: Any, grad_dtype: str, topo: tide.Topology, mode: str,
@@ -405,6 +553,9 @@ def _plan_post_forward(tg: TideGroup, topo: tide.Topology, mode: str,
     """See [Note: post-forward mesh]. Leaves the chunks' post-forward plans None (those
     all-gathers are handed back, counted) where the group cannot take one."""
     pf = tg.pg.post_forward_mesh_info
+    if tg.has_extensions or any(tg.shard_dims):
+        return  # FSDP2 has no post-forward form of the extension protocol (extensions.py); a
+        # Shard(k > 0) post-forward shard is cut from dim 0 (its re-gathers are handed back)
     if pf is None or pf.shard_process_group.size() in (1, tg.world):
         return
     ranks = dist.get_process_group_ranks(pf.shard_process_group)

@@ -92,7 +92,7 @@ def assign(groups: list[TideGroup], use_ring: bool = True, rails: str = "one_sid
             if c.adopts:
                 c.resident_offset = sizes["resident"]
                 sizes["resident"] += align_up(c.plan.layout.S)
-            else:
+            elif c.casts:
                 stage_slot = max(stage_slot, align_up(c.plan.layout.S))
     sizes["stage"] = max([2 * stage_slot] + [int(tide._core.plan_ag(pl).stage_bytes)
                                              for g in served for c in g.chunks
@@ -103,26 +103,27 @@ def assign(groups: list[TideGroup], use_ring: bool = True, rails: str = "one_sid
     # collective order, so one set sized for the largest group serves all of them.
     for name in RS_SCRATCH:
         sizes[name] = max((region_bytes(pl, name) for g in served
-                           for pl in [g.rs_bound] + [q for c in g.chunks for q in (c.plan, c.plan_fp32_grads)]
+                           for pl in [g.rs_bound] + [q for c in g.rs_chunks for q in (c.plan, c.plan_fp32_grads)]
                            if pl is not None), default=0)
     # Counters: every group's ranges from one CounterSpace, in group order (the same on every
     # rank); the region also holds the executors' entry fence (tide/session.h).
     counters = tide._core.CounterSpace()
     for g in served:
         g.counter_bases = {}
-        for c in g.chunks:
+        for c in g.chunks:  # the AG chunks (over items) ...
             g.counter_bases[c.key("ag")] = counters.reserve(c.plan, "all_gather", rails=rails)
+            if c.plan_post_forward is not None:  # groups.py [Note: post-forward mesh]
+                g.counter_bases[c.key("agpf")] = counters.reserve(c.plan_post_forward, "all_gather",
+                                                                  rails=rails)
+        for c in g.rs_chunks:  # ... and the RS chunks (over parameters; the same without extensions)
             g.counter_bases[c.key("rs")] = counters.reserve(c.plan, "reduce_scatter", rails=rails)
             if c.plan_fp32_grads is not None:
                 g.counter_bases[c.key("rs32")] = counters.reserve(c.plan_fp32_grads, "reduce_scatter",
                                                                   rails=rails)
-            if c.plan_post_forward is not None:  # groups.py [Note: post-forward mesh]
-                g.counter_bases[c.key("agpf")] = counters.reserve(c.plan_post_forward, "all_gather",
-                                                                  rails=rails)
         # The group's sub-plan pool (reduce_scatter.py, [Note: RS parts]): a TIDE-RS program
         # set's counters depend on the topology and passes, not on the parameters, so ranges
         # sized by the group's plan hold any sub-plan's (checked when one is planned).
-        bound = g.rs_bound or g.chunks[0].plan  # groups.py [Note: chunks]
+        bound = g.rs_bound or g.rs_chunks[0].plan  # groups.py [Note: chunks]
         one = tide._core.CounterSpace()
         one.reserve(bound, "reduce_scatter", rails=rails)
         g.counter_range = one.used
@@ -148,8 +149,8 @@ def bind(groups: list[TideGroup], arena: Arena) -> None:
         if not g.eligible:
             continue
         region = arena.region(g.slot)
-        P = len(g.shapes)
-        # Per parameter, in group order (a chunk's parameters need not be consecutive).
+        P = len(g.items)
+        # Per AG item, in group order (a chunk's items need not be consecutive).
         g.landing_views, g.resident_views, g.input_views = [None] * P, [None] * P, [None] * P
         casting = 0  # the group's casting chunks so far
         for c in g.chunks:
@@ -159,7 +160,9 @@ def bind(groups: list[TideGroup], arena: Arena) -> None:
             for i, (p, pl) in enumerate(zip(c.params, layout.params)):
                 # Parameter-major: p's padded unsharded tensor starts at o_p*N (Eq. 2, r = 0).
                 g.landing_views[p] = arena.view(c.unsharded_offset + layout.landing(i, 0), N * pl.e,
-                                                c.ag_dtype)
+                                                g.item_dtypes[p])
+            if c.extension:
+                continue  # read where the pre-all-gather left them (extensions.py)
             if c.adopts:
                 c.resident_offset += arena.region("resident").offset
                 for p, pl in zip(c.params, layout.params):
@@ -174,6 +177,29 @@ def bind(groups: list[TideGroup], arena: Arena) -> None:
                 c.stage_offset = stage.offset + parity * half
                 for p, pl in zip(c.params, layout.params):
                     g.input_views[p] = arena.flat(c.stage_offset + pl.o, pl.e, c.ag_dtype)
+        _param_views(g, arena)
+
+
+def _param_views(g: TideGroup, arena: Arena) -> None:
+    """Per parameter, its landing (FSDPParam.all_gather_outputs[0]) and adopted resident shard:
+    its one item's views, or one view over the consecutive rows of a Shard(k > 0) parameter
+    (tide/plan.py [Note: Shard(k) as rows]). None for extension parameters (their outputs are
+    the items' landing views)."""
+    n = len(g.param_items)
+    g.param_landing, g.param_resident = [None] * n, [None] * n
+    for p, its in enumerate(g.param_items):
+        if g.extension[p]:
+            continue
+        if len(its) == 1:
+            g.param_landing[p], g.param_resident[p] = g.landing_views[its[0]], g.resident_views[its[0]]
+            continue
+        c, first = g.chunk_of(its[0]), g.local_index[its[0]]
+        layout, total = c.plan.layout, sum(g.elements[i] for i in its)
+        g.param_landing[p] = arena.view(c.unsharded_offset + layout.landing(first, 0),
+                                        layout.N * total, c.ag_dtype)
+        if c.adopts:
+            g.param_resident[p] = arena.view(c.resident_offset + layout.params[first].o, total,
+                                             c.shard_dtype)
 
 
 def region_summary(groups: list[TideGroup], arena: Arena) -> dict:

@@ -122,6 +122,7 @@ class TideReduceScatter(_patches.ReduceScatter):
         self.previous = previous
         self._next_is_input = True
         self.call_params: list | None = None  # set by foreach_reduce for the next call
+        self.call_grads: list | None = None   # its gradients as autograd made them ([Note: Shard(k) gradients])
 
     def allocate(self, size, *, dtype, device):
         if self._next_is_input:
@@ -142,23 +143,26 @@ class TideReduceScatter(_patches.ReduceScatter):
               world_size: int) -> None:
         tg, rt = self.tg, self.tg.runtime
         params, self.call_params = self.call_params, None
+        originals, self.call_grads = self.call_grads, None
         single = tg.world == 1  # See [Note: world 1] in groups.py
         staged = _Staged()
         try:
-            staged.parts = self._parts(unsharded_grads, params, world_size)
+            grads = _shard_k_grads(tg, params, unsharded_grads, originals)
+            staged.parts = self._parts(grads, params, world_size)
         except HandBack as why:
             staged.stock_input = placeholder if single else torch.empty(
                 placeholder.shape, dtype=placeholder.dtype, device=placeholder.device_)
             _patches.stock(_patches._coll, "foreach_reduce_scatter_copy_in")(
-                unsharded_grads, staged.stock_input, world_size)
+                _reordered(tg, params, unsharded_grads, world_size), staged.stock_input, world_size)
             rt.hand_back(tg, "rs", str(why))
             placeholder._tide_staged = staged
             return
         first = staged.parts[0]
         if (len(staged.parts) == 1 and first.which == "rs" and len(tg.chunks) == 1
+                and not tg.has_extensions  # the slot's geometry is the items', not the gradients'
                 and rt.mode == "slot_reuse" and rt.slot_is_free(tg)):
             views = [lv.narrow(0, 0, g.numel()).view(g.shape)
-                     for lv, g in zip(tg.landing_views, first.grads)]
+                     for lv, g in zip(tg.landing_views, first.grads)]  # per item: its landing
             torch._foreach_copy_(views, first.grads)
             first.grads, staged.in_slot = views, True
             rt.hold_slot_for_grads(tg)
@@ -187,6 +191,16 @@ class TideReduceScatter(_patches.ReduceScatter):
                                f"planned {tg.shapes[p]}")
             if not g.is_contiguous():
                 raise HandBack(f"parameter {tg.names[p]}: gradient is not contiguous")
+            if type(g) is not torch.Tensor:
+                raise HandBack(f"parameter {tg.names[p]}: gradient is a {type(g).__name__}")
+        # Per RS item: a parameter's gradient, or a Shard(k > 0) parameter's rows (tide/plan.py
+        # [Note: Shard(k) as rows]): row a of the unsharded gradient, read in place.
+        items, item_grads = [], []
+        for p, g in zip(index, grads):
+            its = tg.param_rs_items[p]
+            items += its
+            item_grads += [g] if len(its) == 1 else list(g.view(len(its), -1))
+        index, grads = items, item_grads
         parts: list[_Part] = []
         offset = 0
         start = 0
@@ -196,7 +210,7 @@ class TideReduceScatter(_patches.ReduceScatter):
                    and grads[end].dtype == grads[start].dtype):
                 end += 1
             plan, which = tg.rs_plan(tuple(index[start:end]), grads[start].dtype)
-            numel = sum(tg.shard_numels[p] for p in index[start:end])
+            numel = sum(tg.rs_elements[i] for i in index[start:end])
             parts.append(_Part(plan, which, list(grads[start:end]), offset, numel))
             offset += numel
             start = end
@@ -258,11 +272,58 @@ def foreach_reduce_scatter_copy_in(unsharded_grads, reduce_scatter_input, world_
     comm.stage(unsharded_grads, reduce_scatter_input, world_size)
 
 
+def _shard_k_grads(tg: Any, params: list | None, grads: list, originals: list | None) -> list:
+    """The gradients TIDE-RS reads: a Shard(k > 0) parameter's as autograd made it (see
+    [Note: Shard(k) gradients])."""
+    if params is None or originals is None or not any(tg.shard_dims):
+        return grads
+    return [o if tg.shard_dims[tg.param_index[id(fp)]] else g
+            for fp, g, o in zip(params, grads, originals)]
+
+
+def _reordered(tg: Any, params: list | None, grads: list, world: int) -> list:
+    """For stock's copy-in: a Shard(k > 0) gradient FSDP2 left unordered (torch 2.15 under
+    TIDE's input hook) gets FSDP2's dim-0 reorder."""
+    if params is None or not any(tg.shard_dims):
+        return grads
+    out = []
+    for fp, g in zip(params, grads):
+        k = tg.shard_dims[tg.param_index[id(fp)]]
+        out.append(torch.cat(torch.chunk(g, world, dim=k), dim=0)
+                   if k and tuple(g.shape) == tuple(fp._orig_size) else g)
+    return out
+
+
+# [Note: Shard(k) gradients]
+# FSDP2 reorders a Shard(k > 0) gradient into dim-0 rank-major order before packing (torch.cat of
+# its N column blocks). TIDE-RS instead reads the gradient as autograd made it, by rows (tide/
+# plan.py [Note: Shard(k) as rows]): ``foreach_reduce`` below hands the comm the call's gradient
+# list before FSDP2 touches it. On torch 2.15 the reorder is the group's
+# ``prepare_reduce_scatter_inputs``, replaced here by one that only reports the sizes (no copy);
+# on 2.11 it is inline in ``foreach_reduce``: FSDP2's reordered copy is made and left unread.
+def _sizes_only(fsdp_params, unsharded_grads, world_size):
+    """FSDP2's padded dim-0 sizes of the reordered gradients, without reordering them."""
+    sizes = []
+    for fp, g in zip(fsdp_params, unsharded_grads):
+        shape = list(g.size())
+        if (k := fp.fsdp_placement.dim) and world_size > 1:
+            shape[0] *= world_size
+            shape[k] //= world_size
+        sizes.append(_patches._coll._get_dim0_padded_size(torch.Size(shape), world_size))
+    return tuple(sizes)
+
+
 def foreach_reduce(fsdp_params, unsharded_grads, reduce_scatter_group, reduce_scatter_stream,
                    reduce_scatter_comm, *args, **kwargs):
-    """FSDP2's foreach_reduce, telling a TIDE group's comm which parameters the call reduces."""
+    """FSDP2's foreach_reduce, telling a TIDE group's comm which parameters the call reduces (and
+    their gradients as autograd made them: [Note: Shard(k) gradients])."""
     if isinstance(reduce_scatter_comm, TideReduceScatter):
         reduce_scatter_comm.call_params = list(fsdp_params)
+        if any(reduce_scatter_comm.tg.shard_dims):
+            reduce_scatter_comm.call_grads = list(unsharded_grads)
+            default = getattr(_patches._coll, "_default_reduce_scatter_input_fn", None)
+            if kwargs.get("prepare_reduce_scatter_inputs", None) is default is not None:
+                kwargs["prepare_reduce_scatter_inputs"] = _sizes_only
     return _patches.stock(_patches._pg, "foreach_reduce")(
         fsdp_params, unsharded_grads, reduce_scatter_group, reduce_scatter_stream,
         reduce_scatter_comm, *args, **kwargs)

@@ -96,6 +96,7 @@ class Runtime:
             self.transport.close()
         for g in self.groups:
             g.landing_views, g.resident_views, g.input_views = [], [], []
+            g.param_landing, g.param_resident = [], []
             if at_exit:
                 g.chunks, g.sub_plans, g.rs_bound = [], {}, None
         if self.arena is not None:
@@ -257,6 +258,9 @@ def free_in_arena(tg: Any, p: int) -> Any:
     def free_unsharded_param() -> None:
         if _patches.compiled_autograd_enabled():
             raise RuntimeError("tide_torch does not support compiled autograd; disable TIDE")
+        if tg.extension[p]:  # its own unsharded storage, not the landing (extensions.py)
+            from tide_torch import extensions
+            extensions.free_inner_tensors(tg.pg.fsdp_params[p], tg.runtime.arena)
         if p == 0:  # once per group reshard
             tg.runtime.release_slot_after_compute(tg)
     return free_unsharded_param
