@@ -60,24 +60,37 @@ static void run_polled(CpuArena::Shared* sh, const CpuRunOptions& opt, int worke
   std::condition_variable cv;
   std::exception_ptr first;  // a worker's exception that Runner::fail did not record in Shared
   std::vector<std::thread> threads;
-  for (int w = 0; w < workers; ++w)
-    threads.emplace_back([&, w] {
-      std::exception_ptr e;
-      try { work(w); } catch (...) { e = std::current_exception(); }
-      std::lock_guard<std::mutex> lk(mu);
-      if (e && !first) first = e;
-      if (--running == 0) cv.notify_all();
-    });
-  bool interrupted = false;
-  if (opt.interrupted) {
-    std::unique_lock<std::mutex> lk(mu);
-    while (!cv.wait_for(lk, std::chrono::milliseconds(20), [&] { return running == 0; })) {
-      lk.unlock();
-      poll_interrupt(sh, opt, interrupted);
-      lk.lock();
+  // Every started worker is joined on every path: a thread that fails to start, or an
+  // interrupt check that throws, first stops the call's ranks (abort) and joins them, never
+  // leaving a joinable thread behind (std::terminate).
+  auto join_all = [&] {
+    for (auto& t : threads)
+      if (t.joinable()) t.join();
+  };
+  try {
+    for (int w = 0; w < workers; ++w)
+      threads.emplace_back([&, w] {
+        std::exception_ptr e;
+        try { work(w); } catch (...) { e = std::current_exception(); }
+        std::lock_guard<std::mutex> lk(mu);
+        if (e && !first) first = e;
+        if (--running == 0) cv.notify_all();
+      });
+    bool interrupted = false;
+    if (opt.interrupted) {
+      std::unique_lock<std::mutex> lk(mu);
+      while (!cv.wait_for(lk, std::chrono::milliseconds(20), [&] { return running == 0; })) {
+        lk.unlock();
+        poll_interrupt(sh, opt, interrupted);
+        lk.lock();
+      }
     }
+  } catch (...) {
+    sh->abort.store(1);
+    join_all();
+    throw;
   }
-  for (auto& t : threads) t.join();
+  join_all();
   if (first && !sh->claimed.load()) std::rethrow_exception(first);  // the call must not look successful
 }
 
