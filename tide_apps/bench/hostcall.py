@@ -183,6 +183,11 @@ def _rank(rank: int, world: int, init: str, args, out_path: str) -> None:
             with open(out_path, "w") as f:
                 json.dump(res, f)
     finally:
+        # Stock's fully_shard'ed module and mesh sit in reference cycles that hold the gloo
+        # process group: collected now, its worker threads are joined here and not during
+        # interpreter shutdown, where one dropping a tensor's Python object aborts the process.
+        import gc
+        gc.collect()
         dist.destroy_process_group()
 
 

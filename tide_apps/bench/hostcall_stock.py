@@ -24,28 +24,33 @@ from __future__ import annotations
 import time
 from typing import Callable
 
-import torch
-from torch import nn
-
 _TIMED = ("foreach_all_gather", "foreach_all_gather_copy_out", "foreach_reduce")
 
 
-class _Group(nn.Module):
-    """Parameters of the group's shapes; forward touches every one of them."""
+def _group_module(shapes: list[tuple[int, ...]]):
+    """A module with parameters of the group's shapes whose forward touches every one of them
+    (torch is imported here: tide_apps' benches load no framework until they run)."""
+    import torch
+    from torch import nn
 
-    def __init__(self, shapes: list[tuple[int, ...]]) -> None:
-        super().__init__()
-        self.params = nn.ParameterList(nn.Parameter(torch.empty(s)) for s in shapes)
+    class Group(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.params = nn.ParameterList(nn.Parameter(torch.empty(s)) for s in shapes)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x * sum(p.sum() for p in self.params)
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x * sum(p.sum() for p in self.params)
+
+    return Group()
 
 
-def measure(shapes: list[tuple[int, ...]], device: torch.device, group, iters: int,
+def measure(shapes: list[tuple[int, ...]], device, group, iters: int,
             sync: Callable[[], None], barrier: Callable[[], None]) -> dict:
     """Seconds per call, ``iters + 1`` samples each (the first one first): {"ag": [...], "rs": [...],
-    "grad_dtype": the unsharded gradients' dtype}.
+    "grad_dtype": the unsharded gradients' dtype}. ``device``: a torch.device;
     ``group``: the process group FSDP2 shards over (NCCL on CUDA, gloo on CPU)."""
+    import torch
+    from torch import nn
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from torch.distributed.fsdp._fully_shard import _fsdp_param_group as fpg
@@ -54,7 +59,7 @@ def measure(shapes: list[tuple[int, ...]], device: torch.device, group, iters: i
     mesh = DeviceMesh.from_group(group, device.type)
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     with torch.device("meta"):
-        block = _Group(shapes)
+        block = _group_module(shapes)
         root = nn.Sequential(block)
     fully_shard(block, mesh=mesh, mp_policy=mp)
     fully_shard(root, mesh=mesh, mp_policy=mp)
