@@ -98,7 +98,7 @@ class Runtime:
             g.landing_views, g.resident_views, g.input_views = [], [], []
             g.param_landing, g.param_resident = [], []
             if at_exit:
-                g.chunks, g.sub_plans, g.rs_bound = [], {}, None
+                g.chunks, g.rs_chunks, g.sub_plans, g.rs_bound = [], [], {}, None
         if self.arena is not None:
             self.arena.release()
         self.released = True
