@@ -9,7 +9,8 @@
 // (shadow + v), a WAIT waits for value + per_call * seq, the entry fence writes run #k. A graph
 // replays the same operations with new values, so under capture those three become graph ops
 // that compute their value on the device from the call's parameters (CallParams: seq, run),
-// which the graph's first node (the head) writes from its kernel arguments; the executor sets
+// which the graph's first node (the head; every other root of the captured graph is ordered after
+// it before instantiation) writes from its kernel arguments; the executor sets
 // those arguments per launch (cudaGraphExecKernelNodeSetParams), a single host call:
 //   - WAIT / EVENT_WAIT / fence wait -> graph_wait: one thread spins until
 //     *counter >= value + per_call * seq (or >= run), exactly the eager GEQ;
