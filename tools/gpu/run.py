@@ -349,6 +349,16 @@ def stage_table(c: Ctx) -> dict:
                                                                       f"{r['peak_bytes'] / 2**30:.2f} GiB" for r in d["runs"]))
                                   for n, e, fabric in EXAMPLECMP],
               "examples/fsdp2_llama.py on one GPU under executor settings side by side (stock re-measured each run)"),
+        Stage("graphs", 240, [pytest("replays", "-q", "-rs", "-m", "gpu", "-k", "replayed or world2_one_gpu_ipc",
+                                     "tests/test_cuda_ipc.py", "tests/test_cuda_executor.py", "tests/test_torch_gpu.py",
+                                     limit=150),
+                              Step("example", [py, "examples/fsdp2_llama.py", "--world", "2", "--shared-gpu", "--variants",
+                                               "stock,tide_in_place,tide_in_place_graphs", "--steps", "8"], 120,
+                                   detail=lambda t, _d: "; ".join(" ".join(ln.split()[:4]) for ln in
+                                                                  grep_lines(r"^(stock|tide_\w+) +step ", 3)(t)),
+                                   show=grep_lines(r"bitwise equal|calls: ", 4))],
+              "calls replayed as CUDA graphs (exec/cuda/graph.h): the replay tests (IPC, rails, in-process cluster, "
+              "a dead peer, FSDP2 on one GPU), then the FSDP2 example on 2 processes sharing the GPU, eager and replayed beside stock"),
         Stage("hang", 150, [Step("hang", [py, "tools/gpu/hang.py", "--reps", "6", "--dump-after", "20", "--timeout", "240"],
                                  150, env={"TIDE_TEST_HANG_S": c.environ.get("TIDE_TEST_HANG_S", "30")},
                                  detail=grep_last(r"^passed \d+, failed"))],
