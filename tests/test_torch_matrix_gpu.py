@@ -26,6 +26,31 @@ from test_torch_matrix import _grads, _served_everywhere, _tp_model, check_fp16_
 TOPO = tide.Topology(nodes=2, gpus_per_node=2)
 
 
+def _trained(model, data, device):
+    train(model, data, device=device)
+    return model
+
+
+def _bitwise_row(what, make, stock, data, device, done, mode="in_place", check=None):
+    """One row: TIDE (`mode`) on a model from make() trained as `stock` was; every group served,
+    every call through TIDE, parameters bitwise equal to stock's. check(handle): the row's own."""
+    import tide_torch
+    model = make()
+    handle = tide_torch.enable(model, mode=mode, topology=TOPO)
+    train(model, data, device=device)
+    handle.synchronize()
+    _served_everywhere(handle, what)
+    if check is not None:
+        check(handle)
+    assert_same(model, stock, what)
+    done.append(f"{what} {handle.stats}")
+    handle.disable()
+
+
+def _on_rails(handle):
+    assert handle.rails == "two_sided" and handle.transport == "tide-cuda-executor"
+
+
 def _rows(rank, world, log_dir):
     import tide_torch
     from torch.distributed.device_mesh import init_device_mesh
@@ -36,30 +61,22 @@ def _rows(rank, world, log_dir):
     data = batches(3, same_on_all_ranks=True)
     done = []
 
-    stock = build(mesh=mesh, device=device, norm="torch")
-    train(stock, data, device=device)
-    for mode in ("in_place", "slot_reuse"):
-        model = build(mesh=mesh, device=device, norm="torch")
-        handle = tide_torch.enable(model, mode=mode, topology=TOPO)
-        assert handle.rails == "two_sided" and handle.transport == "tide-cuda-executor"
-        train(model, data, device=device)
-        handle.synchronize()
-        _served_everywhere(handle, f"nn.RMSNorm {mode}")
-        assert_same(model, stock, f"nn.RMSNorm {mode}")
-        done.append(f"nn.RMSNorm {mode} {handle.stats}")
-        handle.disable()
+    def row(what, make, stock=None, **kw):
+        stock = stock if stock is not None else _trained(make(), data, device)
+        _bitwise_row(what, make, stock, data, device, done, **kw)
 
-    stock = build(mesh=mesh, device=device, reshard_after_forward=2)
-    train(stock, data, device=device)
-    model = build(mesh=mesh, device=device, reshard_after_forward=2)
-    handle = tide_torch.enable(model, topology=TOPO)
-    train(model, data, device=device)
-    handle.synchronize()
-    _served_everywhere(handle, "raf=2")
-    assert handle.stats["ag_post_forward"] == 9, handle.stats
-    assert_same(model, stock, "raf=2")
-    done.append(f"reshard_after_forward=2 {handle.stats}")
-    handle.disable()
+    def rms():
+        return build(mesh=mesh, device=device, norm="torch")
+
+    stock = _trained(rms(), data, device)
+    for mode in ("in_place", "slot_reuse"):
+        row(f"nn.RMSNorm {mode}", rms, stock, mode=mode, check=_on_rails)
+
+    def raf2_check(handle):
+        assert handle.stats["ag_post_forward"] == 9, handle.stats
+
+    row("reshard_after_forward=2", lambda: build(mesh=mesh, device=device, reshard_after_forward=2),
+        check=raf2_check)
 
     # (NCCL's bf16 ring rounds after every hop, even on equal inputs: 3a may round; so the
     # check is the one-rounding bound, not bitwise equality with stock.)
@@ -78,16 +95,7 @@ def _rows(rank, world, log_dir):
 
     # fp16 all-gather (TIDE-AG's CAST rounds as torch's .to()), gradients reduced in fp32: bitwise.
     fp16 = MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float32)
-    stock = build(mesh=mesh, device=device, mp_policy=fp16)
-    train(stock, data, device=device)
-    model = build(mesh=mesh, device=device, mp_policy=fp16)
-    handle = tide_torch.enable(model, topology=TOPO)
-    train(model, data, device=device)
-    handle.synchronize()
-    _served_everywhere(handle, "fp16 all-gather")
-    assert_same(model, stock, "fp16 all-gather")
-    done.append(f"fp16 all-gather {handle.stats}")
-    handle.disable()
+    row("fp16 all-gather", lambda: build(mesh=mesh, device=device, mp_policy=fp16))
     # An fp16 reduce dtype: FSDP2's pre-division folded into alpha, one rounding of the fp32 sum.
     ref = _grads(build(mesh=mesh, device=device, mp_policy=fp16), tokens)
     half = MixedPrecisionPolicy(param_dtype=torch.float16)
@@ -104,32 +112,19 @@ def _rows(rank, world, log_dir):
     # FSDP2 all-gather extensions (fp8 / bf16 / fp8 + row scales / bf16 pairs; 1- and 5-argument
     # forms): every pre-all-gather output lands where fsdp_post_all_gather reads it.
     from test_torch_extensions import build_encoded
-    stock = build_encoded(mesh, device=device)
-    train(stock, data, device=device)
+
+    def at_planned_landings(handle):
+        assert all(got == planned for planned, got in handle.landings().values())
+
+    stock = _trained(build_encoded(mesh, device=device), data, device)
     for mode in ("in_place", "slot_reuse"):
-        model = build_encoded(mesh, device=device)
-        handle = tide_torch.enable(model, mode=mode, topology=TOPO)
-        train(model, data, device=device)
-        handle.synchronize()
-        _served_everywhere(handle, f"extensions {mode}")
-        assert all(got == planned for planned, got in handle.landings().values()), mode
-        assert_same(model, stock, f"extensions {mode}")
-        done.append(f"all-gather extensions {mode} {handle.stats}")
-        handle.disable()
+        row(f"all-gather extensions {mode}", lambda: build_encoded(mesh, device=device), stock, mode=mode,
+            check=at_planned_landings)
 
     # Shard(1): a Llama block's 2-D weights and a torchtitan-style MoE's 3-D experts, each rank's
     # columns landing strided (tide/plan.py [Note: Shard(k) as rows]).
     from test_torch_shard_dim import _moe_model, _moe_train, _shard1
-    stock = build(mesh=mesh, device=device, shard_placement_fn=_shard1)
-    train(stock, data, device=device)
-    model = build(mesh=mesh, device=device, shard_placement_fn=_shard1)
-    handle = tide_torch.enable(model, topology=TOPO)
-    train(model, data, device=device)
-    handle.synchronize()
-    _served_everywhere(handle, "Shard(1)")
-    assert_same(model, stock, "Shard(1)")
-    done.append(f"Shard(1) {handle.stats}")
-    handle.disable()
+    row("Shard(1)", lambda: build(mesh=mesh, device=device, shard_placement_fn=_shard1))
     stock = _moe_model(mesh, device)
     want = _moe_train(stock, data)
     model = _moe_model(mesh, device)
@@ -142,16 +137,7 @@ def _rows(rank, world, log_dir):
     handle.disable()
 
     mesh2 = init_device_mesh("cuda", (2, 2), mesh_dim_names=("dp", "tp"))
-    stock = _tp_model(mesh2, colwise_rowwise=True, device=device)
-    train(stock, data, device=device)
-    model = _tp_model(mesh2, colwise_rowwise=True, device=device)
-    handle = tide_torch.enable(model, topology=TOPO)
-    train(model, data, device=device)
-    handle.synchronize()
-    _served_everywhere(handle, "TP + FSDP")
-    assert_same(model, stock, "TP + FSDP")
-    done.append(f"TP x FSDP 2x2 {handle.stats}")
-    handle.disable()
+    row("TP x FSDP 2x2", lambda: _tp_model(mesh2, colwise_rowwise=True, device=device))
     if rank == 0:
         for line in done:
             print(f"matrix: {line} bitwise", flush=True)
