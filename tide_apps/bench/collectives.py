@@ -267,20 +267,7 @@ def _nccl_worker(rank, world, op, shapes, reps, warmup, port, q, backend="nccl")
         if dev.type == "cpu":
             res[name] = common.time_wall(lambda: (dist.barrier(), fn()), reps, warmup)
             continue
-        for _ in range(warmup):
-            fn()
-        torch.cuda.synchronize()
-        ts = []
-        for _ in range(reps):
-            dist.barrier()
-            torch.cuda.synchronize()
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            b.synchronize()
-            ts.append(a.elapsed_time(b))
-        res[name] = ts
+        res[name] = common.time_cuda(torch, fn, reps, warmup, before=dist.barrier)
     q.put((rank, res, notes, E))
     dist.barrier()
     dist.destroy_process_group()

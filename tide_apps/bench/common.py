@@ -91,13 +91,17 @@ def group_shapes(shard_bytes: int, P: int, N: int, elem_bytes: int, cols: int = 
 
 
 # ---- timing --------------------------------------------------------------------------------
-def time_cuda(torch, fn, reps: int, warmup: int) -> list[float]:
-    """Milliseconds per call of fn() on torch's current stream, CUDA events around each call."""
+def time_cuda(torch, fn, reps: int, warmup: int, before=None) -> list[float]:
+    """Milliseconds per call of fn() on torch's current stream, CUDA events around each call;
+    before(): run ahead of each timed call (outside the events), e.g. the ranks' barrier."""
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
     out = []
     for _ in range(reps):
+        if before is not None:
+            before()
+            torch.cuda.synchronize()
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
         fn()
