@@ -44,6 +44,15 @@ def _expected(pieces, n, n_terms, ps, rank):
     return want
 
 
+def _reduce_ops(ps, world):
+    """(rank, op index, "SUM" | "LAND") of every reduce op of a program set, from its listing."""
+    for rank in range(world):
+        for line in ps.describe(rank):
+            m = re.match(r"(\d+) (SUM|LAND) ", line)
+            if m:
+                yield rank, int(m.group(1)), m.group(2)
+
+
 @pytest.mark.parametrize("M,L,expert", [(1, 2, False), (2, 2, False), (3, 2, False), (2, 4, False),
                                         (4, 2, False), (9, 2, False), (2, 8, False), (3, 1, True),
                                         (5, 1, True)])
@@ -52,45 +61,40 @@ def test_run_tables_address_what_the_cpu_reads(M, L, expert, bank, accumulate):
     plan = tide.plan(tide.GroupSignature(shapes=SHAPES), tide.Topology(M, L))
     ps = _core.build_rs_programs(plan, bank=bank, alpha=0.5, accumulate=accumulate, expert_lane=expert)
     checked = level1_ops = 0
-    for rank in range(M * L):
-        for line in ps.describe(rank):
-            m = re.match(r"(\d+) (SUM|LAND) ", line)
-            if not m:
-                continue
-            op = int(m.group(1))
-            n, n_terms, mask, runs, pieces, level1, segments, slot_of = _core.testing.run_table(ps, rank, op)
-            if m.group(2) == "SUM":
-                assert (level1 is not None) == _level1_shape(n_terms, mask, runs), (rank, op)
-                if level1 is not None:
-                    _check_level1(level1, n_terms, runs)
-                    _check_segments(segments, n, n_terms, runs)
-                    level1_ops += 1
-            else:
-                assert level1 is None and segments is None
-            sizes = {}
-            for term, *_rest, size in pieces:
-                sizes.setdefault(term, size)
-            for t, term in enumerate(sorted(sizes)):
-                assert bool(mask >> t & 1) == (sizes[term] == 4)
-            want = _expected(pieces, n, n_terms, ps, rank)
-            pos = 0
-            for dst_off, length, slots, offs in runs:
-                assert dst_off == pos and length > 0
-                for t in range(n_terms):
-                    size = sizes[sorted(sizes)[t]] if sizes else 2
-                    for k in (dst_off, dst_off + length - 1, dst_off + length // 2):
-                        if slots[t] < 0:
-                            assert k not in want[t], (rank, op, t, k)
-                        else:
-                            assert want[t].get(k) == (slots[t], offs[t] + (k - dst_off) * size), (rank, op, t, k)
-                pos += length
-            assert pos == n
-            # The table's slot map names what each slot is, as the pieces say (slots above).
-            used = {sl for _, _, slots, _ in runs for sl in slots if sl >= 0}
-            assert set(slot_of) == used, (rank, op)
-            for sl, what in slot_of.items():
-                assert what == (("grad", sl) if sl < 256 else ("out",) if sl == 256 else ("arena", sl - 257))
-            checked += 1
+    for rank, op, kind in _reduce_ops(ps, M * L):
+        n, n_terms, mask, runs, pieces, level1, segments, slot_of = _core.testing.run_table(ps, rank, op)
+        if kind == "SUM":
+            assert (level1 is not None) == _level1_shape(n_terms, mask, runs), (rank, op)
+            if level1 is not None:
+                _check_level1(level1, n_terms, runs)
+                _check_segments(segments, n, n_terms, runs)
+                level1_ops += 1
+        else:
+            assert level1 is None and segments is None
+        sizes = {}
+        for term, *_rest, size in pieces:
+            sizes.setdefault(term, size)
+        for t, term in enumerate(sorted(sizes)):
+            assert bool(mask >> t & 1) == (sizes[term] == 4)
+        want = _expected(pieces, n, n_terms, ps, rank)
+        pos = 0
+        for dst_off, length, slots, offs in runs:
+            assert dst_off == pos and length > 0
+            for t in range(n_terms):
+                size = sizes[sorted(sizes)[t]] if sizes else 2
+                for k in (dst_off, dst_off + length - 1, dst_off + length // 2):
+                    if slots[t] < 0:
+                        assert k not in want[t], (rank, op, t, k)
+                    else:
+                        assert want[t].get(k) == (slots[t], offs[t] + (k - dst_off) * size), (rank, op, t, k)
+            pos += length
+        assert pos == n
+        # The table's slot map names what each slot is, as the pieces say (slots above).
+        used = {sl for _, _, slots, _ in runs for sl in slots if sl >= 0}
+        assert set(slot_of) == used, (rank, op)
+        for sl, what in slot_of.items():
+            assert what == (("grad", sl) if sl < 256 else ("out",) if sl == 256 else ("arena", sl - 257))
+        checked += 1
     assert checked > 0
     # Level-1 node partials with staged bytes at every element take kernels.cu's SUM (at M = 1,
     # L = 2 these tiny shapes leave staging rows uncovered: REDUCE); the expert lane has no
@@ -161,21 +165,16 @@ def test_fp16_gradients_mark_their_terms_and_take_the_fp16_sum(M, L):
     plan = tide.plan(tide.GroupSignature(shapes=SHAPES, grad_dtype="float16"), tide.Topology(M, L))
     ps = _core.build_rs_programs(plan, bank=0, alpha=0.5, accumulate=False, expert_lane=False)
     level1_ops = 0
-    for rank in range(M * L):
-        for line in ps.describe(rank):
-            m = re.match(r"(\d+) (SUM|LAND) ", line)
-            if not m:
-                continue
-            op = int(m.group(1))
-            _, n_terms, f32, _, pieces, level1, _, _ = _core.testing.run_table(ps, rank, op)
-            f16, level1_fp16 = _core.testing.run_table_fp16(ps, rank, op)
-            sizes = {}
-            for term, *_rest, size in pieces:
-                sizes.setdefault(term, size)
-            for t, term in enumerate(sorted(sizes)):
-                assert bool(f16 >> t & 1) == (sizes[term] == 2) and bool(f32 >> t & 1) == (sizes[term] == 4)
-            if level1 is not None:
-                assert level1_fp16 and f32 == 0 and f16 == (1 << n_terms) - 1
-                level1_ops += 1
+    for rank, op, kind in _reduce_ops(ps, M * L):
+        _, n_terms, f32, _, pieces, level1, _, _ = _core.testing.run_table(ps, rank, op)
+        f16, level1_fp16 = _core.testing.run_table_fp16(ps, rank, op)
+        sizes = {}
+        for term, *_rest, size in pieces:
+            sizes.setdefault(term, size)
+        for t, term in enumerate(sorted(sizes)):
+            assert bool(f16 >> t & 1) == (sizes[term] == 2) and bool(f32 >> t & 1) == (sizes[term] == 4)
+        if level1 is not None:
+            assert level1_fp16 and f32 == 0 and f16 == (1 << n_terms) - 1
+            level1_ops += 1
     if L >= 2 and M > 1:
         assert level1_ops > 0
