@@ -33,22 +33,32 @@ void MirrorAdvance::apply(fabric::Fabric& f, int64_t seq, uint64_t run) const {
   }
 }
 
-uint64_t bindings_key(const std::vector<RankBindings>& b) {
-  uint64_t h = 1469598103934665603ull;  // FNV-1a over every pointer and size
+namespace {
+// FNV-1a over every pointer and size of `r`, continuing from `h`.
+uint64_t mix_bindings(uint64_t h, const RankBindings& r) {
   auto mix = [&](uint64_t x) {
     for (int i = 0; i < 8; ++i) {
       h ^= (x >> (8 * i)) & 0xff;
       h *= 1099511628211ull;
     }
   };
-  for (const RankBindings& r : b)
-    for (const auto& kind : r.by_kind) {
-      mix(kind.size());
-      for (const UserBuffer& u : kind) {
-        mix(reinterpret_cast<uintptr_t>(u.data));
-        mix(static_cast<uint64_t>(u.bytes));
-      }
+  for (const auto& kind : r.by_kind) {
+    mix(kind.size());
+    for (const UserBuffer& u : kind) {
+      mix(reinterpret_cast<uintptr_t>(u.data));
+      mix(static_cast<uint64_t>(u.bytes));
     }
+  }
+  return h;
+}
+constexpr uint64_t kFnvBasis = 1469598103934665603ull;
+}  // namespace
+
+uint64_t bindings_key(const RankBindings& b) { return mix_bindings(kFnvBasis, b); }
+
+uint64_t bindings_key(const std::vector<RankBindings>& b) {
+  uint64_t h = kFnvBasis;
+  for (const RankBindings& r : b) h = mix_bindings(h, r);
   return h;
 }
 

@@ -134,8 +134,9 @@ struct GraphCapture {
 // Enqueues the head on `origin`, the capture's first stream, and notes its node in `cap`.
 void launch_head(GraphCapture& cap, cudaStream_t origin);
 
-// The key of a call's buffers: every bound pointer and size of the local ranks.
+// The key of a call's buffers: every bound pointer and size of the local ranks (one rank's).
 uint64_t bindings_key(const std::vector<RankBindings>& b);
+uint64_t bindings_key(const RankBindings& b);
 
 // One captured call: its executable graph, head node and parameter slot (freed with it).
 struct CallGraph {

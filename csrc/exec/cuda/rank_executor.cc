@@ -275,31 +275,39 @@ void CudaRankExecutor::run(const std::shared_ptr<const ProgramSet>& set, int64_t
   fs_->ensure_streams(0, ns);
   const std::vector<cudaStream_t>& own = fs_->streams(0);
 
-  std::vector<std::vector<cudaStream_t>> streams(N);
-  streams[static_cast<size_t>(e.me)].assign(own.begin(), own.begin() + static_cast<long>(ns));
-  std::vector<RankBindings> bufs(N);
-  bufs[static_cast<size_t>(e.me)] = buffers;
+  // The issue context: built for an eager call or a capture only, never for a replay.
+  std::vector<std::vector<cudaStream_t>> streams;
+  std::vector<RankBindings> bufs;
   IssueContext c;
-  c.fabric = fabric_.get();
-  c.programs = progs;
-  c.tables = e.tables.get();
-  c.opt = &opt_;
-  c.watchdog = &fs_->watchdog();
-  c.streams = &streams;
-  c.buffers = &bufs;
-  c.lanes = &lanes_;
-  c.rail = rail_;
-  c.rail_gpus_per_node = topo_.gpus_per_node;
-  const std::string call = TIDE_STR_CAT("rank ", rank_, " call seq ", seq);
+  auto context = [&]() -> IssueContext& {
+    streams.assign(N, {});
+    streams[static_cast<size_t>(e.me)].assign(own.begin(), own.begin() + static_cast<long>(ns));
+    bufs.assign(N, RankBindings{});
+    bufs[static_cast<size_t>(e.me)] = buffers;
+    c.fabric = fabric_.get();
+    c.programs = progs;
+    c.tables = e.tables.get();
+    c.opt = &opt_;
+    c.watchdog = &fs_->watchdog();
+    c.streams = &streams;
+    c.buffers = &bufs;
+    c.lanes = &lanes_;
+    c.rail = rail_;
+    c.rail_gpus_per_node = topo_.gpus_per_node;
+    return c;
+  };
+  auto call = [&] { return TIDE_STR_CAT("rank ", rank_, " call seq ", seq); };
   if (graphs_ &&  // [Note: replayed calls]
-      graphs_->run(e.graphs, bindings_key(bufs), *fs_, [&](GraphCapture& cap) { capture(e, cap, c, seq, *progs); },
+      graphs_->run(e.graphs, bindings_key(buffers), *fs_,
+                   [&](GraphCapture& cap) { capture(e, cap, context(), seq, *progs); },
                    [&](CallGraph& g, bool advance) { replay(g, seq, caller, advance); })) {
     if (opt_.sync_every_call) fs_->guarded([&] {
-        fs_->drain_and_sync(call);
+        fs_->drain_and_sync(call());
         graphs_->check(*fs_);
       });
     return;
   }
+  context();
   try {
     TIDE_CHECK_CUDA(cudaEventRecord(ev_caller_, caller), "recording the caller stream");
     TIDE_CHECK_CUDA(cudaStreamWaitEvent(own[0], ev_caller_, 0));
@@ -310,12 +318,12 @@ void CudaRankExecutor::run(const std::shared_ptr<const ProgramSet>& set, int64_t
     issue_call(c, seq);
   } catch (const std::exception& ex) {
     fs_->fail(ex.what());
-    fs_->join_caller(0, ns, caller, false, call);  // the caller's stream stays ordered after what was enqueued
+    fs_->join_caller(0, ns, caller, false, call());  // the caller's stream stays ordered after what was enqueued
     throw;
   }
   fs_->guarded([&] {
-    fs_->join_caller(0, ns, caller, true, call);
-    if (opt_.sync_every_call) fs_->drain_and_sync(call);  // debug: every call completes (or names its stuck wait)
+    fs_->join_caller(0, ns, caller, true, call());
+    if (opt_.sync_every_call) fs_->drain_and_sync(call());  // debug: every call completes (or names its stuck wait)
   });
 }
 
