@@ -12,8 +12,10 @@ process by CUDA IPC, another node over the rank's NCCL rail.
 TIDE-AG landings and TIDE-RS outputs of 3 calls (fresh integer-valued inputs, poisoned outputs,
 both RS banks) are bitwise the CPU tide.VirtualCluster's. Run on the GPU machine.
 """
+import faulthandler
 import multiprocessing as mp
 import os
+import signal
 import threading
 import time
 import traceback
@@ -38,6 +40,9 @@ def _rank_calls(rank, cfg, fab, ex, plan, out):
 
 
 def _process_main(p, cfg, conn):
+    # A native abort (teardown) names its Python and native frames in the test's report.
+    _core.cuda.install_stack_dump(signal.SIGABRT)
+    faulthandler.enable(all_threads=True)  # first: Python's stacks, then the native dump above
     try:
         M, L = cfg["M"], cfg["L"]
         N, rails = M * L, M > 1
@@ -120,7 +125,6 @@ def test_processes_of_several_ranks_match_the_virtual_cluster(M, L):
         calls = {r: v for p in _expect(conns, "calls", deadline).values() for r, v in p.items()}
         for c in conns:
             c.send("exit")
-    assert [p.exitcode for p in procs] == [0] * len(procs), "teardown hung or crashed"
     lands, outs = _reference(M, L, False, seed)
     for r in range(N):
         assert not isinstance(calls[r], str), f"rank {r}:\n{calls[r]}"
@@ -130,3 +134,4 @@ def test_processes_of_several_ranks_match_the_virtual_cluster(M, L):
             assert land == lands[seq, r], f"AG landing differs: rank {r} seq {seq}"
             assert out == outs[seq, r], f"RS output differs: rank {r} seq {seq}"
         assert stats == (3, 2 * CALLS), (r, stats)  # one AG set and two RS banks, each prepared once
+    assert [p.exitcode for p in procs] == [0] * len(procs), "teardown hung or crashed"
