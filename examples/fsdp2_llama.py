@@ -56,8 +56,10 @@ if glob.glob(os.path.join(_ROOT, "tide", "_core*.so")):
 from tide_apps import llama  # noqa: E402 - the checkout's, when its core is built in place
 from tide_apps import llama_spec as common  # noqa: E402
 
+# stock_again: stock FSDP2 a second time, the same settings: how far stock is from itself (a
+# nondeterministic kernel shows here, not as a TIDE difference).
 VARIANTS = {"stock": None, "tide_in_place": "in_place", "tide_slot_reuse": "slot_reuse",
-            "tide_in_place_graphs": "in_place"}
+            "tide_in_place_graphs": "in_place", "stock_again": None}
 DEFAULT_VARIANTS = ("stock", "tide_in_place", "tide_slot_reuse")
 # CUDA: calls replayed as CUDA graphs (tide.ExecutorOptions(graphs=True); exec/cuda/graph.h).
 GRAPHS = {"tide_in_place_graphs"}
@@ -131,8 +133,18 @@ def run(args, device: torch.device, variant: str) -> tuple[dict, dict]:
             torch.cuda.reset_peak_memory_stats(device)
 
     profile_step = min(PROFILE_STEP, args.steps - 1)
+    trace_step = args.steps - 1 if args.trace else None
+    breakdown = {}
+
+    def on_trace(prof):  # this rank's Chrome trace of the step, and where its milliseconds went
+        from tide_apps.bench import timeline
+        path = os.path.join(args.trace, f"{variant}.rank{rank}.json")
+        prof.export_chrome_trace(path)
+        breakdown.update(timeline.breakdown_file(path), trace=path)
+
     done = llama.train(model, data, opt, device=device, phase=phase, mean_over_ranks=True,
-                       profile_step=profile_step if rank == 0 else None)
+                       profile_step=profile_step if rank == 0 else None, trace_step=trace_step,
+                       on_trace=on_trace)
     times, losses, copies = done.times, done.losses, done.copies
     arena = handle.memory()["arena_bytes"] if handle else 0
     if cuda:
@@ -142,11 +154,12 @@ def run(args, device: torch.device, variant: str) -> tuple[dict, dict]:
     else:
         import resource
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    timed = [t for i, t in enumerate(times[args.warmup:], args.warmup) if i != PROFILE_STEP]
+    timed = [t for i, t in enumerate(times[args.warmup:], args.warmup) if i not in (PROFILE_STEP, trace_step)]
     stats = {"name": variant, "step_ms": statistics.median(timed or times[-1:]) * 1e3,
              "peak_bytes": int(peak), "final_loss": losses[-1], "losses": losses,
              "layout_copies": copies,
              "copies_source": f"torch.profiler, rank 0, step {profile_step}",
+             "breakdown": breakdown or None,
              # printed, not in the JSON:
              "arena_bytes": arena, "transport": handle.transport if handle else "stock",
              "fallbacks": handle.fallbacks if handle else {}, "phases": phases,
@@ -164,7 +177,7 @@ def run(args, device: torch.device, variant: str) -> tuple[dict, dict]:
 
 
 JSON_KEYS = ("name", "step_ms", "peak_bytes", "final_loss", "losses", "layout_copies",
-             "copies_source")
+             "copies_source", "breakdowns")
 
 
 def main_worker(rank: int, world: int, init: str, args) -> None:
@@ -190,6 +203,10 @@ def main_worker(rank: int, world: int, init: str, args) -> None:
         for variant in args.variants:
             stats, shards[variant] = run(args, device, variant)
             results.append(stats)
+        for s in results:  # every rank's breakdown of the traced step, gathered on every rank
+            got = [None] * dist.get_world_size()
+            dist.all_gather_object(got, s.pop("breakdown"))
+            s["breakdowns"] = got if any(got) else None
         if dist.get_rank() == 0:
             name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
             print(f"{name}, world {dist.get_world_size()}, size {args.size}, {args.steps} steps "
@@ -210,6 +227,16 @@ def main_worker(rank: int, world: int, init: str, args) -> None:
                     print(f"  {s['name']} FSDP2 layout copies ({s['copies_source']}): " + ", ".join(
                         f"{op} {c['calls']} ({c['bytes']:,} B)"
                         for op, c in s["layout_copies"].items()))
+            if args.trace:
+                from tide_apps.bench import timeline
+                print(f"where the traced step's milliseconds go (step {args.steps - 1}, ms; traces in "
+                      f"{args.trace}):")
+                for r in range(dist.get_world_size()):
+                    cols = {s["name"]: s["breakdowns"][r] for s in results
+                            if s["breakdowns"] and s["breakdowns"][r]}
+                    print(f"  rank {r}")
+                    for line in timeline.table(cols):
+                        print("    " + line)
             if "stock" in shards:
                 for v, sh in shards.items():
                     if v != "stock":
@@ -260,6 +287,11 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=10, help="AdamW steps per variant (default 10)")
     ap.add_argument("--warmup", type=int, default=3, help="steps left out of the median")
     ap.add_argument("--json", default=None, help="write the results (rank 0) to this path")
+    ap.add_argument("--trace", default=None, metavar="DIR",
+                    help="profile the last step of every variant on every rank (CPU and CUDA "
+                         "activities): DIR/<variant>.rank<r>.json Chrome traces and a breakdown "
+                         "of where the step's time goes (tide_apps/bench/timeline.py); that step "
+                         "is left out of the median")
     ap.add_argument("--phases", action="store_true",
                     help="CUDA: also print each step phase's peak (forward, backward, optimizer)")
     args = ap.parse_args()
@@ -270,6 +302,12 @@ def main() -> None:
         ap.error(f"--variants: unknown {bad}; choose from {list(VARIANTS)}")
     if args.warmup < 0 or args.warmup >= args.steps:
         ap.error(f"--warmup {args.warmup} leaves no timed step of --steps {args.steps}")
+    if args.trace:
+        if args.steps - 1 <= max(PROFILE_STEP, args.warmup):
+            ap.error(f"--trace profiles the last step: --steps {args.steps} leaves none after "
+                     f"--warmup {args.warmup} and the layout-copy step {PROFILE_STEP} to time")
+        os.makedirs(args.trace, exist_ok=True)
+        args.trace = os.path.abspath(args.trace)
     if "RANK" in os.environ:  # torchrun
         main_worker(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), "env://", args)
         return

@@ -165,23 +165,29 @@ class Trained:
 def train(model: nn.Module, data: list, opt, *, accumulate: int = 1, set_sync: bool = False,
           loss_scale: float = 1.0, device=None, profile_step: int | None = None,
           counters: Callable[[], dict] | None = None, phase: Callable[[str], None] | None = None,
-          mean_over_ranks: bool = False) -> Trained:
+          mean_over_ranks: bool = False, trace_step: int | None = None,
+          on_trace: Callable | None = None) -> Trained:
     """Trains on ``data`` (token batches (B, seq + 1): inputs [:, :-1], targets [:, 1:]), one
     optimizer step per ``accumulate`` batches. ``set_sync``: FSDP2 syncs gradients on the last
     micro-batch only; ``device``: batches move there (CUDA: each step ends with a synchronize);
     ``profile_step``: that step runs under torch.profiler; ``phase(name)``: called after
     "forward", "backward" and "optimizer"; ``mean_over_ranks``: each loss is the mean over the
-    ranks (all-reduced after the step's clock stops)."""
+    ranks (all-reduced after the step's clock stops); ``trace_step``: that step runs under
+    torch.profiler with CPU and CUDA activities inside a ``bench::step`` annotation, and
+    ``on_trace(prof)`` gets the profile (tide_apps/bench/timeline.py reads its trace)."""
     vocab = model.vocab
     cuda = device is not None and torch.device(device).type == "cuda"
     mark = phase or (lambda name: None)
     out = Trained()
     for step in range(len(data) // accumulate):
-        profiling = step == profile_step
+        profiling, tracing = step == profile_step, step == trace_step and not step == profile_step
         before = counters() if profiling and counters is not None else None
-        with (torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
-                                     record_shapes=True) if profiling
-              else contextlib.nullcontext()) as prof:
+        acts = [torch.profiler.ProfilerActivity.CPU]
+        if tracing and cuda:
+            acts.append(torch.profiler.ProfilerActivity.CUDA)
+        with (torch.profiler.profile(activities=acts, record_shapes=profiling) if profiling or tracing
+              else contextlib.nullcontext()) as prof, \
+                (torch.profiler.record_function("bench::step") if tracing else contextlib.nullcontext()):
             t0 = time.perf_counter()
             step_losses = []
             for micro in range(accumulate):
@@ -204,6 +210,8 @@ def train(model: nn.Module, data: list, opt, *, accumulate: int = 1, set_sync: b
             if cuda:
                 torch.cuda.synchronize(device)
             out.times.append(time.perf_counter() - t0)
+        if tracing and on_trace is not None:
+            on_trace(prof)
         if profiling:
             out.copies = layout_copies(prof, dist.get_world_size())
             if before is not None:

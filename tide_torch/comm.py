@@ -40,6 +40,7 @@ afterwards raises instead of reaching freed state.
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -60,6 +61,14 @@ def _default_store() -> Any:
         return dist.distributed_c10d._get_default_store()
     except (AttributeError, RuntimeError, ValueError):
         return None
+
+
+def _annotated(name: str):
+    """A ``tide::<op>`` range in a running torch.profiler's trace (the host time of the call,
+    enqueue included: tide_apps/bench/timeline.py); nothing when no profiler runs."""
+    if torch.autograd._profiler_enabled():
+        return torch.profiler.record_function(name)
+    return contextlib.nullcontext()
 
 
 def _buffer(kind: str, index: int, t: torch.Tensor) -> tuple:
@@ -126,6 +135,10 @@ class ExecutorTransport:
         return s
 
     def all_gather(self, tg, inputs, landings, post_forward=False):
+        with _annotated("tide::all_gather"):
+            self._all_gather(tg, inputs, post_forward)
+
+    def _all_gather(self, tg, inputs, post_forward):
         for c in tg.chunks:  # one TIDE-AG per chunk, in order on this stream
             adopted = c.adopts and not post_forward
             bindings = [] if adopted else [_buffer("shard", i, inputs[p]) for i, p in enumerate(c.params)]
@@ -136,11 +149,12 @@ class ExecutorTransport:
                       _default_store)
 
     def reduce_scatter(self, tg, plan, which, grads, output, alpha):
-        bindings = [_buffer("grad", p, g) for p, g in enumerate(grads)]
-        bindings.append(_buffer("out", -1, output))
-        s = self.session(tg, plan, which)
-        diagnosed(lambda: s.reduce_scatter(float(alpha), False, [bindings], self._streams()), self._rank,
-                  self._timeout_s, _default_store)
+        with _annotated("tide::reduce_scatter"):
+            bindings = [_buffer("grad", p, g) for p, g in enumerate(grads)]
+            bindings.append(_buffer("out", -1, output))
+            s = self.session(tg, plan, which)
+            diagnosed(lambda: s.reduce_scatter(float(alpha), False, [bindings], self._streams()), self._rank,
+                      self._timeout_s, _default_store)
 
 
 class CudaExecutorTransport(ExecutorTransport):

@@ -247,6 +247,23 @@ def print_details(results, out=None) -> None:
         print(f"  {name:{w}s} {ops}" + (f"  [{r['copies_source']}]" if r.get("copies_source") else ""), file=out)
 
 
+def print_breakdowns(results, out=None) -> None:
+    """--trace: per rank, each run's breakdown of its traced step beside the baseline's."""
+    from tide_apps.bench import timeline
+    for res in results:
+        runs = [r for r in res.get("runs", []) if r.get("breakdowns")]
+        if not runs:
+            continue
+        print(f"\nwhere the traced step's milliseconds go ({res['framework']}, ms; the last column: "
+              "last run minus first)", file=out or sys.stdout)
+        for rank in range(max(len(r["breakdowns"]) for r in runs)):
+            cols = {r["name"]: r["breakdowns"][rank] for r in runs
+                    if rank < len(r["breakdowns"]) and r["breakdowns"][rank]}
+            print(f"  rank {rank}", file=out or sys.stdout)
+            for line in timeline.table(cols):
+                print("    " + line, file=out or sys.stdout)
+
+
 def plot(path, title, results) -> None:
     """Loss per step (one line per path) and median step time (one bar per path)."""
     import textwrap
@@ -303,6 +320,10 @@ def main(argv=None) -> int:
     ap.add_argument("--torch-args", default="", help="extra arguments for the torch example")
     ap.add_argument("--jax-args", default="", help="extra arguments for the jax example")
     ap.add_argument("--timeout", type=float, default=600, help="seconds per example")
+    ap.add_argument("--trace", default=None, metavar="DIR",
+                    help="torch: profile the last step of every variant on every rank (CPU and CUDA "
+                         "activities) into DIR/<variant>.rank<r>.json and print where each "
+                         "millisecond goes, stock beside TIDE (tide_apps/bench/timeline.py)")
     args = ap.parse_args(argv)
     args.warmup = args.warmup or min(3, args.steps - 1)
     for k in ("steps", "batch", "seq", "world"):
@@ -339,6 +360,8 @@ def main(argv=None) -> int:
     for fw in frameworks:
         script = args.torch_example if fw == "torch" else args.jax_example
         extra = args.torch_args if fw == "torch" else args.jax_args
+        if fw == "torch" and args.trace:
+            extra = f"--trace {shlex.quote(os.path.abspath(args.trace))} {extra}"
         results.append(run_example(fw, ctx, sys.executable, script, shared, extra, args.timeout, world, shared_gpu))
     rows = tabulate(results)
     same, why = same_model(results)
@@ -355,6 +378,7 @@ def main(argv=None) -> int:
         print("peak mem '-': not known on this device (CPU: torch reports the process RSS, not a per-run peak; "
               "XLA:CPU has no allocator statistics)")
     print_details(results)
+    print_breakdowns(results)
     result = dict(bench="train", context=ctx.kind, label=ctx.label, model_args=shared, same_model=same,
                   results=results, rows=rows)
     common.write_json(args.json, result)
