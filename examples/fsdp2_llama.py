@@ -230,7 +230,9 @@ def main_worker(rank: int, world: int, init: str, args) -> None:
             if args.trace:
                 from tide_apps.bench import timeline
                 print(f"where the traced step's milliseconds go (step {args.steps - 1}, ms; traces in "
-                      f"{args.trace}):")
+                      f"{args.trace}). CUDA: once a variant's step was traced, CUPTI stays attached to "
+                      "the process and slows every later launch: take step times from a run without "
+                      "--trace")
                 for r in range(dist.get_world_size()):
                     cols = {s["name"]: s["breakdowns"][r] for s in results
                             if s["breakdowns"] and s["breakdowns"][r]}
