@@ -1,6 +1,8 @@
 """Bounded options: every planner option and ExecutorOptions field has a range checked when the
 plan or executor is made, and the error names the field, its range and the value got; an arena
 larger than the memory it can get is refused naming its largest region, before anything runs."""
+import json
+import re
 import time
 
 import pytest
@@ -156,6 +158,54 @@ def test_cli_bad_shapes_file_names_the_file_and_the_flag(capsys, tmp_path, text,
     (f.write_bytes if isinstance(text, bytes) else f.write_text)(text)
     rc, _, err = _cli(capsys, "--shapes", str(f))
     _one_line_error(rc, err, f"--shapes {f}: ", fragment)
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("source", ["/dev/zero", "sparse", "long-json"])
+def test_cli_shapes_input_is_bounded(capsys, tmp_path, source):
+    """Issue 45: `--shapes /dev/zero` read without bound (24 GB, killed); any input past
+    SHAPES_MAX_BYTES is refused after reading that much, naming the file and the bound."""
+    from tide import cli
+    path = source
+    if source == "sparse":  # 64 GiB of holes: reading it all would take minutes
+        path = tmp_path / "big.json"
+        with open(path, "wb") as f:
+            f.truncate(64 << 30)
+    elif source == "long-json":  # valid JSON, just too long
+        path = tmp_path / "long.json"
+        path.write_text("[" + ",".join(["[4, 8]"] * (cli.SHAPES_MAX_BYTES // 7 + 10)) + "]")
+    t0 = time.monotonic()
+    rc, _, err = _cli(capsys, "--shapes", str(path))
+    assert time.monotonic() - t0 < 10
+    _one_line_error(rc, err, f"--shapes {path}: more than 4 MiB", "not a shapes file?")
+    ok = tmp_path / "ok.json"  # the largest group (256 parameters) is far below the bound
+    ok.write_text(json.dumps({f"layers.{i}.weight": [8192, 28672] for i in range(256)}))
+    assert _cli(capsys, "--shapes", str(ok), "--nodes", "2")[0] == 0
+
+
+def _dtype_help_names():
+    """The dtype names `tide plan --help` lists for --dtype."""
+    import argparse
+
+    from tide import cli
+    ap = argparse.ArgumentParser()
+    cli._add_plan_args(ap)
+    (act,) = [a for a in ap._actions if "--dtype" in a.option_strings]
+    return re.findall(r"\b(?:bfloat16|u?int\d+|float\d+\w*)\b", act.help)
+
+
+def test_cli_dtype_error_lists_every_dtype_its_help_lists(capsys):
+    """Issue 45: float8 was accepted (and in the help) but the error did not name it."""
+    names = _dtype_help_names()
+    assert {"bfloat16", "float16", "float32", "uint8", "float8_e4m3fn", "float8_e5m2"} <= set(names)
+    for flag in ("--dtype", "--grad-dtype", "--shard-dtype"):
+        rc, _, err = _cli(capsys, "--model", "wan2.2-14b", flag, "int4")
+        _one_line_error(rc, err, "unknown dtype 'int4'")
+        listed = err.split("(expected", 1)[1]
+        for n in names:
+            assert re.search(rf"\b{n}\b", listed), (n, err)
+    for n in names:  # and every name listed is one the planner takes
+        assert _cli(capsys, "--model", "wan2.2-14b", "--nodes", "1", "--dtype", n)[0] == 0, n
 
 
 @pytest.mark.parametrize("argv,fragment", [
