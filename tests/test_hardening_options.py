@@ -47,6 +47,36 @@ def test_option_out_of_range_names_field_range_and_value(kw, match):
     assert _refused(SMALL, T(2, 4), match, **kw) < 0.5
 
 
+@pytest.mark.parametrize("kw,match", [
+    ({"k": "3"}, r"Options\.k: '3' is not an integer"),
+    ({"n_stg": 2.0}, r"Options\.n_stg: 2\.0 is not an integer"),
+    ({"w_wave": False}, r"Options\.w_wave: False is a bool"),
+    ({"land_ctas": [1]}, r"Options\.land_ctas: \[1\] is not an integer"),
+    ({"w_wave": 5}, r"Options\.w_wave: W_wave = 5 exceeds L = 4"),
+    ({"sum_ctas": 4097}, r"Options\.sum_ctas: must be in \[0, 4096\]"),
+    ({"ag_head_bytes": -1}, r"Options\.ag_head_bytes: must be >= 0"),
+    ({"chunk_bytes": 1}, r"Options\.chunk_bytes: must be 0 \(planner\) or >= 2"),
+    ({"n_sgt": 2}, r"options: unknown option\(s\) n_sgt"),
+])
+def test_check_options_refuses_any_bad_option_without_a_group(kw, match):
+    """tide.plan.check_options: what a face's enable()/init() calls at creation (issue 45)."""
+    from tide.plan import check_options
+    with pytest.raises(tide.PlanError, match=match):
+        check_options(T(2, 4), **kw)
+
+
+def test_check_options_takes_every_good_value():
+    from tide.plan import check_options
+    good = {"n_part": 16, "n_stg": 16, "k": 32, "sum_ctas": 4096, "land_ctas": 4096,
+            "chunk_bytes": 2, "ag_head_bytes": 0, "w_wave": 4}
+    for topo in (T(1, 1), T(1, 4), T(2, 4), T(64, 8)):
+        for k, v in good.items():
+            if k != "w_wave" or v <= topo.gpus_per_node:
+                assert check_options(topo, **{k: v}) == {k: v}
+    import numpy as np
+    assert check_options(T(2, 4), k=np.int32(3)) == {"k": 3}
+
+
 def test_chunk_bytes_minimum_follows_the_gradient_dtype():
     _refused(G(shapes=[(64, 32)], grad_dtype="float32"), T(2, 4), r"or >= 4 \(one float32 gradient element\), got 3",
              chunk_bytes=3)
