@@ -189,3 +189,23 @@ def test_a_float64_leaf_without_x64_warns_naming_it():
                        shard_dtype=jnp.bfloat16, ag_dtype=jnp.bfloat16)
         tide_xla.shard({"a": np.ones((8, 2), np.float32), "b": jnp.ones((8,), jnp.bfloat16),
                         "c": jnp.ones((8,), jnp.float8_e4m3fn)}, mesh(), "fsdp")
+
+
+@pytest.mark.parametrize("kw,exc,match", [
+    (dict(topology=(2.5, 2)), TypeError, r"topology: nodes must be an int, got 2\.5"),
+    (dict(topology=(True, 8)), TypeError, r"topology: nodes must be an int, got True"),
+    (dict(topology=("2", 4)), TypeError, r"topology: nodes must be an int, got '2'"),
+    (dict(topology=(-2, -4)), ValueError, r"topology: nodes must be >= 1, got -2"),
+    (dict(timeout_s=0), ValueError, r"init: timeout_s must be a number of seconds in \(0, 1e6\], got 0"),
+    (dict(timeout_s=float("nan")), ValueError, r"timeout_s must be .*got nan"),
+    (dict(timeout_s="60"), ValueError, r"timeout_s must be .*got '60'"),
+])
+def test_init_refuses_bad_argument_values_and_types(kw, exc, match):
+    with pytest.raises(exc, match=match):
+        tide_xla.init(mesh(), "fsdp", **kw)
+
+
+@pytest.mark.parametrize("value", [0, 257, 2.0, True, "8"])
+def test_shard_refuses_a_bad_max_group_params(value):
+    with pytest.raises(ValueError, match=rf"max_group_params must be an int in \[1, 256\], got {value!r}"):
+        tide_xla.shard({"w": np.ones((8, 2), np.float32)}, mesh(), "fsdp", max_group_params=value)

@@ -187,8 +187,12 @@ def shard(params, mesh: Mesh, axis: str = "fsdp", *, shard_dtype=jnp.float32,
         raise TypeError(f"shard: mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
     if axis not in mesh.axis_names:
         raise ValueError(f"shard: axis {axis!r} is not an axis of the mesh {mesh.axis_names}")
-    if not 1 <= max_group_params <= MAX_GROUP_PARAMS:
-        raise ValueError(f"shard: max_group_params must be in [1, {MAX_GROUP_PARAMS}]")
+    from tide_xla.context import check_even_processes
+    check_even_processes(mesh, "tide_xla.shard")
+    if (isinstance(max_group_params, bool) or not isinstance(max_group_params, int)
+            or not 1 <= max_group_params <= MAX_GROUP_PARAMS):
+        raise ValueError(f"shard: max_group_params must be an int in [1, {MAX_GROUP_PARAMS}], "
+                         f"got {max_group_params!r}")
     sd, ad = _dtype_arg("shard_dtype", shard_dtype), _dtype_arg("ag_dtype", ag_dtype)
     if sd != ad and (sd, ad) != (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
         raise ValueError(f"shard: shard_dtype {sd} with ag_dtype {ad}: TIDE-AG gathers in the "
