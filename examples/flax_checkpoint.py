@@ -1,7 +1,7 @@
 """Checkpoint a tide_xla training run with orbax-checkpoint, restore it on another device count,
 and export the unsharded parameters (docs/xla.md, "Checkpoints and export").
 
-    XLA_FLAGS=--xla_force_host_platform_device_count=8 python examples/flax_checkpoint.py [--dir D]
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 .venv/bin/python examples/flax_checkpoint.py [--dir D]
 
 A Flax NNX MLP trains 3 AdamW steps over an 8-device "fsdp" mesh through tide_xla (TIDE-AG
 forward, TIDE-RS backward); the fp32 master shards and the optax state go to an orbax
