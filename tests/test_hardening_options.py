@@ -191,7 +191,7 @@ def test_cli_bad_shapes_file_names_the_file_and_the_flag(capsys, tmp_path, text,
 
 
 @pytest.mark.timeout(30)
-@pytest.mark.parametrize("source", ["/dev/zero", "sparse", "long-json"])
+@pytest.mark.parametrize("source", ["/dev/zero", "/dev/urandom", "sparse", "long-json"])
 def test_cli_shapes_input_is_bounded(capsys, tmp_path, source):
     """Issue 45: `--shapes /dev/zero` read without bound (24 GB, killed); any input past
     SHAPES_MAX_BYTES is refused after reading that much, naming the file and the bound."""
@@ -211,6 +211,15 @@ def test_cli_shapes_input_is_bounded(capsys, tmp_path, source):
     ok = tmp_path / "ok.json"  # the largest group (256 parameters) is far below the bound
     ok.write_text(json.dumps({f"layers.{i}.weight": [8192, 28672] for i in range(256)}))
     assert _cli(capsys, "--shapes", str(ok), "--nodes", "2")[0] == 0
+
+
+@pytest.mark.timeout(30)
+def test_cli_shapes_fifo_without_a_writer_does_not_hang(capsys, tmp_path):
+    import os
+    fifo = tmp_path / "shapes.fifo"
+    os.mkfifo(fifo)
+    rc, _, err = _cli(capsys, "--shapes", str(fifo))  # open() used to wait for a writer
+    _one_line_error(rc, err, f"--shapes {fifo}: not valid JSON (Expecting value")
 
 
 def _dtype_help_names():

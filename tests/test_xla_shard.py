@@ -199,6 +199,7 @@ def test_a_float64_leaf_without_x64_warns_naming_it():
     (dict(timeout_s=0), ValueError, r"init: timeout_s must be a number of seconds in \(0, 1e6\], got 0"),
     (dict(timeout_s=float("nan")), ValueError, r"timeout_s must be .*got nan"),
     (dict(timeout_s="60"), ValueError, r"timeout_s must be .*got '60'"),
+    (dict(mode=["in_place"]), ValueError, r"init: mode must be one of .*got \['in_place'\]"),
 ])
 def test_init_refuses_bad_argument_values_and_types(kw, exc, match):
     with pytest.raises(exc, match=match):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 
@@ -55,9 +56,14 @@ SHAPES_MAX_BYTES = 4 << 20
 
 def _read_shapes(path: str, max_bytes: int = SHAPES_MAX_BYTES):
     """The --shapes file's JSON; every failure is a ValueError naming --shapes and the file.
-    At most ``max_bytes`` (+1) bytes are read, whatever the file is (a device, a pipe)."""
+    At most ``max_bytes`` (+1) bytes are read, whatever the file is (a device, a pipe), and
+    nothing waits for a writer."""
     try:
-        with open(path, "rb") as f:
+        # Opened without blocking (a FIFO nobody writes to would block open() for ever), then
+        # read blocking: a FIFO without a writer reads as empty, a device (/dev/zero) as bytes.
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+        os.set_blocking(fd, True)
+        with open(fd, "rb") as f:
             data = f.read(max_bytes + 1)
     except OSError as e:
         raise ValueError(f"--shapes {path}: cannot read it: {e.strerror or e}") from None

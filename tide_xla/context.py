@@ -227,7 +227,7 @@ def init(mesh: Mesh, axis: str = "fsdp", topology: Any = None, mode: str = "in_p
                         f"got {type(mesh).__name__}")
     if axis not in mesh.axis_names:
         raise ValueError(f"init: axis {axis!r} is not an axis of the mesh {mesh.axis_names}")
-    if mode not in MODES:
+    if not isinstance(mode, str) or mode not in MODES:
         raise ValueError(f"init: mode must be one of {sorted(MODES)}, got {mode!r}")
     if not isinstance(serve_single_rank, bool):
         raise TypeError(f"init: serve_single_rank must be a bool, got {serve_single_rank!r}")
