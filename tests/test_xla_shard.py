@@ -210,3 +210,15 @@ def test_init_refuses_bad_argument_values_and_types(kw, exc, match):
 def test_shard_refuses_a_bad_max_group_params(value):
     with pytest.raises(ValueError, match=rf"max_group_params must be an int in \[1, 256\], got {value!r}"):
         tide_xla.shard({"w": np.ones((8, 2), np.float32)}, mesh(), "fsdp", max_group_params=value)
+
+
+@pytest.mark.parametrize("value,exc", [("0.5", TypeError), (True, TypeError), (None, TypeError),
+                                       (float("inf"), ValueError), (float("nan"), ValueError)])
+def test_gather_and_reduce_scatter_name_a_bad_scale(value, exc):
+    m = mesh()
+    tide_xla.init(m, "fsdp")
+    sharded, layout = tide_xla.shard({"w": jnp.ones((16, 4))}, m, "fsdp")
+    with pytest.raises(exc, match=r"tide_xla.gather: grad_scale must be a finite number"):
+        tide_xla.gather(sharded, layout, grad_scale=value)
+    with pytest.raises(exc, match=r"tide_xla.reduce_scatter: scale must be a finite number"):
+        tide_xla.reduce_scatter({"w": jnp.ones((16, 4), jnp.bfloat16)}, layout, scale=value)
