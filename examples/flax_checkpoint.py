@@ -1,12 +1,13 @@
 """Checkpoint a tide_xla training run with orbax-checkpoint, restore it on another device count,
 and export the unsharded parameters (docs/xla.md, "Checkpoints and export").
 
-    XLA_FLAGS=--xla_force_host_platform_device_count=8 python examples/flax_checkpoint.py [--dir D]
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 .venv/bin/python examples/flax_checkpoint.py [--dir D]
 
 A Flax NNX MLP trains 3 AdamW steps over an 8-device "fsdp" mesh through tide_xla (TIDE-AG
 forward, TIDE-RS backward); the fp32 master shards and the optax state go to an orbax
 checkpoint as they are (dim-0 padded, sharded). A second mesh of 3 devices restores them: its
-shards have R_p = ceil(D_p / 3) rows, orbax truncates or zero-pads dim 0 to them (strict=False),
+shards have R_p = ceil(D_p / 3) rows; tide_xla.restore checks the leaf shapes saved with the
+checkpoint against the new layout, then orbax truncates or zero-pads dim 0 to them (strict=False),
 and the padding rows it adds or drops are zero (TIDE-RS gives them no gradient; AdamW keeps zero
 at zero). The run then trains on, and `tide_xla.unshard` exports the parameters in their original
 shapes and dtypes to an .npz. On several processes every process runs the same lines (orbax writes
@@ -80,14 +81,16 @@ def main() -> int:
     for _ in range(3):
         shards, opt = step8(shards, opt, x, y)
     ckpt = ocp.StandardCheckpointer()
-    ckpt.save(os.path.join(root, "step3"), {"shards": shards, "opt": opt})
+    # The leaf shapes go with it: a restore into another model's shapes is refused, naming the leaf.
+    ckpt.save(os.path.join(root, "step3"), {"shards": shards, "opt": opt},
+              custom_metadata=tide_xla.checkpoint_metadata(layout8))
     ckpt.wait_until_finished()
     saved = tide_xla.unshard(shards, layout8)
     tide_xla.release(mesh8, "fsdp")
 
     # Another device count: fresh shards and state on it are the restore target (shapes, shardings).
     mesh3, target, layout3, opt3, step3 = setup(jax.devices()[:3], graphdef, params, tx)
-    got = ckpt.restore(os.path.join(root, "step3"), {"shards": target, "opt": opt3}, strict=False)
+    got = tide_xla.restore(ckpt, os.path.join(root, "step3"), {"shards": target, "opt": opt3}, layout3)
     shards, opt = got["shards"], got["opt"]
     back = tide_xla.unshard(shards, layout3)
     same = all(np.asarray(a).tobytes() == np.asarray(b).tobytes()

@@ -1,8 +1,8 @@
 """Train examples/fsdp2_llama.py's Llama-style model in Flax NNX two ways and compare: TIDE
 (tide_xla) and XLA's own sharding (GSPMD).
 
-    XLA_FLAGS=--xla_force_host_platform_device_count=8 python examples/flax_fsdp.py [--steps 20]
-    python examples/flax_fsdp.py --size small --json out.json --separate   # on GPUs: those present
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 .venv/bin/python examples/flax_fsdp.py [--steps 20]
+    .venv/bin/python examples/flax_fsdp.py --size small --json out.json --separate   # on GPUs: those present
 
 The model, its initial weights (numpy, --seed), the tokens and AdamW's hyperparameters come from
 tide_apps/llama_spec.py, as in the PyTorch example, so that both frameworks train the same

@@ -2,15 +2,15 @@
 time, peak memory, loss and FSDP2's layout copies for each.
 
     # one GPU (world 1), or every GPU of the node with torchrun (NCCL)
-    python examples/fsdp2_llama.py --size small --json out.json
+    .venv/bin/python examples/fsdp2_llama.py --size small --json out.json
     torchrun --nproc-per-node 2 examples/fsdp2_llama.py --size 1b
 
     # one GPU shared by 4 ranks, each an emulated host (NCCL over loopback), 2 nodes x 2
-    python examples/fsdp2_llama.py --world 4 --shared-gpu --nodes 2 --size tiny
+    .venv/bin/python examples/fsdp2_llama.py --world 4 --shared-gpu --nodes 2 --size tiny
 
     # CPU: 4 gloo ranks as processes on this machine, emulating 2 nodes x 2
-    python examples/fsdp2_llama.py --device cpu
-    python examples/fsdp2_llama.py --device cpu --world 4 --nodes 2 --steps 10 --variants stock,tide_slot_reuse
+    .venv/bin/python examples/fsdp2_llama.py --device cpu
+    .venv/bin/python examples/fsdp2_llama.py --device cpu --world 4 --nodes 2 --steps 10 --variants stock,tide_slot_reuse
 
 The model and its training loop are tide_apps/llama.py's (the demo's and the tests' too; here
 with PyTorch's fused attention). Its sizes, initial weights, tokens and AdamW hyperparameters

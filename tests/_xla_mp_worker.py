@@ -163,10 +163,12 @@ def _checkpoint(jax, jnp, np, tide_xla, mesh):
     if case == "ckpt_save":
         for _ in range(2):
             shards, opt = step(shards, opt)
-        ckpt.save(path, {"shards": shards, "opt": opt})
+        ckpt.save(path, {"shards": shards, "opt": opt},
+                  custom_metadata=tide_xla.checkpoint_metadata(layout))
         ckpt.wait_until_finished()
-    else:  # the targets give shapes and shardings on this mesh; strict=False pads/truncates dim 0
-        got = ckpt.restore(path, {"shards": shards, "opt": opt}, strict=False)
+    else:  # the targets give shapes and shardings on this mesh; the leaf shapes are checked,
+        # then strict=False pads/truncates dim 0 (tide_xla.restore)
+        got = tide_xla.restore(ckpt, path, {"shards": shards, "opt": opt}, layout)
         shards, opt = got["shards"], got["opt"]
     out = {}
     for name, tree in (("params", shards), ("mu", opt[0].mu), ("nu", opt[0].nu)):

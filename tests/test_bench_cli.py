@@ -425,3 +425,26 @@ def test_layout_plot_from_a_result(tmp_path):
     result["rows"] = [r for r in result["rows"] if not r["step"].startswith("RS stock")]
     with pytest.raises(KeyError):  # a missing stock row is an error, not a silently empty bar
         plot_layout(str(tmp_path / "x.png"), result)
+
+
+@pytest.mark.parametrize("flag", ["--help", "-h"])
+def test_bench_help_lists_every_bench(capsys, flag):
+    """Issue 45: `tide bench --help` lists the benches (it was "arguments are required: which")."""
+    rc, out, err = _run(capsys, [flag])
+    assert rc == 0, err
+    assert "usage: tide bench BENCH" in out
+    for name in cli.BENCHES:
+        assert f"\n  {name} " in out, name
+    with pytest.raises(SystemExit) as e:  # a named bench's own help (its argparse exits)
+        _run(capsys, ["ag", flag])
+    assert e.value.code == 0 and "usage: tide bench ag" in capsys.readouterr().out
+
+
+def test_bench_without_a_bench_names_them(capsys):
+    with pytest.raises(SystemExit) as e:
+        _run(capsys, [])
+    assert e.value.code == 2
+    assert "name a bench: one of ag, rs, interference, train, layout, hostcall" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        _run(capsys, ["--json"])
+    assert "(got '--json')" in capsys.readouterr().err

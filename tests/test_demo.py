@@ -150,11 +150,24 @@ def test_gpu_topology_one_rank_per_gpu():
     assert demo_train.gpu_topology(12) == (1, 1)
 
 
+def test_demo_verdict_names_what_failed():
+    assert demo.verdict(True, True).startswith("== Agreement check: PASS")
+    assert demo.verdict(False, True).startswith("== Agreement check: FAIL (virtual-cluster "
+                                                "TIDE-AG/RS: FAILED;")
+    assert demo.verdict(True, False).startswith("== Agreement check: FAIL")
+    assert "FSDP2 training: FAILED" in demo.verdict(True, False)
+    assert "\n" not in demo.verdict(True, None)
+
+
 def test_demo_main_without_training_and_cli_steps(capsys):
     assert demo.main(device="cpu", train_steps=None) == 0
     out = capsys.readouterr().out
     assert "Agreement check: PASS" in out and "llama3.1-70b / largest" in out
     assert "Training" not in out
+    # The output ends on the verdict, one line (issue 45), after the planner's view.
+    assert out.strip().splitlines()[-1] == ("== Agreement check: PASS (virtual-cluster "
+                                            "TIDE-AG/RS: exact; FSDP2 training: not run)")
+    assert out.index("llama3.1-70b / largest") < out.index("Agreement check")
     from tide_apps import cli
     assert cli.main(["demo", "--steps", "1"]) == 2
 

@@ -1,6 +1,8 @@
 """Bounded options: every planner option and ExecutorOptions field has a range checked when the
 plan or executor is made, and the error names the field, its range and the value got; an arena
 larger than the memory it can get is refused naming its largest region, before anything runs."""
+import json
+import re
 import time
 
 import pytest
@@ -43,6 +45,36 @@ def _refused(sig, topo, match, **kw):
 def test_option_out_of_range_names_field_range_and_value(kw, match):
     # Refused before any sizing work: n_part=10**9 used to allocate 12 GB before std::bad_alloc.
     assert _refused(SMALL, T(2, 4), match, **kw) < 0.5
+
+
+@pytest.mark.parametrize("kw,match", [
+    ({"k": "3"}, r"Options\.k: '3' is not an integer"),
+    ({"n_stg": 2.0}, r"Options\.n_stg: 2\.0 is not an integer"),
+    ({"w_wave": False}, r"Options\.w_wave: False is a bool"),
+    ({"land_ctas": [1]}, r"Options\.land_ctas: \[1\] is not an integer"),
+    ({"w_wave": 5}, r"Options\.w_wave: W_wave = 5 exceeds L = 4"),
+    ({"sum_ctas": 4097}, r"Options\.sum_ctas: must be in \[0, 4096\]"),
+    ({"ag_head_bytes": -1}, r"Options\.ag_head_bytes: must be >= 0"),
+    ({"chunk_bytes": 1}, r"Options\.chunk_bytes: must be 0 \(planner\) or >= 2"),
+    ({"n_sgt": 2}, r"options: unknown option\(s\) n_sgt"),
+])
+def test_check_options_refuses_any_bad_option_without_a_group(kw, match):
+    """tide.plan.check_options: what a face's enable()/init() calls at creation (issue 45)."""
+    from tide.plan import check_options
+    with pytest.raises(tide.PlanError, match=match):
+        check_options(T(2, 4), **kw)
+
+
+def test_check_options_takes_every_good_value():
+    from tide.plan import check_options
+    good = {"n_part": 16, "n_stg": 16, "k": 32, "sum_ctas": 4096, "land_ctas": 4096,
+            "chunk_bytes": 2, "ag_head_bytes": 0, "w_wave": 4}
+    for topo in (T(1, 1), T(1, 4), T(2, 4), T(64, 8)):
+        for k, v in good.items():
+            if k != "w_wave" or v <= topo.gpus_per_node:
+                assert check_options(topo, **{k: v}) == {k: v}
+    import numpy as np
+    assert check_options(T(2, 4), k=np.int32(3)) == {"k": 3}
 
 
 def test_chunk_bytes_minimum_follows_the_gradient_dtype():
@@ -156,6 +188,63 @@ def test_cli_bad_shapes_file_names_the_file_and_the_flag(capsys, tmp_path, text,
     (f.write_bytes if isinstance(text, bytes) else f.write_text)(text)
     rc, _, err = _cli(capsys, "--shapes", str(f))
     _one_line_error(rc, err, f"--shapes {f}: ", fragment)
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("source", ["/dev/zero", "/dev/urandom", "sparse", "long-json"])
+def test_cli_shapes_input_is_bounded(capsys, tmp_path, source):
+    """Issue 45: `--shapes /dev/zero` read without bound (24 GB, killed); any input past
+    SHAPES_MAX_BYTES is refused after reading that much, naming the file and the bound."""
+    from tide import cli
+    path = source
+    if source == "sparse":  # 64 GiB of holes: reading it all would take minutes
+        path = tmp_path / "big.json"
+        with open(path, "wb") as f:
+            f.truncate(64 << 30)
+    elif source == "long-json":  # valid JSON, just too long
+        path = tmp_path / "long.json"
+        path.write_text("[" + ",".join(["[4, 8]"] * (cli.SHAPES_MAX_BYTES // 7 + 10)) + "]")
+    t0 = time.monotonic()
+    rc, _, err = _cli(capsys, "--shapes", str(path))
+    assert time.monotonic() - t0 < 10
+    _one_line_error(rc, err, f"--shapes {path}: more than 4 MiB", "not a shapes file?")
+    ok = tmp_path / "ok.json"  # the largest group (256 parameters) is far below the bound
+    ok.write_text(json.dumps({f"layers.{i}.weight": [8192, 28672] for i in range(256)}))
+    assert _cli(capsys, "--shapes", str(ok), "--nodes", "2")[0] == 0
+
+
+@pytest.mark.timeout(30)
+def test_cli_shapes_fifo_without_a_writer_does_not_hang(capsys, tmp_path):
+    import os
+    fifo = tmp_path / "shapes.fifo"
+    os.mkfifo(fifo)
+    rc, _, err = _cli(capsys, "--shapes", str(fifo))  # open() used to wait for a writer
+    _one_line_error(rc, err, f"--shapes {fifo}: not valid JSON (Expecting value")
+
+
+def _dtype_help_names():
+    """The dtype names `tide plan --help` lists for --dtype."""
+    import argparse
+
+    from tide import cli
+    ap = argparse.ArgumentParser()
+    cli._add_plan_args(ap)
+    (act,) = [a for a in ap._actions if "--dtype" in a.option_strings]
+    return re.findall(r"\b(?:bfloat16|u?int\d+|float\d+\w*)\b", act.help)
+
+
+def test_cli_dtype_error_lists_every_dtype_its_help_lists(capsys):
+    """Issue 45: float8 was accepted (and in the help) but the error did not name it."""
+    names = _dtype_help_names()
+    assert {"bfloat16", "float16", "float32", "uint8", "float8_e4m3fn", "float8_e5m2"} <= set(names)
+    for flag in ("--dtype", "--grad-dtype", "--shard-dtype"):
+        rc, _, err = _cli(capsys, "--model", "wan2.2-14b", flag, "int4")
+        _one_line_error(rc, err, "unknown dtype 'int4'")
+        listed = err.split("(expected", 1)[1]
+        for n in names:
+            assert re.search(rf"\b{n}\b", listed), (n, err)
+    for n in names:  # and every name listed is one the planner takes
+        assert _cli(capsys, "--model", "wan2.2-14b", "--nodes", "1", "--dtype", n)[0] == 0, n
 
 
 @pytest.mark.parametrize("argv,fragment", [

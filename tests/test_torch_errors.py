@@ -151,6 +151,58 @@ def test_enable_errors_no_hang():
     spawn(_errors)
 
 
+# Planner options with a bad value or type (issue 45): each used to let every group fall back
+# to stock FSDP2 silently (a warning, handle.stats all zero); ring="no" was taken as True. The
+# first block is the issue's list, the second other values and options of the same kinds.
+BAD_OPTIONS = [
+    ({"k": -1}, tide.PlanError, "Options.k: must be in [0, 32]"),
+    ({"n_stg": "2"}, tide.PlanError, "Options.n_stg: '2' is not an integer"),
+    ({"n_stg": 2.5}, tide.PlanError, "Options.n_stg: 2.5 is not an integer"),
+    ({"chunk_bytes": -4}, tide.PlanError, "Options.chunk_bytes: must be 0 (planner) or >= 2"),
+    ({"w_wave": 99}, tide.PlanError, "Options.w_wave: W_wave = 99 exceeds L = 2"),
+    ({"n_part": True}, tide.PlanError, "Options.n_part: True is a bool, not an integer"),
+    ({"ring": "no"}, TypeError, "ring must be a bool, got 'no'"),
+    ({"land_ctas": 5000}, tide.PlanError, "Options.land_ctas: must be in [0, 4096]"),
+    ({"sum_ctas": "8"}, tide.PlanError, "Options.sum_ctas: '8' is not an integer"),
+    ({"k": 1.0}, tide.PlanError, "Options.k: 1.0 is not an integer"),
+    ({"n_stg": 0}, tide.PlanError, "Options.n_stg: must be in [1, 16], got 0"),
+    ({"n_part": 17}, tide.PlanError, "Options.n_part: must be in [0, 16]"),
+    ({"w_wave": -1}, tide.PlanError, "Options.w_wave: must be in [0, L=2]"),
+    ({"chunk_bytes": None}, tide.PlanError, "Options.chunk_bytes: None is not an integer"),
+    ({"k": 2**40}, tide.PlanError, "Options.k: 1099511627776 does not fit in 32 bits"),
+    ({"ring": 1}, TypeError, "ring must be a bool, got 1"),
+    ({"ring": None}, TypeError, "ring must be a bool, got None"),
+]
+
+
+def _bad_options(rank, world):
+    import tide_torch
+    from tide_torch import _patches
+
+    model = build(mesh=mesh_1d(), n_layers=1)
+    for kw, exc, fragment in BAD_OPTIONS:
+        # On every rank: each raises the error itself, at enable(), nothing patched.
+        _expect(exc, [fragment], lambda: tide_torch.enable(model, topology=TOPO, **kw))
+        assert not _patches.installed(), kw
+        # On rank 1 only: it raises its error, the others learn it in the agreement.
+        _expect(exc if rank == 1 else tide_torch.TideAgreementError,
+                [fragment] if rank == 1 else ["rank 1 failed", fragment],
+                lambda: tide_torch.enable(model, topology=TOPO, **(kw if rank == 1 else {})))
+        assert not _patches.installed(), kw
+    # Good values of the same options are served by TIDE (no fallback), numpy ints included.
+    import numpy as np
+    handle = tide_torch.enable(model, topology=TOPO, k=np.int64(1), n_stg=3, w_wave=2,
+                               chunk_bytes=0, n_part=2, ring=False)
+    assert not handle.fallbacks and handle.plans, handle.fallbacks
+    train(model, batches(1, same_on_all_ranks=True))
+    assert handle.stats["ag_tide"] > 0 and handle.stats["rs_tide"] > 0, handle.stats
+    handle.disable()
+
+
+def test_enable_refuses_bad_option_values_and_types_on_every_rank():
+    spawn(_bad_options)
+
+
 def _hidden(rank, world, module, name):
     """Runs in a fresh (spawned) process: hides one FSDP2 piece before tide_torch is imported,
     as a torch that lacks it would."""

@@ -53,6 +53,70 @@ def test_unshard_of_shard_is_the_tree_bitwise(explicit):
         tide_xla.unshard(params, layout)
 
 
+@pytest.fixture
+def saved_41x8(tmp_path):
+    """A checkpoint of {"a": (41, 8), "b": (5,), "c": [(37, 8)]} saved at N = 8 with TIDE's leaf
+    shapes (the recipe: custom_metadata=tide_xla.checkpoint_metadata(layout))."""
+    ocp = pytest.importorskip("orbax.checkpoint")
+    rng = np.random.default_rng(5)
+    params = {"a": rng.standard_normal((41, 8)).astype(np.float32), "b": np.ones(5, np.float32),
+              "c": [rng.standard_normal((37, 8)).astype(np.float32)]}
+    mesh = Mesh(np.array(jax.devices()[:8]), ("fsdp",))
+    shards, layout = tide_xla.shard(params, mesh, "fsdp")
+    ckpt = ocp.StandardCheckpointer()
+    path = tmp_path / "ckpt"
+    ckpt.save(path, {"shards": shards}, custom_metadata=tide_xla.checkpoint_metadata(layout))
+    ckpt.wait_until_finished()
+    return ckpt, path, params
+
+
+@needs8
+@pytest.mark.parametrize("change,match", [
+    # the issue's two: more rows saved than the target has, another trailing dimension
+    ({"a": (37, 8)}, r"leaf \['a'\] was saved with shape \(41, 8\), the layout's is \(37, 8\)"),
+    ({"c": [(37, 9)]}, r"leaf \['c'\]\[0\] was saved with shape \(37, 8\), the layout's is \(37, 9\)"),
+    # others of the same kind: fewer rows, another rank, another leaf set
+    ({"a": (45, 8)}, r"leaf \['a'\] was saved with shape \(41, 8\), the layout's is \(45, 8\)"),
+    ({"b": (5, 1)}, r"leaf \['b'\] was saved with shape \(5,\), the layout's is \(5, 1\)"),
+    ({"d": (3,)}, r"leaf \['d'\] \(3,\) of the layout is not in the checkpoint"),
+    ({"c": []}, r"the checkpoint has leaves the layout does not: \['c'\]\[0\]"),
+])
+def test_restore_of_another_models_checkpoint_names_the_leaf(saved_41x8, change, match):
+    """Issue 45: with strict=False orbax truncated / zero-padded such leaves silently."""
+    ckpt, path, params = saved_41x8
+    shapes = {"a": (41, 8), "b": (5,), "c": [(37, 8)], **change}
+    other = jax.tree.map(lambda s: np.zeros(s, np.float32), shapes, is_leaf=lambda x: isinstance(x, tuple))
+    mesh3 = Mesh(np.array(jax.devices()[:3]), ("fsdp",))
+    target, layout = tide_xla.shard(other, mesh3, "fsdp")
+    with pytest.raises(ValueError, match=r"tide_xla.check_checkpoint: " + match):
+        tide_xla.restore(ckpt, path, {"shards": target}, layout)
+
+
+@needs8
+def test_restore_of_the_same_model_on_another_n_is_bitwise(saved_41x8):
+    ckpt, path, params = saved_41x8
+    mesh3 = Mesh(np.array(jax.devices()[:3]), ("fsdp",))
+    target, layout = tide_xla.shard(jax.tree.map(np.zeros_like, params), mesh3, "fsdp")
+    got = tide_xla.restore(ckpt, path, {"shards": target}, layout)
+    back = tide_xla.unshard(got["shards"], layout)
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(back)):
+        assert _bits(a) == _bits(b)
+
+
+@needs8
+def test_a_checkpoint_without_tide_shapes_is_not_restored_unchecked(tmp_path):
+    ocp = pytest.importorskip("orbax.checkpoint")
+    mesh = Mesh(np.array(jax.devices()[:8]), ("fsdp",))
+    shards, layout = tide_xla.shard({"a": np.ones((41, 8), np.float32)}, mesh, "fsdp")
+    ckpt = ocp.StandardCheckpointer()
+    ckpt.save(tmp_path / "plain", {"shards": shards})
+    ckpt.wait_until_finished()
+    with pytest.raises(ValueError, match=r"the checkpoint has no tide_xla leaf shapes"):
+        tide_xla.restore(ckpt, tmp_path / "plain", {"shards": shards}, layout)
+    with pytest.raises(ValueError, match=r"version 7"):
+        tide_xla.check_checkpoint({"tide_xla": {"version": 7, "leaves": {}}}, layout)
+
+
 def _job(out_dir, ckpt_dir, processes, devices, case):
     env = dict(JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
                CKPT_DIR=str(ckpt_dir))

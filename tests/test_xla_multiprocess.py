@@ -72,6 +72,21 @@ def test_a_process_with_another_model_fails_on_every_process_naming_it(tmp_path)
         assert "process 1: tide_all_gather of 3 parameter(s) [(37, 8), (16,), (5, 3)]" in err, err
 
 
+@pytest.mark.parametrize("devices,topology", [((2, 3), None), ((1, 1, 2), None), ((3, 1), "1x4")])
+def test_uneven_processes_are_named_on_every_process(tmp_path, devices, topology):
+    """Issue 45: 2 + 3 devices gave JAX's "cannot reshape array of size 5 into shape (2,2)";
+    tide_xla.init names each process's device count, on every process (any topology)."""
+    env = dict(JAX_PLATFORMS="cpu")
+    res = launch(tmp_path, len(devices), "run", topology, env, per_process=lambda i: {
+        "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices[i]}"})
+    each = ", ".join(f"process {p}: {c} device{'s' if c != 1 else ''}" for p, c in enumerate(devices))
+    for i, (rc, _, err) in res.items():
+        assert rc != 0, f"process {i} succeeded"
+        assert (f"ValueError: tide_xla.init: the job's {sum(devices)} devices are split unevenly "
+                f"over its {len(devices)} processes ({each})") in err, err
+        assert "cannot reshape" not in err, err
+
+
 def test_no_room_in_dev_shm_on_one_process_fails_every_process_naming_it(tmp_path):
     """Process 1's /dev/shm cannot hold its segments: the shortfall rides in the call's agreement,
     so every process raises before any segment exists, naming process 1 (no hang, no SIGBUS)."""

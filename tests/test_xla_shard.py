@@ -134,3 +134,91 @@ def test_a_leaf_of_another_dtype_is_refused_not_cast():
     with pytest.raises(ValueError, match=r"tide_xla.reduce_scatter: leaf \[.b.\] has dtype float32, expected "
                                          r"the layout's ag_dtype bfloat16"):
         run(lambda g: jnp.sum(tide_xla.reduce_scatter(g, layout)[0]), {"w": P(), "b": P()}, full)
+
+
+# ---- bad input named at the call (issue 45) -------------------------------------------------------
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(shard_dtype=jnp.int8, ag_dtype=jnp.int8), r"shard_dtype int8 is not supported: TIDE's shards"),
+    (dict(shard_dtype=jnp.int32, ag_dtype=jnp.int32), r"shard_dtype int32 is not supported"),
+    (dict(ag_dtype=jnp.uint8), r"ag_dtype uint8 is not supported"),
+    (dict(shard_dtype=jnp.float64, ag_dtype=jnp.float64), r"shard_dtype float64 is not supported"),
+    (dict(ag_dtype=jnp.bool_), r"ag_dtype bool is not supported"),
+    (dict(ag_dtype=jnp.complex64), r"ag_dtype complex64 is not supported"),
+    (dict(shard_dtype="fp99"), r"shard_dtype='fp99' is not a dtype"),
+])
+def test_non_float_shard_and_gather_dtypes_are_refused_up_front(kw, match):
+    """int8 shards used to be accepted, 300.0 became 44, and gather failed only at run time."""
+    with pytest.raises(ValueError, match=match):
+        tide_xla.shard({"w": np.full((8, 2), 300.0, np.float32)}, mesh(), "fsdp", **kw)
+
+
+def test_float16_shards_are_still_taken():
+    sharded, layout = tide_xla.shard({"w": np.ones((8, 2), np.float16)}, mesh(), "fsdp",
+                                     shard_dtype=jnp.float16, ag_dtype=jnp.float16)
+    assert sharded["w"].dtype == jnp.float16 and layout.ag_dtype == jnp.float16
+
+
+@pytest.mark.parametrize("leaf,match", [
+    (np.array([[1, "a"]] * 8, dtype=object), r"leaf \['x'\]\['bad'\] has dtype object"),
+    (np.ones((8, 2), np.int64), r"leaf \['x'\]\['bad'\] has dtype int64"),
+    (np.ones((8,), np.bool_), r"leaf \['x'\]\['bad'\] has dtype bool"),
+    (np.ones((8,), np.complex64), r"leaf \['x'\]\['bad'\] has dtype complex64"),
+    (np.array([b"ab"] * 8), r"leaf \['x'\]\['bad'\] has dtype \|S2"),
+])
+def test_a_non_float_leaf_is_named(leaf, match):
+    params = {"x": {"ok": np.ones((8, 2), np.float32), "bad": leaf}}
+    with pytest.raises(ValueError, match=match + r"; only floating parameters are sharded"):
+        tide_xla.shard(params, mesh(), "fsdp")
+
+
+def test_a_float64_leaf_without_x64_warns_naming_it():
+    """With x64 off JAX holds float64 as float32: shard used to round it silently."""
+    assert not jax.config.jax_enable_x64
+    params = {"a": np.ones((8, 2), np.float32), "b": {"c": np.full((9,), 0.1)}}
+    with pytest.warns(UserWarning, match=r"shard: leaf \['b'\]\['c'\] \(float64\) rounds into "
+                                         r"shard_dtype float32; jax_enable_x64 is off"):
+        sharded, layout = tide_xla.shard(params, mesh(), "fsdp")
+    assert tide_xla.unshard(sharded, layout)["b"]["c"].dtype == jnp.float32
+    # fp32 leaves into bf16 shards are the caller's explicit choice; fp32, bf16 and float8 leaves
+    # into fp32 master shards lose nothing: no warning.
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        tide_xla.shard({"a": np.ones((8, 2), np.float32)}, mesh(), "fsdp",
+                       shard_dtype=jnp.bfloat16, ag_dtype=jnp.bfloat16)
+        tide_xla.shard({"a": np.ones((8, 2), np.float32), "b": jnp.ones((8,), jnp.bfloat16),
+                        "c": jnp.ones((8,), jnp.float8_e4m3fn)}, mesh(), "fsdp")
+
+
+@pytest.mark.parametrize("kw,exc,match", [
+    (dict(topology=(2.5, 2)), TypeError, r"topology: nodes must be an int, got 2\.5"),
+    (dict(topology=(True, 8)), TypeError, r"topology: nodes must be an int, got True"),
+    (dict(topology=("2", 4)), TypeError, r"topology: nodes must be an int, got '2'"),
+    (dict(topology=(-2, -4)), ValueError, r"topology: nodes must be >= 1, got -2"),
+    (dict(timeout_s=0), ValueError, r"init: timeout_s must be a number of seconds in \(0, 1e6\], got 0"),
+    (dict(timeout_s=float("nan")), ValueError, r"timeout_s must be .*got nan"),
+    (dict(timeout_s="60"), ValueError, r"timeout_s must be .*got '60'"),
+    (dict(mode=["in_place"]), ValueError, r"init: mode must be one of .*got \['in_place'\]"),
+])
+def test_init_refuses_bad_argument_values_and_types(kw, exc, match):
+    with pytest.raises(exc, match=match):
+        tide_xla.init(mesh(), "fsdp", **kw)
+
+
+@pytest.mark.parametrize("value", [0, 257, 2.0, True, "8"])
+def test_shard_refuses_a_bad_max_group_params(value):
+    with pytest.raises(ValueError, match=rf"max_group_params must be an int in \[1, 256\], got {value!r}"):
+        tide_xla.shard({"w": np.ones((8, 2), np.float32)}, mesh(), "fsdp", max_group_params=value)
+
+
+@pytest.mark.parametrize("value,exc", [("0.5", TypeError), (True, TypeError), (None, TypeError),
+                                       (float("inf"), ValueError), (float("nan"), ValueError)])
+def test_gather_and_reduce_scatter_name_a_bad_scale(value, exc):
+    m = mesh()
+    tide_xla.init(m, "fsdp")
+    sharded, layout = tide_xla.shard({"w": jnp.ones((16, 4))}, m, "fsdp")
+    with pytest.raises(exc, match=r"tide_xla.gather: grad_scale must be a finite number"):
+        tide_xla.gather(sharded, layout, grad_scale=value)
+    with pytest.raises(exc, match=r"tide_xla.reduce_scatter: scale must be a finite number"):
+        tide_xla.reduce_scatter({"w": jnp.ones((16, 4), jnp.bfloat16)}, layout, scale=value)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 
@@ -32,7 +33,9 @@ def _add_plan_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--chunk-bytes", type=int, default=0, help="RS staging chunk (default: planner)")
     ap.add_argument("--sum-ctas", type=int, default=0, help="C_sum (default: solver)")
     ap.add_argument("--land-ctas", type=int, default=0, help="C_mc (default: solver)")
-    ap.add_argument("--dtype", default="bfloat16", help="AG and gradient dtype (default bfloat16)")
+    ap.add_argument("--dtype", default="bfloat16",
+                    help="AG and gradient dtype: bfloat16 (default), float16, float32, or a "
+                         "1-byte item: uint8, float8_e4m3fn, float8_e5m2")
     ap.add_argument("--grad-dtype", help="gradient dtype (default --dtype; bfloat16 for "
                     "a 1-byte --dtype: uint8, float8_e4m3fn, float8_e5m2)")
     ap.add_argument("--shard-dtype", help="sharded (master) dtype; differs from --dtype = cast")
@@ -45,13 +48,30 @@ def _add_plan_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--max-nodes", type=int, default=1024, help="for --validate-all")
 
 
-def _read_shapes(path: str):
-    """The --shapes file's JSON; every failure is a ValueError naming --shapes and the file."""
+# The most a --shapes file may hold: a group has at most 256 parameters (tide::kMaxParams), whose
+# shapes take a few KiB; a {name: shape} file of a whole model's names stays far below this. A
+# larger input (/dev/zero, a wrong file) is refused after reading this many bytes, never all of it.
+SHAPES_MAX_BYTES = 4 << 20
+
+
+def _read_shapes(path: str, max_bytes: int = SHAPES_MAX_BYTES):
+    """The --shapes file's JSON; every failure is a ValueError naming --shapes and the file.
+    At most ``max_bytes`` (+1) bytes are read, whatever the file is (a device, a pipe), and
+    nothing waits for a writer."""
     try:
-        with open(path, encoding="utf-8") as f:
-            return json.load(f)
+        # Opened without blocking (a FIFO nobody writes to would block open() for ever), then
+        # read blocking: a FIFO without a writer reads as empty, a device (/dev/zero) as bytes.
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+        os.set_blocking(fd, True)
+        with open(fd, "rb") as f:
+            data = f.read(max_bytes + 1)
     except OSError as e:
         raise ValueError(f"--shapes {path}: cannot read it: {e.strerror or e}") from None
+    if len(data) > max_bytes:
+        raise ValueError(f"--shapes {path}: more than {max_bytes >> 20} MiB (a group's shapes "
+                         f"take a few KiB: at most 256 parameters); not a shapes file?")
+    try:
+        return json.loads(data.decode("utf-8"))
     except json.JSONDecodeError as e:
         raise ValueError(f"--shapes {path}: not valid JSON ({e.msg} at line {e.lineno} column "
                          f"{e.colno}; truncated?)") from None

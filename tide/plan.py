@@ -121,6 +121,31 @@ def plan(sig: GroupSignature, topo: Topology, mode: str = "in_place",
         **opts)
 
 
+def check_options(topo: Topology, mode: str = "in_place", **options: Any) -> dict[str, int]:
+    """Planner options checked on their own, before any group is planned (a face's ``enable()``
+    / ``init()`` calls it at creation): every name known, every value an int (not a bool, a
+    float or a string), every range the core's (``validate_inputs``, "Option ranges" in
+    tide/plan.h) for ``topo`` (``w_wave`` <= L, the wave widths App. D refuses). The ranges are
+    applied by planning a one-row-per-rank bf16 probe group with the options, so the message is
+    the core's: ``PlanError: Options.k: must be in [0, 32] ..., got -1``. What depends on a
+    group (``chunk_bytes`` against its gradient dtype and its chunk count) is checked when that
+    group is planned. Returns the options as ints. A topology the planner refuses is left to
+    the caller's own check (the probe plans with the default options first)."""
+    unknown = sorted(set(options) - set(_INT_OPTIONS))
+    if unknown:
+        raise PlanError(f"options: unknown option(s) {', '.join(unknown)} "
+                        f"(expected some of {', '.join(_INT_OPTIONS)})")
+    opts = {k: _as_int(v, f"Options.{k}", 64 if k.endswith("bytes") else 32)
+            for k, v in options.items()}
+    probe = GroupSignature(shapes=[(max(1, topo.world),)], names=("options-probe",))
+    try:
+        plan(probe, topo, mode=mode)
+    except PlanError:
+        return opts
+    plan(probe, topo, mode=mode, **opts)
+    return opts
+
+
 def layout(shapes: Sequence[Sequence[int]], world: int, ag_dtype: str = "bfloat16",
            grad_dtype: str = "bfloat16"):
     """The planner's layout of a group sharded over `world` ranks (paper Section 2.1, Eqs. 2-3):

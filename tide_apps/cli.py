@@ -39,6 +39,16 @@ def _cmd_bench(which: str, rest: list[str]) -> int:
     return layout.main(rest) or 0
 
 
+BENCHES = {
+    "ag": "TIDE-AG vs the stock all-gather: latency table (paper Table 7)",
+    "rs": "TIDE-RS vs the stock reduce-scatter: latency table (paper Table 8)",
+    "interference": "a victim kernel's slowdown next to each collective (Tables 4, 6)",
+    "train": "examples/ trained side by side: step time, memory, loss",
+    "layout": "one GPU, N virtual ranks: where TIDE-AG lands each shard",
+    "hostcall": "host time per call of tide_torch's CUDA path",
+}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="tide", description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -51,14 +61,24 @@ def main(argv: list[str] | None = None) -> int:
                          "can run, else 2 nodes x 2 gloo processes on the CPU)")
     dp.add_argument("--steps", type=int, default=4, help="AdamW steps per training run")
     dp.add_argument("--no-train", action="store_true", help="skip the training section")
+    # add_help=False: `tide bench ag --help` is the bench's own help; `tide bench --help` (no
+    # bench named) prints this parser's, the list of benches.
     bp = sub.add_parser("bench", help="benchmarks: TIDE and the stock path side by side",
-                        add_help=False)
-    bp.add_argument("which", choices=["ag", "rs", "interference", "train", "layout", "hostcall"],
-                    help="ag/rs: latency tables (paper Tables 7, 8); interference: victim slowdown "
-                         "(Tables 4, 6); train: step time, memory, loss; layout: one GPU, N virtual "
-                         "ranks; hostcall: host time per call of tide_torch's CUDA path")
+                        add_help=False, usage="tide bench BENCH [its flags]",
+                        formatter_class=argparse.RawDescriptionHelpFormatter,
+                        description="benches (`tide bench BENCH --help`: its flags):\n"
+                        + "\n".join(f"  {name:<13} {what}" for name, what in BENCHES.items()))
+    bp.add_argument("which", nargs="?", choices=list(BENCHES), metavar="BENCH",
+                    help="one of " + ", ".join(BENCHES))
     args, rest = ap.parse_known_args(argv)
     if args.cmd == "bench":
+        if args.which is None:
+            if rest and rest[0] in ("-h", "--help"):
+                bp.print_help()
+                return 0
+            bp.error("name a bench: one of " + ", ".join(BENCHES)
+                     + (f" (got {rest[0]!r})" if rest else "")
+                     + "; `tide bench BENCH --help` for its flags")
         return _cmd_bench(args.which, rest)
     if rest:
         ap.error(f"unrecognized arguments: {' '.join(rest)}")

@@ -279,6 +279,15 @@ def print_training(res: dict) -> None:
           f"counters dominate the arena; the 70B memory model below is the at-scale picture.")
 
 
+def verdict(cluster_ok: bool, train_ok: bool | None) -> str:
+    """The demo's last line: one verdict over its checks (``train_ok`` None: not trained)."""
+    ok = cluster_ok and train_ok is not False
+    train = {None: "not run", True: "bitwise equal to stock FSDP2, copies removed",
+             False: "FAILED (see the training section)"}[train_ok]
+    return (f"== Agreement check: {'PASS' if ok else 'FAIL'} (virtual-cluster TIDE-AG/RS: "
+            f"{'exact' if cluster_ok else 'FAILED'}; FSDP2 training: {train})")
+
+
 def main(device: str = "auto", train_steps: int | None = 4) -> int:
     """``tide demo``: ``device`` "auto" | "cpu" | "cuda" for the training section;
     ``train_steps`` None skips training."""
@@ -286,9 +295,10 @@ def main(device: str = "auto", train_steps: int | None = 4) -> int:
     from tide.report import format_plan
 
     res = run()
-    ok = all(res[m]["ag_bitexact"] and res[m]["rs_int_bitexact"] and res[m]["rs_rel_err"] <= 1e-5
-             for m in ("in_place", "slot_reuse"))
+    cluster_ok = all(res[m]["ag_bitexact"] and res[m]["rs_int_bitexact"]
+                     and res[m]["rs_rel_err"] <= 1e-5 for m in ("in_place", "slot_reuse"))
     removals()
+    train_ok = None  # None: not trained (--no-train, or no torch)
     if train_steps is not None:
         from dataclasses import replace
         cfg = None
@@ -297,13 +307,14 @@ def main(device: str = "auto", train_steps: int | None = 4) -> int:
             cfg = replace(demo_train.Config(), steps=train_steps)
         tres = train(device, cfg)
         if tres is not None:
-            ok = ok and training_ok(tres)
-    print(f"\n== Agreement check: {'PASS' if ok else 'FAIL'}\n")
-    print("== The planner's view of Llama-3.1-70B on 8 nodes x 8 GPUs\n")
+            train_ok = training_ok(tres)
+    ok = cluster_ok and train_ok is not False
+    print("\n== The planner's view of Llama-3.1-70B on 8 nodes x 8 GPUs\n")
     topo = tide.Topology(8, 8)
     for group in ("block", "largest"):
         sig = models.signature("llama3.1-70b", group)
         print(format_plan(tide.plan(sig, topo, mode="in_place"), f"llama3.1-70b / {group}",
                           max_params=9))
         print()
+    print(verdict(cluster_ok, train_ok))
     return 0 if ok else 1

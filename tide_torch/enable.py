@@ -11,6 +11,7 @@ import torch.nn as nn
 import tide
 from tide import env, shm
 from tide_torch import _patches, agreement, all_gather, comm, placement, reduce_scatter
+from tide.plan import check_options
 from tide.regions import arena_nbytes
 from tide_torch.arena import Arena, make_nccl_fabric, nccl_fabric_api_error
 from tide.ranks import host_identity, node_host_problem
@@ -219,11 +220,15 @@ def enable(model: nn.Module, *, mode: str = "in_place", topology: tide.Topology 
     try:
         # Arguments are checked here, inside the agreement: a rank whose arguments are wrong still
         # takes part in the one exchange below, so every rank raises together (nobody waits).
-        _check_arguments(mode, rails, transport, options, executor_options, serve_single_rank)
+        _check_arguments(mode, rails, transport, options, executor_options, serve_single_rank,
+                         ring)
         fabric = _resolve_fabric(fabric)
         _patches.require_supported_torch()
         groups = find_groups(model)
         topo = resolve_topology(topology, world)
+        # Planner options: names, types and ranges on the job's topology, here, before any group
+        # is planned (a bad value is the caller's error, raised on every rank: not a fallback).
+        options = check_options(topo, mode, **options)
         rails_ = ("two_sided" if topo.nodes > 1 else "one_sided") if rails == "auto" else rails
         names = {id(p): n for n, p in model.named_parameters()}
         for g in groups:
@@ -389,7 +394,8 @@ SINGLE_RANK = ("a single-rank job: FSDP2 neither all-gathers nor reduce-scatters
                "the same bytes; tide_torch.enable(serve_single_rank=True) serves it anyway)")
 
 
-def _check_arguments(mode, rails, transport, options, executor_options, serve_single_rank) -> None:
+def _check_arguments(mode, rails, transport, options, executor_options, serve_single_rank,
+                     ring) -> None:
     if mode not in MODES:
         raise ValueError(f"tide_torch.enable: mode must be one of {MODES}, got {mode!r}")
     if rails not in RAILS:
@@ -403,6 +409,8 @@ def _check_arguments(mode, rails, transport, options, executor_options, serve_si
     if executor_options is not None and not isinstance(executor_options, tide.ExecutorOptions):
         raise TypeError(f"tide_torch.enable: executor_options must be a tide.ExecutorOptions, got "
                         f"{type(executor_options).__name__}")
+    if not isinstance(ring, bool):
+        raise TypeError(f"tide_torch.enable: ring must be a bool, got {ring!r}")
     if not isinstance(serve_single_rank, bool):
         raise TypeError(f"tide_torch.enable: serve_single_rank must be a bool, got {serve_single_rank!r}")
 

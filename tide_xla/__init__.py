@@ -32,11 +32,12 @@ passed in with in_specs P("fsdp") and donated): the packed fp32 shards are accum
 (operands stacked [N, ...]): tests and one-GPU machines. docs/xla.md describes both paths
 (XLA:CPU and CUDA).
 """
+from tide_xla.checkpoint import check_checkpoint, checkpoint_metadata, restore
 from tide_xla.context import TideContext, arena_bytes, init, live_states, release
 from tide_xla.gather import copy_out_bytes, gather, packed_sizes, reduce_scatter, unpack_grads, zeros_packed
 from tide_xla.sharding import ShardGroup, ShardLayout, default_group_key, shard, unshard
 
-__all__ = ["ShardGroup", "ShardLayout", "TideContext", "arena_bytes", "copy_out_bytes", "default_group_key", "gather",
-           "init", "live_states",
+__all__ = ["ShardGroup", "ShardLayout", "TideContext", "arena_bytes", "check_checkpoint", "checkpoint_metadata",
+           "copy_out_bytes", "default_group_key", "gather", "init", "live_states", "restore",
            "packed_sizes", "reduce_scatter", "release", "shard", "unpack_grads", "unshard", "zeros_packed"]
 __version__ = "0.1.0"

@@ -120,6 +120,29 @@ class TideContext:
 _CONTEXTS: dict[tuple[Mesh, str], TideContext] = {}
 
 
+def check_even_processes(mesh: Mesh, where: str) -> None:
+    """A mesh spanning processes needs every process of the job to hold the same number of
+    devices: jax's own multi-process placement (device_put's cross-process check,
+    process_allgather) reshapes the job's devices as (processes, devices per process). Refused
+    naming each process's count (else JAX's "cannot reshape array of size 5 into shape (2,2)" at
+    the first placement of a shard)."""
+    import jax
+    if len({int(d.process_index) for d in mesh.devices.flat}) < 2:
+        return
+    counts: dict[int, int] = {}
+    for d in jax.devices(mesh.devices.flat[0].platform):
+        counts[int(d.process_index)] = counts.get(int(d.process_index), 0) + 1
+    if len(set(counts.values())) > 1:
+        each = ", ".join(f"process {p}: {c} device{'s' if c != 1 else ''}"
+                         for p, c in sorted(counts.items()))
+        raise ValueError(f"{where}: the job's {sum(counts.values())} devices are split unevenly "
+                         f"over its {len(counts)} processes ({each}); a mesh across processes "
+                         f"needs every process to hold the same number (jax's multi-process "
+                         f"placement of the shards does): give each process the same device "
+                         f"count (XLA_FLAGS --xla_force_host_platform_device_count, "
+                         f"local_device_ids)")
+
+
 def resolve_topology(topology: Any, n: int) -> tuple[int, int]:
     if topology is None:
         if n <= 8:
@@ -129,12 +152,18 @@ def resolve_topology(topology: Any, n: int) -> tuple[int, int]:
                              f"topology=(nodes, gpus_per_node)")
         return n // 8, 8
     if isinstance(topology, (tuple, list)) and len(topology) == 2:
-        m, l_ = (int(v) for v in topology)
+        m, l_ = topology
     elif hasattr(topology, "nodes") and hasattr(topology, "gpus_per_node"):
-        m, l_ = int(topology.nodes), int(topology.gpus_per_node)
+        m, l_ = topology.nodes, topology.gpus_per_node
     else:
         raise TypeError(f"topology: expected None, (nodes, gpus_per_node) or tide.Topology, "
                         f"got {topology!r}")
+    for name, v in (("nodes", m), ("gpus_per_node", l_)):
+        if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)):
+            raise TypeError(f"topology: {name} must be an int, got {v!r} in {topology!r}")
+    m, l_ = int(m), int(l_)
+    if m < 1:
+        raise ValueError(f"topology: nodes must be >= 1, got {m}")
     if m * l_ != n:
         raise ValueError(f"topology {m}x{l_} has {m * l_} ranks but mesh axis has {n} devices")
     if not 1 <= l_ <= 8:
@@ -198,10 +227,16 @@ def init(mesh: Mesh, axis: str = "fsdp", topology: Any = None, mode: str = "in_p
                         f"got {type(mesh).__name__}")
     if axis not in mesh.axis_names:
         raise ValueError(f"init: axis {axis!r} is not an axis of the mesh {mesh.axis_names}")
-    if mode not in MODES:
+    if not isinstance(mode, str) or mode not in MODES:
         raise ValueError(f"init: mode must be one of {sorted(MODES)}, got {mode!r}")
     if not isinstance(serve_single_rank, bool):
         raise TypeError(f"init: serve_single_rank must be a bool, got {serve_single_rank!r}")
+    if (isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float, np.integer,
+                                                                   np.floating))
+            or not 0 < timeout_s <= 1e6):  # nan fails the range too
+        raise ValueError(f"init: timeout_s must be a number of seconds in (0, 1e6], got "
+                         f"{timeout_s!r}")
+    check_even_processes(mesh, "tide_xla.init")
     n = mesh.shape[axis]
     nodes, gpus = resolve_topology(topology, n)
     import jax

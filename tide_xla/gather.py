@@ -19,6 +19,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 import tide
 
@@ -91,6 +92,21 @@ def _gather_group_bwd(ctx, dims0, ag_dtype, scale, shard_dtype, shard_vma, _, ct
 _gather_group.defvjp(_gather_group_fwd, _gather_group_bwd)
 
 
+def _scale(value, name: str, what: str) -> float:
+    """A static scale: a finite real number (not a bool, a string or a traced value)."""
+    import math
+    import numbers
+    concrete0d = (isinstance(value, (np.ndarray, jax.Array)) and np.ndim(value) == 0
+                  and not isinstance(value, jax.core.Tracer)
+                  and jnp.issubdtype(value.dtype, jnp.number))
+    if isinstance(value, (bool, np.bool_)) or not (isinstance(value, numbers.Real) or concrete0d):
+        raise TypeError(f"tide_xla.{what}: {name} must be a finite number (static: the plan's "
+                        f"scale), got {type(value).__name__} {value!r}")
+    if not math.isfinite(float(value)):
+        raise ValueError(f"tide_xla.{what}: {name} must be a finite number, got {value!r}")
+    return float(value)
+
+
 def _local_leaves(layout: ShardLayout, tree, what: str, expect_rows: bool):
     """The tree's leaves in layout order, each checked for its local shape and its dtype: shards
     in `layout.shard_dtype` (gather), gradients in `layout.ag_dtype` (reduce_scatter). A leaf of
@@ -117,6 +133,7 @@ def gather(shards, layout: ShardLayout, *, grad_scale: float = 1.0):
     reducing the ag-dtype (bf16) gradients of every rank into fp32 shards, times `grad_scale`
     (1.0 = sum, as the transpose of jax.lax.all_gather; 1/N averages).
     """
+    grad_scale = _scale(grad_scale, "grad_scale", "gather")
     _check_mesh(layout)
     ctx = context_for(layout.mesh, layout.axis)
     flat = _local_leaves(layout, shards, "gather", expect_rows=True)
@@ -160,6 +177,7 @@ def reduce_scatter(grads, layout: ShardLayout, *, scale: float = 1.0, accumulate
     out = accumulate + scale * sum over ranks. Each buffer is aliased to its result; donate the
     accumulators to the jitted step (donate_argnums) and the accumulation happens in place.
     """
+    scale = _scale(scale, "scale", "reduce_scatter")
     _check_mesh(layout)
     ctx = context_for(layout.mesh, layout.axis)
     flat = _local_leaves(layout, grads, "reduce_scatter", expect_rows=False)

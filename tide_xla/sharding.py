@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import warnings
 from typing import Any, Callable, Hashable
 
 import jax
@@ -24,6 +25,47 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import tide
 
 MAX_GROUP_PARAMS = 256  # tide::kMaxParams
+# The dtypes TIDE's programs move (shards and gathered parameters; ffi/module.cc refuses others).
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def _dtype_arg(name: str, value: Any) -> np.dtype:
+    """shard()'s ``shard_dtype`` / ``ag_dtype``, refused unless TIDE moves it."""
+    try:
+        dt = jnp.dtype(value)
+    except TypeError:
+        raise ValueError(f"shard: {name}={value!r} is not a dtype (expected one of "
+                         f"{', '.join(DTYPES)})") from None
+    if dt.name not in DTYPES:
+        raise ValueError(f"shard: {name} {dt.name} is not supported: TIDE's shards and gathered "
+                         f"parameters are {', '.join(DTYPES)} (floating dtypes TIDE-AG/RS move)")
+    return dt
+
+
+def _leaf_dtype(x: Any, name: str) -> np.dtype:
+    """A leaf's own dtype (before JAX canonicalises it: float64 with x64 off stays float64),
+    refused naming the leaf unless it is floating."""
+    dt = getattr(x, "dtype", None)
+    try:
+        dt = np.dtype(dt) if dt is not None else np.asarray(x).dtype
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"shard: leaf {name} ({type(x).__name__}) has no array dtype ({e}); "
+                         f"only floating parameters are sharded") from None
+    if not jnp.issubdtype(dt, jnp.floating):
+        raise ValueError(f"shard: leaf {name} has dtype {dt}; only floating parameters are "
+                         f"sharded")
+    return dt
+
+
+def _narrowed(dt: np.dtype, into: np.dtype) -> bool:
+    """Whether a leaf of a dtype TIDE does not move (float64) loses values in the ``into``
+    shards, or JAX cannot hold it at all (float64 with x64 off). A leaf of a TIDE dtype cast to
+    narrower shards (float32 leaves, ``shard_dtype=bfloat16``) is the caller's explicit choice."""
+    if jnp.dtype(jnp.result_type(np.zeros((), dt))) != dt:  # canonicalised (x64 off)
+        return True
+    a, b = jnp.finfo(dt), jnp.finfo(into)
+    return dt.name not in DTYPES and (a.nmant > b.nmant or a.maxexp > b.maxexp
+                                      or a.minexp < b.minexp)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,9 +187,13 @@ def shard(params, mesh: Mesh, axis: str = "fsdp", *, shard_dtype=jnp.float32,
         raise TypeError(f"shard: mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
     if axis not in mesh.axis_names:
         raise ValueError(f"shard: axis {axis!r} is not an axis of the mesh {mesh.axis_names}")
-    if not 1 <= max_group_params <= MAX_GROUP_PARAMS:
-        raise ValueError(f"shard: max_group_params must be in [1, {MAX_GROUP_PARAMS}]")
-    sd, ad = jnp.dtype(shard_dtype), jnp.dtype(ag_dtype)
+    from tide_xla.context import check_even_processes
+    check_even_processes(mesh, "tide_xla.shard")
+    if (isinstance(max_group_params, bool) or not isinstance(max_group_params, int)
+            or not 1 <= max_group_params <= MAX_GROUP_PARAMS):
+        raise ValueError(f"shard: max_group_params must be an int in [1, {MAX_GROUP_PARAMS}], "
+                         f"got {max_group_params!r}")
+    sd, ad = _dtype_arg("shard_dtype", shard_dtype), _dtype_arg("ag_dtype", ag_dtype)
     if sd != ad and (sd, ad) != (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
         raise ValueError(f"shard: shard_dtype {sd} with ag_dtype {ad}: TIDE-AG gathers in the "
                          f"shard dtype or casts float32 shards to bfloat16")
@@ -156,20 +202,21 @@ def shard(params, mesh: Mesh, axis: str = "fsdp", *, shard_dtype=jnp.float32,
     if not flat:
         raise ValueError("shard: params has no array leaves")
     keys: dict[Hashable, list[int]] = {}
-    leaves, arrays = [], []
+    leaves, arrays, dtypes, narrowed = [], [], [], []
     for i, (path, x) in enumerate(flat):
         name = jax.tree_util.keystr(path)
         shape = tuple(int(d) for d in np.shape(x))
         if not shape or shape[0] == 0:
             raise ValueError(f"shard: leaf {name} has shape {shape}; TIDE shards dim 0, which "
                              f"must exist and be non-empty (keep scalars out of the sharded tree)")
-        if not jnp.issubdtype(jnp.result_type(x), jnp.floating):
-            raise ValueError(f"shard: leaf {name} has dtype {jnp.result_type(x)}; only floating "
-                             f"parameters are sharded")
+        dt = _leaf_dtype(x, name)
+        if _narrowed(dt, sd):
+            narrowed.append(f"{name} ({dt})")
         _check_existing_sharding(x, name, mesh, axis)
         keys.setdefault(group_key(path), []).append(i)
         leaves.append((name, shape))
         arrays.append(x)
+        dtypes.append(jnp.dtype(jnp.result_type(np.zeros((), dt))))  # what JAX holds it as
     groups, leaf_group = [], {}
     for key, idx in keys.items():
         for start in range(0, len(idx), max_group_params):
@@ -183,12 +230,21 @@ def shard(params, mesh: Mesh, axis: str = "fsdp", *, shard_dtype=jnp.float32,
     for grp in groups:  # R_p from the planner's layout of each group
         for i, pl in zip(grp.leaves, tide.layout([leaves[i][1] for i in grp.leaves], n).params):
             rows[i] = pl.R
+    if narrowed:
+        x64 = ("; jax_enable_x64 is off, so JAX holds float64 as float32 and unshard returns "
+               "float32" if any("float64" in n for n in narrowed) and not jax.config.jax_enable_x64
+               else "")
+        which = (f"leaf {narrowed[0]} rounds" if len(narrowed) == 1 else
+                 f"{len(narrowed)} leaves round ({', '.join(narrowed[:4])}"
+                 f"{', ...' if len(narrowed) > 4 else ''})")
+        warnings.warn(f"shard: {which} into shard_dtype {sd.name}{x64} "
+                      f"(unshard(shard(p)) is not p bit for bit; cast them yourself to silence "
+                      f"this)", UserWarning, stacklevel=2)
     layouts = tuple(LeafLayout(path=name, shape=shape, rows=rows[i], group=leaf_group[i],
-                               dtype=jnp.dtype(jnp.result_type(arrays[i])))
+                               dtype=dtypes[i])
                     for i, (name, shape) in enumerate(leaves))
     layout = ShardLayout(mesh=mesh, axis=axis, world=n, treedef=treedef, leaves=layouts,
-                         groups=tuple(groups), shard_dtype=jnp.dtype(shard_dtype),
-                         ag_dtype=jnp.dtype(ag_dtype))
+                         groups=tuple(groups), shard_dtype=sd, ag_dtype=ad)
     target = NamedSharding(mesh, P(axis))
 
     def pad(x, l):

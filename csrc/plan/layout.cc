@@ -33,7 +33,8 @@ DType parse_dtype(const std::string& name, const char* field) {
   // [Note: byte items] FP8 data is gathered as bytes: the float8 names are the same 1-byte item.
   if (name == "uint8" || name == "float8_e4m3fn" || name == "float8_e5m2") return DType::kU8;
   throw PlanError(TIDE_STR_CAT(field, ": unknown dtype '", name,
-                               "' (expected bfloat16, float16, float32 or uint8)"));
+                               "' (expected bfloat16, float16, float32, or a 1-byte item: uint8, float8_e4m3fn, "
+                               "float8_e5m2)"));
 }
 
 const char* mode_name(Mode m) { return m == Mode::kInPlace ? "in_place" : "slot_reuse"; }
