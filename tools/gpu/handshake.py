@@ -15,7 +15,7 @@ collectives). Prints µs per round per variant (rank 0's wall clock over the rou
 warm-up); the question it answers: does the wait primitive decide what a handshake costs under
 time slicing, or the number of handshakes?
 
-  python3 tools/gpu/handshake.py [--rounds 200] [--work-us 0,300]
+  python3 tools/gpu/run.py handshake     (or directly, with the runner's safety variables set)
 """
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ extern "C" __global__ void spin_geq(const volatile unsigned long long* c, unsign
 
 def _rank(rank: int, args, conn) -> None:
     os.environ.update(NCCL_HOSTID=f"tide-handshake-{rank}", NCCL_P2P_DISABLE="1", NCCL_SHM_DISABLE="1",
-                      NCCL_SOCKET_IFNAME="lo", NCCL_NVLS_ENABLE="0")
+                      NCCL_SOCKET_IFNAME="lo")
     import torch
     import torch.distributed as dist
     from tide import _core
