@@ -109,8 +109,10 @@ def make_rank_plan(M, L, cast):
     return make_plan(M, L, shard_dtype="float32" if cast else None)
 
 
-def rank_main(rank, M, L, nbytes, regions, names_q, peers_q, barrier, results, dead, timeout_s, fence, cast):
-    """One rank: its own segment, its own programs, seq 1..CALLS of AG then RS."""
+def rank_main(rank, M, L, nbytes, regions, names_q, peers_q, barrier, results, dead, timeout_s, fence, cast,
+              stop_after_ag=False):
+    """One rank: its own segment, its own programs, seq 1..CALLS of AG then RS (stop_after_ag:
+    only seq 1's AG, then it stops as if stalled)."""
     name = None
     try:
         topo, plan = make_rank_plan(M, L, cast)
@@ -147,11 +149,19 @@ def rank_main(rank, M, L, nbytes, regions, names_q, peers_q, barrier, results, d
                 results.put((rank, "timeout", (str(e), time.monotonic() - t0)))
                 return
             land = arena[ring0: ring0 + lay.S * N].tobytes()
+            if stop_after_ag:
+                results.put((rank, "dead", None))
+                return
             grads = [np.ascontiguousarray(g) for g in rs_inputs(plan, N, seq)[rank]]
             out = np.full(lay.E, np.nan, dtype=np.float32)
             binds = [(KIND["grad"], p, g.ctypes.data, g.nbytes) for p, g in enumerate(grads)]
             binds.append((KIND["out"], -1, out.ctypes.data, out.nbytes))
-            ex.run(rs[rs_bank(seq)], seq, binds)
+            t0 = time.monotonic()
+            try:
+                ex.run(rs[rs_bank(seq)], seq, binds)
+            except tide.TimeoutError as e:
+                results.put((rank, "timeout", (str(e), time.monotonic() - t0)))
+                return
             results.put((rank, "call", (seq, land, out.tobytes())))
         results.put((rank, "done", None))
     except BaseException:  # noqa: BLE001 - report to the parent
@@ -161,7 +171,7 @@ def rank_main(rank, M, L, nbytes, regions, names_q, peers_q, barrier, results, d
             _posixshmem.shm_unlink(name)
 
 
-def run_ranks(M, L, dead_rank=-1, timeout_s=10.0, fence=True, cast=False):
+def run_ranks(M, L, dead_rank=-1, timeout_s=10.0, fence=True, cast=False, stall_rank=-1):
     topo, plan = make_rank_plan(M, L, cast)
     N = M * L
     regions, nbytes = layout_for([plan])
@@ -172,7 +182,7 @@ def run_ranks(M, L, dead_rank=-1, timeout_s=10.0, fence=True, cast=False):
     peers_qs = [ctx.Queue() for _ in range(N)]
     barrier = ctx.Barrier(N)
     procs = [ctx.Process(target=rank_main, args=(r, M, L, nbytes, regions, names_q, peers_qs[r], barrier,
-                                                 results, r == dead_rank, timeout_s, fence, cast))
+                                                 results, r == dead_rank, timeout_s, fence, cast, r == stall_rank))
              for r in range(N)]
     for p in procs:
         p.start()
@@ -225,6 +235,24 @@ def test_dead_peer_times_out_naming_rank_op_seq(fence):
             assert re.search(r"op \d+ (WAIT|EVENT_WAIT) \[stream \w+\]", msg), msg
         named_dead += "rank 3" in msg
     assert named_dead >= 1  # the chain leads to the dead rank
+
+
+def test_a_reduce_scatter_fences_on_the_peers_previous_run_only():
+    """[Note: entry fence]: TIDE-AG lands in the peers' ring slots, so it waits for their arrival;
+    TIDE-RS writes only their scratch, so it waits for their previous run to finish, never for
+    their caller to reach the call. Rank 3 finishes its seq-1 AG (run #1) and stalls before its
+    RS (run #2): every other rank's RS gets past the fence (rank 3 finished run #1) and times out
+    on the data it needs from rank 3, naming it; rank 3's AG pushes and its landing are intact."""
+    _, _, got = run_ranks(2, 2, timeout_s=1.0, stall_rank=3)
+    timeouts = {g[0]: g[2][0] for g in got if g[1] == "timeout"}
+    assert sorted(timeouts) == [0, 1, 2], got
+    for rank, msg in timeouts.items():
+        assert "call seq 1" in msg and "entry fence" not in msg, msg
+        assert re.search(r"op \d+ (WAIT|EVENT_WAIT) \[stream \w+\]", msg), msg
+    assert any("rank 3" in m for m in timeouts.values()), timeouts
+    _, _, got = run_ranks(2, 2, timeout_s=1.0, dead_rank=3)  # no AG at all: the AG's fence names it
+    fenced = [g[2][0] for g in got if g[1] == "timeout" and "entry fence" in g[2][0]]
+    assert fenced and all("waits for rank 3 to start run #1 (it has started no run)" in m for m in fenced), got
 
 
 def test_two_groups_share_one_counters_region_in_process():

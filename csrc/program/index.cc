@@ -46,6 +46,7 @@ bool note(ProgramUse& use, const BufRef& b, bool write, int r, size_t i, int n, 
   use.arena_end[k] = std::max(use.arena_end[k], b.end());
   if (write && b.rank != r && std::find(use.writes.begin(), use.writes.end(), b.rank) == use.writes.end())
     use.writes.push_back(b.rank);
+  if (write && b.rank != r && (b.kind == BufKind::kRing0 || b.kind == BufKind::kRing1)) use.lands_in_peers = true;
   return true;
 }
 

@@ -198,10 +198,9 @@ void RankExecutor::run(const ProgramSet& set, int64_t seq, const RankBindings& b
   // Regions the program touches must exist and fit the segment; counters likewise.
   const std::shared_ptr<const ProgramIndex> index = set.index();
   admit(progs, *index, me, view.spec, "RankExecutor", rank_, segment_bytes_, fence_);
-  const std::vector<int>& writes = index->use[static_cast<size_t>(me)].writes;
   // Every run bumps the fence (run numbers must agree across ranks), even one writing no peer.
-  if (fence_ && view.spec.counters_offset >= 0 && view.num_counters() > 0)
-    entry_fence(view, mine, seq, writes, members);
+  const bool fenced = fence_ && view.spec.counters_offset >= 0 && view.num_counters() > 0;
+  const uint64_t run = fenced ? entry_fence(view, mine, seq, index->use[static_cast<size_t>(me)], members) : 0;
   // Run-wide state is this process's own: peers' failures surface here as timeouts.
   void* mem = shared_mem_.data();
   const uintptr_t a = (reinterpret_cast<uintptr_t>(mem) + 63) / 64 * 64;
@@ -220,31 +219,49 @@ void RankExecutor::run(const ProgramSet& set, int64_t seq, const RankBindings& b
   opt.interrupted = interrupted_;
   step_ranks(view, per_rank, b, opt, me, me + 1);  // polls opt.interrupted while it waits
   rethrow_shared(view.sh);
+  if (fenced) view.counters(mine.rank)[view.num_counters() - 1].store(fence_finished(run), std::memory_order_release);
 }
 
 // [Note: entry fence] Collectives of different groups share scratch regions (stage, RS staging /
 // outbox / inbox / spare) whose reuse credits are per group, so a rank that has finished
 // collective k must not push collective k+1 into a peer that is still consuming collective k.
-// Every run publishes "started run #k" in the last counter of this rank's counters region and
-// waits until every peer it writes into has started run #k too (so it has finished run k-1).
-// All ranks issue the same collective sequence, so run numbers agree.
-void RankExecutor::entry_fence(const ArenaView& view, const Program& mine, int64_t seq,
-                               const std::vector<int>& writes, const std::vector<int>& members) {
+// TIDE-AG's pushes also land in the peers' ring slots, which a peer's caller frees on its own
+// stream (the slot's previous owner resharded there), so they must not arrive before the peer's
+// caller has reached the same collective. Every run k publishes fence_started(k) in the last
+// counter of this rank's counters region when it starts and fence_finished(k) when its ops are
+// done; before its first op it waits, for every peer it writes into, until the peer has started
+// run k where it lands in the peer's ring (ProgramUse::lands_in_peers), else until the peer has
+// finished run k - 1. So a TIDE-RS push never waits for a peer's compute to reach the call, only
+// for its previous call's scratch: one handshake per call (the data) instead of two. All ranks
+// issue the same collective sequence, so run numbers agree.
+std::string fence_words(uint64_t value) {
+  return value % 2 ? TIDE_STR_CAT("to start run #", (value + 1) / 2) : TIDE_STR_CAT("to finish run #", value / 2);
+}
+
+std::string fence_reached(uint64_t value) {
+  if (value == 0) return "it has started no run";
+  return value % 2 ? TIDE_STR_CAT("it has started run #", (value + 1) / 2, " and not finished it")
+                   : TIDE_STR_CAT("it has finished run #", value / 2);
+}
+
+uint64_t RankExecutor::entry_fence(const ArenaView& view, const Program& mine, int64_t seq, const ProgramUse& use,
+                                   const std::vector<int>& members) {
   const int64_t idx = view.num_counters() - 1;
   auto& own = view.counters(mine.rank)[idx];
-  const uint64_t k = own.load(std::memory_order_relaxed) + 1;
-  own.store(k, std::memory_order_release);
+  const uint64_t k = (own.load(std::memory_order_relaxed) + 1) / 2 + 1;  // after run k-1 finished or failed
+  own.store(fence_started(k), std::memory_order_release);
+  const uint64_t target = fence_target(k, use.lands_in_peers);
   const auto start = std::chrono::steady_clock::now();
   int idle = 0;
-  for (int p : writes) {
+  for (int p : use.writes) {
     auto& c = view.counters(p)[idx];
-    while (c.load(std::memory_order_acquire) < k) {
+    while (c.load(std::memory_order_acquire) < target) {
       if (std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() > opt_.timeout_s)
         throw TimeoutError(TIDE_STR_CAT(
             "TIDE timeout after ", opt_.timeout_s, " s: rank ", rank_, " (node ", topo_.node_of(rank_), ", local ",
             topo_.local_of(rank_), ") call seq ", seq, " group ", mine.group,
-            ": entry fence (before op 0) waits for rank ", members[static_cast<size_t>(p)], " to start run #", k,
-            " (it has started ", c.load(), "): rank ", members[static_cast<size_t>(p)],
+            ": entry fence (before op 0) waits for rank ", members[static_cast<size_t>(p)], " ", fence_words(target),
+            " (", fence_reached(c.load()), "): rank ", members[static_cast<size_t>(p)],
             " is behind (still in an earlier collective, stalled or dead)"));
       if (++idle < 64) std::this_thread::yield();
       else std::this_thread::sleep_for(std::chrono::microseconds(idle < 1024 ? 20 : 200));
@@ -253,6 +270,7 @@ void RankExecutor::entry_fence(const ArenaView& view, const Program& mine, int64
                                        "fence, waiting for rank ", members[static_cast<size_t>(p)]));
     }
   }
+  return k;
 }
 
 void bind_programs_to_arena(std::vector<Program>& progs, const ArenaBindOptions& opt) {

@@ -27,7 +27,7 @@ void MirrorAdvance::raise(int fabric_rank, int num_counters, int index, GraphVal
 void MirrorAdvance::apply(fabric::Fabric& f, int64_t seq, uint64_t run) const {
   for (const auto& [k, v] : adds_) f.issued(k.rank, static_cast<size_t>(k.n))[static_cast<size_t>(k.index)] += v;
   for (const auto& [k, v] : raises_) {
-    const int64_t t = v.by_run ? static_cast<int64_t>(run) : v.value + v.per_call * seq;
+    const int64_t t = v.value + v.per_call * (v.by_run ? static_cast<int64_t>(run) : seq);
     uint64_t& sh = f.issued(k.rank, static_cast<size_t>(k.n))[static_cast<size_t>(k.index)];
     sh = std::max(sh, static_cast<uint64_t>(std::max<int64_t>(0, t)));
   }

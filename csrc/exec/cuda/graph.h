@@ -77,7 +77,8 @@ struct GraphFlags {
   int32_t faulted;  // set: GraphFault holds a record
 };
 
-// What a replay's value computation reads: value + per_call * seq, or the fence's run (by_run).
+// What a replay's value computation reads: value + per_call * seq, or value + per_call * run
+// (by_run: the entry fence's values, [Note: entry fence]).
 struct GraphValue {
   int64_t value = 0;
   int64_t per_call = 0;

@@ -23,7 +23,7 @@ __device__ __forceinline__ uint64_t load_acquire(const uint64_t* p) {
 }
 
 __device__ __forceinline__ int64_t value_of(const GraphValue& v, const CallParams* p) {
-  return v.by_run ? static_cast<int64_t>(p->run) : v.value + v.per_call * p->seq;
+  return v.value + v.per_call * (v.by_run ? static_cast<int64_t>(p->run) : p->seq);
 }
 
 __global__ void graph_head_kernel(CallParams* p, int64_t seq, uint64_t run) {

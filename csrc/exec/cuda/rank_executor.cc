@@ -20,9 +20,9 @@ class FenceLabels final : public WaitLabels {
     for (size_t i = 0; i < n; ++i) {
       const int g = specs[i].label >= 0 && static_cast<size_t>(specs[i].label) < peers_.size()
                         ? peers_[static_cast<size_t>(specs[i].label)] : -1;
-      const uint64_t k = specs[i].value;
-      s += TIDE_STR_CAT(i ? "; or " : "", "rank ", rank_, " entry fence before op 0 (waits for rank ", g,
-                        " to start run #", k, "; counter fence@rank ", g, " >= ", k, ") seq ", seq, " group ", group_,
+      const uint64_t v = specs[i].value;
+      s += TIDE_STR_CAT(i ? "; or " : "", "rank ", rank_, " entry fence before op 0 (waits for rank ", g, " ",
+                        fence_words(v), "; counter fence@rank ", g, " >= ", v, ") seq ", seq, " group ", group_,
                         ": rank ", g, " is behind (still in an earlier collective, stalled or dead)");
     }
     return s;
@@ -42,6 +42,7 @@ struct CudaRankExecutor::Entry : CachedSet {
   std::shared_ptr<const ProgramIndex> index;
   std::unique_ptr<ProgramTables> tables;
   std::vector<int> writes;           // fabric ranks whose arenas this rank writes (entry fence)
+  bool arrival = false;              // it lands in their ring slots: the fence waits for their start
   std::map<std::pair<int, int>, int64_t> needs;  // (user kind, index) -> bytes the program touches
   int64_t fence_index = -1;          // the executor's counter in region "counters"
   std::shared_ptr<const WaitLabels> fence_labels;  // the fence's waits, named when overdue
@@ -158,6 +159,7 @@ CudaRankExecutor::Entry& CudaRankExecutor::prepare(const std::shared_ptr<const P
                              ") uses arena region 'counters', which the arena layout does not have"));
   e->needs = index.use[static_cast<size_t>(e->me)].user_end;
   for (int g : index.use[static_cast<size_t>(e->me)].writes) e->writes.push_back(members[static_cast<size_t>(g)]);
+  e->arrival = index.use[static_cast<size_t>(e->me)].lands_in_peers;
   if (fence_) {
     e->fence_index = layout.counters_bytes / 8 - 1;
     e->fence_labels = std::make_shared<FenceLabels>(rank_, TIDE_STR_CAT(mine.group), e->writes);
@@ -182,38 +184,49 @@ void CudaRankExecutor::check_buffers(const Entry& e, const RankBindings& b) cons
   }
 }
 
-// [Note: entry fence] (tide/exec_cpu.h, RankExecutor) on the GPU: stream 0 writes "started run
-// #k" into this rank's fence counter and waits until every peer it writes into shows >= k. Run
-// k's stream 0 starts only after run k-1 joined every internal stream into it, so "started k"
-// implies "finished k-1" exactly as on the CPU.
+// [Note: entry fence] (exec/cpu/rank_executor.cc) on the GPU: stream 0 writes fence_started(k)
+// into this rank's fence counter once the caller's prior work is done, and waits until every peer
+// it writes into shows fence_target(k): started run k where it lands in their ring slots, else
+// finished run k - 1. fence_finished(k) is written after every internal stream of run k joined
+// (finish_run). Replays compute both from the run number on the device ([Note: replayed calls]).
+uint64_t* CudaRankExecutor::fence_ptr(const Entry& e, int g) const {
+  char* arena = fabric_->arena(g);
+  TIDE_CHECK(arena != nullptr, "rank ", g, "'s arena is not open in this process (open_peers first)");
+  return reinterpret_cast<uint64_t*>(arena + e.tables->layout.counters_offset) + e.fence_index;
+}
+
 void CudaRankExecutor::fence(const Entry& e, int64_t seq, const std::vector<Program>& progs, GraphCapture* graph) {
   const uint64_t k = runs_;
-  const ArenaSpec& a = e.tables->layout;
-  auto fence_ptr = [&](int g) {
-    char* arena = fabric_->arena(g);
-    TIDE_CHECK(arena != nullptr, "rank ", g, "'s arena is not open in this process (open_peers first)");
-    return reinterpret_cast<uint64_t*>(arena + a.counters_offset) + e.fence_index;
-  };
   const cudaStream_t s0 = fs_->streams(0)[0];
-  const GraphValue by_run{0, 0, true};  // a replay's run number ([Note: replayed calls])
+  // A replay's values: 2 run - 1 (started), 2 run - 1 or 2 run - 2 (the target).
+  const GraphValue started{-1, 2, true}, target{e.arrival ? -1 : -2, 2, true};
   if (graph == nullptr)
-    signal(s0, fence_ptr(rank_), k);
+    signal(s0, fence_ptr(e, rank_), fence_started(k));
   else
-    launch_graph_raise(fence_ptr(rank_), by_run, graph->params, s0);
+    launch_graph_raise(fence_ptr(e, rank_), started, graph->params, s0);
   std::vector<WaitSpec> waits;  // eager: one watched batch ([Note: watchdog and fail-stop])
   for (size_t i = 0; i < e.writes.size(); ++i) {
     const int g = e.writes[i];
     if (graph != nullptr) {
-      const std::string what = TIDE_STR_CAT("rank ", rank_, " entry fence before op 0 (waits for rank ", g,
-                                            " to start this run; counter fence@rank ", g, ") group ", progs[0].group,
+      const std::string what = TIDE_STR_CAT("rank ", rank_, " entry fence before op 0 (waits for rank ", g, " ",
+                                            e.arrival ? "to start this run" : "to finish its previous run",
+                                            "; counter fence@rank ", g, ") group ", progs[0].group,
                                             ": rank ", g, " is behind (still in an earlier collective, stalled or dead);");
-      launch_graph_wait(fence_ptr(g), by_run, graph->params, graph->timeout_ns, graph->fault, graph->flags,
+      launch_graph_wait(fence_ptr(e, g), target, graph->params, graph->timeout_ns, graph->fault, graph->flags,
                         graph->add_wait(what), graph->graph_id, s0);
       continue;
     }
-    waits.push_back(WaitSpec{fence_ptr(g), k, static_cast<int32_t>(i)});
+    const uint64_t v = fence_target(k, e.arrival);
+    if (v > 0) waits.push_back(WaitSpec{fence_ptr(e, g), v, static_cast<int32_t>(i)});
   }
   if (!waits.empty()) fs_->watchdog().watched_waits(s0, device_, waits.data(), waits.size(), e.fence_labels, seq);
+}
+
+void CudaRankExecutor::finish_run(const Entry& e, cudaStream_t joined, GraphCapture* graph) {
+  if (graph == nullptr)
+    signal(joined, fence_ptr(e, rank_), fence_finished(runs_));
+  else
+    launch_graph_raise(fence_ptr(e, rank_), GraphValue{0, 2, true}, graph->params, joined);
 }
 
 void CudaRankExecutor::replay(CallGraph& g, int64_t seq, cudaStream_t caller, bool advance) {
@@ -242,6 +255,7 @@ void CudaRankExecutor::capture(const Entry& e, GraphCapture& cap, IssueContext& 
   c.graph = &cap;
   issue_call(c, seq);
   fs_->join_caller(0, ns, origin, true, TIDE_STR_CAT("rank ", rank_, " capturing call seq ", seq));
+  if (fence_) finish_run(e, origin, &cap);  // origin is past every stream of the call
 }
 
 void CudaRankExecutor::run(const std::shared_ptr<const ProgramSet>& set, int64_t seq, const RankBindings& buffers,
@@ -323,6 +337,7 @@ void CudaRankExecutor::run(const std::shared_ptr<const ProgramSet>& set, int64_t
   }
   fs_->guarded([&] {
     fs_->join_caller(0, ns, caller, true, call());
+    if (fence_) finish_run(e, own[0], nullptr);  // stream 0 joined every stream of the call
     if (opt_.sync_every_call) fs_->drain_and_sync(call());  // debug: every call completes (or names its stuck wait)
   });
 }

@@ -21,9 +21,11 @@
 //     arena=; sets built with arena= use their own layout, whose "counters" must be the
 //     executor's. Without regions, every set uses its own layout.
 //   - Entry fence (default on), as RankExecutor's [Note: entry fence]: the last counter of region
-//     "counters" is the executor's; every run writes "started run #k" there (cuStreamWriteValue64
-//     on stream 0, after the previous run has joined) and waits (WAIT_VALUE_64 GEQ, watched) until
-//     every peer it writes into has started run #k. Every rank must issue the same run sequence.
+//     "counters" is the executor's; every run k writes fence_started(k) there (cuStreamWriteValue64
+//     on stream 0, after the caller's prior work) and waits (WAIT_VALUE_64 GEQ, watched) until
+//     every peer it writes into has started run k (where it lands in their ring slots) or
+//     finished run k - 1 (else); fence_finished(k) follows the run's join. Every rank must issue
+//     the same run sequence.
 //   - One CudaRankExecutor per fabric: the entry fence counts this executor's runs. The caller's
 //     current device is left as it was.
 //   - Two-sided rails (ExecutorOptions::rails = two_sided, set_rail): only the arenas of this
@@ -88,6 +90,8 @@ class CudaRankExecutor {
   Entry& prepare(const std::shared_ptr<const ProgramSet>& set, const std::vector<int>& members);
   void check_buffers(const Entry& e, const RankBindings& b) const;
   void fence(const Entry& e, int64_t seq, const std::vector<Program>& progs, GraphCapture* graph = nullptr);
+  void finish_run(const Entry& e, cudaStream_t joined, GraphCapture* graph);
+  uint64_t* fence_ptr(const Entry& e, int g) const;
   // [Note: replayed calls]: capture() enqueues the call (through `c`) into `cap`, forked from and
   // joined back into the capture stream; replay() launches a graph on `caller`, watched.
   void capture(const Entry& e, GraphCapture& cap, IssueContext& c, int64_t seq, const std::vector<Program>& progs);

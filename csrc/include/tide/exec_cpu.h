@@ -46,6 +46,7 @@
 #include "tide/bindings.h"
 #include "tide/exec_options.h"
 #include "tide/program.h"
+#include "tide/program_index.h"
 #include "tide/program_set.h"
 #include "tide/rail.h"
 
@@ -139,12 +140,25 @@ void run_cpu(CpuArena& arena, const std::vector<std::vector<Call>>& per_rank,
 //     (a rank of another node); only two-sided programs (ExecutorOptions::rails = two_sided,
 //     set_rail) reach it, through the rail; any other access fails naming the rank.
 //   - fence (default on): groups share scratch regions, so each run first waits until every peer
-//     it writes into has started the same run number (see [Note: entry fence]); the last counter
-//     of region "counters" is the executor's. Every rank must issue the same sequence of runs.
+//     it writes into has finished the previous run, and has started the same run where it lands
+//     in the peer's ring slot (see [Note: entry fence]); the last counter of region "counters" is
+//     the executor's. Every rank must issue the same sequence of runs.
 using RegionTable = std::map<std::string, std::pair<int64_t, int64_t>>;  // name -> (offset, bytes)
 // The arena layout a region table describes: absent arena kinds get offset -1, counters come
 // from "counters"; every region must fit `limit` bytes (< 0: unbounded). `who` prefixes errors.
 ArenaSpec arena_layout_from(const RegionTable& regions, int64_t limit, const char* who);
+
+// The entry fence's counter ([Note: entry fence] in exec/cpu/rank_executor.cc): 2k - 1 once this
+// rank has started run #k (its caller's prior work done), 2k once run #k has finished. Run #k
+// waits for fence_started(k) of every peer it lands in (TIDE-AG into ring slots,
+// ProgramUse::lands_in_peers) and for fence_finished(k - 1) of every other peer it writes into.
+constexpr uint64_t fence_started(uint64_t k) { return 2 * k - 1; }
+constexpr uint64_t fence_finished(uint64_t k) { return 2 * k; }
+inline uint64_t fence_target(uint64_t k, bool arrival) { return arrival ? fence_started(k) : fence_finished(k - 1); }
+// "to start run #k" / "to finish run #k" for a fence value (a message's words, both executors).
+std::string fence_words(uint64_t value);
+// What a peer's fence counter says it has reached, in words: "it has started run #3".
+std::string fence_reached(uint64_t value);
 
 class RankExecutor {
  public:
@@ -176,8 +190,9 @@ class RankExecutor {
  private:
   void init(const RegionTable& regions);
   void unmap_all();
-  void entry_fence(const ArenaView& view, const Program& mine, int64_t seq, const std::vector<int>& writes,
-                   const std::vector<int>& members);
+  // Publishes fence_started(k) of this run k and waits for the peers' fence_target; returns k.
+  uint64_t entry_fence(const ArenaView& view, const Program& mine, int64_t seq, const ProgramUse& use,
+                       const std::vector<int>& members);
   int rank_;
   Topology topo_;
   int64_t segment_bytes_;
