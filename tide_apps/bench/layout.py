@@ -1,15 +1,21 @@
 """Layout bench: FSDP2's stock layout path against the programs TIDE's executors run, on one GPU.
 
-`tide bench layout [--groups llama70b,qwen3,wan22] [--ranks L] [--json PATH] [--plot PATH.png]`.
-One GPU emulates a node of L GPUs (tide.Topology(1, L), L = --ranks, default 8): the work of every
-rank of one call runs on it, stock and TIDE alike.
+`tide bench layout [--groups llama70b,qwen3,wan22,llama70b_fp8,moe_shard1] [--ranks L] [--json PATH]
+[--plot PATH.png]`. One GPU emulates a node of L GPUs (tide.Topology(1, L), L = --ranks, default 8):
+the work of every rank of one call runs on it, stock and TIDE alike. The groups and FSDP2's stock
+path for each are layout_rows.py's: the three models' blocks (bf16), llama70b_fp8 (torchao's Float8
+all-gather: 1-byte items; AG rows only, its RS being the bf16 gradients') and moe_shard1 (grouped
+experts sharded on dim 1, planned as rows).
 
   AG  stock: each rank's rank-major all-gather output (one copy of the N packed shards) and
-             torch.split_with_sizes_copy into its per-parameter outputs, for all L ranks
+             torch.split_with_sizes_copy into its per-parameter outputs (a Shard(k) parameter: into
+             a temporary, then torch.cat on dim k), for all L ranks; the row "+ the above" adds
+             FSDP2's all_gather_copy_in (the shards packed into the flat input) before it
       TIDE : one all_gather call of the 1 x L CUDA VirtualCluster: the plan's TIDE-AG programs
              (direct parameter-major landing, paper §3.1) issued by the core's GroupSession on the
              CUDA executor, under ExecutorOptions copy_lanes 1 / default / 8 x copy_2d batch / per_copy
-  RS  stock: each rank's torch._chunk_cat (bf16 -> fp32 pack), then the packed fp32 reduce of every
+  RS  stock: each rank's torch._chunk_cat (bf16 -> fp32 pack; a Shard(k) gradient reordered to
+             dim 0 first, torch.cat of its dim-k chunks), then the packed fp32 reduce of every
              rank's chunk over the N ranks and the scale alpha, for all L ranks
       TIDE : one reduce_scatter call of the virtual cluster: the plan's TIDE-RS programs (paper
              §4.1-4.2: Level-1 staging copies, SUM, stale-block ZERO, the spare copy, LAND; the rows
@@ -33,7 +39,8 @@ summed durations, overlapping streams add up). Off by default: once the profiler
 stays attached to the process and every later TIDE call (hundreds of kernels and stream memory
 operations across 2 L streams) runs slower (BENCHMARKS.md, the profiler's cost: the 70B RS call
 11.8 ms without, 14.4 ms after a profile pass); the stock rows' few large kernels do not notice.
-Checks: every AG variant's landing, on every rank, equals the stock copy-out bit for bit. Every RS
+Checks: every AG variant's landing, on every rank, equals the stock copy-out bit for bit (as the
+unsharded parameters' bytes: a Shard(k) parameter's rows back to back). Every RS
 variant's outputs, on every rank, equal the CPU VirtualCluster's bit for bit (--cpu-check auto runs
 it where its L arenas fit in half the host's free memory; elsewhere the reference is the stock
 output, which is exact: integer-valued bf16 gradients and alpha = 1/L, L a power of two, give the
@@ -57,9 +64,13 @@ import tempfile
 import time
 from types import SimpleNamespace
 
-# Bench names -> built-in models (tide/models.py holds the shapes and cites their configs).
-GROUPS = {"llama70b": "llama3.1-70b", "qwen3": "qwen3-30b-a3b", "wan22": "wan2.2-14b"}
-AG_STOCK = "AG stock: rank-major + split_with_sizes_copy"
+# The groups (layout_rows.py): GROUPS, the plain ones (bench name -> built-in model, tide/models.py);
+# NAMES, every group --groups takes (llama70b_fp8, moe_shard1 too). The RS references live there too.
+from tide_apps.bench.layout_rows import (GROUPS, NAMES, _np_grads, _plan_layout, bit_diff,  # noqa: E402,F401
+                                         cpu_reference, rs_diff)
+
+AG_STOCK = "AG stock: rank-major + split_with_sizes_copy"   # the collective + copy-out (+ cat on dim k)
+AG_STOCK_FULL = "AG stock: all_gather_copy_in + the above"   # FSDP2's whole layout path
 RS_STOCK = "RS stock: _chunk_cat fp32 pack + packed reduce"
 RS_TIDE = "RS TIDE: staging + SUM + LAND"          # the reduce_scatter call, solver budgets
 RS_FULL = RS_TIDE + ", full grid"
@@ -346,47 +357,35 @@ def level1_matches_reduce(torch, ops, ctas, stream):
     return True
 
 
-def bit_diff(torch, want, got, row):
-    """(equal bitwise, None or dict(count, first element, its block row, want, got))."""
-    ne = want.view(torch.int32) != got.view(torch.int32)
-    count = int(ne.sum())
-    if count == 0:
-        return True, None
-    i = int(ne.nonzero()[0, 0])
-    return False, dict(count=count, first=i, block_row=i // row, want=float(want[i]), got=float(got[i]))
-
-
 # ---- AG -----------------------------------------------------------------------------------------
-def run_ag(torch, tide, core, name, plan, L, ceiling, n_sm, lanes, copy_2d, reps):
-    lay = _layout(plan)
-    shapes = [tuple(s) for s in core.plan_shapes(plan)]
-    P, Es = len(shapes), sum(lay.e)  # stock: the N packed shards, parameter after parameter
-    g = torch.Generator(device="cuda").manual_seed(1)
-    shards = [[torch.randn(lay.R[p], *shapes[p][1:], device="cuda", generator=g).to(torch.bfloat16)
-               for p in range(P)] for _ in range(L)]
-    ns = L * 2 * Es
-    rows = []
-    packed = torch.cat([torch.cat([s.reshape(-1) for s in shards[u]]) for u in range(L)]).view(L, Es)
-    ag_out = torch.empty(L, L * Es, dtype=torch.bfloat16, device="cuda")   # rank r's rank-major output
-    params = [torch.empty(L, L * e, dtype=torch.bfloat16, device="cuda") for e in lay.e]
-    outs = [x.view(L * L, e) for x, e in zip(params, lay.e)]
+def run_ag(torch, tide, core, grp, plan, L, ceiling, n_sm, lanes, copy_2d, reps):
+    """The AG rows of group `grp` (layout_rows.Group): FSDP2's stock path (layout_rows.StockAllGather)
+    and the TIDE all_gather call per variant; every rank's landing, as the unsharded parameters'
+    bytes, equals the stock copy-out's bit for bit."""
+    from tide_apps.bench import layout_rows as lr
+    shards = lr.make_shards(torch, grp, L, "cuda")
+    st = lr.StockAllGather(torch, grp, shards, L)
+    b = st.bytes
 
     def stock():
-        ag_out.copy_(packed.view(1, -1).expand(L, -1))
-        torch.split_with_sizes_copy(ag_out.view(L * L, Es), lay.e, dim=1, out=outs)
-    rows.append(dict(step=AG_STOCK, **_measure(torch, stock, None, stock, 4 * L * ns, ceiling, n_sm, reps)))
-    stock()
-    ref = [params[p][0][:lay.D[p] * lay.K[p]].clone().view(torch.int16) for p in range(P)]
-    del packed, ag_out, params, outs
+        st.collective()
+        st.copy_out()
+    rows = [dict(step=AG_STOCK, **_measure(torch, stock, None, stock, b["collective"] + b["copy_out"],
+                                           ceiling, n_sm, reps)),
+            dict(step=AG_STOCK_FULL, **_measure(torch, st, None, st, sum(b.values()), ceiling, n_sm, reps))]
+    st()
+    ref = [t.clone() for t in st.unsharded(0)]  # every rank's unsharded parameters are the same
+    del st
     _release(torch)
     ok, nbytes = True, None
+    inputs = [lr.item_shards(grp, L, shards[r]) for r in range(L)]
     for c2 in copy_2d:
         for ln in lanes:
             opts = tide.ExecutorOptions(copy_lanes=ln, copy_2d=c2)
             vc = tide.VirtualCluster(tide.Topology(1, L), backend="cuda", check=False, options=opts)
-            full, go, landing = vc.all_gather_runner(plan, shards)
-            same = all(torch.equal(full[r][p].reshape(-1).view(torch.int16), ref[p])
-                       for r in range(L) for p in range(P))
+            full, go, landing = vc.all_gather_runner(plan, inputs)
+            same = all(torch.equal(x, y) for r in range(L)
+                       for x, y in zip(lr.unsharded_from_items(torch, grp, L, full[r]), ref))
             ok = ok and same
             if nbytes is None:  # the call's own programs
                 nbytes = program_bytes(core, vc.session(plan, "all_gather", ring_slot=0, resident=True, multicast=False,
@@ -396,88 +395,58 @@ def run_ag(torch, tide, core, name, plan, L, ceiling, n_sm, lanes, copy_2d, reps
                              **_measure(torch, go.enqueue, go.synchronize, go, nbytes, ceiling, n_sm, reps)))
             del vc, go  # every reference to the cluster: its arenas go before the next one's
             _release(torch)
-    del shards, ref
+    del shards, inputs, ref
     _release(torch)
-    return rows, dict(ag_landing_bitwise=ok, ag_tide_bytes=nbytes)
+    return rows, dict(ag_landing_bitwise=ok, ag_tide_bytes=nbytes, ag_stock_bytes=b)
 
 
 # ---- RS -----------------------------------------------------------------------------------------
-def _np_grads(torch, grads):
-    from tide_apps.bench.collectives import _np_bf16
-    return [[_np_bf16(x.cpu()) for x in row] for row in grads]
-
-
-def cpu_reference(torch, tide, plan, L, grads, alpha, mode):
-    """The CPU VirtualCluster's outputs (torch CUDA fp32 per rank) and a note, or (None, why not)."""
-    mem = plan.memory()
-    need = L * (mem["arena_bytes"] + 2 * mem["NS_bytes"] + 4 * plan.layout.E)
-    free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    if mode == "off":
-        return None, "off (--cpu-check off)"
-    if mode == "auto" and need > free // 2:
-        return None, f"skipped: needs ~{need / 1e9:.0f} GB host memory, {free / 1e9:.0f} GB free (--cpu-check on)"
-    vc = tide.VirtualCluster(tide.Topology(1, L), check=False, workers=min(L, os.cpu_count() or 1))
-    outs = vc.reduce_scatter(plan, _np_grads(torch, grads), scale=alpha)
-    del vc
-    gc.collect()
-    return [torch.from_numpy(o).cuda() for o in outs], "CPU VirtualCluster"
-
-
-def _plan_layout(torch, lay, packed):
-    """A stock output shard (parameters back to back) in the plan's fp32 shard layout (o32_p)."""
-    out = torch.zeros(lay.E, dtype=torch.float32, device=packed.device)
-    at = 0
-    for o, e in zip(lay.o, lay.e):
-        out[o:o + e] = packed[at:at + e]
-        at += e
-    return out
-
-
-def rs_diff(torch, lay, ref, outs):
-    """None when every rank's output equals the reference on every parameter's elements (o32_p,
-    e_p), else dict(rank, count, first element of that rank's parameter elements, want, got)."""
-    for r, (w, g) in enumerate(zip(ref, outs)):
-        ws = torch.cat([w[o:o + e] for o, e in zip(lay.o, lay.e)])
-        gs = torch.cat([g[o:o + e] for o, e in zip(lay.o, lay.e)])
-        ok, d = bit_diff(torch, ws, gs, max(1, ws.numel()))
-        if not ok:
-            d.pop("block_row")
-            return dict(rank=r, **d)
-    return None
-
-
-def run_rs(torch, tide, core, name, plan, L, ceiling, n_sm, reps, cpu_check, sweep):
+def run_rs(torch, tide, core, grp, plan, L, ceiling, n_sm, reps, cpu_check, sweep):
+    from tide_apps.bench import layout_rows as lr
     lay = _layout(plan)
-    shapes = [tuple(s) for s in core.plan_shapes(plan)]
-    P, Es = len(shapes), sum(lay.e)  # stock: _chunk_cat's packing, parameter after parameter
+    Es = sum(lay.e)  # stock: _chunk_cat's packing, parameter after parameter (a Shard(k) one's rows)
     alpha = 1.0 / L
     ns = L * 2 * Es
-    g = torch.Generator(device="cuda").manual_seed(2)
     # Integer-valued gradients: every fp32 sum of L of them, times 1/L, is exact in any order.
-    grads = [[torch.randint(-4, 5, shapes[p], device="cuda", generator=g).to(torch.bfloat16) for p in range(P)]
-             for _ in range(L)]
+    whole = lr.make_grads(torch, grp, L, "cuda")  # the unsharded gradients
+    grads = [lr.item_grads(grp, L, whole[u]) for u in range(L)]  # TIDE reads them in place
+    # FSDP2's Shard(k) reorder (foreach_reduce) into buffers of its own; dim-0 gradients as they are.
+    dims = [d for _, _, d in grp.params]
+    inputs = [[torch.empty(lr.reordered_shape(x.shape, d, L), dtype=x.dtype, device=x.device) if d else x
+               for x, d in zip(whole[u], dims)] for u in range(L)]
     rows = []
     packed = torch.empty(L, L, Es, dtype=torch.float32, device="cuda")
     out = torch.empty(L, Es, dtype=torch.float32, device="cuda")
 
+    def reorder():
+        for u in range(L):
+            for x, y, d in zip(whole[u], inputs[u], dims):
+                if d:
+                    torch.cat(torch.chunk(x, L, dim=d), dim=0, out=y)
+
     def pack():
         for u in range(L):
-            torch._chunk_cat(grads[u], dim=0, num_chunks=L, out=packed[u])
+            torch._chunk_cat(inputs[u], dim=0, num_chunks=L, out=packed[u])
 
     def reduce():
         torch.sum(packed, dim=0, out=out)
         out.mul_(alpha)
 
     def stock():
+        reorder()
         pack()
         reduce()
-    for label, fn, nbytes in (("RS stock: _chunk_cat bf16 -> fp32 pack", pack, 3 * L * ns),
-                              ("RS stock: packed fp32 reduce of the chunk + alpha", reduce, 2 * L * ns + 6 * ns),
-                              (RS_STOCK, stock, 5 * L * ns + 6 * ns)):
+    steps = [("RS stock: _chunk_cat bf16 -> fp32 pack", pack, 3 * L * ns),
+             ("RS stock: packed fp32 reduce of the chunk + alpha", reduce, 2 * L * ns + 6 * ns),
+             (RS_STOCK, stock, 5 * L * ns + 6 * ns + lr.stock_rs_reorder_bytes(grp, L))]
+    if grp.shard_dims:
+        steps.insert(0, ("RS stock: Shard(k) reorder, torch.cat of dim-k chunks", reorder,
+                         lr.stock_rs_reorder_bytes(grp, L)))
+    for label, fn, nbytes in steps:
         rows.append(dict(step=label, **_measure(torch, fn, None, fn, nbytes, ceiling, n_sm, reps)))
     stock()
     stock_out = [_plan_layout(torch, lay, out[r]) for r in range(L)]
-    del packed, out
+    del packed, out, inputs
     _release(torch)
     ref, ref_name = cpu_reference(torch, tide, plan, L, grads, alpha, cpu_check)
     stock_ok = None
@@ -523,7 +492,7 @@ def run_rs(torch, tide, core, name, plan, L, ceiling, n_sm, reps, cpu_check, swe
     del ref
     if sweep:
         info["sum_sweep"] = sum_ctas_sweep(torch, core, ops, grads[0], sweep, n_sm)
-    del grads
+    del grads, whole
     _release(torch)
     return rows, info
 
@@ -558,7 +527,7 @@ def _ints(text, what, lo=1, hi=1 << 20):
 def main(argv=None):
     ap = argparse.ArgumentParser(prog="tide bench layout", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--groups", default="llama70b,qwen3,wan22", help=f"of {', '.join(GROUPS)}")
+    ap.add_argument("--groups", default="llama70b,qwen3,wan22", help=f"of {', '.join(NAMES)}")
     ap.add_argument("--ranks", type=int, default=8, help="L: virtual ranks of the one node (default 8)")
     ap.add_argument("--lanes", default="1,8", help="AG copy_lanes variants (ExecutorOptions' default is always added)")
     ap.add_argument("--copy-2d", default="batch,per_copy", help="AG copy_2d variants")
@@ -576,8 +545,8 @@ def main(argv=None):
     global PROFILE_ROWS
     PROFILE_ROWS = args.profile
     groups = [g for g in args.groups.split(",") if g]
-    if not groups or any(g not in GROUPS for g in groups):
-        ap.error(f"--groups: expected names of {', '.join(GROUPS)}, got {args.groups!r}")
+    if not groups or any(g not in NAMES for g in groups):
+        ap.error(f"--groups: expected names of {', '.join(NAMES)}, got {args.groups!r}")
     if args.ranks < 2 or args.reps < 1:
         ap.error("--ranks must be >= 2 and --reps >= 1")
     copy_2d = [c for c in args.copy_2d.split(",") if c]
@@ -587,7 +556,7 @@ def main(argv=None):
 
     import tide
     from tide import _core as core
-    from tide import models
+    from tide_apps.bench import layout_rows
     from tide_apps.bench.common import progress, write_json
     default_lanes = tide.ExecutorOptions().copy_lanes
     lanes = sorted(set(_ints(args.lanes, "--lanes", 1, 8)) | {default_lanes})
@@ -612,16 +581,25 @@ def main(argv=None):
           f"executor options {effective}; profiler {'on (later TIDE rows run slower)' if args.profile else 'off'}")
     if os.environ.get("TIDE_EXEC_OPTIONS"):
         print(f"# TIDE_EXEC_OPTIONS={os.environ['TIDE_EXEC_OPTIONS']} overrides every variant's options")
-    for i, name in enumerate(groups):
-        plan = tide.plan(models.signature(GROUPS[name], "block"), tide.Topology(1, args.ranks))
+    swept = False
+    for name in groups:
+        grp = layout_rows.group(name)
+        plan = tide.plan(group_signature(grp, args.ranks), tide.Topology(1, args.ranks))
         progress(f"layout {name}: AG, {len(lanes) * len(copy_2d)} TIDE variants")
-        ag_rows, ag_info = run_ag(torch, tide, core, name, plan, args.ranks, ceiling, n_sm, lanes, copy_2d, args.reps)
-        progress(f"layout {name}: RS")
-        rs_rows, rs_info = run_rs(torch, tide, core, name, plan, args.ranks, ceiling, n_sm, args.reps,
-                                  args.cpu_check, sweep if i == 0 else [])
-        E = plan.layout.E
-        info = dict(group=name, P=plan.layout.P, E=E, S=2 * E, NS=args.ranks * 2 * E, exec_lanes=default_lanes,
-                    **ag_info, **rs_info)
+        ag_rows, ag_info = run_ag(torch, tide, core, grp, plan, args.ranks, ceiling, n_sm, lanes, copy_2d, args.reps)
+        rs_rows, rs_info = [], {}
+        if grp.rs:
+            progress(f"layout {name}: RS")
+            rs_rows, rs_info = run_rs(torch, tide, core, grp, plan, args.ranks, ceiling, n_sm, args.reps,
+                                      args.cpu_check, [] if swept else sweep)
+            swept = True
+        E, S = plan.layout.E, plan.layout.S
+        info = dict(group=name, note=grp.note, item=grp.item, P=plan.layout.P, params=len(grp.params), E=E, S=S,
+                    NS=args.ranks * S, exec_lanes=default_lanes, rs=grp.rs, **ag_info, **rs_info)
+        if grp.item != "bfloat16":  # the same weights in bf16: the plan's AG bytes beside these
+            bf16 = tide.plan(group_signature(grp, args.ranks, "bfloat16"), tide.Topology(1, args.ranks))
+            info["ag_bytes_vs_bf16"] = ag_info["ag_tide_bytes"] / program_bytes(core, core.build_ag_programs(bf16),
+                                                                                args.ranks)
         if "sum_sweep" in info:
             result["sum_sweep"] = dict(group=name, **info.pop("sum_sweep"))
         for r in ag_rows + rs_rows:
@@ -636,21 +614,40 @@ def main(argv=None):
     _print(result)
     write_json(args.json, result)
     plot_layout(args.plot, result)
-    bad = [i["group"] for i in result["groups"] if not (i["ag_landing_bitwise"] and i["rs_reference_bitwise"]
-                                                        and i["rs_stock_bitwise"] is not False)]
+    bad = [i["group"] for i in result["groups"] if not _group_ok(i)]
     return 1 if bad else 0
+
+
+def group_signature(grp, L, item=None):
+    """The signature the bench plans for a group: a plain group's is tide.models' (the paper's
+    block, as before), the others' layout_rows.signature (Shard(k) as rows, 1-byte items);
+    `item` overrides the AG item dtype (the fp8 group's bf16 twin)."""
+    from dataclasses import replace
+
+    from tide import models
+    from tide_apps.bench import layout_rows
+    if grp.name in GROUPS and item is None:
+        return models.signature(GROUPS[grp.name], "block")
+    return layout_rows.signature(grp if item is None else replace(grp, item=item), L)
+
+
+def _group_ok(i):
+    return i["ag_landing_bitwise"] and (not i["rs"] or (i["rs_reference_bitwise"] and i["rs_stock_bitwise"] is not False))
 
 
 def _verdict(info, rs):
     """Per group: TIDE / stock bytes and time (AG: the executors' default lanes, the faster copy_2d;
     RS: the full grid, and the solver's budgets)."""
-    ag_s = rs[AG_STOCK]
+    ag_s, ag_f = rs[AG_STOCK], rs[AG_STOCK_FULL]
     ag_t = min((r for k, r in rs.items() if k.startswith("AG TIDE") and k.endswith(f", {info['exec_lanes']} lane(s)")),
                key=lambda r: r["ms"])
-    rs_s, rs_t, rs_b = rs[RS_STOCK], rs[RS_FULL], rs[RS_TIDE]
     info.update(ag_bytes_ratio=ag_t["bytes"] / ag_s["bytes"], ag_time_ratio=ag_t["ms"] / ag_s["ms"],
-                ag_tide_x_floor=ag_t["ms"] / ag_t["floor_ms"], ag_tide_best=ag_t["step"],
-                rs_bytes_ratio=rs_t["bytes"] / rs_s["bytes"], rs_time_ratio=rs_t["ms"] / rs_s["ms"],
+                ag_full_bytes_ratio=ag_t["bytes"] / ag_f["bytes"], ag_full_time_ratio=ag_t["ms"] / ag_f["ms"],
+                ag_tide_x_floor=ag_t["ms"] / ag_t["floor_ms"], ag_tide_best=ag_t["step"])
+    if not info["rs"]:
+        return
+    rs_s, rs_t, rs_b = rs[RS_STOCK], rs[RS_FULL], rs[RS_TIDE]
+    info.update(rs_bytes_ratio=rs_t["bytes"] / rs_s["bytes"], rs_time_ratio=rs_t["ms"] / rs_s["ms"],
                 rs_tide_x_floor=rs_t["ms"] / rs_t["floor_ms"], rs_solver_time_ratio=rs_b["ms"] / rs_s["ms"],
                 rs_solver_x_floor=rs_b["ms"] / rs_b["floor_ms"])
 
@@ -661,9 +658,9 @@ def _parts_line(parts, ms):
 
 
 def _print(result):
-    print(f"{'group':9} {'step':58} {'ms':>8} {'GB':>7} {'GB/s':>7} {'x floor':>7} {'kern':>4} {'cpy':>4} {'SM*ms':>7}")
+    print(f"{'group':12} {'step':58} {'ms':>8} {'GB':>7} {'GB/s':>7} {'x floor':>7} {'kern':>4} {'cpy':>4} {'SM*ms':>7}")
     for r in result["rows"]:
-        print(f"{r['group']:9} {r['step']:58} {r['ms']:8.3f} {r['bytes'] / 1e9:7.2f} {r['gbps']:7.0f} "
+        print(f"{r['group']:12} {r['step']:58} {r['ms']:8.3f} {r['bytes'] / 1e9:7.2f} {r['gbps']:7.0f} "
               f"{r['ms'] / r['floor_ms']:7.2f} {r['kernels']:4d} {r['copies']:4d} {r['sm_ms']:7.2f}")
     for r in result["rows"]:
         if r["step"] in (RS_TIDE, RS_FULL) and r["parts"]:
@@ -681,23 +678,34 @@ def _print(result):
               f"same bits as REDUCE: {sw['level1_matches_reduce']}): best {sat['best_gbps']:.0f} GB/s = "
               f"{100 * sat['best_vs_ceiling']:.0f}% of the ceiling; 90% of best from {sat['ctas_90pct']} CTAs")
     for i in result["groups"]:
-        d = i["rs_reference_diff"]
-        print(f"# {i['group']}: P={i['P']} NS={i['NS'] / 1e9:.2f} GB | AG TIDE/stock bytes {i['ag_bytes_ratio']:.2f} "
-              f"time {i['ag_time_ratio']:.2f} ({i['ag_tide_best'][len('AG TIDE: all_gather call, '):]}), x floor "
-              f"{i['ag_tide_x_floor']:.2f} | RS TIDE/stock bytes {i['rs_bytes_ratio']:.2f} "
-              f"time {i['rs_time_ratio']:.2f} "
-              f"full grid ({i['sum_full_ctas']} / {i['land_full_ctas']} CTAs), x floor {i['rs_tide_x_floor']:.2f}; "
-              f"solver budgets ({i['sum_ctas_solver']} / {i['land_ctas_solver']}) {i['rs_solver_time_ratio']:.2f} | "
-              f"landing bitwise = copy-out: {i['ag_landing_bitwise']} | RS bitwise = {i['rs_reference']}: "
-              f"{i['rs_reference_bitwise']}" + ("" if i["rs_stock_bitwise"] is None else
-                                                f" (stock too: {i['rs_stock_bitwise']})")
-              + ("" if not d else f"; first difference {d['step']}: rank {d['rank']}, {d['count']} elements, "
-                 f"element {d['first']}: want {d['want']!r}, got {d['got']!r}"))
-    ok = all(i["ag_landing_bitwise"] and i["rs_reference_bitwise"] and i["rs_stock_bitwise"] is not False
-             for i in result["groups"])
+        print(_group_line(i))
+    ok = all(_group_ok(i) for i in result["groups"])
+    rs_groups = [i for i in result["groups"] if i["rs"]]
     print("# layout: TIDE/stock time AG " + "/".join(f"{i['ag_time_ratio']:.2f}" for i in result["groups"])
-          + ", RS full grid " + "/".join(f"{i['rs_time_ratio']:.2f}" for i in result["groups"])
-          + f" ({', '.join(i['group'] for i in result['groups'])}); bitwise checks {'ok' if ok else 'FAILED'}")
+          + f" ({', '.join(i['group'] for i in result['groups'])}), with copy-in "
+          + "/".join(f"{i['ag_full_time_ratio']:.2f}" for i in result["groups"])
+          + ", RS full grid " + "/".join(f"{i['rs_time_ratio']:.2f}" for i in rs_groups)
+          + f" ({', '.join(i['group'] for i in rs_groups)}); bitwise checks {'ok' if ok else 'FAILED'}")
+
+
+def _group_line(i):
+    """One group's verdict: TIDE / stock ratios (bytes, time), x floor, the bitwise checks."""
+    line = (f"# {i['group']}: P={i['P']} NS={i['NS'] / 1e9:.2f} GB | AG TIDE/stock bytes {i['ag_bytes_ratio']:.2f} "
+            f"time {i['ag_time_ratio']:.2f} ({i['ag_tide_best'][len('AG TIDE: all_gather call, '):]}), with copy-in "
+            f"bytes {i['ag_full_bytes_ratio']:.2f} time {i['ag_full_time_ratio']:.2f}, x floor {i['ag_tide_x_floor']:.2f}")
+    if "ag_bytes_vs_bf16" in i:
+        line += f" | {i['item']} items: AG bytes {i['ag_bytes_vs_bf16']:.2f} x the bf16 group's"
+    line += f" | landing bitwise = copy-out: {i['ag_landing_bitwise']}"
+    if not i["rs"]:
+        return line + " | RS: the bf16 gradients' (not this group's rows)"
+    d = i["rs_reference_diff"]
+    return (line + f" | RS TIDE/stock bytes {i['rs_bytes_ratio']:.2f} time {i['rs_time_ratio']:.2f} "
+            f"full grid ({i['sum_full_ctas']} / {i['land_full_ctas']} CTAs), x floor {i['rs_tide_x_floor']:.2f}; "
+            f"solver budgets ({i['sum_ctas_solver']} / {i['land_ctas_solver']}) {i['rs_solver_time_ratio']:.2f} | "
+            f"RS bitwise = {i['rs_reference']}: {i['rs_reference_bitwise']}"
+            + ("" if i["rs_stock_bitwise"] is None else f" (stock too: {i['rs_stock_bitwise']})")
+            + ("" if not d else f"; first difference {d['step']}: rank {d['rank']}, {d['count']} elements, "
+               f"element {d['first']}: want {d['want']!r}, got {d['got']!r}"))
 
 
 def plot_layout(path, result) -> None:
@@ -708,13 +716,13 @@ def plot_layout(path, result) -> None:
     for info in result["groups"]:
         rs = {r["step"]: r["ms"] for r in result["rows"] if r["group"] == info["group"]}
         groups[info["group"]] = {
-            "AG stock": next(v for k, v in rs.items() if k.startswith("AG stock")),
+            "AG stock": rs[AG_STOCK],
             "AG TIDE": min(v for k, v in rs.items()
                            if k.startswith("AG TIDE") and k.endswith(f", {info['exec_lanes']} lane(s)")),
-            "RS stock": rs[RS_STOCK],
-            "RS TIDE (solver CTAs)": rs[RS_TIDE],
-            "RS TIDE (full grid)": rs[RS_FULL],
         }
+        if info.get("rs", True):
+            groups[info["group"]].update({"RS stock": rs[RS_STOCK], "RS TIDE (solver CTAs)": rs[RS_TIDE],
+                                          "RS TIDE (full grid)": rs[RS_FULL]})
     bar_plot(path, f"tide bench layout: {result['device']}, N = {result['ranks']} virtual ranks on one GPU "
              "(lower is better)", groups, "ms per call")
 

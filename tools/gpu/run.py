@@ -373,7 +373,7 @@ def stage_table(c: Ctx) -> dict:
                                                 "sum_ctas=16/", "sum_ctas=16/copy_ctas=16"], 200)],
               "the 70B RS call over plan / executor options, with its copy-kernel overlap (tools/gpu/rssweep.py)"),
         Stage("bench:layout", 200, [bench("bench:layout", "layout", limit=200, png="layout",
-                                          show=grep_lines(r"^(#|group|llama|qwen|wan|SUM| +[0-9])", 70),
+                                          show=grep_lines(r"^(#|group|llama|qwen|wan|moe|SUM| +[0-9])", 70),
                                           unset=("CUDA_DEVICE_MAX_CONNECTIONS",))],
               "tide bench layout: one GPU, N virtual ranks"),
         Stage("bench:ag", lim(100, 160), [bench("bench:ag", "ag", "--reps", "10", "--warmup", "2", *topo, limit=lim(100, 160),
