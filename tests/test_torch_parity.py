@@ -7,7 +7,8 @@ steps with MixedPrecisionPolicy(bf16, fp32):
 (d) every unsharded parameter's data_ptr is its planned landing address;
 (e) In-Place issues backward all-gathers ahead of the reduce-scatters, Slot-Reuse does not.
 
-This file runs the default transport on 2 x 2; test_torch_lane.py runs 4 x 1 (the L_sub = 1
+This file runs the default transport on 2 x 2 and on 1 x 4 (one node: the all-gathers pull into
+each rank's own landing, comm.py); test_torch_lane.py runs 4 x 1 (the L_sub = 1
 lane) and test_torch_programs.py runs TIDE's own AG/RS programs.
 """
 from __future__ import annotations
@@ -40,6 +41,15 @@ def parity(rank, world, nodes, gpn, transport="auto", cases=BOTH_MODES):
                 assert handle.transport == "tide-executor", handle.transport
             assert handle.stats["ag_tide"] > 0 and handle.stats["rs_tide"] > 0, handle.stats
             assert handle.stats["rs_stock"] == 0 and handle.stats["ag_stock"] == 0, handle.stats
+            # One node with a cast: every TIDE-AG pulls into the rank's own landing (comm.py,
+            # [Note: pull landing]); across nodes every one pushes.
+            pulls = handle.stats["ag_pull_chunks"]
+            assert (pulls >= handle.stats["ag_tide"]) if nodes == 1 else (pulls == 0), (nodes, handle.stats)
+            sessions = handle._rt.transport._sessions  # the programs that ran: pulls, no pushes
+            ops = [op for (_, which), sess in sessions.items() if which.startswith("ag")
+                   for op in sess.programs("all_gather", 1, 1.0, False).describe(rank)]
+            assert ops and any("tag=Pull" in o for o in ops) == (nodes == 1), ops
+            assert any("Push" in o for o in ops) == (nodes > 1), ops
             # In-Place issues the next backward all-gather ahead of the reduce-scatter
             # (runtime.py [Note: early backward all-gather]); Slot-Reuse cannot.
             early = handle.stats["ag_early"]
@@ -63,4 +73,9 @@ def parity(rank, world, nodes, gpn, transport="auto", cases=BOTH_MODES):
 
 def test_parity_2x2():
     spawn(parity, 2, 2)
+
+
+def test_parity_one_node_pulls():
+    """1 x 4: the all-gathers pull (one node, bf16 params from fp32 shards), bitwise = stock."""
+    spawn(parity, 1, 4)
 

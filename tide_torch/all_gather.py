@@ -91,9 +91,10 @@ def foreach_all_gather(fsdp_params, group, async_op, all_gather_copy_in_stream,
         # not bump the version counter.
         if outs:
             with _patches.preserve_version_counter(outs):
-                rt.transport.all_gather(tg, inputs, landings, post_forward)
+                pulled = rt.transport.all_gather(tg, inputs, landings, post_forward)
         else:
-            rt.transport.all_gather(tg, inputs, landings, post_forward)
+            pulled = rt.transport.all_gather(tg, inputs, landings, post_forward)
+        rt.stats["ag_pull_chunks"] += pulled or 0
         event = all_gather_stream.record_event()
         rt.stats["ag_tide"] += 1
         rt.stats["ag_post_forward"] += post_forward

@@ -6,7 +6,11 @@ The adapter hands the transport per-parameter tensors whose addresses the plan f
   p: the adopted resident shard (read in place), or the fp32 master shard that the transport
   casts into the group's receive-stage slot (mixed precision). ``landings[p]`` is the padded
   unsharded buffer (``N * e_p`` items at arena offset ``landing(p, 0)`` of p's chunk). Afterwards
-  every rank's shard r of p sits at ``landing(p, r)`` (Eq. 2): no copy-out. A group of several
+  every rank's shard r of p sits at ``landing(p, r)`` (Eq. 2): no copy-out. On one node with a
+  cast, every rank pulls its peers' staged shards into its own landing ([Note: pull landing] in
+  csrc/program/ag_program.cc): its landing is written by it alone, on its own stream, so the call
+  needs no round that waits for the peers' callers to free their landings, only their staged
+  shards. A group of several
   dtype classes or of more than 256 parameters runs one TIDE-AG per chunk (groups.py
   [Note: chunks]); with
   ``post_forward``, ``inputs[p]`` is FSDP2's post-forward shard and the re-gather runs over the
@@ -109,7 +113,14 @@ class ExecutorTransport:
         ranks = list(dist.get_process_group_ranks(self._group_of(tg)))
         return None if ranks == list(range(self._world)) else ranks
 
-    def session(self, tg: Any, plan: Any, which: str, chunk: Any = None, members=None) -> Any:
+    @staticmethod
+    def pulls(plan: Any, post_forward: bool) -> bool:
+        """Whether the AG of ``plan`` pulls into each rank's own landing (see the module note):
+        one node and a cast (the peers pull from the stage), not the post-forward re-gather."""
+        return not post_forward and plan.nodes == 1 and plan.shard_dtype != plan.ag_dtype
+
+    def session(self, tg: Any, plan: Any, which: str, chunk: Any = None, members=None,
+                pull: bool = False) -> Any:
         """The group's session for `which` (a chunk's "ag", "rs", "rs32": the fp32-gradient
         plan, or a TIDE-RS sub-plan's "sub<k>", reduce_scatter.py [Note: RS parts]); `chunk`:
         the all-gather's chunk (its landing and resident shards, groups.py [Note: chunks])."""
@@ -127,26 +138,34 @@ class ExecutorTransport:
                                  resident=chunk.adopts and members is None, landing_region=tg.slot,
                                  landing_offset=chunk.unsharded_offset - region[0],
                                  resident_offset=(chunk.resident_offset - self._regions["resident"][0]
-                                                  if chunk.adopts and members is None else 0))
+                                                  if chunk.adopts and members is None else 0),
+                                 pull_landing=pull)
             s = tide._core.GroupSession(plan, self._exec, [kind], group=tg.index,
                                         counter_bases={kind: tg.counter_bases[which]},
                                         members=members or self._members(tg), **placement)
             self._sessions[key] = s
         return s
 
-    def all_gather(self, tg, inputs, landings, post_forward=False):
+    def all_gather(self, tg, inputs, landings, post_forward=False) -> int:
+        """Runs tg's TIDE-AG; returns how many of its chunks pulled ([Note: pull landing])."""
         with _annotated("tide::all_gather"):
-            self._all_gather(tg, inputs, post_forward)
+            return self._all_gather(tg, inputs, landings, post_forward)
 
-    def _all_gather(self, tg, inputs, post_forward):
+    def _all_gather(self, tg, inputs, landings, post_forward) -> int:
+        pulled = 0
         for c in tg.chunks:  # one TIDE-AG per chunk, in order on this stream
             adopted = c.adopts and not post_forward
             bindings = [] if adopted else [_buffer("shard", i, inputs[p]) for i, p in enumerate(c.params)]
+            pull = self.pulls(c.plan, post_forward)
+            if pull:  # the landings are this rank's own buffers ([Note: pull landing])
+                bindings += [_buffer("landing", i, landings[p]) for i, p in enumerate(c.params)]
             s = (self.session(tg, c.plan_post_forward, c.key("agpf"), chunk=c,
                               members=tg.post_forward_ranks) if post_forward
-                 else self.session(tg, c.plan, c.key("ag"), chunk=c))
+                 else self.session(tg, c.plan, c.key("ag"), chunk=c, pull=pull))
             diagnosed(lambda: s.all_gather([bindings], self._streams()), self._rank, self._timeout_s,
                       _default_store)
+            pulled += pull
+        return pulled
 
     def reduce_scatter(self, tg, plan, which, grads, output, alpha):
         with _annotated("tide::reduce_scatter"):

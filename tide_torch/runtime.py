@@ -69,7 +69,7 @@ class Runtime:
         self.rails = "one_sided"  # the executor's (enable() sets it)
         self.rail: Any = None      # two-sided: GlooRail (CPU) or tide._core.cuda.NcclRail
         self.stats: Counter = Counter(ag_tide=0, ag_stock=0, rs_tide=0, rs_stock=0,
-                                      ag_early=0, ag_post_forward=0)
+                                      ag_early=0, ag_post_forward=0, ag_pull_chunks=0)
         # (group, "ag" | "rs", reason) -> calls handed to stock FSDP2 (handle.hand_backs)
         self.hand_backs: Counter = Counter()
         self._owner: dict[str, Any] = {}

@@ -46,6 +46,8 @@ bool note(ProgramUse& use, const BufRef& b, bool write, int r, size_t i, int n, 
   use.arena_end[k] = std::max(use.arena_end[k], b.end());
   if (write && b.rank != r && std::find(use.writes.begin(), use.writes.end(), b.rank) == use.writes.end())
     use.writes.push_back(b.rank);
+  if (!write && b.rank != r && std::find(use.reads.begin(), use.reads.end(), b.rank) == use.reads.end())
+    use.reads.push_back(b.rank);
   if (write && b.rank != r && (b.kind == BufKind::kRing0 || b.kind == BufKind::kRing1)) use.lands_in_peers = true;
   return true;
 }
@@ -93,6 +95,16 @@ ProgramIndex index_programs(const std::vector<Program>& progs, bool strict) {
       if (p.rank < 0) p = CounterProducer{r, op.stream, static_cast<int>(i)};
     }
   }
+  for (int r = 0; r < n; ++r) {
+    ProgramUse& use = x.use[static_cast<size_t>(r)];
+    use.fence_peers = use.writes;
+    for (int j = 0; j < n; ++j) {
+      const auto& reads = x.use[static_cast<size_t>(j)].reads;
+      if (j != r && std::find(reads.begin(), reads.end(), r) != reads.end() &&
+          std::find(use.fence_peers.begin(), use.fence_peers.end(), j) == use.fence_peers.end())
+        use.fence_peers.push_back(j);
+    }
+  }
   return x;
 }
 
@@ -113,7 +125,7 @@ void admit(const std::vector<Program>& progs, const ProgramIndex& index, int me,
       throw Error(TIDE_STR_CAT(who, ": rank ", global_rank, "'s program (group ", mine.group, ") addresses ",
                                use.arena_end[k], " bytes of arena region '", name, "', which has ", layout.bytes[k]));
   }
-  const bool counters = use.uses_counters || (fence && !use.writes.empty());
+  const bool counters = use.uses_counters || (fence && !use.fence_peers.empty());
   if (!counters && !fence) return;
   if (layout.counters_offset < 0 || (counters && layout.counters_bytes < 8)) {
     if (!counters) return;  // a fence with nothing to fence: the executor skips it

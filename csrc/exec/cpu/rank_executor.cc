@@ -229,9 +229,9 @@ void RankExecutor::run(const ProgramSet& set, int64_t seq, const RankBindings& b
 // stream (the slot's previous owner resharded there), so they must not arrive before the peer's
 // caller has reached the same collective. Every run k publishes fence_started(k) in the last
 // counter of this rank's counters region when it starts and fence_finished(k) when its ops are
-// done; before its first op it waits, for every peer it writes into, until the peer has started
-// run k where it lands in the peer's ring (ProgramUse::lands_in_peers), else until the peer has
-// finished run k - 1. So a TIDE-RS push never waits for a peer's compute to reach the call, only
+// done; before its first op it waits, for every peer it writes into or that reads its arena
+// (ProgramUse::fence_peers: a pulling peer), until the peer has started run k where it lands in
+// the peer's ring (ProgramUse::lands_in_peers), else until the peer has finished run k - 1. So a TIDE-RS push never waits for a peer's compute to reach the call, only
 // for its previous call's scratch: one handshake per call (the data) instead of two. All ranks
 // issue the same collective sequence, so run numbers agree.
 std::string fence_words(uint64_t value) {
@@ -253,7 +253,7 @@ uint64_t RankExecutor::entry_fence(const ArenaView& view, const Program& mine, i
   const uint64_t target = fence_target(k, use.lands_in_peers);
   const auto start = std::chrono::steady_clock::now();
   int idle = 0;
-  for (int p : use.writes) {
+  for (int p : use.fence_peers) {
     auto& c = view.counters(p)[idx];
     while (c.load(std::memory_order_acquire) < target) {
       if (std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() > opt_.timeout_s)

@@ -41,7 +41,7 @@ struct CudaRankExecutor::Entry : CachedSet {
   int me = -1;                       // this rank's group rank
   std::shared_ptr<const ProgramIndex> index;
   std::unique_ptr<ProgramTables> tables;
-  std::vector<int> writes;           // fabric ranks whose arenas this rank writes (entry fence)
+  std::vector<int> writes;           // fabric ranks of its entry fence (ProgramUse::fence_peers)
   bool arrival = false;              // it lands in their ring slots: the fence waits for their start
   std::map<std::pair<int, int>, int64_t> needs;  // (user kind, index) -> bytes the program touches
   int64_t fence_index = -1;          // the executor's counter in region "counters"
@@ -158,7 +158,7 @@ CudaRankExecutor::Entry& CudaRankExecutor::prepare(const std::shared_ptr<const P
     throw Error(TIDE_STR_CAT("CudaRankExecutor: rank ", rank_, "'s program (group ", mine.group,
                              ") uses arena region 'counters', which the arena layout does not have"));
   e->needs = index.use[static_cast<size_t>(e->me)].user_end;
-  for (int g : index.use[static_cast<size_t>(e->me)].writes) e->writes.push_back(members[static_cast<size_t>(g)]);
+  for (int g : index.use[static_cast<size_t>(e->me)].fence_peers) e->writes.push_back(members[static_cast<size_t>(g)]);
   e->arrival = index.use[static_cast<size_t>(e->me)].lands_in_peers;
   if (fence_) {
     e->fence_index = layout.counters_bytes / 8 - 1;

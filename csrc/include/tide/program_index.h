@@ -39,6 +39,10 @@ struct ProgramUse {
   int64_t arena_end[kNumBufKinds];                  // end byte addressed per arena region, -1: unused
   std::map<std::pair<int, int>, int64_t> user_end;  // (user kind, index; out: -1) -> end byte
   std::vector<int> writes;                          // group ranks (not its own) whose arenas it writes
+  std::vector<int> reads;                           // group ranks (not its own) whose arenas it reads
+  // The peers its entry fence waits for: those it writes into, and those that read its arena (a
+  // pulling peer must be done with this rank's stage before the next run rewrites it).
+  std::vector<int> fence_peers;
   // It writes a peer's ring-slot landing (TIDE-AG's pushes), whose readiness is the peer's caller
   // stream's (the slot's previous owner released there): its entry fence waits for the peers'
   // arrival, not only their previous run ([Note: entry fence], tide/exec_cpu.h).
