@@ -212,3 +212,15 @@ def test_runner_kills_at_the_limit_goes_on_and_prints_the_summary_last(tmp_path,
     res = json.loads((tmp_path / "results.json").read_text())
     assert res["results"]["json"]["j"] == {"rows": [1, 2]}
     assert [s["detail"] for s in res["stages"] if s["name"] == "json"] == ["2 rows"]
+
+
+def test_the_step_ratio_check_fails_above_its_goal():
+    run = _load()
+    row = lambda name, ms: {"framework": "torch", "run": name, "step_ms": ms}  # noqa: E731
+    check = run.d_ratio(1.0)
+    assert check("", {"rows": [row("stock", 40.0), row("tide_in_place", 38.0)]})[0] == "PASS"
+    verdict, detail = check("", {"rows": [row("stock", 40.0), row("tide_in_place", 80.0)]})
+    assert verdict == "FAIL" and "2.00x" in detail, detail
+    assert check("", {"rows": [row("stock", 40.0)]})[0] == "FAIL"  # TIDE's run missing
+    assert check("", {"rows": [{"framework": "torch", "note": "timed out"}]}) == ("FAIL", "timed out")
+    assert run.d_ratio(0.9)("", {"rows": [row("stock", 100.0), row("tide_in_place", 95.0)]})[0] == "FAIL"

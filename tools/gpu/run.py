@@ -136,6 +136,21 @@ def d_train(_t, d):
     return ("FAIL", "; ".join(notes)[:160]) if notes else ("PASS", f"{len(d['rows'])} runs")
 
 
+def d_ratio(goal):
+    """The step-ratio check of tide bench train (a benchmark, not a timed unit test): FAIL when
+    TIDE In-Place's step is above `goal` x stock's on the run, or a run is missing."""
+    def detail(_t, d):
+        rows = {r["run"]: r for r in d["rows"] if r.get("framework") == "torch"}
+        notes = [r["note"] for r in d["rows"] if r.get("note")]
+        if notes or "tide_in_place" not in rows or "stock" not in rows:
+            return "FAIL", ("; ".join(notes) or f"runs {sorted(rows)}")[:160]
+        ratio = rows["tide_in_place"]["step_ms"] / rows["stock"]["step_ms"]
+        return ("PASS" if ratio <= goal else "FAIL",
+                f"In-Place {rows['tide_in_place']['step_ms']:.1f} ms / stock {rows['stock']['step_ms']:.1f} ms = "
+                f"{ratio:.2f}x (goal <= {goal})")
+    return detail
+
+
 def d_ceproof(_t, d):
     r = d["rows"][0]
     v = d.get("verdict")
@@ -344,6 +359,14 @@ def stage_table(c: Ctx) -> dict:
               for n, m in ((2, 2), (4, 2))]],
               "tide_xla across processes on CUDA: 2 and 4 processes sharing the GPU (emulated hosts: IPC in a node, "
               "NCCL rails across) bitwise vs the CPU; 2 processes x 2 in-process ranks on the core's path; tide bench train with both frameworks on those processes"),
+        *[Stage(f"ratio:{size}", 560, [
+            bench(f"ratio:{size}_{n}x{m}", "train", "--frameworks", "torch", "--size", size, "--shared-gpu", str(n),
+                  "--nodes", str(m), "--steps", "8", "--timeout", "170", "--torch-args", "--variants stock,tide_in_place",
+                  limit=180, detail=d_ratio(goal), show=grep_lines(r"^(model|fw|torch) ", 6))
+            for n, m in ((2, 1), (2, 2), (4, 2))],
+                "TIDE In-Place's training step against stock's on processes sharing the GPU (emulated hosts), "
+                f"{size} preset: FAIL above {goal}x stock's step")
+          for size, goal in (("tiny", 1.0), ("small", 0.9))],
         Stage("examplecmp", 150, [fsdp2(n, [py], "small", 10, fabric, 300, env=e,
                                         detail=lambda t, d: "; ".join(f"{r['name']} {r['step_ms']:.2f} ms "
                                                                       f"{r['peak_bytes'] / 2**30:.2f} GiB" for r in d["runs"]))
@@ -401,6 +424,7 @@ GROUPS = {  # a group expands to its stages, in order; NAME:SECONDS entries set 
     "check": "build smoke kernels bench:layout executor demo sanitize",
     "base": "build smoke",
     "bench": "bench:ag bench:rs bench:interference bench:layout bench:train bench:ceproof",
+    "ratio": "build ratio:tiny ratio:small",
     "multi": "build smoke bench:ag bench:rs bench:interference bench:train bench:ceproof torchgpu:150 xlacuda:70 "
              "cudaipc:60 nccl:90",
 }
