@@ -140,7 +140,7 @@ def d_ratio(goal):
     """The step-ratio check of tide bench train (a benchmark, not a timed unit test): FAIL when
     TIDE In-Place's step is above `goal` x stock's on the run, or a run is missing."""
     def detail(_t, d):
-        rows = {r["run"]: r for r in d["rows"] if r.get("framework") == "torch"}
+        rows = {r["run"]: r for r in d["rows"] if r.get("framework") == "torch" and "run" in r}
         notes = [r["note"] for r in d["rows"] if r.get("note")]
         if notes or "tide_in_place" not in rows or "stock" not in rows:
             return "FAIL", ("; ".join(notes) or f"runs {sorted(rows)}")[:160]
