@@ -457,11 +457,13 @@ def test_cuda_transport_calls(monkeypatch):
         assert ag.placement == dict(group=1, counter_bases={"all_gather": 0}, members=None, ring_slot=0,
                                     resident=False, landing_region=tg.slot,
                                     landing_offset=tg.chunks[0].unsharded_offset - regions[tg.slot][0],
-                                    resident_offset=0)
+                                    resident_offset=0, pull_landing=True)  # one node, a cast: pulls
         assert rs.placement == dict(group=1, counter_bases={"reduce_scatter": tg.counter_bases["rs"]},
                                     members=None)
         shard = dict(tide._core.buf_kinds)["shard"]
-        want = [[(shard, p, s.data_ptr(), 4 * s.numel()) for p, s in enumerate(shards)]]
+        landing = dict(tide._core.buf_kinds)["landing"]  # the rank's own landing views ([Note: pull landing])
+        want = [[(shard, p, s.data_ptr(), 4 * s.numel()) for p, s in enumerate(shards)]
+                + [(landing, p, v.data_ptr(), 2 * v.numel()) for p, v in enumerate(tg.landing_views)]]
         assert ag.calls == [("ag", want, [77])] * 2
         kinds = dict(tide._core.buf_kinds)
         (_, alpha, acc, buffers, streams), second = rs.calls

@@ -45,6 +45,9 @@ def parity(rank, world, nodes, gpn, transport="auto", cases=BOTH_MODES):
             # [Note: pull landing]); across nodes every one pushes.
             pulls = handle.stats["ag_pull_chunks"]
             assert (pulls >= handle.stats["ag_tide"]) if nodes == 1 else (pulls == 0), (nodes, handle.stats)
+            # ... so no call waits for the peers' arrival on one node; across nodes every AG does.
+            arrivals = handle.stats["arrival_fences"]
+            assert (arrivals == 0) if nodes == 1 else (arrivals >= handle.stats["ag_tide"]), handle.stats
             sessions = handle._rt.transport._sessions  # the programs that ran: pulls, no pushes
             ops = [op for (_, which), sess in sessions.items() if which.startswith("ag")
                    for op in sess.programs("all_gather", 1, 1.0, False).describe(rank)]

@@ -192,13 +192,18 @@ class CudaExecutorTransport(ExecutorTransport):
         diagnosed(self._exec.synchronize, self._rank, self._timeout_s, _default_store)
 
 
-def graph_counts(transport: Any) -> dict[str, int]:
-    """The CUDA executor's calls captured and launched as graphs (exec/cuda/graph.h); {} when
-    the transport has none (CPU) or is closed."""
+def executor_counts(transport: Any) -> dict[str, int]:
+    """The executor's runs whose entry fence waited for the peers' arrival (``arrival_fences``:
+    a TIDE-AG pushing into their ring slots, one cross-rank round more than the data,
+    [Note: entry fence]) and, on CUDA, its calls captured and launched as graphs
+    (exec/cuda/graph.h); {} when the transport is closed."""
     ex = getattr(transport, "_exec", None)
-    if not isinstance(transport, CudaExecutorTransport) or ex is None:
+    if ex is None:
         return {}
-    return {"graph_captures": ex.graph_captures, "graph_launches": ex.graph_launches}
+    out = {"arrival_fences": ex.arrival_fences}
+    if isinstance(transport, CudaExecutorTransport):
+        out.update(graph_captures=ex.graph_captures, graph_launches=ex.graph_launches)
+    return out
 
 
 def cuda_executor_available() -> bool:

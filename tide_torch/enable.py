@@ -78,10 +78,12 @@ class TideHandle:
 
     @property
     def stats(self) -> dict[str, int]:
-        """Calls served by TIDE vs. handed to stock FSDP2, per collective; on CUDA with
-        ``ExecutorOptions(graphs=True)`` also the calls captured and launched as CUDA graphs."""
+        """Calls served by TIDE vs. handed to stock FSDP2, per collective; the executor's runs
+        whose entry fence waited for the peers' arrival (``arrival_fences``: none on one node,
+        where TIDE-AG pulls); on CUDA with ``ExecutorOptions(graphs=True)`` also the calls
+        captured and launched as CUDA graphs."""
         out = dict(self._rt.stats)
-        out.update(comm.graph_counts(self._rt.transport))
+        out.update(comm.executor_counts(self._rt.transport))
         return out
 
     @property

@@ -158,6 +158,8 @@ void bind_cuda_exec(nb::module_& m, nb::module_& testing) {
       .def_prop_ro("rank", [](cuda::CudaRankCallExecutor& e) { return e.executor().rank(); })
       .def_prop_ro("cached_program_sets", [](cuda::CudaRankCallExecutor& e) { return e.executor().cached_program_sets(); })
       .def_prop_ro("runs_started", [](cuda::CudaRankCallExecutor& e) { return e.executor().runs_started(); })
+      .def_prop_ro("arrival_fences", [](cuda::CudaRankCallExecutor& e) { return e.executor().arrival_fences(); },
+                   "runs whose entry fence waited for the peers' arrival ([Note: entry fence])")
       .def_prop_ro("graph_captures", [](cuda::CudaRankCallExecutor& e) { return e.executor().graph_captures(); },
                    "calls captured as CUDA graphs ([Note: replayed calls]; ExecutorOptions.graphs)")
       .def_prop_ro("graph_launches", [](cuda::CudaRankCallExecutor& e) { return e.executor().graph_replays(); },

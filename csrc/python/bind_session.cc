@@ -122,7 +122,9 @@ void bind_session(nb::module_& m) {
       .def("__init__", [](CpuRankCallExecutor* self, std::shared_ptr<RankExecutor> ex, nb::object regions) {
         new (self) CpuRankCallExecutor(std::move(ex), regions.is_none() ? RegionTable{} : regions_from_python(regions));
       }, nb::arg("rank_executor"), nb::arg("regions") = nb::none(),
-         "regions: the shared arena layout every group's programs are bound to.");
+         "regions: the shared arena layout every group's programs are bound to.")
+      .def_prop_ro("arrival_fences", [](CpuRankCallExecutor& e) { return e.rank_executor().arrival_fences(); },
+                   "runs whose entry fence waited for the peers' arrival ([Note: entry fence])");
 
   nb::class_<GroupSession>(m, "GroupSession",
                            "One group's per-call state: cached program sets, call sequence numbers, the bank rule, "

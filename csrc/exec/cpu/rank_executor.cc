@@ -251,6 +251,7 @@ uint64_t RankExecutor::entry_fence(const ArenaView& view, const Program& mine, i
   const uint64_t k = (own.load(std::memory_order_relaxed) + 1) / 2 + 1;  // after run k-1 finished or failed
   own.store(fence_started(k), std::memory_order_release);
   const uint64_t target = fence_target(k, use.lands_in_peers);
+  if (use.lands_in_peers && !use.fence_peers.empty()) ++arrival_fences_;
   const auto start = std::chrono::steady_clock::now();
   int idle = 0;
   for (int p : use.fence_peers) {

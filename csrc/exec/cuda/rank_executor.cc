@@ -289,6 +289,7 @@ void CudaRankExecutor::run(const std::shared_ptr<const ProgramSet>& set, int64_t
   fs_->ensure_streams(0, ns);
   const std::vector<cudaStream_t>& own = fs_->streams(0);
 
+  if (fence_ && e.arrival && !e.writes.empty()) ++arrival_fences_;  // eager, captured or replayed
   // The issue context: built for an eager call or a capture only, never for a replay.
   std::vector<std::vector<cudaStream_t>> streams;
   std::vector<RankBindings> bufs;

@@ -84,6 +84,9 @@ class CudaRankExecutor {
   // Calls captured and replayed ([Note: replayed calls], graph.h; ExecutorOptions::graphs).
   int64_t graph_captures() const { return graphs_ ? graphs_->captures() : 0; }
   int64_t graph_replays() const { return graphs_ ? graphs_->replays() : 0; }
+  // Runs whose entry fence waited for the peers' arrival (a TIDE-AG landing in their ring slots:
+  // one cross-rank round more than the data, [Note: entry fence]).
+  uint64_t arrival_fences() const { return arrival_fences_; }
 
  private:
   struct Entry;
@@ -106,7 +109,8 @@ class CudaRankExecutor {
   CudaRunOptions opt_;
   bool fence_;
   int device_;
-  uint64_t runs_ = 0;  // runs enqueued (the entry fence's "started run #k")
+  uint64_t runs_ = 0;
+  uint64_t arrival_fences_ = 0;  // runs enqueued (the entry fence's "started run #k")
   CopyLaneTable lanes_;
   std::unique_ptr<FailStopStreams> fs_;  // slot 0: this rank's streams; the watchdog, fail-stop
   cudaEvent_t ev_caller_ = nullptr, ev_entry_ = nullptr;

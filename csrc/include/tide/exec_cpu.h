@@ -181,6 +181,8 @@ class RankExecutor {
   // throws Interrupted ([Note: interrupting a call] in executor.cc).
   void set_interrupt(std::function<bool()> interrupted) { interrupted_ = std::move(interrupted); }
   uint8_t* segment(int r) const { return bases_.at(static_cast<size_t>(r)); }
+  // Runs whose entry fence waited for the peers' arrival ([Note: entry fence]).
+  uint64_t arrival_fences() const { return arrival_fences_; }
   // set: one Program per group rank; only this rank's runs. A set built with arena= (arena_bound)
   // takes its region layout from its programs instead of the executor's `regions`.
   // ranks: a sub-group's global ranks (group rank i = (*ranks)[i]; nullptr: every rank).
@@ -198,6 +200,7 @@ class RankExecutor {
   int64_t segment_bytes_;
   ExecutorOptions opt_;
   bool fence_;
+  uint64_t arrival_fences_ = 0;
   std::vector<uint8_t*> bases_;
   std::vector<bool> owned_;  // mapped here (munmap at destruction)
   ArenaSpec layout_;         // from `regions`; absent regions have offset -1
