@@ -151,10 +151,14 @@ void Call::issue_group(int r, const std::vector<int>& ops, size_t k, size_t end)
 #ifdef TIDE_WITH_NCCL
   c.rail->enqueue(sends, recvs, s, what);
   if (c.graph == nullptr) {  // a replay is watched whole by its executor ([Note: replayed calls])
-    std::shared_ptr<fabric::NcclRail> rail = c.rail;
+    // Weakly held ([Note: late work], runtime.cc): the watchdog never owns the rail, whose last
+    // reference may be a face's (a Python object, released only under its interpreter's lock).
+    std::weak_ptr<fabric::NcclRail> rail = c.rail;
     const std::string late = what + " did not complete: a peer never posted its matching group (behind, stalled or "
                              "dead); the rail communicator is aborted";
-    c.watchdog->watched_work(s, late, [rail, late] { rail->abort(late); });
+    c.watchdog->watched_work(s, late, [rail, late] {
+      if (auto r = rail.lock()) r->abort(late);
+    });
   }
 #else
   throw Error(what + ": this build has no NCCL (the rail needs it)");

@@ -219,13 +219,13 @@ void CudaRankExecutor::fence(const Entry& e, int64_t seq, const std::vector<Prog
 void CudaRankExecutor::replay(CallGraph& g, int64_t seq, cudaStream_t caller, bool advance) {
   ++runs_;
   graphs_->launch(g, *fabric_, seq, runs_, caller, advance);
-  CallGraphs* graphs = graphs_.get();
-  std::shared_ptr<fabric::NcclRail> rail = rail_;
+  CallGraphs* graphs = graphs_.get();  // the watchdog's late work ends before it (~Watchdog)
+  std::weak_ptr<fabric::NcclRail> rail = rail_;  // never owned by the watchdog (issue.cc)
   const std::string late = TIDE_STR_CAT("rank ", rank_, " call seq ", seq, " (a replayed graph) did not complete: a "
                                         "peer is behind, stalled or dead; its waits are abandoned");
   fs_->watchdog().watched_work(caller, late, [graphs, rail, late] {
     graphs->abort();
-    if (rail) rail->abort(late);
+    if (auto r = rail.lock()) r->abort(late);
   });
 }
 
