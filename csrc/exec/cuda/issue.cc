@@ -354,6 +354,12 @@ void issue_call(const IssueContext& c, int64_t seq) {
     const Program& p = prog(c, r);
     const Op& op = p.ops[static_cast<size_t>(ops[k])];
     const bool local = t.local[static_cast<size_t>(r)];
+    if (c.turns != nullptr && c.turns->involves(fabric_rank(c, r))) {  // [Note: same-process issue gate]
+      if (local)
+        c.turns->own();
+      else
+        c.turns->peer(fabric_rank(c, r), [&] { call.flush(); });
+    }
     if (is_rail_op(op)) {  // a rendezvous group: issued whole (the GPU meets its peers)
       if (local) {
         call.issue_group(r, ops, k, end);
@@ -373,6 +379,7 @@ void issue_call(const IssueContext& c, int64_t seq) {
   try {
     res = walk_call(in, seq, call.mirror.data(), visit, &t.order);  // [Note: replayed enqueue order]
     call.flush();
+    if (c.turns != nullptr) c.turns->finish([] {});  // flushed: the last own steps are issued
   } catch (...) {
     try {
       call.flush();  // what was issued before the error is enqueued, as op by op

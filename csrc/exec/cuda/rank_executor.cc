@@ -79,9 +79,16 @@ CudaRankExecutor::CudaRankExecutor(std::shared_ptr<fabric::Fabric> fabric, int r
   for (cudaEvent_t* e : {&ev_caller_, &ev_entry_})
     TIDE_CHECK_CUDA(cudaEventCreateWithFlags(e, cudaEventDisableTiming));
   if (opt_.graphs) graphs_ = std::make_unique<CallGraphs>(device_, opt_.timeout_s);
+  // [Note: same-process issue gate]: joined before any call of the process's ranks runs (the
+  // fabric's peers are open first: executors refuse to run before); replayed calls take no turns.
+  if (opt_.issue_gate && !opt_.graphs && fabric_->issue_board()) {
+    board_ = fabric_->issue_board();
+    board_->join(rank_);
+  }
 }
 
 CudaRankExecutor::~CudaRankExecutor() {
+  if (board_) board_->leave(rank_);  // the process's other ranks no longer wait for this one
   cudaSetDevice(device_);
   fs_->quiesce();
   cache_.clear();
@@ -186,20 +193,28 @@ void CudaRankExecutor::check_buffers(const Entry& e, const RankBindings& b) cons
 // #k" into this rank's fence counter and waits until every peer it writes into shows >= k. Run
 // k's stream 0 starts only after run k-1 joined every internal stream into it, so "started k"
 // implies "finished k-1" exactly as on the CPU.
-void CudaRankExecutor::fence(const Entry& e, int64_t seq, const std::vector<Program>& progs, GraphCapture* graph) {
+namespace {
+uint64_t* fence_counter(const fabric::Fabric& f, const ArenaSpec& a, int64_t index, int g) {
+  char* arena = f.arena(g);
+  TIDE_CHECK(arena != nullptr, "rank ", g, "'s arena is not open in this process (open_peers first)");
+  return reinterpret_cast<uint64_t*>(arena + a.counters_offset) + index;
+}
+}  // namespace
+
+void CudaRankExecutor::fence_start(const Entry& e, GraphCapture* graph) {
+  uint64_t* own = fence_counter(*fabric_, e.tables->layout, e.fence_index, rank_);
+  const cudaStream_t s0 = fs_->streams(0)[0];
+  if (graph == nullptr)
+    signal(s0, own, runs_);
+  else
+    launch_graph_raise(own, GraphValue{0, 0, true}, graph->params, s0);  // a replay's run number
+}
+
+void CudaRankExecutor::fence_wait(const Entry& e, int64_t seq, const std::vector<Program>& progs, GraphCapture* graph) {
   const uint64_t k = runs_;
-  const ArenaSpec& a = e.tables->layout;
-  auto fence_ptr = [&](int g) {
-    char* arena = fabric_->arena(g);
-    TIDE_CHECK(arena != nullptr, "rank ", g, "'s arena is not open in this process (open_peers first)");
-    return reinterpret_cast<uint64_t*>(arena + a.counters_offset) + e.fence_index;
-  };
+  auto fence_ptr = [&](int g) { return fence_counter(*fabric_, e.tables->layout, e.fence_index, g); };
   const cudaStream_t s0 = fs_->streams(0)[0];
   const GraphValue by_run{0, 0, true};  // a replay's run number ([Note: replayed calls])
-  if (graph == nullptr)
-    signal(s0, fence_ptr(rank_), k);
-  else
-    launch_graph_raise(fence_ptr(rank_), by_run, graph->params, s0);
   std::vector<WaitSpec> waits;  // eager: one watched batch ([Note: watchdog and fail-stop])
   for (size_t i = 0; i < e.writes.size(); ++i) {
     const int g = e.writes[i];
@@ -236,7 +251,10 @@ void CudaRankExecutor::capture(const Entry& e, GraphCapture& cap, IssueContext& 
   const cudaStream_t origin = graphs_->origin();
   TIDE_CHECK_CUDA(cudaEventRecord(ev_caller_, origin));
   TIDE_CHECK_CUDA(cudaStreamWaitEvent(own[0], ev_caller_, 0));
-  if (fence_) fence(e, seq, progs, &cap);
+  if (fence_) {
+    fence_start(e, &cap);
+    fence_wait(e, seq, progs, &cap);
+  }
   TIDE_CHECK_CUDA(cudaEventRecord(ev_entry_, own[0]));
   for (size_t s = 1; s < ns; ++s) TIDE_CHECK_CUDA(cudaStreamWaitEvent(own[s], ev_entry_, 0));
   c.graph = &cap;
@@ -309,12 +327,32 @@ void CudaRankExecutor::run(const std::shared_ptr<const ProgramSet>& set, int64_t
   }
   context();
   try {
-    TIDE_CHECK_CUDA(cudaEventRecord(ev_caller_, caller), "recording the caller stream");
-    TIDE_CHECK_CUDA(cudaStreamWaitEvent(own[0], ev_caller_, 0));
-    ++runs_;
-    if (fence_) fence(e, seq, *progs);
-    TIDE_CHECK_CUDA(cudaEventRecord(ev_entry_, own[0]));
-    for (size_t s = 1; s < ns; ++s) TIDE_CHECK_CUDA(cudaStreamWaitEvent(own[s], ev_entry_, 0));
+    // [Note: same-process issue gate]: the entry of every rank of this process, then their fence
+    // waits, then the walk's steps, each in its turn.
+    const std::unique_ptr<fabric::IssueTurns> t = turns(e, seq);
+    auto each = [&](auto&& mine) {
+      if (!t) return mine();
+      for (int r : t->ranks()) {
+        if (r != rank_) {
+          t->peer(r, [] {});
+          continue;
+        }
+        t->own();
+        mine();
+      }
+    };
+    each([&] {
+      TIDE_CHECK_CUDA(cudaEventRecord(ev_caller_, caller), "recording the caller stream");
+      TIDE_CHECK_CUDA(cudaStreamWaitEvent(own[0], ev_caller_, 0));
+      ++runs_;
+      if (fence_) fence_start(e);
+    });
+    each([&] {
+      if (fence_) fence_wait(e, seq, *progs);
+      TIDE_CHECK_CUDA(cudaEventRecord(ev_entry_, own[0]));
+      for (size_t s = 1; s < ns; ++s) TIDE_CHECK_CUDA(cudaStreamWaitEvent(own[s], ev_entry_, 0));
+    });
+    c.turns = t.get();
     issue_call(c, seq);
   } catch (const std::exception& ex) {
     fs_->fail(ex.what());
@@ -325,6 +363,14 @@ void CudaRankExecutor::run(const std::shared_ptr<const ProgramSet>& set, int64_t
     fs_->join_caller(0, ns, caller, true, call());
     if (opt_.sync_every_call) fs_->drain_and_sync(call());  // debug: every call completes (or names its stuck wait)
   });
+}
+
+std::unique_ptr<fabric::IssueTurns> CudaRankExecutor::turns(const Entry& e, int64_t seq) {
+  if (!board_) return nullptr;
+  std::vector<int> here = board_->joined_among(e.members);
+  if (here.size() < 2) return nullptr;  // no other rank of this process in this call
+  return std::make_unique<fabric::IssueTurns>(*board_, std::move(here), rank_, opt_.timeout_s,
+                                              TIDE_STR_CAT("rank ", rank_, " call seq ", seq));
 }
 
 void CudaRankExecutor::set_rail(std::shared_ptr<fabric::NcclRail> rail) {
