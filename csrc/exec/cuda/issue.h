@@ -42,7 +42,10 @@
 // restriction of one global topological order, so the argument above holds per process (each
 // process has its own hardware queues); the rank executors of a process that holds several ranks
 // take turns so that it, too, enqueues one restriction ([Note: same-process issue gate],
-// fabric/fabric.h). If the simulation stalls on a peer's stream, the local
+// fabric/fabric.h). A two-sided rail group completes only while its peers' matching groups run,
+// so the processes must also queue the rendezvous in one relative order: the walk visits every
+// node's rail groups in the same (local index, group) sequence (tests/test_enqueue_order.py
+// checks it over the builders' lowered sets). If the simulation stalls on a peer's stream, the local
 // waits on remote producers are enqueued ungated (the watchdog judges them); only a wait whose
 // LOCAL producer is never issued fails at enqueue time.
 // The walk is enqueue_order.h's walk_call; each set keeps its last call's walk and the next call
