@@ -185,4 +185,4 @@ def test_two_sided_rails_on_torch_streams_match_the_virtual_cluster():
     if not _core.cuda.nccl_header_version():
         pytest.skip("tide._core was built without NCCL headers (no rails)")
     pytest.importorskip("torch")
-    _check(2, 2, env=dict(CUDA_DEVICE_MAX_CONNECTIONS="1"))
+    _check(2, 2, env=dict(CUDA_DEVICE_MAX_CONNECTIONS="1"), timeout_s=20.0, budget_s=120.0)
