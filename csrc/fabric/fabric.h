@@ -23,20 +23,23 @@
 // (one JAX process per host; tests/test_cuda_host_processes.py), enqueues an interleaving of
 // several restrictions instead, which is not one: rank a's wait on rank b's counter (the RS
 // ready_from waits, the entry fence) can reach a hardware queue that b's stream shares ahead of
-// b's producer, or of an op that producer needs, and the queue never moves (the streams of a
-// process outnumber CUDA_DEVICE_MAX_CONNECTIONS: every rank's internal streams and copy lanes,
-// the caller's streams, NCCL's). So the fabrics of such ranks share one IssueBoard, and a call's
+// b's producer, or of an op that producer needs, and the queue never moves (streams share
+// queues once a process has more than CUDA_DEVICE_MAX_CONNECTIONS of them: every rank's internal
+// streams and copy lanes, the callers' streams, NCCL's). So the fabrics of such ranks share one
+// IssueBoard, and a call's
 // ranks of this process whose executors joined it take turns in the global order: each rank
 // walks the whole order anyway (it simulates its peers), so it counts its peers' steps and
 // issues its own step at position p only once the board shows the p steps before it issued
-// (IssueTurns). A call's entry (the caller's event, the fence write) is a step of each rank, and
+// (IssueTurns); a rank hands its turn on only after enqueueing what its steps left pending (the
+// issue path's batched waits and counter writes). A call's entry (the caller's event, the fence
+// write) is a step of each rank, and
 // its fence waits a later one: every entry of the call before any fence wait. Positions count on
 // across calls (a lane per set of ranks), so a rank's next call waits until its peers issued the
 // call before. Turns only order the host's enqueueing; a rank whose turn does not come within the
 // executor's deadline fails with TimeoutError naming the rank it waited for (fail-stop). Ranks of
 // one process that run different calls (sub-groups) are ordered only within the calls they share;
-// captured and replayed calls (ExecutorOptions::graphs) are launched whole and do not take turns.
-// ExecutorOptions::issue_gate (default on) turns it off, for diagnosis.
+// an executor with ExecutorOptions::graphs (calls launched whole as graphs) takes no turns.
+// ExecutorOptions::issue_gate (default on) turns the gate off, for diagnosis.
 #pragma once
 
 #include <condition_variable>
