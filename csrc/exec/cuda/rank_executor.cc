@@ -79,8 +79,9 @@ CudaRankExecutor::CudaRankExecutor(std::shared_ptr<fabric::Fabric> fabric, int r
   for (cudaEvent_t* e : {&ev_caller_, &ev_entry_})
     TIDE_CHECK_CUDA(cudaEventCreateWithFlags(e, cudaEventDisableTiming));
   if (opt_.graphs) graphs_ = std::make_unique<CallGraphs>(device_, opt_.timeout_s);
-  // [Note: same-process issue gate]: joined before any call of the process's ranks runs (the
-  // fabric's peers are open first: executors refuse to run before); replayed calls take no turns.
+  // [Note: same-process issue gate]: joined here, before any rank of the process runs a call; the
+  // fabric shares the board once its peers are open, which CudaProcessRank and the tests do before
+  // making executors (one made before takes no turns). Replayed calls take no turns.
   if (opt_.issue_gate && !opt_.graphs && fabric_->issue_board()) {
     board_ = fabric_->issue_board();
     board_->join(rank_);

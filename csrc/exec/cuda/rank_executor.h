@@ -32,8 +32,9 @@
 //   - ExecutorOptions::graphs: a call met again with the same set and buffers is captured and
 //     then replayed as one CUDA graph launch on the caller's stream ([Note: replayed calls],
 //     graph.h); the entry fence runs inside the graph with the run number as a call parameter.
-//   - Several ranks of one process (fabric peers given as same_process, fabric/ipc.h), each with
-//     its own executor and thread: eager calls take turns on the fabric's IssueBoard, so the
+//   - Several ranks of one process (fabric peers given as same_process, fabric/ipc.h, before the
+//     executors are made), each with its own executor and thread: eager calls take turns on the
+//     fabric's IssueBoard, so the
 //     process enqueues in one global order ([Note: same-process issue gate], fabric/fabric.h;
 //     ExecutorOptions::issue_gate); run() then returns once this rank's steps are enqueued, which
 //     may wait for the other ranks' threads to reach the call (TimeoutError past timeout_s).
