@@ -83,3 +83,34 @@ def test_a_stall_is_the_walks_stall_and_leaves_no_record(local):
         assert c["stalled"][0] or c["trusted_remote"][0]
         assert c["stalled"][0] == (local == [])
         assert c["record_steps"] == -1
+
+
+def _rail_groups_walked(ps, walk, M, L):
+    """Per node, the walk's rail groups of its ranks in order, as (local index, rail_group)."""
+    import re
+    ops = {}
+    for r in range(M * L):
+        names, by_stream = ps.streams(r), {}
+        for line in ps.describe(r):
+            m = re.match(r"(\d+) (\w+) \[(\w+)\]", line)
+            by_stream.setdefault(names.index(m.group(3)), []).append((m.group(2), line))
+        ops[r] = by_stream
+    per_node = [[] for _ in range(M)]
+    for r, s, k, _end in walk:
+        kind, line = ops[r][s][k]
+        if kind in ("SEND", "RECV"):
+            per_node[r // L].append((r % L, int(re.search(r"rail_group=(\d+)", line).group(1))))
+    return per_node
+
+
+@pytest.mark.parametrize("M,L", [(2, 2), (2, 4), (3, 2)])
+def test_every_node_walks_its_rail_groups_in_the_same_order(M, L):
+    """A rail group completes only while its peers' groups run too, so the argument of [Note:
+    enqueue order] needs every process (node) to enqueue the rendezvous in the same relative
+    order: the walk visits each node's rail groups in one (local index, group) sequence."""
+    for name, ps in _sets(M, L).items():
+        if "rails" not in name:
+            continue
+        for c in _core.testing.enqueue_orders(ps, [], [1, 2, 3]):
+            nodes = _rail_groups_walked(ps, c["walk"], M, L)
+            assert nodes[0] and all(n == nodes[0] for n in nodes), (name, c["seq"])

@@ -27,6 +27,7 @@ class ExecutorOptions:
     copy_ctas: int = 32                # CUDA: CTAs of one op's copies on SMs, 1..4096
     graphs: bool = False               # CUDA: replay repeated calls as CUDA graphs (one launch per call)
     sync_every_call: bool = False      # CUDA, debug: synchronise after every call
+    issue_gate: bool = True            # CUDA rank executors sharing a process: enqueue in one order (off: diagnosis)
     staging_canary: bool = False       # CUDA in-process executor, debug: check staged pushes and SUMs for races
     trace: bool = False                # CPU: every executed op per rank to stderr
     workers: int = 0                   # CPU virtual cluster threads, 0..1024 (0: min(ranks, 4))

@@ -124,6 +124,11 @@ void IpcFabric::open_peers(const std::vector<std::string>& handles, const std::v
     }
     throw;
   }
+  // [Note: same-process issue gate] (fabric.h): this process's ranks share one board.
+  std::vector<std::pair<int, const void*>> here{{rank_, arena_[static_cast<size_t>(rank_)]}};
+  for (int r = 0; r < world_; ++r)
+    if (r != rank_ && in_process(r)) here.emplace_back(r, arena_[static_cast<size_t>(r)]);
+  if (here.size() > 1) set_issue_board(IssueBoard::shared(std::move(here)));
   opened_ = true;
 }
 

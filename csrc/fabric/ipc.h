@@ -18,6 +18,8 @@
 //     fabric's executor issues only its own rank's ops, with the same counters and paths as over
 //     IPC), so the bytes equal the IPC path's. The caller keeps those fabrics alive as long as
 //     this one is used (CudaProcessRank: the executor holds them); they are never closed here.
+//     The fabrics of one process's ranks share an IssueBoard (issue_board(); [Note: same-process
+//     issue gate] in fabric.h): their executors enqueue in one order.
 //   - Lifetime: the destructor synchronises the device, closes the peers' mappings, then frees
 //     the own arena. A peer must keep its arena alive until every process that opened it has
 //     finished using it (tide_torch: a barrier before teardown).

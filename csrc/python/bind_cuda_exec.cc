@@ -9,7 +9,11 @@
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 
+#include <chrono>
+#include <map>
 #include <memory>
+#include <mutex>
+#include <thread>
 #include <tuple>
 #include <vector>
 
@@ -305,6 +309,110 @@ void bind_cuda_exec(nb::module_& m, nb::module_& testing) {
      "[(rank, stream, k, end)] ('walk'), the same call through the set's recorded walk ('replay'), "
      "(stalled, stalled) and (trusted_remote, trusted_remote) of both, replayed_steps and deviated of the "
      "replay, record_steps (-1: no record) and mirrors_equal. local_ranks: the executor's ranks (empty: all).");
+  testing.def("issue_turns_orders", [](const ProgramSet& ps, std::vector<int> ranks, std::vector<int64_t> seqs,
+                                       bool gate, std::vector<double> delay_s, double deadline_s) {
+    // [Note: same-process issue gate] on the host: one thread per rank of `ranks` (the ranks of
+    // one process, each its own rank executor's view: its own mirror and recorded walk) runs
+    // calls `seqs` through the issue path's steps (the entry, the fence waits, the walk) and
+    // logs each step when it is "enqueued": waits and counter writes join a pending batch that a
+    // later non-memop step, a turn handed on or the call's end enqueues, as issue.cc's Call does.
+    const std::vector<Program>& progs = ps.progs;
+    const size_t n = progs.size();
+    const auto index = ps.index();
+    std::vector<std::vector<int>> producer(n);
+    for (size_t r = 0; r < n; ++r)
+      for (const auto& p : index->producer[r]) producer[r].push_back(p.rank);
+    std::vector<int> sorted = ranks;
+    std::sort(sorted.begin(), sorted.end());
+    auto board = std::make_shared<fabric::IssueBoard>();
+    if (gate)
+      for (int r : sorted) board->join(r);
+    using Step = std::tuple<int64_t, std::string, int, int, int, int>;  // seq, phase, rank, stream, k, end
+    std::vector<Step> log;
+    std::mutex log_mu;
+    std::vector<std::string> errors(ranks.size());
+    auto rank_thread = [&](size_t i) {
+      const int me = ranks[i];
+      std::vector<char> local(n, 0);
+      local.at(static_cast<size_t>(me)) = 1;
+      cuda::OrderInput in;
+      in.programs = &progs;
+      in.stream_ops = &index->stream_ops;
+      in.producer = &producer;
+      in.local = &local;
+      std::vector<std::vector<uint64_t>> m(n);
+      for (size_t r = 0; r < n; ++r) m[r].assign(static_cast<size_t>(progs[r].num_counters), 0);
+      std::vector<uint64_t*> mp;
+      for (auto& x : m) mp.push_back(x.data());
+      cuda::OrderRecord record;
+      try {
+        for (int64_t seq : seqs) {
+          std::this_thread::sleep_for(std::chrono::duration<double>(delay_s.at(i)));
+          std::unique_ptr<fabric::IssueTurns> t;
+          if (gate) t = std::make_unique<fabric::IssueTurns>(*board, sorted, me, deadline_s, TIDE_STR_CAT("seq ", seq));
+          std::vector<Step> pending;
+          auto flush = [&] {
+            std::lock_guard<std::mutex> g(log_mu);
+            log.insert(log.end(), pending.begin(), pending.end());
+            pending.clear();
+          };
+          auto enqueue = [&](Step st, bool memop) {
+            if (!memop) flush();
+            pending.push_back(std::move(st));
+            if (!memop) flush();
+          };
+          for (const char* phase : {"entry", "fence"}) {
+            for (int r : sorted) {
+              if (r != me) {
+                if (t) t->peer(r, flush);
+                continue;
+              }
+              if (t) t->own();
+              enqueue(Step{seq, phase, me, 0, 0, 0}, false);
+            }
+          }
+          auto visit = [&](int r, int st, size_t k, size_t end) {
+            const auto& ops = index->stream_ops[static_cast<size_t>(r)][static_cast<size_t>(st)];
+            const Op& first = progs[static_cast<size_t>(r)].ops[static_cast<size_t>(ops[k])];
+            const bool mine = r == me, here = std::binary_search(sorted.begin(), sorted.end(), r);
+            if (t && here) {
+              if (mine) t->own();
+              else t->peer(r, flush);
+            }
+            if (mine)
+              enqueue(Step{seq, "op", r, st, static_cast<int>(k), static_cast<int>(end)},
+                      !is_rail_op(first) && (cuda::is_wait(first.kind) || cuda::bumps(first.kind)) &&
+                          first.kind != OpKind::kPut);
+            for (size_t q = k; q < end; ++q) {
+              const Op& op = progs[static_cast<size_t>(r)].ops[static_cast<size_t>(ops[q])];
+              const bool arrives = op.kind == OpKind::kRecv && op.counter.index >= 0;
+              if (!arrives && !cuda::bumps(op.kind)) continue;
+              uint64_t& c = m[static_cast<size_t>(op.counter.rank)][static_cast<size_t>(op.counter.index)];
+              c = cuda::advanced(op, seq, c);
+            }
+          };
+          cuda::walk_call(in, seq, mp.data(), visit, &record);
+          flush();
+          if (t) t->finish([] {});
+        }
+      } catch (const std::exception& e) {
+        errors[i] = e.what();
+      }
+    };
+    {
+      nb::gil_scoped_release release;
+      std::vector<std::thread> threads;
+      for (size_t i = 0; i < ranks.size(); ++i)
+        if (delay_s.at(i) >= 0) threads.emplace_back(rank_thread, i);
+      for (auto& th : threads) th.join();
+    }
+    return std::make_pair(log, errors);
+  }, nb::arg("programs"), nb::arg("ranks"), nb::arg("seqs"), nb::arg("gate"), nb::arg("delay_s"),
+     nb::arg("deadline_s") = 5.0,
+     "The same-process issue gate on the host: threads of ranks `ranks` (one process's) run calls `seqs` "
+     "through the issue path's steps, each sleeping delay_s[i] before each call (< 0: that rank's thread never "
+     "runs); returns (the steps in the order they were enqueued [(seq, 'entry'|'fence'|'op', rank, stream, k, "
+     "end)], each thread's error text or ''). gate: the ranks take turns on one IssueBoard (deadline_s each).");
   testing.def("run_table_fp16", [](const ProgramSet& ps, int rank, int op) {
     std::vector<cuda::ReduceRun> t;
     const auto info = cuda::build_run_table(ps.progs, rank, op, t);

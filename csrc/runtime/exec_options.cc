@@ -132,6 +132,8 @@ void set_option(ExecutorOptions& o, const std::string& name, const std::string& 
     o.graphs = parse_bool(value, w);
   } else if (name == "sync_every_call") {
     o.sync_every_call = parse_bool(value, w);
+  } else if (name == "issue_gate") {
+    o.issue_gate = parse_bool(value, w);
   } else if (name == "staging_canary") {
     o.staging_canary = parse_bool(value, w);
   } else if (name == "trace") {
@@ -147,7 +149,7 @@ void set_option(ExecutorOptions& o, const std::string& name, const std::string& 
   } else {
     throw PlanError(TIDE_STR_CAT(where, ": unknown field '", name, "' (fields: timeout_s, cast_ctas, zero_ctas, "
                                  "cta_split, full_grid, copy_lanes, copy_spread_bytes, copy_2d, copies_on, copy_ctas, "
-                                 "graphs, sync_every_call, staging_canary, trace, workers, rails, rail_ctas, rail_channels_per_peer)"));
+                                 "graphs, sync_every_call, issue_gate, staging_canary, trace, workers, rails, rail_ctas, rail_channels_per_peer)"));
   }
 }
 
@@ -157,6 +159,7 @@ std::string describe(const ExecutorOptions& o) {
                       ",copy_lanes=", o.copy_lanes, ",copy_spread_bytes=", o.copy_spread_bytes,
                       ",copy_2d=", copy_2d_name(o.copy_2d),
                       ",copies_on=", copies_on_name(o.copies_on), ",copy_ctas=", o.copy_ctas, ",graphs=", o.graphs ? 1 : 0, ",sync_every_call=", o.sync_every_call ? 1 : 0,
+                      ",issue_gate=", o.issue_gate ? 1 : 0,
                       ",staging_canary=", o.staging_canary ? 1 : 0, ",trace=", o.trace ? 1 : 0, ",workers=", o.workers, ",rails=", rails_name(o.rails),
                       ",rail_ctas=", o.rail_ctas, ",rail_channels_per_peer=", o.rail_channels_per_peer);
 }

@@ -151,10 +151,14 @@ void Call::issue_group(int r, const std::vector<int>& ops, size_t k, size_t end)
 #ifdef TIDE_WITH_NCCL
   c.rail->enqueue(sends, recvs, s, what);
   if (c.graph == nullptr) {  // a replay is watched whole by its executor ([Note: replayed calls])
-    std::shared_ptr<fabric::NcclRail> rail = c.rail;
+    // Weakly held ([Note: late work], runtime.cc): the watchdog never owns the rail, whose last
+    // reference may be a face's (a Python object, released only under its interpreter's lock).
+    std::weak_ptr<fabric::NcclRail> rail = c.rail;
     const std::string late = what + " did not complete: a peer never posted its matching group (behind, stalled or "
                              "dead); the rail communicator is aborted";
-    c.watchdog->watched_work(s, late, [rail, late] { rail->abort(late); });
+    c.watchdog->watched_work(s, late, [rail, late] {
+      if (auto r = rail.lock()) r->abort(late);
+    });
   }
 #else
   throw Error(what + ": this build has no NCCL (the rail needs it)");
@@ -350,6 +354,12 @@ void issue_call(const IssueContext& c, int64_t seq) {
     const Program& p = prog(c, r);
     const Op& op = p.ops[static_cast<size_t>(ops[k])];
     const bool local = t.local[static_cast<size_t>(r)];
+    if (c.turns != nullptr && c.turns->involves(fabric_rank(c, r))) {  // [Note: same-process issue gate]
+      if (local)
+        c.turns->own();
+      else
+        c.turns->peer(fabric_rank(c, r), [&] { call.flush(); });
+    }
     if (is_rail_op(op)) {  // a rendezvous group: issued whole (the GPU meets its peers)
       if (local) {
         call.issue_group(r, ops, k, end);
@@ -369,6 +379,7 @@ void issue_call(const IssueContext& c, int64_t seq) {
   try {
     res = walk_call(in, seq, call.mirror.data(), visit, &t.order);  // [Note: replayed enqueue order]
     call.flush();
+    if (c.turns != nullptr) c.turns->finish([] {});  // flushed: the last own steps are issued
   } catch (...) {
     try {
       call.flush();  // what was issued before the error is enqueued, as op by op

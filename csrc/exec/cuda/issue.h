@@ -40,7 +40,12 @@
 // global order: it simulates every peer's program (bumps only update the fabric's host mirror)
 // and enqueues its own ops where they fall in that order. Every process thus enqueues a
 // restriction of one global topological order, so the argument above holds per process (each
-// process has its own hardware queues). If the simulation stalls on a peer's stream, the local
+// process has its own hardware queues); the rank executors of a process that holds several ranks
+// take turns so that it, too, enqueues one restriction ([Note: same-process issue gate],
+// fabric/fabric.h). A two-sided rail group completes only while its peers' matching groups run,
+// so the processes must also queue the rendezvous in one relative order: the walk visits every
+// node's rail groups in the same (local index, group) sequence (tests/test_enqueue_order.py
+// checks it over the builders' lowered sets). If the simulation stalls on a peer's stream, the local
 // waits on remote producers are enqueued ungated (the watchdog judges them); only a wait whose
 // LOCAL producer is never issued fails at enqueue time.
 // The walk is enqueue_order.h's walk_call; each set keeps its last call's walk and the next call
@@ -172,6 +177,10 @@ struct IssueContext {
   StagingCanary* canary = nullptr;
   const CanaryPlan* canary_plan = nullptr;
   uint64_t canary_call = 0;
+  // [Note: same-process issue gate] (fabric/fabric.h): the call's turns among this process's
+  // ranks (own steps wait for their position, other ranks' steps of this process are counted).
+  // Null: ungated (one executor issues every local rank, or no other rank of the process runs).
+  fabric::IssueTurns* turns = nullptr;
   // Capturing ([Note: replayed calls], graph.h): counter writes and waits become graph ops that
   // read the call's parameters, and every change to the host mirror is recorded. Null: eager.
   GraphCapture* graph = nullptr;

@@ -80,9 +80,17 @@ CudaRankExecutor::CudaRankExecutor(std::shared_ptr<fabric::Fabric> fabric, int r
   for (cudaEvent_t* e : {&ev_caller_, &ev_entry_})
     TIDE_CHECK_CUDA(cudaEventCreateWithFlags(e, cudaEventDisableTiming));
   if (opt_.graphs) graphs_ = std::make_unique<CallGraphs>(device_, opt_.timeout_s);
+  // [Note: same-process issue gate]: joined here, before any rank of the process runs a call; the
+  // fabric shares the board once its peers are open, which CudaProcessRank and the tests do before
+  // making executors (one made before takes no turns). Replayed calls take no turns.
+  if (opt_.issue_gate && !opt_.graphs && fabric_->issue_board()) {
+    board_ = fabric_->issue_board();
+    board_->join(rank_);
+  }
 }
 
 CudaRankExecutor::~CudaRankExecutor() {
+  if (board_) board_->leave(rank_);  // the process's other ranks no longer wait for this one
   cudaSetDevice(device_);
   fs_->quiesce();
   cache_.clear();
@@ -185,25 +193,29 @@ void CudaRankExecutor::check_buffers(const Entry& e, const RankBindings& b) cons
 }
 
 // [Note: entry fence] (exec/cpu/rank_executor.cc) on the GPU: stream 0 writes fence_started(k)
-// into this rank's fence counter once the caller's prior work is done, and waits until every peer
-// it writes into shows fence_target(k): started run k where it lands in their ring slots, else
-// finished run k - 1. fence_finished(k) is written after every internal stream of run k joined
-// (finish_run). Replays compute both from the run number on the device ([Note: replayed calls]).
+// into this rank's fence counter once the caller's prior work is done (fence_start), and waits
+// until every peer of its fence shows fence_target(k): started run k where it lands in their ring
+// slots, else finished run k - 1 (fence_wait). fence_finished(k) is written after every internal
+// stream of run k joined (finish_run). Replays compute all three from the run number on the
+// device ([Note: replayed calls]).
 uint64_t* CudaRankExecutor::fence_ptr(const Entry& e, int g) const {
   char* arena = fabric_->arena(g);
   TIDE_CHECK(arena != nullptr, "rank ", g, "'s arena is not open in this process (open_peers first)");
   return reinterpret_cast<uint64_t*>(arena + e.tables->layout.counters_offset) + e.fence_index;
 }
 
-void CudaRankExecutor::fence(const Entry& e, int64_t seq, const std::vector<Program>& progs, GraphCapture* graph) {
+void CudaRankExecutor::fence_start(const Entry& e, GraphCapture* graph) {
+  const cudaStream_t s0 = fs_->streams(0)[0];
+  if (graph == nullptr)
+    signal(s0, fence_ptr(e, rank_), fence_started(runs_));
+  else
+    launch_graph_raise(fence_ptr(e, rank_), GraphValue{-1, 2, true}, graph->params, s0);  // 2 run - 1
+}
+
+void CudaRankExecutor::fence_wait(const Entry& e, int64_t seq, const std::vector<Program>& progs, GraphCapture* graph) {
   const uint64_t k = runs_;
   const cudaStream_t s0 = fs_->streams(0)[0];
-  // A replay's values: 2 run - 1 (started), 2 run - 1 or 2 run - 2 (the target).
-  const GraphValue started{-1, 2, true}, target{e.arrival ? -1 : -2, 2, true};
-  if (graph == nullptr)
-    signal(s0, fence_ptr(e, rank_), fence_started(k));
-  else
-    launch_graph_raise(fence_ptr(e, rank_), started, graph->params, s0);
+  const GraphValue target{e.arrival ? -1 : -2, 2, true};  // a replay's fence_target(run, arrival)
   std::vector<WaitSpec> waits;  // eager: one watched batch ([Note: watchdog and fail-stop])
   for (size_t i = 0; i < e.writes.size(); ++i) {
     const int g = e.writes[i];
@@ -232,13 +244,13 @@ void CudaRankExecutor::finish_run(const Entry& e, cudaStream_t joined, GraphCapt
 void CudaRankExecutor::replay(CallGraph& g, int64_t seq, cudaStream_t caller, bool advance) {
   ++runs_;
   graphs_->launch(g, *fabric_, seq, runs_, caller, advance);
-  CallGraphs* graphs = graphs_.get();
-  std::shared_ptr<fabric::NcclRail> rail = rail_;
+  CallGraphs* graphs = graphs_.get();  // the watchdog's late work ends before it (~Watchdog)
+  std::weak_ptr<fabric::NcclRail> rail = rail_;  // never owned by the watchdog (issue.cc)
   const std::string late = TIDE_STR_CAT("rank ", rank_, " call seq ", seq, " (a replayed graph) did not complete: a "
                                         "peer is behind, stalled or dead; its waits are abandoned");
   fs_->watchdog().watched_work(caller, late, [graphs, rail, late] {
     graphs->abort();
-    if (rail) rail->abort(late);
+    if (auto r = rail.lock()) r->abort(late);
   });
 }
 
@@ -249,7 +261,10 @@ void CudaRankExecutor::capture(const Entry& e, GraphCapture& cap, IssueContext& 
   const cudaStream_t origin = graphs_->origin();
   TIDE_CHECK_CUDA(cudaEventRecord(ev_caller_, origin));
   TIDE_CHECK_CUDA(cudaStreamWaitEvent(own[0], ev_caller_, 0));
-  if (fence_) fence(e, seq, progs, &cap);
+  if (fence_) {
+    fence_start(e, &cap);
+    fence_wait(e, seq, progs, &cap);
+  }
   TIDE_CHECK_CUDA(cudaEventRecord(ev_entry_, own[0]));
   for (size_t s = 1; s < ns; ++s) TIDE_CHECK_CUDA(cudaStreamWaitEvent(own[s], ev_entry_, 0));
   c.graph = &cap;
@@ -324,12 +339,32 @@ void CudaRankExecutor::run(const std::shared_ptr<const ProgramSet>& set, int64_t
   }
   context();
   try {
-    TIDE_CHECK_CUDA(cudaEventRecord(ev_caller_, caller), "recording the caller stream");
-    TIDE_CHECK_CUDA(cudaStreamWaitEvent(own[0], ev_caller_, 0));
-    ++runs_;
-    if (fence_) fence(e, seq, *progs);
-    TIDE_CHECK_CUDA(cudaEventRecord(ev_entry_, own[0]));
-    for (size_t s = 1; s < ns; ++s) TIDE_CHECK_CUDA(cudaStreamWaitEvent(own[s], ev_entry_, 0));
+    // [Note: same-process issue gate]: the entry of every rank of this process, then their fence
+    // waits, then the walk's steps, each in its turn.
+    const std::unique_ptr<fabric::IssueTurns> t = turns(e, seq);
+    auto each = [&](auto&& mine) {
+      if (!t) return mine();
+      for (int r : t->ranks()) {
+        if (r != rank_) {
+          t->peer(r, [] {});
+          continue;
+        }
+        t->own();
+        mine();
+      }
+    };
+    each([&] {
+      TIDE_CHECK_CUDA(cudaEventRecord(ev_caller_, caller), "recording the caller stream");
+      TIDE_CHECK_CUDA(cudaStreamWaitEvent(own[0], ev_caller_, 0));
+      ++runs_;
+      if (fence_) fence_start(e);
+    });
+    each([&] {
+      if (fence_) fence_wait(e, seq, *progs);
+      TIDE_CHECK_CUDA(cudaEventRecord(ev_entry_, own[0]));
+      for (size_t s = 1; s < ns; ++s) TIDE_CHECK_CUDA(cudaStreamWaitEvent(own[s], ev_entry_, 0));
+    });
+    c.turns = t.get();
     issue_call(c, seq);
   } catch (const std::exception& ex) {
     fs_->fail(ex.what());
@@ -341,6 +376,14 @@ void CudaRankExecutor::run(const std::shared_ptr<const ProgramSet>& set, int64_t
     if (fence_) finish_run(e, own[0], nullptr);  // stream 0 joined every stream of the call
     if (opt_.sync_every_call) fs_->drain_and_sync(call());  // debug: every call completes (or names its stuck wait)
   });
+}
+
+std::unique_ptr<fabric::IssueTurns> CudaRankExecutor::turns(const Entry& e, int64_t seq) {
+  if (!board_) return nullptr;
+  std::vector<int> here = board_->joined_among(e.members);
+  if (here.size() < 2) return nullptr;  // no other rank of this process in this call
+  return std::make_unique<fabric::IssueTurns>(*board_, std::move(here), rank_, opt_.timeout_s,
+                                              TIDE_STR_CAT("rank ", rank_, " call seq ", seq));
 }
 
 void CudaRankExecutor::set_rail(std::shared_ptr<fabric::NcclRail> rail) {

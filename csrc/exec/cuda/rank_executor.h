@@ -34,6 +34,12 @@
 //   - ExecutorOptions::graphs: a call met again with the same set and buffers is captured and
 //     then replayed as one CUDA graph launch on the caller's stream ([Note: replayed calls],
 //     graph.h); the entry fence runs inside the graph with the run number as a call parameter.
+//   - Several ranks of one process (fabric peers given as same_process, fabric/ipc.h, before the
+//     executors are made), each with its own executor and thread: eager calls take turns on the
+//     fabric's IssueBoard, so the
+//     process enqueues in one global order ([Note: same-process issue gate], fabric/fabric.h;
+//     ExecutorOptions::issue_gate); run() then returns once this rank's steps are enqueued, which
+//     may wait for the other ranks' threads to reach the call (TimeoutError past timeout_s).
 //   - Fail-stop: after any error the executor refuses further calls. Bad input (buffers too small
 //     or missing, regions absent, programs for another topology) is a PlanError/Error before
 //     anything is enqueued.
@@ -92,9 +98,14 @@ class CudaRankExecutor {
   struct Entry;
   Entry& prepare(const std::shared_ptr<const ProgramSet>& set, const std::vector<int>& members);
   void check_buffers(const Entry& e, const RankBindings& b) const;
-  void fence(const Entry& e, int64_t seq, const std::vector<Program>& progs, GraphCapture* graph = nullptr);
+  // The entry fence in its two halves ([Note: entry fence]): fence_started(k) written, then the
+  // waits for the peers' fence_target; finish_run writes fence_finished(k) after the call joined.
+  void fence_start(const Entry& e, GraphCapture* graph = nullptr);
+  void fence_wait(const Entry& e, int64_t seq, const std::vector<Program>& progs, GraphCapture* graph = nullptr);
   void finish_run(const Entry& e, cudaStream_t joined, GraphCapture* graph);
   uint64_t* fence_ptr(const Entry& e, int g) const;
+  // The call's turns on the fabric's IssueBoard, or none ([Note: same-process issue gate]).
+  std::unique_ptr<fabric::IssueTurns> turns(const Entry& e, int64_t seq);
   // [Note: replayed calls]: capture() enqueues the call (through `c`) into `cap`, forked from and
   // joined back into the capture stream; replay() launches a graph on `caller`, watched.
   void capture(const Entry& e, GraphCapture& cap, IssueContext& c, int64_t seq, const std::vector<Program>& progs);
@@ -102,6 +113,7 @@ class CudaRankExecutor {
 
   std::shared_ptr<fabric::Fabric> fabric_;
   std::shared_ptr<fabric::NcclRail> rail_;
+  std::shared_ptr<fabric::IssueBoard> board_;  // joined: this rank takes turns there
   int rank_;
   Topology topo_;
   ArenaSpec layout_;

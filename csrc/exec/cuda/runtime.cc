@@ -319,10 +319,12 @@ Watchdog::~Watchdog() {
   thread_.join();
   cudaSetDevice(device_);
   for (std::vector<Entry>* v : {&active_, &entries_})
-    for (auto& e : *v) {
-      release(e);  // never leave a stream blocked on a wait nobody will satisfy
-      cudaEventDestroy(e.done);
-    }
+    for (auto& e : *v) release(e);  // never leave a stream blocked on a wait nobody will satisfy
+  // [Note: late work]: an abort still running ends here (the releases above let its stream go),
+  // never after its executor, nor on a thread that outlives the process's interpreter.
+  for (auto& t : late_) t.join();
+  for (std::vector<Entry>* v : {&active_, &entries_})
+    for (auto& e : *v) cudaEventDestroy(e.done);
   for (auto& [dev, evs] : free_events_)
     for (auto ev : evs) cudaEventDestroy(ev);
   cudaStreamSynchronize(rescue_);
@@ -463,8 +465,11 @@ void Watchdog::loop() {
     active_.resize(keep);
     // [Note: late work] An overdue rail group's abort (ncclCommAbort) may wait for its stream,
     // which may sit behind a stuck wait this loop releases: it runs on a thread of its own, after
-    // the rescue writes of this pass, so neither waits for the other.
-    for (auto& f : late_work) std::thread(std::move(f)).detach();
+    // the rescue writes of this pass, so neither waits for the other. The threads are joined by
+    // the destructor, never detached: a detached one could outlive its executor (the replayed
+    // graphs it aborts) and drop the last reference to a face's object (a Python NcclRail)
+    // while the interpreter finalizes, which terminates the process.
+    for (auto& f : late_work) late_.emplace_back(std::move(f));
     lk.lock();
     for (auto& [dev, ev] : freed) free_events_[dev].push_back(ev);
     freed.clear();

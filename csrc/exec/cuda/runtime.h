@@ -202,8 +202,10 @@ class Watchdog {
   void watched_waits(cudaStream_t stream, int device, const WaitSpec* specs, size_t n,
                      std::shared_ptr<const WaitLabels> labels, int64_t seq, double timeout_s = 0);
   // Watch the work enqueued on `stream` so far (an event after it): past the deadline it is
-  // reported like a stuck wait and `on_timeout` runs once on the watchdog's thread (a rail group:
-  // abort the rail communicator so its kernel exits).
+  // reported like a stuck wait and `on_timeout` runs once on a thread of the watchdog's (a rail
+  // group: abort the rail communicator so its kernel exits), which the destructor joins: what
+  // on_timeout reaches must outlive the watchdog, and it should own nothing a face owns (a rail
+  // is captured weakly).
   void watched_work(cudaStream_t stream, const std::string& what, std::function<void()> on_timeout,
                     double timeout_s = 0);
   // Block until every watched wait has completed or been released; throws TimeoutError then.
@@ -243,6 +245,7 @@ class Watchdog {
   std::string error_;
   bool stop_ = false;
   std::thread thread_;
+  std::vector<std::thread> late_;  // [Note: late work]: started by thread_, joined by ~Watchdog
 };
 
 }  // namespace tide::cuda

@@ -53,6 +53,9 @@ struct ExecutorOptions {
   // with the same program set and buffers is captured, then replayed with one launch.
   bool graphs = false;
   bool sync_every_call = false;         // debug: synchronise after every call
+  // CUDA rank executors of several ranks of one process take turns so that the process enqueues
+  // in one global order (fabric/fabric.h [Note: same-process issue gate]); off: for diagnosis.
+  bool issue_gate = true;
   // Debug: the in-process executor checks every staged push and SUM against the staging races
   // (exec/cuda/staging_canary.h; two one-thread kernels per such op). The CPU executor with ranks
   // as threads always runs its own canary.
