@@ -387,7 +387,7 @@ def stage_table(c: Ctx) -> dict:
                                  detail=grep_last(r"^passed \d+, failed"))],
               "repeat the dead-peer IPC test to catch a rare hang; stacks before its deadline (tools/gpu/hang.py)"),
         Stage("hostdiag", 420, [Step("hostdiag", [py, "tools/gpu/host_processes_diag.py"], 420,
-                                     show=grep_lines(r"^\|", 10))],
+                                     show=grep_lines(r"^(variant|\d+x\d+|  \S)", 14))],
               "processes of several in-process ranks with NCCL rails, the same-process issue gate on and off "
               "(tools/gpu/host_processes_diag.py)"),
         Stage("handshake", 150, [Step("handshake", [py, "tools/gpu/handshake.py", "--rounds", "100", "--work-us", "0,300"], 150,
