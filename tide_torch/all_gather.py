@@ -94,7 +94,7 @@ def foreach_all_gather(fsdp_params, group, async_op, all_gather_copy_in_stream,
                 pulled = rt.transport.all_gather(tg, inputs, landings, post_forward)
         else:
             pulled = rt.transport.all_gather(tg, inputs, landings, post_forward)
-        rt.stats["ag_pull_chunks"] += pulled or 0
+        rt.stats["ag_pull_chunks"] += pulled
         event = all_gather_stream.record_event()
         rt.stats["ag_tide"] += 1
         rt.stats["ag_post_forward"] += post_forward
