@@ -121,11 +121,66 @@ def test_pull_landing_faults_are_caught():
 
 
 def test_pull_landing_refuses_what_it_cannot_pull():
+    _, bf16_nodes = make_plan(2, 2, shapes=PULL_SHAPES)
+    with pytest.raises(_core.PlanError, match="pull_landing: across nodes .* needs a cast"):
+        _core.build_ag_programs(bf16_nodes, resident=True, pull_landing=True)
     _, two_nodes = make_plan(2, 2, shapes=PULL_SHAPES, shard_dtype="float32")
-    with pytest.raises(_core.PlanError, match="pull_landing: one node only"):
-        _core.build_ag_programs(two_nodes, resident=False, pull_landing=True)
+    for kw in (dict(multicast=True), dict(expert_lane=True)):
+        with pytest.raises(_core.PlanError, match="pull_landing: not with the expert lane or multicast"):
+            _core.build_ag_programs(two_nodes, resident=False, pull_landing=True, **kw)
     _, bf16 = make_plan(1, 4, shapes=PULL_SHAPES)
     with pytest.raises(_core.PlanError, match="peers pull from a stage"):
         _core.build_ag_programs(bf16, resident=False, pull_landing=True)
     ok, errors = _core.build_ag_programs(bf16, resident=True, pull_landing=True).check(2)  # resident shards
     assert ok, errors
+
+
+# ---- the pull landing across nodes ([Note: pull landing across nodes], ag_program.cc) ----------
+@pytest.mark.parametrize("M,L", [(2, 2), (4, 2), (2, 1), (3, 2), (5, 2), (3, 4)])
+def test_pull_landing_across_nodes_checks_and_keeps_the_rounds(M, L):
+    """M > 1 with a cast: the checker proves the set, one-sided and lowered to two-sided rails
+    (cross-node PUTs become SEND/RECV); the rail ops are the push program's, no rank writes another
+    rank's landing, and each rank lands the unpadded rows once."""
+    _, plan = make_plan(M, L, shapes=PULL_SHAPES, shard_dtype="float32")
+    for hb in (0, 16):
+        pull = _core.build_ag_programs(plan, resident=False, pull_landing=True, head_bytes=hb)
+        push = _core.build_ag_programs(plan, resident=False, head_bytes=hb)
+        for ps in (pull, pull.lowered()):
+            ok, errors = ps.check(3)
+            assert ok, (hb, ps.rails, errors)
+        lowered = pull.lowered()
+        # The counters the sessions reserve (program_counters: the push program's) fit the pull set.
+        assert (pull.num_counters, lowered.num_counters) == (push.num_counters, push.lowered().num_counters)
+        for r in range(M * L):
+            rail = lambda ps: [d.split(" ", 1)[1] for d in ps.describe(r)  # noqa: E731  (no op index)
+                               if d.split()[1] in ("PUT", "SEND", "RECV")]
+            assert rail(pull) == rail(push) and rail(lowered) == rail(push.lowered())
+            assert not any(d.split()[1] == "PUT" for d in lowered.describe(r))
+            assert lowered.rail_stats(r) == push.lowered().rail_stats(r)
+            c = copies(pull, r)
+            assert all(dr == r for _, _, dk, dr, _ in c if dk == "landing")  # own landing only
+            assert not any(dk in ("ring0", "ring1") for _, _, dk, _, _ in c)
+            assert {sr for sk, sr, dk, _, _ in c if dk == "landing"} == {(r // L) * L + j for j in range(L)}
+            landed = sum(b for _, _, dk, _, b in c if dk == "landing")
+            assert landed == sum(p.D * p.K * 2 for p in plan.layout.params)
+
+
+def test_pull_landing_across_nodes_faults_are_caught():
+    """Every gate and credit of the rounds' pulls matters: a dropped per-round gate (a pull of a
+    peer's area before it arrived), a dropped per-area credit wait (the next call's round overwrites
+    an area a local rank still pulls), a dropped cast gate, a dropped forwarding or staging fence
+    are each an I3 race; a dropped per-area PULLED signal or CREDIT is an I4 deadlock."""
+    F, T = _core.fault_kinds, _core.op_tags
+    _, plan = make_plan(4, 2, shapes=PULL_SHAPES, shard_dtype="float32")
+    pull = _core.build_ag_programs(plan, resident=False, pull_landing=True)
+    for ps in (pull, pull.lowered()):
+        for kind, tag, rnd, want in (("drop_wait", "ReadyGate", 0, "I3 race"), ("drop_wait", "ReadyGate", 1, "I3 race"),
+                                     ("drop_wait", "CreditWait", 0, "I3 race"), ("drop_wait", "CreditWait", 1, "I3 race"),
+                                     ("drop_wait", "CastGate", -1, "I3 race"), ("drop_fence", "Fence", None, "I3 race"),
+                                     ("drop_fence", "ReadyWait", None, "I3 race"),
+                                     ("drop_credit", "CreditSignal", -1, "I4 deadlock"),
+                                     ("drop_credit", "CreditSignal", 1, "I4 deadlock")):
+            bad = ps.copy()
+            assert bad.inject_fault(F[kind], 1, T[tag], rnd), (kind, tag, rnd)
+            ok, errors = bad.check(3)
+            assert not ok and any(e.startswith(want) for e in errors), (ps.rails, kind, tag, rnd, errors)

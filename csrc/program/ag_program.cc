@@ -1,7 +1,8 @@
 // TIDE-AG programs (Section 3): local push, paced Bruck rounds over rail l, strided scatters of
 // received stage slots into all L local landings, per-area credits, decoupled streams; the
 // expert lane (L_sub = 1: recursive doubling landing to landing, no stage); and the pull landing
-// of one node into the rank's own user buffers ([Note: pull landing]).
+// into the rank's own user buffers, on one node ([Note: pull landing]) and across nodes, where the
+// rounds stay and the scatters become pulls ([Note: pull landing across nodes]).
 //
 // [Note: AG streams and counters] Rank r = (n, l), call seq e:
 //   caller      [CAST own shard -> stage slot 0]; wait READY[*] >= e; local push (own shard into
@@ -140,6 +141,36 @@ void emit_round_puts(Program& prog, const std::vector<Piece>& pieces, int peer, 
   prog.ops.push_back(std::move(t));
 }
 
+// The paced Bruck rounds of `rank` = (n, l) on the caller stream ([Note: AG streams and
+// counters]): round d waits CREDIT[d] >= e-1 (and PACE[d] >= e, d >= 1), PUTs `own` (the rank's
+// shard, slot 0) followed by its stage slots 1..c_d-1 into stage slot 2^d of (n - 2^d, l), split
+// into head and tail, waits its own HEAD[d], confirms to the round-(d+1) sender and waits its own
+// TAIL[d]. The push and the pull programs share it, so both move the same rail bytes.
+void emit_rounds(Program& prog, const Plan& plan, const AgCounters& C, int rank, const std::vector<Piece>& own,
+                 bool cast, int64_t head_bytes) {
+  const Topology& topo = plan.topo;
+  const int M = topo.nodes, n = topo.node_of(rank), l = topo.local_of(rank);
+  const int64_t S = plan.layout.S;
+  for (int d = 0; d < plan.ag.rounds; ++d) {
+    const int t = topo.rank(ag_send_peer(n, d, M), l);
+    const int c_d = plan.ag.c[d];
+    prog.ops.push_back(wait_op(OpKind::kWait, kCaller, OpTag::kCreditWait, rank, C.credit(d), -1, d));
+    if (d >= 1) prog.ops.push_back(wait_op(OpKind::kWait, kCaller, OpTag::kPaceWait, rank, C.pace(d), 0, d));
+    std::vector<Piece> pieces = own;
+    if (c_d > 1) {
+      const int64_t off = ag_stage_offset(1, S, cast);
+      pieces.push_back({ref(BufKind::kStage, rank, 1, off, (c_d - 1) * S)});
+    }
+    emit_round_puts(prog, pieces, t, BufKind::kStage, ag_stage_offset(1 << d, S, cast),
+                    head_bytes, C.head(d), C.tail(d), d);
+    prog.ops.push_back(wait_op(OpKind::kWait, kCaller, OpTag::kArrivalWait, rank, C.head(d), 0, d));
+    if (d + 1 < plan.ag.rounds)
+      prog.ops.push_back(signal_op(OpKind::kSignal, kCaller, OpTag::kPaceSignal,
+                                   topo.rank(ag_recv_peer(n, d + 1, M), l), C.pace(d + 1), d + 1));
+    prog.ops.push_back(wait_op(OpKind::kWait, kCaller, OpTag::kArrivalWait, rank, C.tail(d), 0, d));
+  }
+}
+
 Program base_program(const Plan& plan, const AgCallOptions& opt, int rank, int num_counters,
                      std::vector<std::string> names) {
   Program prog;
@@ -176,8 +207,182 @@ Op cast_op(const GroupLayout& lay, int rank, DType ag_dtype) {
   return c;
 }
 
-// [Note: pull landing] (program.h) Rank r = l of the one node, call seq e, all on the caller
-// stream (the counters reuse the push program's slots, so both reserve the same range):
+// Rank g's rows of parameter p that exist (the last ranks' padding rows are not landed).
+int64_t pull_rows(const GroupLayout& lay, int p, int g) {
+  const auto& pl = lay.params[p];
+  return std::max<int64_t>(0, std::min(pl.R, pl.D - g * pl.R));
+}
+
+// Where rank g's rows of parameter p land in `rank`'s own kLanding[p] (D_p rows, unpadded).
+BufRef pull_dst(const GroupLayout& lay, int b_ag, int rank, int p, int g) {
+  const auto& pl = lay.params[p];
+  return ref(BufKind::kLanding, rank, p, g * pl.R * pl.K * b_ag, pull_rows(lay, p, g) * pl.K * b_ag);
+}
+
+// A pull program's user buffers: kLanding[p] (D_p rows) out, the shards (or the adopted resident
+// region) in, and what each landed rank block must hold (its source's rows, cast).
+void pull_landing_io(Program& prog, const Plan& plan, const AgCallOptions& opt, int rank, bool resident) {
+  const GroupLayout& lay = plan.layout;
+  const int b_ag = dtype_size(plan.sig.ag_dtype), b_shard = dtype_size(plan.sig.shard_dtype);
+  auto& landing_bytes = prog.user_buffer_bytes[static_cast<int>(BufKind::kLanding)];
+  landing_bytes.assign(lay.P + 1, 0);
+  for (int p = 0; p < lay.P; ++p) {
+    const auto& pl = lay.params[p];
+    landing_bytes[static_cast<size_t>(p) + 1] = pl.D * pl.K * b_ag;
+    prog.user_outputs.push_back(ref(BufKind::kLanding, rank, p, 0, pl.D * pl.K * b_ag));
+    if (resident) prog.user_inputs.push_back(ref(BufKind::kResident, rank, -1, pl.o, pl.s));
+    else prog.user_inputs.push_back(ref(BufKind::kShard, rank, p, 0, pl.e * b_shard));
+    for (int g = 0; g < (opt.with_expects ? plan.topo.world() : 0); ++g) {
+      const int64_t rows = pull_rows(lay, p, g);
+      if (rows == 0) continue;
+      Expect ex;
+      ex.region = pull_dst(lay, b_ag, rank, p, g);
+      ex.region_dtype = plan.sig.ag_dtype;
+      ExpectSource es;
+      es.dtype = plan.sig.shard_dtype;
+      es.src = resident ? ref(BufKind::kResident, g, -1, pl.o, rows * pl.K * b_ag)
+                        : ref(BufKind::kShard, g, p, 0, rows * pl.K * b_shard);
+      ex.sources.push_back(es);
+      prog.expects.push_back(std::move(ex));
+    }
+  }
+}
+
+// [Note: pull landing across nodes] (M > 1, a cast) Rank r = (n, l), call seq e. The stage, the
+// paced Bruck rounds over rail l and their counters are the push program's ([Note: AG streams and
+// counters]; emit_rounds), so the lowering to two-sided rails applies unchanged; every write into a
+// local landing becomes a pull by the landing's owner. Area a of r's stage: a = 0 is slot 0 (r's
+// cast shard), a = d + 1 the slots round d delivered. Per ordered pair of local ranks one counter
+// each way, bumped once per area in area order (K = R + 1 bumps per call: area a of call e is
+// reached at K (e-1) + a + 1): STAGED[l] on j (r's area a is readable) and PULLED[j] on r (j has
+// pulled r's area a).
+//   caller     wait PULLED[j] >= area 0 of call e-1 for every j, r itself included (every puller is
+//              done with slot 0); CAST own fp32 shard -> slot 0; record STAGED (release: the shard
+//              is read); the rounds; record FORWARDED (r's sends no longer read its stage).
+//   readiness  wait STAGED-event >= e, SIGNAL STAGED[l] on every other local rank; per round d:
+//              wait TAIL[d] >= e, SIGNAL STAGED[l] on them again (area d + 1).
+//   pull       wait STAGED-event >= e (after the caller's prior work: the face's consumption of
+//              the landing); per area a, for j = l, l+1, ... (mod L): wait STAGED[j] >= area a
+//              (own: TAIL[a-1]), COPY the rows of the ranks area a holds from j's stage into r's
+//              own kLanding[p] (the push scatter's runs: a strided copy per run of >= 4 full rank
+//              blocks), SIGNAL PULLED[l] on j; record DONE (only r writes its landing).
+//   credit     wait FORWARDED >= e; per round d: wait PULLED[j] >= area d + 1 of call e for every
+//              j, then CREDIT[d] to the round-d sender: area d is free once every local puller
+//              and r's own later rounds are done with it ([Note: credit placement]).
+// No peer writes r's landing, so the executors' entry fence waits for the peers' previous run,
+// never their arrival: one handshake per call. Bytes: the push program's rail bytes, and per
+// rank the unpadded landing once (the push program writes L padded copies of every shard).
+Program build_ag_pull_rounds_program(const Plan& plan, const AgCallOptions& opt, int rank) {
+  enum PullStream : uint8_t { kPullCaller = 0, kPullReadiness = 1, kPullStream = 2, kPullCredit = 3 };
+  const Topology& topo = plan.topo;
+  const int M = topo.nodes, L = topo.gpus_per_node, R = plan.ag.rounds, K = R + 1;
+  const int n = topo.node_of(rank), l = topo.local_of(rank);
+  const GroupLayout& lay = plan.layout;
+  const int P = lay.P;
+  const int64_t S = lay.S;
+  const int b_ag = dtype_size(plan.sig.ag_dtype);
+  const int64_t head_opt = opt.head_bytes > 0 ? opt.head_bytes : plan.opt.ag_head_bytes;
+  const int64_t head_bytes = head_opt > 0 ? std::max<int64_t>(16, head_opt / 16 * 16) : INT64_MAX;
+  AgCounters C{L, R};
+  std::vector<std::string> names = C.names();
+  for (int j = 0; j < L; ++j) {
+    names[C.ready(j)] = TIDE_STR_CAT("STAGED[", j, "]");
+    names[C.done(j)] = TIDE_STR_CAT("PULLED[", j, "]");
+  }
+  names[C.ev_pushed()] = "ev:forwarded";
+  names[C.ev_sends()] = "ev:staged(release)";
+  names[C.ev_scattered()] = "(unused)";
+  Program prog = base_program(plan, opt, rank, C.count(), std::move(names));
+  prog.streams = {"caller", "readiness", "pull", "credit"};
+  prog.release_event = C.ev_sends();
+  prog.done_event = C.ev_done();
+  pull_landing_io(prog, plan, opt, rank, false);
+  // A wait for area a of call e + call_offset on a per-area counter (K bumps per call).
+  auto area_wait = [&](uint8_t stream, OpTag tag, int counter, int a, int call_offset) {
+    Op w = wait_op(OpKind::kWait, stream, tag, rank, counter, a + 1 - K + int64_t{call_offset} * K, a - 1);
+    w.per_call = K;
+    return w;
+  };
+
+  // ---- caller stream ----
+  for (int j = 0; j < L; ++j) prog.ops.push_back(area_wait(kPullCaller, OpTag::kCastGate, C.done(j), 0, -1));
+  prog.ops.push_back(cast_op(lay, rank, plan.sig.ag_dtype));
+  prog.ops.push_back(wait_op(OpKind::kEventRecord, kPullCaller, OpTag::kRelease, rank, C.ev_sends(), 0));
+  emit_rounds(prog, plan, C, rank, {{ref(BufKind::kStage, rank, 0, 0, S)}}, true, head_bytes);
+  prog.ops.push_back(wait_op(OpKind::kEventRecord, kPullCaller, OpTag::kFence, rank, C.ev_pushed(), 0));
+
+  // ---- readiness stream: each area of r's stage, once it holds call e's rows ----
+  prog.ops.push_back(wait_op(OpKind::kEventWait, kPullReadiness, OpTag::kReadyWait, rank, C.ev_sends(), 0));
+  for (int a = 0; a <= R; ++a) {
+    if (a > 0)
+      prog.ops.push_back(wait_op(OpKind::kWait, kPullReadiness, OpTag::kArrivalWait, rank, C.tail(a - 1), 0, a - 1));
+    for (int j = 0; j < L; ++j)
+      if (j != l)
+        prog.ops.push_back(signal_op(OpKind::kSignal, kPullReadiness, OpTag::kReadySignal, topo.rank(n, j),
+                                     C.ready(l), a - 1));
+  }
+
+  // ---- pull stream ----
+  // The runs of stage slots each round delivered (nodes n + first_slot + i, never across the wrap).
+  const auto runs = ag_scatter_runs(plan.ag, M, n);
+  prog.ops.push_back(wait_op(OpKind::kEventWait, kPullStream, OpTag::kFence, rank, C.ev_sends(), 0));
+  for (int a = 0; a <= R; ++a) {
+    if (a > 0)
+      prog.ops.push_back(wait_op(OpKind::kWait, kPullStream, OpTag::kArrivalWait, rank, C.tail(a - 1), 0, a - 1));
+    for (int i = 0; i < L; ++i) {
+      const int j = (l + i) % L, q = topo.rank(n, j);
+      if (j != l) prog.ops.push_back(area_wait(kPullStream, OpTag::kReadyGate, C.ready(j), a, 0));
+      Op pull;
+      pull.kind = OpKind::kCopy;
+      pull.stream = kPullStream;
+      pull.tag = OpTag::kPull;
+      pull.round = a - 1;
+      // Slots [first, first + slots) of q's stage hold ranks (n + first + i, j): rank blocks L apart
+      // in the landing. The full blocks come first (the valid rows only shrink with the rank).
+      auto add_run = [&](int first, int slots) {
+        const int g0 = topo.rank((n + first) % M, j);
+        for (int p = 0; p < P; ++p) {
+          const auto& pl = lay.params[p];
+          const int64_t block = pl.R * pl.K * b_ag;
+          int full = 0;
+          while (full < slots && pull_rows(lay, p, g0 + full * L) == pl.R) ++full;
+          const int strided = full >= kAgMinStridedRun ? full : 0;
+          if (strided > 0)
+            pull.copies.push_back({ref(BufKind::kStage, q, first, ag_stage_offset(first, S, true) + pl.o, block,
+                                       strided, S),
+                                   ref(BufKind::kLanding, rank, p, g0 * block, block, strided, L * block)});
+          for (int s = strided; s < slots; ++s) {
+            const int g = g0 + s * L;
+            const int64_t rows = pull_rows(lay, p, g);
+            if (rows == 0) break;
+            pull.copies.push_back({ref(BufKind::kStage, q, first + s, ag_stage_offset(first + s, S, true) + pl.o,
+                                       rows * pl.K * b_ag),
+                                   pull_dst(lay, b_ag, rank, p, g)});
+          }
+        }
+      };
+      if (a == 0) add_run(0, 1);
+      for (const auto& run : runs)
+        if (a > 0 && run.round == a - 1) add_run(run.first_slot, run.slots);
+      if (!pull.copies.empty()) prog.ops.push_back(std::move(pull));
+      prog.ops.push_back(signal_op(OpKind::kCredit, kPullStream, OpTag::kCreditSignal, q, C.done(l), a - 1));
+    }
+  }
+  prog.ops.push_back(wait_op(OpKind::kEventRecord, kPullStream, OpTag::kComplete, rank, C.ev_done(), 0));
+
+  // ---- credit stream ----
+  prog.ops.push_back(wait_op(OpKind::kEventWait, kPullCredit, OpTag::kFence, rank, C.ev_pushed(), 0));
+  for (int d = 0; d < R; ++d) {
+    for (int j = 0; j < L; ++j) prog.ops.push_back(area_wait(kPullCredit, OpTag::kCreditWait, C.done(j), d + 1, 0));
+    prog.ops.push_back(signal_op(OpKind::kCredit, kPullCredit, OpTag::kCreditSignal,
+                                 topo.rank(ag_recv_peer(n, d, M), l), C.credit(d), d));
+  }
+  return prog;
+}
+
+// [Note: pull landing] (program.h) One node (M > 1: [Note: pull landing across nodes] above).
+// Rank r = l of the one node, call seq e, all on the caller stream (the counters reuse the push
+// program's slots, so both reserve the same range):
 //   [wait PULLED[j] >= e-1 for every j: every puller has finished call e-1 with r's stage slot;
 //    CAST own fp32 shard -> stage slot 0; record SENDS (release)]
 //   SIGNAL STAGED[l] on every local rank (r's shard of call e is readable in its arena);
@@ -196,11 +401,14 @@ Program build_ag_pull_program(const Plan& plan, const AgCallOptions& opt, int ra
   const int P = lay.P;
   const bool cast = plan.sig.needs_cast();
   const bool resident = opt.resident && !cast;
-  TIDE_PLAN_CHECK(topo.nodes == 1, "AgCallOptions.pull_landing: one node only (M = 1), got ", topo.nodes, " nodes");
-  TIDE_PLAN_CHECK(cast || resident, "AgCallOptions.pull_landing: peers pull from a stage (a cast) or the resident "
-                  "region; a ", dtype_name(plan.sig.shard_dtype), " shard that is neither lives in a user buffer");
   TIDE_PLAN_CHECK(!opt.expert_lane && !opt.multicast, "AgCallOptions.pull_landing: not with the expert lane or "
                   "multicast");
+  TIDE_PLAN_CHECK(topo.nodes == 1 || cast, "AgCallOptions.pull_landing: across nodes (M = ", topo.nodes, ") the "
+                  "peers pull from the stage, which needs a cast (fp32 shards); a ",
+                  dtype_name(plan.sig.shard_dtype), " shard group pushes");
+  if (topo.nodes > 1) return build_ag_pull_rounds_program(plan, opt, rank);
+  TIDE_PLAN_CHECK(cast || resident, "AgCallOptions.pull_landing: peers pull from a stage (a cast) or the resident "
+                  "region; a ", dtype_name(plan.sig.shard_dtype), " shard that is neither lives in a user buffer");
   AgCounters C{L, 0};
   std::vector<std::string> names = C.names();
   for (int j = 0; j < L; ++j) {
@@ -211,39 +419,15 @@ Program build_ag_pull_program(const Plan& plan, const AgCallOptions& opt, int ra
   prog.streams = {"caller"};
   prog.release_event = C.ev_sends();
   prog.done_event = C.ev_done();
-  const int b_ag = dtype_size(plan.sig.ag_dtype), b_shard = dtype_size(plan.sig.shard_dtype);
-  auto& landing_bytes = prog.user_buffer_bytes[static_cast<int>(BufKind::kLanding)];
-  landing_bytes.assign(P + 1, 0);
-  // Rank j's rows of parameter p that exist (the last ranks' padding rows are not landed).
-  auto rows = [&](int p, int j) { return std::max<int64_t>(0, std::min(lay.params[p].R, lay.params[p].D - j * lay.params[p].R)); };
+  pull_landing_io(prog, plan, opt, rank, resident);
+  const int b_ag = dtype_size(plan.sig.ag_dtype);
+  auto rows = [&](int p, int j) { return pull_rows(lay, p, j); };
   auto src_of = [&](int p, int j) {
     const auto& pl = lay.params[p];
     return cast ? ref(BufKind::kStage, j, 0, pl.o, rows(p, j) * pl.K * b_ag)
                 : ref(BufKind::kResident, j, -1, pl.o, rows(p, j) * pl.K * b_ag);
   };
-  auto dst_of = [&](int p, int j) {
-    const auto& pl = lay.params[p];
-    return ref(BufKind::kLanding, rank, p, j * pl.R * pl.K * b_ag, rows(p, j) * pl.K * b_ag);
-  };
-  for (int p = 0; p < P; ++p) {
-    const auto& pl = lay.params[p];
-    landing_bytes[static_cast<size_t>(p) + 1] = pl.D * pl.K * b_ag;
-    prog.user_outputs.push_back(ref(BufKind::kLanding, rank, p, 0, pl.D * pl.K * b_ag));
-    if (resident) prog.user_inputs.push_back(ref(BufKind::kResident, rank, -1, pl.o, pl.s));
-    else prog.user_inputs.push_back(ref(BufKind::kShard, rank, p, 0, pl.e * b_shard));
-    for (int j = 0; j < (opt.with_expects ? L : 0); ++j) {
-      if (rows(p, j) == 0) continue;
-      Expect ex;
-      ex.region = dst_of(p, j);
-      ex.region_dtype = plan.sig.ag_dtype;
-      ExpectSource es;
-      es.dtype = plan.sig.shard_dtype;
-      es.src = resident ? ref(BufKind::kResident, j, -1, pl.o, rows(p, j) * pl.K * b_ag)
-                        : ref(BufKind::kShard, j, p, 0, rows(p, j) * pl.K * b_shard);
-      ex.sources.push_back(es);
-      prog.expects.push_back(std::move(ex));
-    }
-  }
+  auto dst_of = [&](int p, int j) { return pull_dst(lay, b_ag, rank, p, j); };
   const int l = topo.local_of(rank);
   if (cast) {
     for (int j = 0; j < L; ++j)
@@ -403,28 +587,14 @@ Program build_ag_program(const Plan& plan, const AgCallOptions& opt, int rank) {
     prog.ops.push_back(std::move(push));
   }
   prog.ops.push_back(wait_op(OpKind::kEventRecord, kCaller, OpTag::kFence, rank, C.ev_pushed(), 0));
-  for (int d = 0; d < R; ++d) {
-    const int t = topo.rank(ag_send_peer(n, d, M), l);
-    const int c_d = plan.ag.c[d];
-    prog.ops.push_back(wait_op(OpKind::kWait, kCaller, OpTag::kCreditWait, rank, C.credit(d), -1, d));
-    if (d >= 1) prog.ops.push_back(wait_op(OpKind::kWait, kCaller, OpTag::kPaceWait, rank, C.pace(d), 0, d));
-    std::vector<Piece> pieces;
+  {
+    std::vector<Piece> own;  // slot 0 of every round's byte stream: this rank's shard
     if (cast || resident) {
-      pieces.push_back({cast ? ref(BufKind::kStage, rank, 0, 0, S) : ref(BufKind::kResident, rank, -1, 0, S)});
+      own.push_back({cast ? ref(BufKind::kStage, rank, 0, 0, S) : ref(BufKind::kResident, rank, -1, 0, S)});
     } else {
-      for (int p = 0; p < P; ++p) pieces.push_back({own_src(p)});
+      for (int p = 0; p < P; ++p) own.push_back({own_src(p)});
     }
-    if (c_d > 1) {
-      const int64_t off = ag_stage_offset(1, S, cast);
-      pieces.push_back({ref(BufKind::kStage, rank, 1, off, (c_d - 1) * S)});
-    }
-    emit_round_puts(prog, pieces, t, BufKind::kStage, ag_stage_offset(1 << d, S, cast),
-                    head_bytes, C.head(d), C.tail(d), d);
-    prog.ops.push_back(wait_op(OpKind::kWait, kCaller, OpTag::kArrivalWait, rank, C.head(d), 0, d));
-    if (d + 1 < R)
-      prog.ops.push_back(signal_op(OpKind::kSignal, kCaller, OpTag::kPaceSignal,
-                                   topo.rank(ag_recv_peer(n, d + 1, M), l), C.pace(d + 1), d + 1));
-    prog.ops.push_back(wait_op(OpKind::kWait, kCaller, OpTag::kArrivalWait, rank, C.tail(d), 0, d));
+    emit_rounds(prog, plan, C, rank, own, cast, head_bytes);
   }
   prog.ops.push_back(wait_op(OpKind::kEventRecord, kCaller, OpTag::kRelease, rank, C.ev_sends(), 0));
 

@@ -46,10 +46,12 @@ bool is_stage_like(BufKind k) {
 }
 }  // namespace
 
-bool inject_fault(std::vector<Program>& progs, FaultKind kind, int rank, OpTag tag) {
+bool inject_fault(std::vector<Program>& progs, FaultKind kind, int rank, OpTag tag, int32_t round) {
   TIDE_PLAN_CHECK(rank >= 0 && rank < static_cast<int>(progs.size()), "inject_fault: rank ", rank, " out of range");
   Program& p = progs[rank];
-  auto tag_ok = [&](const Op& op) { return tag == OpTag::kNone || op.tag == tag; };
+  auto tag_ok = [&](const Op& op) {
+    return (tag == OpTag::kNone || op.tag == tag) && (round == kAnyRound || op.round == round);
+  };
   switch (kind) {
     case FaultKind::kDropCredit:
       return erase_first(p, [&](const Op& op) { return op.kind == OpKind::kCredit && tag_ok(op); });
@@ -61,7 +63,8 @@ bool inject_fault(std::vector<Program>& progs, FaultKind kind, int rank, OpTag t
       const size_t before = p.ops.size();
       p.ops.erase(std::remove_if(p.ops.begin(), p.ops.end(),
                                  [&](const Op& op) {
-                                   return (op.kind == OpKind::kWait || op.kind == OpKind::kEventWait) && op.tag == t;
+                                   return (op.kind == OpKind::kWait || op.kind == OpKind::kEventWait) && op.tag == t &&
+                                          (round == kAnyRound || op.round == round);
                                  }),
                   p.ops.end());
       return p.ops.size() != before;

@@ -1,5 +1,6 @@
 // Bindings for csrc/program: program sets (one Program per rank), the checker, fault injection.
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/optional.h>
 #include <nanobind/stl/pair.h>
 #include <nanobind/stl/shared_ptr.h>
 #include <nanobind/stl/string.h>
@@ -138,11 +139,13 @@ void bind_program(nb::module_& m) {
         auto rep = check_program_set(s.progs, calls);
         return std::make_pair(rep.ok, rep.errors);
       }, nb::arg("calls") = 2)
-      .def("inject_fault", [](ProgramSet& s, int kind, int rank, int tag) {
+      .def("inject_fault", [](ProgramSet& s, int kind, int rank, int tag, std::optional<int> round) {
         s.require_built("ProgramSet.inject_fault");
         ++s.version;  // cached tables of this set are stale (CudaRankExecutor)
-        return inject_fault(s.progs, static_cast<FaultKind>(kind), rank, static_cast<OpTag>(tag));
-      }, nb::arg("kind"), nb::arg("rank"), nb::arg("tag") = 0);
+        return inject_fault(s.progs, static_cast<FaultKind>(kind), rank, static_cast<OpTag>(tag),
+                            round ? static_cast<int32_t>(*round) : kAnyRound);
+      }, nb::arg("kind"), nb::arg("rank"), nb::arg("tag") = 0, nb::arg("round") = nb::none(),
+         "Mutates rank `rank`'s program (tests); `tag` / `round` (Op::round, -1: none) narrow the op it picks.");
 
   m.def("build_ag_programs", [](const Plan& plan, int ring_slot, bool resident, bool multicast,
                                 bool expert_lane, int group, int64_t head_bytes, bool with_expects,
@@ -168,8 +171,9 @@ void bind_program(nb::module_& m) {
      nb::arg("with_expects") = true, nb::arg("arena") = nb::none(), nb::arg("landing_region") = "",
      nb::arg("landing_offset") = 0, nb::arg("resident_offset") = 0, nb::arg("counter_base") = 0,
      nb::arg("pull_landing") = false,
-     "One TIDE-AG Program per rank (pull_landing: one node lands in each rank's own 'landing' user buffers "
-     "by pulling its peers' staged shards, [Note: pull landing]). arena={name: (offset, nbytes)} binds the programs to the caller's "
+     "One TIDE-AG Program per rank (pull_landing: each rank lands in its own 'landing' user buffers "
+     "by pulling its local peers' staged shards and, across nodes (a cast), their Bruck rounds' stage areas, "
+     "[Note: pull landing]). arena={name: (offset, nbytes)} binds the programs to the caller's "
      "arena layout (landing_region/landing_offset: where ring<slot> lands, e.g. 'fixed'; resident_offset: "
      "the group's adopted shards in 'resident'); counter_base offsets every counter index.");
 
@@ -195,6 +199,10 @@ void bind_program(nb::module_& m) {
   tags["Scatter"] = static_cast<int>(OpTag::kScatter);
   tags["RoundHead"] = static_cast<int>(OpTag::kRoundHead);
   tags["RoundTail"] = static_cast<int>(OpTag::kRoundTail);
+  tags["CastGate"] = static_cast<int>(OpTag::kCastGate);
+  tags["ReadySignal"] = static_cast<int>(OpTag::kReadySignal);
+  tags["CreditSignal"] = static_cast<int>(OpTag::kCreditSignal);
+  tags["Pull"] = static_cast<int>(OpTag::kPull);
   m.attr("op_tags") = tags;
   nb::dict faults;
   for (int k = 0; k <= static_cast<int>(FaultKind::kRailSizeMismatch); ++k)

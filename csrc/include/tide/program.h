@@ -57,8 +57,11 @@
 //   v1+ — Rails (with rails_name/parse_rails) lives here, beside Program::rails; it was declared in
 //        exec_options.h, which now includes this header. Collective gains kReduceScatterExpert
 //        (the session's expert lane; its programs carry kReduceScatter) and collective_name().
+//   v1+ — inject_fault narrows by Op::round too (kAnyRound: any); AgCallOptions.pull_landing
+//        across nodes ([Note: pull landing]).
 #pragma once
 
+#include <climits>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -348,10 +351,13 @@ struct AgCallOptions {
   int32_t group = 0;
   int64_t head_bytes = 0;     // per-round head bytes; 0 -> plan.opt.ag_head_bytes
   bool with_expects = true;   // fill Program::expects (N*P entries; off for large executor runs)
-  // [Note: pull landing] One node (M = 1) with a stage or resident shards: each rank lands the
-  // group in its own user buffers kLanding[p] (D_p rows, unpadded) by pulling every local peer's
-  // staged / resident shard (a COPY reading a local peer's arena), instead of peers pushing into
-  // its arena landing. For faces whose landing is not arena memory (XLA's result buffers).
+  // [Note: pull landing] Each rank lands the group in its own user buffers kLanding[p] (D_p rows,
+  // unpadded) by pulling (a COPY reading a local peer's arena) instead of peers pushing into its
+  // arena landing: for faces whose landing is not arena memory (XLA's results, FSDP2's unsharded
+  // parameters). One node (M = 1): every local peer's staged (a cast) or resident shard. Across
+  // nodes (M > 1, a cast only): the push program's paced Bruck rounds into the stage, and each
+  // rank pulls every local peer's slot 0 and, once it arrived, each round's area ([Note: pull
+  // landing across nodes], ag_program.cc). Not with the expert lane or multicast.
   bool pull_landing = false;
 };
 std::vector<Program> build_ag_programs(const Plan& plan, const AgCallOptions& opt);
@@ -432,6 +438,9 @@ enum class FaultKind : uint8_t {
 const char* fault_kind_name(FaultKind k);
 // Mutates progs[rank] in place; returns false when the program has no op the fault applies to.
 // `tag` narrows kDropWait/kDropFence to ops with that tag (kNone: first applicable).
-bool inject_fault(std::vector<Program>& progs, FaultKind kind, int rank, OpTag tag = OpTag::kNone);
+// `round` (not kAnyRound) narrows them further to ops of that round (Op::round; -1: none).
+constexpr int32_t kAnyRound = INT32_MIN;
+bool inject_fault(std::vector<Program>& progs, FaultKind kind, int rank, OpTag tag = OpTag::kNone,
+                  int32_t round = kAnyRound);
 
 }  // namespace tide

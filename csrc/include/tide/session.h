@@ -112,8 +112,8 @@ struct GroupPlacement {
   int64_t resident_offset = 0;     // the group's adopted shards from 'resident''s start
   bool multicast = false;          // mark local pushes/scatters multicast-capable (the gated path)
   bool expert_lane = false;        // the L_sub = 1 lane's recursive doubling (App. F)
-  // Land in the ranks' own kLanding user buffers by pulling (one node; [Note: pull landing] in
-  // tide/program.h): for faces whose landing is not arena memory.
+  // Land in the ranks' own kLanding user buffers by pulling (one node, or several with a cast;
+  // [Note: pull landing] in tide/program.h): for faces whose landing is not arena memory.
   bool pull_landing = false;
   // Every collective's first counter (shared arena: from the arena's CounterSpace; own arena:
   // leave at -1 and the session lays them out from 0).
