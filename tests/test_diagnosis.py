@@ -20,6 +20,11 @@ def test_roots_are_read_from_the_wait_chains():
     assert diagnosis.root_of("rank 1 call seq 1: entry fence (before op 0) waits for rank 3 to start run #1 "
                              "(it has started 0): rank 3 is behind (still in an earlier collective)", 1) == 3
     assert diagnosis.root_of("rank 2 op 7 waits for counter 3 (a dropped signal)", 2) is None
+    # The rank executor reads a remote producer's entry fence: behind (the root), or in the call.
+    assert diagnosis.root_of("rank 2 ... producer: rank 3 op 10 SIGNAL [readiness]; root: rank 3 is behind (it "
+                             "has not started run #1: still in an earlier collective, stalled or dead)", 2) == 3
+    assert diagnosis.root_of("rank 0 ... producer: rank 1 op 10 SIGNAL [readiness]; rank 1 has started run #1 "
+                             "and waits in its own process (its waits are not visible here)", 0) == 1
 
 
 def test_the_chain_reaches_the_rank_that_stopped():

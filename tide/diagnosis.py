@@ -31,7 +31,7 @@ from typing import Any, Callable
 import tide
 
 _ROOT = (re.compile(r"root: rank (\d+)"),
-         re.compile(r"rank (\d+) (?:never posted|is behind|is not blocked|runs in its own process)"))
+         re.compile(r"rank (\d+) (?:never posted|is behind|is not blocked|runs in its own process|has started run)"))
 _PREFIX = "tide/timeout/"
 
 

@@ -178,8 +178,17 @@ struct Runner {
       if (std::find(seen.begin(), seen.end(), p) != seen.end()) break;
       seen.push_back(p);
       if (opt.peers_remote && (p < lo || p >= hi)) {  // RankExecutor: a producer in another process
-        out += TIDE_STR_CAT("; rank ", p, " runs in its own process (behind, stalled or dead; its waits are "
-                            "not visible here)");
+        // Its entry-fence counter (the last one, [Note: entry fence]) says whether it reached this run.
+        const uint64_t f = opt.fence_run > 0 ? arena.counters(p)[arena.num_counters() - 1].load() : 0;
+        if (opt.fence_run > 0 && f < fence_started(opt.fence_run))
+          out += TIDE_STR_CAT("; root: rank ", p, " is behind (it has not started run #", opt.fence_run,
+                              ": still in an earlier collective, stalled or dead)");
+        else if (opt.fence_run > 0)
+          out += TIDE_STR_CAT("; rank ", p, " has started run #", opt.fence_run, " and waits in its own process "
+                              "(its waits are not visible here)");
+        else
+          out += TIDE_STR_CAT("; rank ", p, " runs in its own process (behind, stalled or dead; its waits are "
+                              "not visible here)");
         break;
       }
       const BlockedWait* found = nullptr;

@@ -214,6 +214,7 @@ void RankExecutor::run(const ProgramSet& set, int64_t seq, const RankBindings& b
   static_cast<ExecutorOptions&>(opt) = opt_;
   opt.verify_agreement = false;
   opt.peers_remote = true;
+  opt.fence_run = run;
   opt.rail = rail_.get();
   opt.rail_ranks = &members;
   opt.interrupted = interrupted_;

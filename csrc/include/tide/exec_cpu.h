@@ -69,6 +69,9 @@ struct CpuRunOptions : ExecutorOptions {
   int dead_rank = -1;
   int64_t dead_op = 0;
   bool peers_remote = false;  // RankExecutor: peers' blocked waits are not visible (messages)
+  // RankExecutor: this run's entry-fence number k (0: unfenced). A timeout's message then reads
+  // a remote producer's fence counter: a producer that has not started run k is the root.
+  uint64_t fence_run = 0;
   // Two-sided programs ([Note: two-sided rails]): the transport of their SEND/RECV groups, and the
   // rail rank of each program rank (null: the same numbers).
   Rail* rail = nullptr;
