@@ -152,17 +152,20 @@ def _a_peer_that_stops(rank, world):
         assert waited < 2.0 + 4, waited
         assert re.search(r"rank \d .*call seq 1", msg), msg
         assert "rail group" in msg or "waits for counter" in msg or "entry fence" in msg, msg
-        # Each survivor names a peer as the root, never itself; the dead rank's rail peer (rank 1)
-        # and its node peer (rank 2) name rank 3; rank 0 sees only rank 2, which is behind, and
-        # the survivors' diagnosis (posted roots) takes it on to rank 3, which stopped.
+        # Each survivor names a peer as the root, never itself. The AG pulls (a cast, [Note: pull
+        # landing]): the dead rank's rail peer (rank 1) and its node peer (rank 2) name rank 3;
+        # rank 0 waits for the round area rank 1 pulls it from, and rank 1 has started the call
+        # (its fence says so), so the survivors' diagnosis (posted roots) takes it on to rank 3.
         assert not re.search(rf"root: rank {rank}\b", msg) and "runs in its own process" not in msg, msg
-        expected_root = 2 if rank == 0 else 3
-        assert re.search(rf"rank {expected_root} (never posted|is behind)", msg), msg
+        if rank == 0:
+            assert "rank 1 has started run #1" in msg, msg
+        else:
+            assert re.search(r"rank 3 (never posted|is behind)", msg), msg
         diagnosis = msg.split("survivors' diagnosis: ", 1)[-1]
         assert "survivors' diagnosis: " in msg and diagnosis.endswith(
             "rank 3 stopped (it posted no timeout diagnosis: dead, hung outside TIDE, or it never made this call)"), msg
         if rank == 0:
-            assert diagnosis.startswith("rank 2 (timed out, waits for rank 3) -> rank 3 stopped"), msg
+            assert diagnosis.startswith("rank 1 (timed out, waits for rank 3) -> rank 3 stopped"), msg
         os._exit(0)  # fail-stop: the process ends (gloo transfers to the dead peer stay posted)
     raise AssertionError(f"rank {rank}: training went on without rank 3")
 

@@ -6,11 +6,12 @@ The adapter hands the transport per-parameter tensors whose addresses the plan f
   p: the adopted resident shard (read in place), or the fp32 master shard that the transport
   casts into the group's receive-stage slot (mixed precision). ``landings[p]`` is the padded
   unsharded buffer (``N * e_p`` items at arena offset ``landing(p, 0)`` of p's chunk). Afterwards
-  every rank's shard r of p sits at ``landing(p, r)`` (Eq. 2): no copy-out. On one node with a
-  cast, every rank pulls its peers' staged shards into its own landing ([Note: pull landing] in
-  csrc/program/ag_program.cc): its landing is written by it alone, on its own stream, so the call
-  needs no round that waits for the peers' callers to free their landings, only their staged
-  shards. A group of several
+  every rank's shard r of p sits at ``landing(p, r)`` (Eq. 2): no copy-out. With a cast (one
+  node or several), every rank pulls its local peers' staged shards, and across nodes each
+  Bruck round's stage area once it arrived, into its own landing ([Note: pull landing] in
+  tide/program.h, ag_program.cc): its landing is written by it alone, on its own streams, so
+  the call needs no round that waits for the peers' callers to free their landings, only their
+  staged shards. A group of several
   dtype classes or of more than 256 parameters runs one TIDE-AG per chunk (groups.py
   [Note: chunks]); with
   ``post_forward``, ``inputs[p]`` is FSDP2's post-forward shard and the re-gather runs over the
@@ -116,8 +117,9 @@ class ExecutorTransport:
     @staticmethod
     def pulls(plan: Any, post_forward: bool) -> bool:
         """Whether the AG of ``plan`` pulls into each rank's own landing (see the module note):
-        one node and a cast (the peers pull from the stage), not the post-forward re-gather."""
-        return not post_forward and plan.nodes == 1 and plan.shard_dtype != plan.ag_dtype
+        a cast (the peers pull from the stage, on any number of nodes), not the post-forward
+        re-gather."""
+        return not post_forward and plan.shard_dtype != plan.ag_dtype
 
     def session(self, tg: Any, plan: Any, which: str, chunk: Any = None, members=None,
                 pull: bool = False) -> Any:
