@@ -1,7 +1,8 @@
 """The pull landing run on the CPU virtual cluster ([Note: pull landing] in tide/program.h; across
 nodes [Note: pull landing across nodes] in csrc/program/ag_program.cc): every rank's own landing
 buffers (D_p rows, poisoned before each call) hold, bit for bit, the rows [0, D_p) the push program
-lands in its ring slot, for integer data over calls seq 1..3, on one-sided and two-sided rails; the pull programs fit the push programs' counters and arena."""
+lands in its ring slot, for integer data over calls seq 1..3, on one-sided and two-sided rails; the
+pull programs fit the push programs' counters and arena."""
 import numpy as np
 import pytest
 
