@@ -185,7 +185,7 @@ def train_tide(mesh, graphdef, params, tx, data, warmup, nodes=0, serve_single_r
 
     # The copy the XLA face adds where TIDE-AG cannot land in XLA's results (docs/xla.md): the
     # group's unsharded bf16 parameters, copied out of the arena landing; 0 for a group that
-    # lands there by pulling (one node, fp32 shards). Calls per step: the tide_all_gather custom
+    # lands there by pulling (fp32 shards, any number of nodes). Calls per step: the tide_all_gather custom
     # calls of the lowered step (each group gathered once).
     hlo = step.lower(shards, opt_state, jax.ShapeDtypeStruct(data[0].shape, jnp.int32)).as_text()
     calls = hlo.count("@tide_all_gather")

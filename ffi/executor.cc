@@ -10,10 +10,12 @@
 // each rank then does its own completion work (CompleteRank).
 //
 // Buffers (the push rule of program.h: a rank touches user buffers of its own rank only):
-//   TIDE-AG  shard[p] <- XLA operand p (R_p rows, padded); the landing is the arena's ring slot 0;
-//            CompleteRank copies rank r's landing rows [0, D_p) of each parameter into XLA
-//            result p. That copy is the one the XLA face adds: XLA allocates its results, and
-//            peers may only write arena memory.
+//   TIDE-AG  shard[p] <- XLA operand p (R_p rows, padded). With a cast (fp32 shards), on any
+//            number of nodes, landing[p] <- XLA result p: the rank pulls its peers' stage areas
+//            into it (pull_landing, session_state.cc) and nothing is copied. Without one (shards
+//            in the AG dtype) the landing is the arena's ring slot 0 and CompleteRank copies rank
+//            r's landing rows [0, D_p) of each parameter into XLA result p. That copy is the one
+//            the XLA face adds: XLA allocates its results, and peers may only write arena memory.
 //   TIDE-RS  grad[p] <- XLA operand p (read in place); out <- XLA's packed fp32 result (written
 //            in place; with accumulate it is the donated accumulator, aliased by XLA).
 //

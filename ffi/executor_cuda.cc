@@ -15,7 +15,9 @@
 // what preceded this call, the accumulator copy included), and each XLA stream waits for the
 // whole call. CompleteRank (rank r's thread) then enqueues TIDE-AG's copy of rank r's landing into
 // XLA's results on rank r's XLA stream, where the next call's handoff orders it before that
-// call's readiness signals (peers never push into a landing XLA's stream is still reading).
+// call's readiness signals (peers never push into a landing XLA's stream is still reading). A
+// pulled plan (a cast, any number of nodes: pull_landing in session_state.cc) has no such copy:
+// the rank's own pulls wrote XLA's results, and its XLA stream waits for them with the call.
 //
 // Errors: construction and enqueue errors throw as on the CPU (PlanError -> INVALID_ARGUMENT, a
 // wait whose producer is never issued -> TimeoutError -> DEADLINE_EXCEEDED). A wait that is late

@@ -11,7 +11,11 @@
 
 namespace tide::xla_ffi {
 
-bool pull_landing(const Plan& plan) { return plan.topo.nodes == 1 && plan.sig.needs_cast(); }
+// Wherever the plan has a cast, on any number of nodes: one node pulls the peers' staged shards,
+// several keep the Bruck rounds and pull the peers' round areas ([Note: pull landing across nodes]
+// in csrc/program/ag_program.cc). The pull programs use the push programs' counters and arena
+// (one- and two-sided), so the arena, the segments and the counter ranges stay as they are.
+bool pull_landing(const Plan& plan) { return plan.sig.needs_cast(); }
 
 SessionRegistry& session_states() {
   // Never destroyed at exit: its streams and arenas would otherwise be torn down in a static

@@ -137,8 +137,10 @@ struct GroupCall {
 // session over its executor in the face's SessionRegistry (session_state.cc; tide/session_registry.h);
 // `make` builds the executor for the session's arena the first time. run_session: one call of the group through its session (streams: per rank, CUDA).
 // TIDE-AG lands in XLA's result buffers by pulling ([Note: pull landing] in tide/program.h) where
-// the plan allows it: one node and fp32 shards cast to the AG dtype (the stage the peers read).
-// Otherwise it lands in the arena's ring slot and the rank copies the landing out.
+// the plan allows it: fp32 shards cast to the AG dtype (the stage the peers read), on one node or
+// several (across nodes the Bruck rounds fill the stage areas the peers pull from). Otherwise
+// (shards already in the AG dtype: no stage) it lands in the arena's ring slot and the rank
+// copies the landing out.
 bool pull_landing(const Plan& plan);
 // [Note: state lifetime] A state belongs to its mesh's device table (call.table, the registry's
 // scope): it lives until release_table(table) (tide_xla.release, or a re-init of the mesh), which
@@ -187,7 +189,8 @@ RankBindingList rank_bindings(const GroupCall& call, const RankIo& io);
 // naming the rank and segment on failure. An existing state is kept (idempotent).
 void open_rank_state(const RankStateKey& key, std::shared_ptr<const Plan> plan,
                      const std::vector<std::string>& segments, int64_t timeout_ms);
-// Runs `io.rank`'s program of one call (AG: then copies its landing into XLA's results).
+// Runs `io.rank`'s program of one call (AG without a cast: then copies its landing into XLA's
+// results; with one it pulled into them).
 void RunRankCall(const GroupCall& call, uint64_t table, const RankIo& io);
 
 // With call.spec.cuda both forward to ExecuteGroupCuda/CompleteRankCuda (executor_cuda.cc,

@@ -1,7 +1,8 @@
 """The pull landing run on the CPU virtual cluster ([Note: pull landing] in tide/program.h; across
 nodes [Note: pull landing across nodes] in csrc/program/ag_program.cc): every rank's own landing
 buffers (D_p rows, poisoned before each call) hold, bit for bit, the rows [0, D_p) the push program
-lands in its ring slot, for integer data over calls seq 1..3, on one-sided and two-sided rails."""
+lands in its ring slot, for integer data over calls seq 1..3, on one-sided and two-sided rails; the
+pull programs fit the push programs' counters and arena."""
 import numpy as np
 import pytest
 
@@ -61,3 +62,16 @@ def test_strided_pulls_appear_where_runs_are_long():
     ps = _core.build_ag_programs(plan, resident=False, pull_landing=True)
     pulls = [d for d in ps.describe(0) if "tag=Pull" in d]
     assert any("x4}" in d for d in pulls), pulls  # round 2 delivers nodes 4..7: one 2-D copy
+
+
+@pytest.mark.parametrize("M,L", [(2, 2), (4, 2), (2, 1), (3, 2), (2, 4), (8, 1)])
+def test_pull_programs_fit_the_push_programs_counters_and_arena(M, L):
+    """The faces size a pulled group's arena, segments and counter ranges as the push program's
+    (program_counters / session_arena / rank_arena build no pull programs): the pull programs'
+    counters fit them on one- and two-sided rails, in the same arena layout."""
+    _, plan = make_plan(M, L, shapes=SHAPES, shard_dtype="float32")
+    pull = _core.build_ag_programs(plan, resident=False, pull_landing=True, with_expects=False)
+    push = _core.build_ag_programs(plan, resident=False, with_expects=False)
+    assert pull.arena_bytes() == push.arena_bytes()
+    assert pull.num_counters <= _core.program_counters(plan, "all_gather", "one_sided")
+    assert pull.lowered().num_counters <= _core.program_counters(plan, "all_gather", "two_sided")

@@ -1,5 +1,6 @@
 """TIDE-AG through XLA FFI equals jax.lax.all_gather (2 x 4 and 4 x 2 virtual clusters, and an
-fsdp x data mesh)."""
+fsdp x data mesh); with fp32 shards it pulls into XLA's results on one node and across nodes (bit
+for bit the one-node gather, one- and two-sided rails)."""
 import os
 
 import numpy as np
@@ -123,8 +124,9 @@ def test_linen_variables_round_trip_and_apply():
 
 @pytest.mark.parametrize("topology,shard_dtype,pulls", [
     ((1, 8), jnp.float32, True),    # one node, fp32 shards: TIDE-AG pulls into XLA's results
-    ((2, 4), jnp.float32, False),   # two nodes: the Bruck rounds land in the arena, one copy-out
+    ((2, 4), jnp.float32, True),    # two nodes, fp32 shards: pulls of the peers' round areas too
     ((1, 8), jnp.bfloat16, False),  # bf16 shards: no stage to pull from
+    ((2, 4), jnp.bfloat16, False),  # ... on any number of nodes: one copy-out
 ])
 def test_copy_out_bytes_says_where_the_landing_copy_remains(topology, shard_dtype, pulls):
     """tide_xla.copy_out_bytes: 0 for a group that lands in XLA's results by pulling, else its
@@ -141,6 +143,71 @@ def test_copy_out_bytes_says_where_the_landing_copy_remains(topology, shard_dtyp
     want = gathered_copies(mesh, "fsdp", layout, sharded, use_tide=False)
     for k in SHAPES:
         assert np.array_equal(np.asarray(got[k]).view(np.uint16), np.asarray(want[k]).view(np.uint16)), k
+
+
+def int_params(seed, dtype=jnp.float32):
+    """Small integers: exact in bf16, so every cast and gather is bit-comparable."""
+    rng = np.random.default_rng(seed)
+    return {k: jnp.asarray(rng.integers(-64, 64, s), dtype) for k, s in SHAPES.items()}
+
+
+def two_groups(path):
+    return "ac" if jax.tree_util.keystr(path) in ("['a']", "['c']") else "bde"
+
+
+@pytest.mark.parametrize("mesh_shape,topology", [((8,), (2, 4)), ((8,), (4, 2)), ((8,), (8, 1)),
+                                                 ((4, 2), (2, 2))])  # fsdp x data: 2 groups of 2 x 2
+def test_pull_landing_across_nodes_equals_one_node_bitwise(mesh_shape, topology):
+    """fp32 shards and a bf16 AG on several nodes ([Note: pull landing across nodes] in
+    csrc/program/ag_program.cc): the handlers' plan pulls (group_plan's pull_landing,
+    copy_out_bytes 0), and XLA's results hold, bit for bit, what one node gathers and what
+    jax.lax.all_gather gives, for integer data over two calls."""
+    from tide_xla.context import MODES, context_for
+    names = ("fsdp",) if len(mesh_shape) == 1 else ("fsdp", "data")
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(mesh_shape), names)
+    n = mesh_shape[0]
+    assert topology[0] > 1 and topology[0] * topology[1] == n
+    for seed in (7, 8):  # a second call of the same states: the credits of call 1 released the stage
+        full = int_params(seed)
+        got = {}
+        for topo in ((1, n), topology):
+            tide_xla.init(mesh, "fsdp", topology=topo)
+            sharded, layout = tide_xla.shard(full, mesh, "fsdp", group_key=two_groups)
+            assert len(layout.groups) == 2 and layout.shard_dtype == jnp.float32
+            ctx = context_for(mesh, "fsdp")
+            for g in layout.groups:
+                info = _ffi.group_plan("tide_all_gather", [list(layout.leaves[i].shape) for i in g.leaves],
+                                       "float32", "bfloat16", ctx.nodes, ctx.gpus_per_node, MODES[ctx.mode])
+                assert info["pull_landing"], (topo, g.name)
+            assert tide_xla.copy_out_bytes(layout) == {g.name: 0 for g in layout.groups}
+            got[topo] = gathered_copies(mesh, "fsdp", layout, sharded, use_tide=True)
+        want = gathered_copies(mesh, "fsdp", layout, sharded, use_tide=False)
+        for k, shape in SHAPES.items():
+            bits = np.asarray(got[topology][k]).view(np.uint16)
+            assert got[topology][k].shape == (8, *shape)
+            np.testing.assert_array_equal(bits, np.asarray(got[(1, n)][k]).view(np.uint16), err_msg=k)
+            np.testing.assert_array_equal(bits, np.asarray(want[k]).view(np.uint16), err_msg=k)
+            ref = np.asarray(full[k].astype(jnp.bfloat16)).view(np.uint16)
+            np.testing.assert_array_equal(bits, np.broadcast_to(ref, bits.shape), err_msg=k)
+
+
+def test_pull_landing_across_nodes_on_two_sided_rails(monkeypatch):
+    """The XLA:CPU executor on two-sided rails (TIDE_EXEC_OPTIONS=rails=two_sided: the Bruck
+    rounds lowered to SEND/RECV, as on CUDA across processes): the pulled gather on 2 x 4 is
+    still bit for bit jax.lax.all_gather's."""
+    monkeypatch.setenv("TIDE_EXEC_OPTIONS", "rails=two_sided")
+    mesh = Mesh(np.array(jax.devices()[:8]), ("fsdp",))
+    tide_xla.init(mesh, "fsdp", topology=(2, 4))  # fresh states: their executors read the option
+    try:
+        sharded, layout = tide_xla.shard(int_params(9), mesh, "fsdp", group_key=two_groups)
+        assert tide_xla.copy_out_bytes(layout) == {g.name: 0 for g in layout.groups}
+        got = gathered_copies(mesh, "fsdp", layout, sharded, use_tide=True)
+        want = gathered_copies(mesh, "fsdp", layout, sharded, use_tide=False)
+        for k in SHAPES:
+            np.testing.assert_array_equal(np.asarray(got[k]).view(np.uint16),
+                                          np.asarray(want[k]).view(np.uint16), err_msg=k)
+    finally:
+        tide_xla.release(mesh)  # no later test runs on these two-sided states
 
 
 def test_handler_stats_count_every_devices_call():

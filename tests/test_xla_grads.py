@@ -1,6 +1,7 @@
 """TIDE-RS through XLA FFI: gradients of a small Flax NNX transformer equal a single-device
 reference; exact-sum data is bit-equal to psum_scatter of upcast gradients; remat and the 2-D
-mesh; fp32 accumulation in place through donation."""
+mesh; fp32 accumulation in place through donation; an SGD step whose gathers pull across nodes
+bit-equal to the one-node step."""
 import functools
 import os
 
@@ -210,3 +211,55 @@ def test_grads_through_a_scan_body():
                                       for i in range(3)))(wb).astype(jnp.float32)
     want = np.asarray(jnp.sum(jax.vmap(ref_one)(xs), 0))
     np.testing.assert_allclose(got, want, rtol=0, atol=2e-2 * max(1.0, np.abs(want).max()))
+
+
+@pytest.mark.parametrize("mesh_shape,topology", [((8,), (2, 4)), ((4, 2), (2, 2))])
+def test_train_step_pulling_across_nodes_equals_one_node_bitwise(mesh_shape, topology):
+    """fp32 shards on several nodes: the forward gather pulls into XLA's results
+    (copy_out_bytes 0, [Note: pull landing across nodes] in csrc/program/ag_program.cc), and
+    two SGD steps (gather, loss, TIDE-RS of the bf16 gradients, update) on integer data end bit
+    for bit where the one-node steps and numpy end; the loss (built from the gathered values) too."""
+    names = ("fsdp",) if len(mesh_shape) == 1 else ("fsdp", "data")
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(mesh_shape), names)
+    n = mesh_shape[0]
+    shapes = {"a": (10, 3), "b": (5,), "c": (16, 8), "e": (1, 7)}
+    rng = np.random.default_rng(11)
+    w0 = {k: rng.integers(-16, 16, s).astype(np.float32) for k, s in shapes.items()}
+    xs = {k: rng.integers(-4, 4, (8, *s)).astype(np.float32) for k, s in shapes.items()}  # per device
+    batch = P(mesh.axis_names)
+
+    def run(topo):
+        tide_xla.init(mesh, "fsdp", topology=topo)
+        sharded, layout = tide_xla.shard({k: jnp.asarray(v) for k, v in w0.items()}, mesh, "fsdp",
+                                         group_key=lambda path: "one")
+        assert len(layout.groups) == 1
+        assert tide_xla.copy_out_bytes(layout) == {g.name: 0 for g in layout.groups}
+
+        def local(s, x):
+            def loss(s):
+                full = tide_xla.gather(s, layout)
+                return sum(jnp.sum(full[k].astype(jnp.float32) * x[k][0]) for k in shapes)
+            value, g = jax.value_and_grad(loss)(s)
+            return jax.tree.map(lambda p, d: p - 0.5 * d, s, g), value[None]
+
+        step = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(layout.specs, {k: batch for k in shapes}),
+                                     out_specs=(layout.specs, batch)))
+        x = {k: jnp.asarray(v) for k, v in xs.items()}
+        losses = []
+        for _ in range(2):
+            sharded, value = step(sharded, x)
+            losses.append(np.asarray(value))
+        return {k: np.asarray(v) for k, v in layout.unshard(sharded).items()}, losses
+
+    got, got_loss = run(topology)
+    one, one_loss = run((1, n))
+    w, want_loss = dict(w0), []
+    for _ in range(2):  # numpy: every product and sum is a small integer (exact in fp32)
+        want_loss.append(np.stack([sum(np.sum(w[k] * xs[k][d]) for k in shapes) for d in range(8)]))
+        w = {k: w[k] - 0.5 * xs[k].sum(0) for k in shapes}
+    for k in shapes:
+        np.testing.assert_array_equal(got[k].view(np.uint32), one[k].view(np.uint32), err_msg=k)
+        np.testing.assert_array_equal(got[k].view(np.uint32), w[k].view(np.uint32), err_msg=k)
+    for a, b, c in zip(got_loss, one_loss, want_loss):
+        np.testing.assert_array_equal(a, b)
+        np.testing.assert_array_equal(a, c)

@@ -150,9 +150,10 @@ def gather(shards, layout: ShardLayout, *, grad_scale: float = 1.0):
 
 def copy_out_bytes(layout: ShardLayout) -> dict[str, int]:
     """{group name: bytes} that each device's TIDE-AG call of the group copies from its arena
-    landing into XLA's results: 0 where the group lands in XLA's results directly by pulling (one
-    node, fp32 shards cast to the AG dtype: [Note: pull landing] in tide/program.h), else its
-    unsharded parameters (docs/xla.md). Needs tide_xla.init() for the layout's mesh."""
+    landing into XLA's results: 0 where the group lands in XLA's results directly by pulling (fp32
+    shards cast to the AG dtype, on any number of nodes: [Note: pull landing] in tide/program.h),
+    else (shards in the AG dtype) its unsharded parameters (docs/xla.md). Needs tide_xla.init()
+    for the layout's mesh."""
     import numpy as np
 
     from tide_xla._registration import ffi_module
