@@ -65,7 +65,7 @@ def _prefetch_two(model):
     return model
 
 
-def _against_stock(make, before, topo, what, *, after_enable=None):
+def _against_stock(make, before, topo, what, *, after_enable=None, mode="in_place"):
     """Stock and TIDE models from ``make()``, stepped alike; bitwise equal after every step.
     Returns TIDE's handle (still enabled), its per-step records and the log lines."""
     import tide_torch
@@ -74,7 +74,7 @@ def _against_stock(make, before, topo, what, *, after_enable=None):
     lines = _Lines()
     logging.getLogger("tide_torch").addHandler(lines)
     try:
-        handle = tide_torch.enable(model, topology=topo)
+        handle = tide_torch.enable(model, topology=topo, mode=mode)
         if after_enable is not None:
             after_enable(model)
         got = _steps(model, DATA, before, handle)
@@ -116,12 +116,14 @@ def _moved(rank, world):
     two_nodes, one_node = tide.Topology(nodes=2, gpus_per_node=2), tide.Topology(nodes=1, gpus_per_node=4)
 
     # A manual unshard() of every block before the forward: layers.2 finds ring0 held by the
-    # live layers.0 and moves before its first landing.
-    what = "unshard all, bf16"
-    handle, got, lines = _against_stock(lambda: build(mesh=mesh, mp_policy=bf16), _unshard_all,
-                                        two_nodes, what)
-    _served_in_own_storage(handle, got, lines, what, {"layers.2"})
-    handle.disable()
+    # live layers.0 and moves before its first landing (Slot-Reuse: its gradients then stay in
+    # autograd's storage).
+    for mode in ("in_place", "slot_reuse"):
+        what = f"unshard all, bf16, {mode}"
+        handle, got, lines = _against_stock(lambda: build(mesh=mesh, mp_policy=bf16), _unshard_all,
+                                            two_nodes, what, mode=mode)
+        _served_in_own_storage(handle, got, lines, what, {"layers.2"})
+        handle.disable()
 
     # Forward prefetching two ahead, set after enable(): the ring's 2 slots no longer fit, so
     # every ring group moves at its first landing.
