@@ -9,7 +9,8 @@ FSDP2 layout op in a profiled step, parameters bitwise equal to stock (exact gra
 - a frozen parameter inside a group (a reduce-scatter with a subset of the gradients);
 - explicit prefetching two modules ahead (the ring grows, placement.py [Note: ring depth]);
 - a manual ``unshard()`` of every block before the forward: the group that finds its slot taken
-  moves to its own storage (one log line, its all-gathers handed back and counted), no error;
+  moves to its own storage (one log line), where its all-gathers still land through TIDE (they
+  pull: all_gather.py [Note: own-storage landing]), no error, nothing handed back;
 - ``reduce_dtype=torch.bfloat16``: one rounding of TIDE-RS's fp32 sum, no further from the fp32
   reference than stock's bf16 reduce-scatter ([Note: low-precision reduce]); ``torch.float16``:
   FSDP2's pre-division folded into alpha, within one fp16 ulp, closer than stock's fp16 ring
@@ -127,9 +128,9 @@ def _configurations(rank, world):
                 b.unshard()
             train(m, data[step:step + 1])
     handle = _against_stock(lambda: build(mesh=mesh), unsharding_train, "unshard all")
-    moved = [k for k in handle.hand_backs if k[1] == "ag" and "own storage" in k[2]]
-    assert moved, handle.hand_backs
-    assert handle.stats["rs_stock"] == 0 and handle.stats["ag_tide"] > 0, handle.stats
+    assert [g.fqn for g in handle.groups if g.moved] == ["layers.2"], handle.groups
+    _served_everywhere(handle, "unshard all")
+    assert handle.stats["ag_own_storage"] > 0, handle.stats
     handle.disable()
 
     # reshard_after_forward=2: backward re-gathers over the 2-rank post-forward groups, in place.

@@ -15,6 +15,13 @@ The copy-out is FSDP2's per-group seam where it has one (``copy_out_for``), else
 The landing buffers are the FSDPParams' ``all_gather_outputs``: zero-offset arena views at the
 planned landing addresses, from which FSDP2's own ``init_unsharded_param`` builds the unsharded
 parameters once (``as_strided(..., storage_offset=0)``), so they keep those addresses.
+
+A group that moved to storage of its own (placement.py [Note: ring depth]) keeps TIDE-AG where
+its all-gather is a pull landing (a cast: comm.py ``pulls``): it lands straight in FSDP2's own
+``all_gather_outputs``, allocated and freed as stock does (see [Note: own-storage landing]),
+with no copy-out. Without a cast, and for the post-forward re-gather, TIDE-AG pushes into the
+peers' landings, which must be arena memory: those calls are handed to stock FSDP2 (counted,
+one log line naming why).
 """
 from __future__ import annotations
 
@@ -23,7 +30,7 @@ from typing import Any
 import torch
 from torch.distributed.device_mesh import _get_device_handle
 
-from tide_torch import _patches, extensions
+from tide_torch import _patches, comm, extensions
 
 # id(FSDPParamGroup.fsdp_params) -> TideGroup. The list object is the group's identity in the
 # calls FSDP2 makes to foreach_all_gather / foreach_all_gather_copy_out.
@@ -38,10 +45,12 @@ def _served(fsdp_params: list, group: Any) -> Any | None:
     tg = REGISTRY.get(id(fsdp_params))
     if tg is None or _patches.compiled_autograd_enabled():
         return None
-    if tg.ag_stock_reason is not None:
-        tg.runtime.hand_back(tg, "ag", tg.ag_stock_reason)
-        return None
     states = {fp.sharded_state for fp in fsdp_params}
+    post_forward = group.size() != tg.world
+    why = None if tg.moved is None else own_storage_stock_reason(tg, post_forward)
+    if why is not None:
+        tg.runtime.hand_back(tg, "ag", why)
+        return None
     if group.size() == tg.world and states == {_patches.ShardedState.SHARDED}:
         return tg
     if (states == {_patches.ShardedState.SHARDED_POST_FORWARD} and tg.post_forward_ranks
@@ -64,28 +73,34 @@ def foreach_all_gather(fsdp_params, group, async_op, all_gather_copy_in_stream,
             all_gather_comm)
     rt = tg.runtime
     handle = _get_device_handle(device.type)
+    compute_stream = handle.current_stream()  # FSDP2's: reads the parameters, frees own storage
+    post_forward = group.size() != tg.world
+    why = None
     with handle.stream(all_gather_copy_in_stream):
         # [Note: ring-slot reuse] The slot this group lands in was last written by the group two
         # positions earlier (or, under Slot-Reuse, holds its gradients until the reduce-scatter
         # has read them). acquire_slot checks that group is resharded and makes this stream wait
-        # for the event that released the slot.
-        landed = rt.acquire_slot(tg, all_gather_copy_in_stream)
-        post_forward = group.size() != tg.world
-        inputs = None if not landed else (
+        # for the event that released the slot; where tg no longer fits the ring it moves to its
+        # own storage instead (placement.py, [Note: ring depth]).
+        if tg.moved is None:
+            rt.acquire_slot(tg, all_gather_copy_in_stream)
+        if tg.moved is not None:
+            why = own_storage_stock_reason(tg, post_forward)
+        inputs = None if why is not None else (
             [fp._sharded_post_forward_param_data for fp in fsdp_params] if post_forward
             else _all_gather_inputs(tg, all_gather_stream))
-    if isinstance(inputs, str):  # pre-all-gather outputs that differ from the plan
-        rt.hand_back(tg, "ag", inputs)
-        landed = False
-    elif not landed:  # tg has moved to its own storage (placement.py, [Note: ring depth])
-        rt.hand_back(tg, "ag", tg.ag_stock_reason)
-    if not landed:
+        if isinstance(inputs, str):  # pre-all-gather outputs that differ from the plan
+            why = inputs
+        landings = None if why is not None else (
+            tg.landing_views if tg.moved is None
+            else own_landings(tg, device, (compute_stream, all_gather_stream)))
+    if why is not None:
+        rt.hand_back(tg, "ag", why)
         return _patches.stock(_patches._pg, "foreach_all_gather")(
             fsdp_params, group, async_op, all_gather_copy_in_stream, all_gather_stream, device,
             all_gather_comm)
     all_gather_stream.wait_stream(all_gather_copy_in_stream)
     with handle.stream(all_gather_stream):
-        landings = tg.landing_views
         outs = tuple(t for t in landings if not t.is_inference())
         # Landing writes the storage autograd saved for backward; like FSDP2's copy-out it must
         # not bump the version counter.
@@ -98,6 +113,7 @@ def foreach_all_gather(fsdp_params, group, async_op, all_gather_copy_in_stream,
         event = all_gather_stream.record_event()
         rt.stats["ag_tide"] += 1
         rt.stats["ag_post_forward"] += post_forward
+        rt.stats["ag_own_storage"] += tg.moved is not None
         # Per parameter, its items' (pre-all-gather outputs') dtypes and numels, as FSDP2's.
         return TideAllGatherResult(
             all_gather_output=landings[0],
@@ -175,14 +191,76 @@ def unadopt_shard(tg: Any, p: int) -> None:
 
 def release_landing(tg: Any) -> None:
     """tg's parameters leave their arena landing for FSDP2's own storage (tg is sharded: no live
-    parameter points there). FSDP2 allocates fresh all-gather outputs at the next unshard and
-    frees them at reshard, as stock does; the adopted shards stay where they are."""
+    parameter points there). Fresh all-gather outputs are allocated at the next unshard (by
+    ``own_landings`` or stock's copy-out) and FSDP2 frees them at reshard, as stock does; the
+    adopted shards stay where they are."""
     for fp in tg.pg.fsdp_params:
         _patches.unpatch_param_free(fp)
         fp.all_gather_outputs = []
         fp._unsharded_inner_tensors = []  # an extension's may alias the landing
         if hasattr(fp, "_unsharded_param"):
             del fp._unsharded_param
+
+
+def own_storage_stock_reason(tg: Any, post_forward: bool) -> str | None:
+    """Why an all-gather of tg, which moved to its own storage, goes to stock FSDP2; None where
+    TIDE-AG pulls into the own storage ([Note: own-storage landing])."""
+    moved = f"moved to its own storage ({tg.moved})"
+    if post_forward:
+        return (f"{moved}; the post-forward re-gather pushes into the ranks' landings, which must "
+                "be arena memory")
+    for c in tg.chunks:
+        if not comm.ExecutorTransport.pulls(c.plan, False):
+            what = "extension outputs" if c.extension else f"{_name(c.shard_dtype)} shards"
+            return (f"{moved}; its {what} are all-gathered without a cast, so TIDE-AG pushes "
+                    "into the peers' landings, which must be arena memory (a cast, e.g. "
+                    "MixedPrecisionPolicy(param_dtype=torch.bfloat16) over fp32 shards, pulls)")
+    return None
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+# [Note: own-storage landing]
+# A group that moved to its own storage (placement.py [Note: ring depth]) lands in its
+# parameters' FSDP2 ``all_gather_outputs``, not in arena memory. Where its all-gather pulls (every
+# chunk casts; never the post-forward re-gather), each rank's landing is written by that rank
+# alone, from the peers' stage slots (comm.py; [Note: pull landing] in tide/program.h), so
+# TIDE-AG binds those outputs per call and lands in them: no copy-out. The lifetimes are stock
+# FSDP2's: its own ``free_unsharded_param`` (restored by release_landing) frees the outputs'
+# storage at reshard, and they are allocated back here at the next unshard, as stock's copy-out
+# does it (``init_all_gather_outputs`` the first time, then a resize of the same storage, which
+# the unsharded parameters and what autograd saved of them share). The allocation is on the
+# copy-in stream, as stock's all-gather buffer; the AG stream (ordered after it) writes the
+# storage and the compute stream reads and frees it, so both are recorded on it
+# (``record_stream``): the caching allocator reuses it only after their work before the free.
+# A Shard(k > 0) parameter's rows land as its items' views of its one output (tide/plan.py
+# [Note: Shard(k) as rows]).
+def own_landings(tg: Any, device: torch.device, users: tuple) -> list[torch.Tensor]:
+    """Per AG item, its landing in tg's own storage: a view of its parameter's FSDP2
+    ``all_gather_outputs[0]``, (re)allocated here on the copy-in stream. See
+    [Note: own-storage landing]."""
+    landings: list[Any] = [None] * len(tg.items)
+    for p, fp in enumerate(tg.pg.fsdp_params):
+        its = tg.param_items[p]
+        c = tg.chunk_of(its[0])
+        layout = c.plan.layout
+        N = layout.N
+        fp.init_all_gather_outputs([sum(tg.elements[i] for i in its)], [tg.item_dtypes[its[0]]],
+                                   N, device)
+        out = fp.all_gather_outputs[0]
+        storage, nbytes = out.untyped_storage(), out.numel() * out.element_size()
+        if storage.size() != nbytes:  # freed at the last reshard (FSDP2's free_storage)
+            storage.resize_(nbytes)
+        if out.device.type == "cuda":
+            for stream in users:
+                out.record_stream(stream)
+        first = layout.landing(tg.local_index[its[0]], 0)
+        for i in its:  # a Shard(k > 0) parameter's rows (tide/plan.py [Note: Shard(k) as rows])
+            at = (layout.landing(tg.local_index[i], 0) - first) // out.element_size()
+            landings[i] = out.narrow(0, at, N * tg.elements[i])
+    return landings
 
 
 @torch.no_grad()
@@ -220,20 +298,25 @@ def init_outputs_at_world_1(tg: Any, p: int) -> Any:
     See [Note: world 1] in groups.py."""
     def init_all_gather_outputs(all_gather_input_numels, all_gather_input_dtypes, world_size,
                                 device, force_recreate=False):
+        rt, fp = tg.runtime, tg.pg.fsdp_params[p]
+        if tg.moved is None and p == 0:
+            rt.acquire_slot(tg, _get_device_handle(rt.device.type).current_stream(), copy_out=True)
+        if tg.moved is not None:
+            # In its own storage: FSDP2 allocates the outputs and casts the shard into them, as
+            # it does into the landing views; nothing is gathered, so no peer needs arena memory.
+            if p == 0:
+                rt.stats["ag_tide"] += 1
+                rt.stats["ag_own_storage"] += 1
+            return type(fp).init_all_gather_outputs(fp, all_gather_input_numels,
+                                                    all_gather_input_dtypes, world_size, device,
+                                                    force_recreate)
         if force_recreate or list(all_gather_input_numels) != [tg.elements[p]]:
             raise RuntimeError(f"tide_torch: group {tg.fqn} parameter {p}: FSDP2 asked for "
                                f"all-gather outputs {list(all_gather_input_numels)} "
                                f"(force_recreate={force_recreate}); TIDE planned "
                                f"[{tg.elements[p]}]")
         if p == 0:
-            handle = _get_device_handle(tg.runtime.device.type)
-            if not tg.runtime.acquire_slot(tg, handle.current_stream()):
-                # Moved to its own storage (release_landing restored every parameter's own
-                # method): this parameter's outputs are allocated as stock does.
-                tg.runtime.hand_back(tg, "ag", tg.ag_stock_reason)
-                return tg.pg.fsdp_params[p].init_all_gather_outputs(
-                    all_gather_input_numels, all_gather_input_dtypes, world_size, device)
-            tg.runtime.stats["ag_tide"] += 1
+            rt.stats["ag_tide"] += 1
     return init_all_gather_outputs
 
 

@@ -5,7 +5,9 @@ The adapter hands the transport per-parameter tensors whose addresses the plan f
 - ``all_gather(tg, inputs, landings)``: ``inputs[p]`` is this rank's padded shard of parameter
   p: the adopted resident shard (read in place), or the fp32 master shard that the transport
   casts into the group's receive-stage slot (mixed precision). ``landings[p]`` is the padded
-  unsharded buffer (``N * e_p`` items at arena offset ``landing(p, 0)`` of p's chunk). Afterwards
+  unsharded buffer (``N * e_p`` items at arena offset ``landing(p, 0)`` of p's chunk; for a pull
+  landing of a group that moved to its own storage, FSDP2's own all-gather output:
+  all_gather.py [Note: own-storage landing]). Afterwards
   every rank's shard r of p sits at ``landing(p, r)`` (Eq. 2): no copy-out. With a cast (one
   node or several), every rank pulls its local peers' staged shards, and across nodes each
   Bruck round's stage area once it arrived, into its own landing ([Note: pull landing] in

@@ -78,7 +78,8 @@ class TideHandle:
 
     @property
     def stats(self) -> dict[str, int]:
-        """Calls served by TIDE vs. handed to stock FSDP2, per collective; the executor's runs
+        """Calls served by TIDE vs. handed to stock FSDP2, per collective (``ag_own_storage``:
+        TIDE all-gathers of groups that moved to their own storage); the executor's runs
         whose entry fence waited for the peers' arrival (``arrival_fences``: none on one node,
         where TIDE-AG pulls); on CUDA with ``ExecutorOptions(graphs=True)`` also the calls
         captured and launched as CUDA graphs."""

@@ -143,7 +143,9 @@ class TideGroup:
     state: Any = None              # the module's FSDPState (explicit prefetch lists)
     siblings: int = 1              # param groups of the same module (they unshard together)
     fallback: str | None = None    # reason when served by stock FSDP2
-    ag_stock_reason: str | None = None  # set when the group left the arena's landing at run time
+    # Why the group left the arena's landing for storage of its own at run time (placement.py
+    # [Note: ring depth]); None while it lands in the arena.
+    moved: str | None = None
     chunks: list[Chunk] = field(default_factory=list)  # its plans (empty on fallback)
     world: int = 1
     topology: tide.Topology | None = None

@@ -15,15 +15,22 @@ reads the prefetch lists and gives the ring d + 1 slots (``ring0`` ... ``ring<d>
 g mod (d + 1), each sized for its largest group), one slot more per module of depth.
 
 The runtime checks the assumption at every landing (``Runtime.acquire_slot``). A group moves to
-storage of its own (stock FSDP2's all-gather and storage from then on; its reduce-scatters stay
-TIDE-RS), with one log line, when it stops fitting the ring: it no longer reshards after backward
-(``set_reshard_after_backward(False)`` after ``enable()``), the prefetch lists now need more
-slots, or its slot is still held by a live group (a manual ``unshard()`` of many modules). It
-moves only before it lands and only while nothing refers to its landing: not unsharded, and
+storage of its own, with one log line, when it stops fitting the ring: it no longer reshards
+after backward (``set_reshard_after_backward(False)`` after ``enable()``), the prefetch lists now
+need more slots, or its slot is still held by a live group (a manual ``unshard()`` of many
+modules). It gives up its slot; its storage is FSDP2's own ``all_gather_outputs``, allocated at
+unshard and freed at reshard as stock does. Its all-gathers stay TIDE-AG where they pull (a
+cast: fp32 shards gathered in bf16 or fp16), landing straight in that storage (all_gather.py
+[Note: own-storage landing]); where TIDE-AG pushes into the peers' landings (no cast, extension
+outputs, the post-forward re-gather), which must be arena memory, they go to stock FSDP2,
+counted with that reason. Its reduce-scatters stay TIDE-RS (reading autograd's gradients).
+It moves only before it lands and only while nothing refers to its landing: not unsharded, and
 either no autograd or its forward of this iteration not yet run (FSDP2's ``post_forward_order``).
 Between a group's forward and its backward, autograd has saved its unsharded tensors at the
-slot's address; a conflict there cannot be resolved without corrupting, and raises, naming both
-groups (set the lists before ``enable()``, or ``enable(..., ring=False)``).
+slot's address; a conflict there (the slot held by another live group when the group's backward
+re-gathers) cannot be resolved without corrupting, and raises, naming both groups and the
+remedies (reshard the other group first, set the lists before ``enable()``, or
+``enable(..., ring=False)``).
 """
 from __future__ import annotations
 

@@ -6,8 +6,9 @@ owner must be resharded (its unsharded parameters are dead) — FSDP2's prefetch
 that true for groups in slot g mod 2 — and, under Slot-Reuse, the reduce-scatter that reads the
 previous owner's gradients out of the slot must have finished: the copy-in stream waits for the
 event recorded after that reduce-scatter. A violated assumption never overwrites live
-parameters: the landing group moves to its own storage where it still may, and raises where it
-may not (placement.py [Note: ring depth]). The one tolerated case is the folded ring tail under
+parameters: the landing group moves to its own storage where it still may (and gives up the
+slot: a moved group never owns one), and raises where it may not (placement.py
+[Note: ring depth]). The one tolerated case is the folded ring tail under
 no-grad evaluation (App. F): it stays unsharded after forward, so TIDE reshards it before reusing
 its slot.
 
@@ -69,7 +70,8 @@ class Runtime:
         self.rails = "one_sided"  # the executor's (enable() sets it)
         self.rail: Any = None      # two-sided: GlooRail (CPU) or tide._core.cuda.NcclRail
         self.stats: Counter = Counter(ag_tide=0, ag_stock=0, rs_tide=0, rs_stock=0,
-                                      ag_early=0, ag_post_forward=0, ag_pull_chunks=0)
+                                      ag_early=0, ag_post_forward=0, ag_pull_chunks=0,
+                                      ag_own_storage=0)
         # (group, "ag" | "rs", reason) -> calls handed to stock FSDP2 (handle.hand_backs)
         self.hand_backs: Counter = Counter()
         self._owner: dict[str, Any] = {}
@@ -117,11 +119,13 @@ class Runtime:
     def _key(tg: Any) -> str:
         return tg.slot if tg.slot != "fixed" else f"fixed:{tg.index}"
 
-    def acquire_slot(self, tg: Any, stream: Any) -> bool:
+    def acquire_slot(self, tg: Any, stream: Any, *, copy_out: bool = False) -> bool:
         """Called on the copy-in stream before tg lands. See [Note: ring-slot ownership].
         Returns False when tg does not land in its slot: it has moved to its own storage (this
-        and later all-gathers are stock FSDP2's, see [Note: ring depth] in placement.py)."""
-        if tg.ring_index >= 0 and _may_move(tg):
+        and later all-gathers land there, see [Note: ring depth] in placement.py).
+        ``copy_out``: called from tg's own copy-out (world 1), whose pending all-gather result
+        is this landing, not a live one."""
+        if tg.ring_index >= 0 and _may_move(tg, copy_out):
             why = self._ring_outgrown(tg)
             if why is not None:
                 self.move_to_own_storage(tg, why)
@@ -134,7 +138,7 @@ class Runtime:
                     and owner.pg._training_state == _patches.TrainingState.IDLE
                     and owner.pg._all_gather_result is None):
                 owner.pg.reshard()  # the folded ring tail, during no-grad evaluation
-            elif _may_move(tg):
+            elif _may_move(tg, copy_out):
                 self.move_to_own_storage(tg, f"its ring slot {tg.slot} still holds group "
                                              f"{owner.fqn} (more groups unsharded at once than "
                                              "the ring has slots)")
@@ -145,8 +149,10 @@ class Runtime:
                 raise RuntimeError(
                     f"tide_torch: group {tg.fqn} would land in ring slot {tg.slot} while group "
                     f"{owner.fqn} is still unsharded there, between {tg.fqn}'s forward and its "
-                    "backward, where its parameters cannot move. Set prefetch lists and "
-                    "set_reshard_after_backward before enable(), or use "
+                    f"backward: autograd saved {tg.fqn}'s unsharded parameters at that slot's "
+                    f"address, so neither group can move. Reshard {owner.fqn} before "
+                    f"{tg.fqn}'s backward (no manual unshard() in between), set prefetch lists "
+                    "and set_reshard_after_backward before enable(), or use "
                     "tide_torch.enable(..., ring=False) to give every group its own storage")
         for event in self._release_events.pop(key, ()):
             stream.wait_event(event)
@@ -170,13 +176,22 @@ class Runtime:
 
     def move_to_own_storage(self, tg: Any, why: str) -> None:
         """tg leaves the arena's landing for FSDP2's own storage before it lands (only where
-        ``_may_move``: nothing refers to its landing): its all-gathers go to stock from now on
-        (counted per call); its reduce-scatters stay TIDE-RS reading autograd's gradients. One
-        log line."""
+        ``_may_move``: nothing refers to its landing) and gives up its ring slot. From now on its
+        all-gathers land in that storage through TIDE-AG where they pull, and go to stock where
+        they push (all_gather.py ``own_storage_stock_reason``, counted per call); its
+        reduce-scatters stay TIDE-RS reading autograd's gradients. One log line."""
         from tide_torch import all_gather
         all_gather.release_landing(tg)
-        tg.ag_stock_reason = f"moved to its own storage: {why}"
-        logger.warning("tide_torch: group %s %s", tg.fqn, tg.ag_stock_reason)
+        tg.moved = why
+        for key in [k for k, owner in self._owner.items() if owner is tg]:
+            del self._owner[key]  # its slot's release events stay for the next owner
+        if tg.world == 1:  # FSDP2 allocates the outputs (all_gather.py init_outputs_at_world_1)
+            for p, fp in enumerate(tg.pg.fsdp_params):
+                _patches.patch_param_init_outputs(fp, all_gather.init_outputs_at_world_1(tg, p))
+        stock = all_gather.own_storage_stock_reason(tg, False) if tg.world > 1 else None
+        logger.warning("tide_torch: group %s moved to its own storage: %s; %s", tg.fqn, why,
+                       "its all-gathers land there through TIDE-AG (pull landing)"
+                       if stock is None else "its all-gathers go to stock FSDP2")
 
     def issue_early_all_gather(self, tg: Any) -> None:
         """See [Note: early backward all-gather]. Called on the compute stream from tg's
@@ -206,7 +221,7 @@ class Runtime:
 
     def slot_is_free(self, tg: Any) -> bool:
         """Whether tg's own landing storage may hold its gradients (Slot-Reuse)."""
-        return (tg.ag_stock_reason is None and self._owner.get(self._key(tg)) is tg
+        return (tg.moved is None and self._owner.get(self._key(tg)) is tg
                 and tg.pg.is_sharded)
 
     def hold_slot_for_grads(self, tg: Any) -> None:
@@ -228,11 +243,13 @@ class Runtime:
             handle.current_stream().record_event())
 
 
-def _may_move(tg: Any) -> bool:
+def _may_move(tg: Any, copy_out: bool = False) -> bool:
     """Whether tg's landing may move now: nothing saved for backward refers to it (no autograd,
-    or tg has not run its forward of this iteration yet) and it is not unsharded."""
+    or tg has not run its forward of this iteration yet) and it is not unsharded (``copy_out``:
+    its pending all-gather result is the landing being made)."""
     pg = tg.pg
-    if _is_live(tg) or pg._training_state not in (_patches.TrainingState.IDLE,
+    live = pg.is_unsharded or (pg._all_gather_result is not None and not copy_out)
+    if live or pg._training_state not in (_patches.TrainingState.IDLE,
                                                   _patches.TrainingState.FORWARD):
         return False
     if not torch.is_grad_enabled():
