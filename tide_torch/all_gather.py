@@ -297,7 +297,10 @@ def init_outputs_at_world_1(tg: Any, p: int) -> Any:
     landing view) on the compute stream: the ring slot is acquired here instead.
     See [Note: world 1] in groups.py."""
     def init_all_gather_outputs(all_gather_input_numels, all_gather_input_dtypes, world_size,
-                                device, force_recreate=False):
+                                device, *rest, **named):
+        # torch 2.11 has ``force_recreate`` (a sixth argument); 2.15 has none (_patches.py
+        # checks both signatures): what FSDP2 passed goes on unchanged.
+        force_recreate = bool(rest[0] if rest else named.get("force_recreate", False))
         rt, fp = tg.runtime, tg.pg.fsdp_params[p]
         if tg.moved is None and p == 0:
             rt.acquire_slot(tg, _get_device_handle(rt.device.type).current_stream(), copy_out=True)
@@ -309,7 +312,7 @@ def init_outputs_at_world_1(tg: Any, p: int) -> Any:
                 rt.stats["ag_own_storage"] += 1
             return type(fp).init_all_gather_outputs(fp, all_gather_input_numels,
                                                     all_gather_input_dtypes, world_size, device,
-                                                    force_recreate)
+                                                    *rest, **named)
         if force_recreate or list(all_gather_input_numels) != [tg.elements[p]]:
             raise RuntimeError(f"tide_torch: group {tg.fqn} parameter {p}: FSDP2 asked for "
                                f"all-gather outputs {list(all_gather_input_numels)} "
