@@ -167,9 +167,13 @@ void CudaExecutor::run(const std::shared_ptr<const ProgramSet>& set, int64_t seq
     TIDE_CHECK_CUDA(cudaSetDevice(fabric_->device_of(r)));
     TIDE_CHECK_CUDA(cudaEventRecord(ready_[static_cast<size_t>(r)], caller[static_cast<size_t>(r)]),
                     "rank ", r, ": recording the caller stream");
-    for (size_t s = 0; s < ns(r); ++s)
+    for (size_t s = 0; s < ns(r); ++s) {
       TIDE_CHECK_CUDA(cudaStreamWaitEvent(streams(r)[s], ready_[static_cast<size_t>(r)], 0), "rank ", r, " stream ", s);
+      if (after_replay_)  // [Note: replayed calls serialise]
+        TIDE_CHECK_CUDA(cudaStreamWaitEvent(streams(r)[s], done_, 0), "rank ", r, " stream ", s, " after a replay");
+    }
   }
+  after_replay_ = false;
   if (opt_.stall_rank >= 0 && opt_.stall_rank < n && opt_.stall_s > 0)
     for (auto st : streams(opt_.stall_rank)) launch_stall(opt_.stall_s, st);
   fs_->guarded([&] {
@@ -198,17 +202,24 @@ void CudaExecutor::capture(GraphCapture& cap, IssueContext& c, int64_t seq) {
     fs_->join_caller(static_cast<size_t>(r), ns(r), origin, true, TIDE_STR_CAT("rank ", r, " capturing call seq ", seq));
 }
 
+// [Note: replayed calls serialise] (rank_executor.cc) in one process: a replay is launched on
+// rank 0's stream 0 after every caller's prior work and every rank's previous call (joined into
+// its stream 0), and the next eager call's streams wait for it (after_replay_), so that calls
+// follow each other on the internal streams as the contract says, replayed or not.
 void CudaExecutor::launch(CallGraph& g, int64_t seq, const std::vector<cudaStream_t>& caller, bool advance) {
-  const cudaStream_t s0 = caller[0];
-  for (size_t r = 1; r < caller.size(); ++r) {  // the other callers' prior work, then the call
-    if (caller[r] == s0) continue;
+  const cudaStream_t s0 = fs_->streams(0)[0];
+  for (size_t r = 0; r < caller.size(); ++r) {  // the callers' prior work, every rank's previous call
     TIDE_CHECK_CUDA(cudaEventRecord(ready_[r], caller[r]), "rank ", r, ": recording the caller stream");
     TIDE_CHECK_CUDA(cudaStreamWaitEvent(s0, ready_[r], 0), "rank ", r, ": joining the caller streams");
+    if (r == 0) continue;
+    TIDE_CHECK_CUDA(cudaEventRecord(ready_[r], fs_->streams(r)[0]), "rank ", r, ": recording its previous call");
+    TIDE_CHECK_CUDA(cudaStreamWaitEvent(s0, ready_[r], 0), "rank ", r, ": ordering a replay after its previous call");
   }
   graphs_->launch(g, *fabric_, seq, 0, s0, advance);
   TIDE_CHECK_CUDA(cudaEventRecord(done_, s0), "recording a replayed call");
-  for (size_t r = 1; r < caller.size(); ++r)
-    if (caller[r] != s0) TIDE_CHECK_CUDA(cudaStreamWaitEvent(caller[r], done_, 0), "rank ", r, ": waiting for the call");
+  for (size_t r = 0; r < caller.size(); ++r)
+    TIDE_CHECK_CUDA(cudaStreamWaitEvent(caller[r], done_, 0), "rank ", r, ": waiting for the call");
+  after_replay_ = true;
   CallGraphs* graphs = graphs_.get();
   const std::string late = TIDE_STR_CAT("CudaExecutor call seq ", seq, " (a replayed graph) did not complete within ",
                                         opt_.timeout_s, " s; its waits are abandoned");

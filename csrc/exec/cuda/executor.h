@@ -43,8 +43,10 @@ namespace tide::cuda {
 //   - caller_streams[r] (empty: none) is rank r's caller stream: the call's streams wait for its
 //     prior work, and it waits for the whole call (every internal stream joined) — no host sync.
 //   - ExecutorOptions::graphs (one device, caller streams given, no canary): a call met again with
-//     the same set and buffers is captured, then replayed as one graph launch on caller_streams[0]
-//     (the other callers join it by events) ([Note: replayed calls], graph.h). Otherwise eager.
+//     the same set and buffers is captured, then replayed as one graph launch on rank 0's stream
+//     0, after every caller and every rank's previous call, and before the next call's streams
+//     (the callers join it by events) ([Note: replayed calls], graph.h; [Note: replayed calls
+//     serialise], executor.cc). Otherwise eager.
 //   - With ExecutorOptions::staging_canary, every staged push and SUM is bracketed by the staging
 //     canary's check and mark (staging_canary.h); a race it records fails synchronize() (and a
 //     sync_every_call run) with its message, and the executor refuses later calls.
@@ -72,7 +74,7 @@ class CudaExecutor {
   struct Entry;
   Entry& prepare(const std::shared_ptr<const ProgramSet>& set);
   // [Note: replayed calls]: capture() enqueues call `seq` (through `c`) into `cap`, forked from
-  // and joined back into the capture stream; launch() launches a graph on the caller streams.
+  // and joined back into the capture stream; launch() launches a graph on rank 0's stream 0.
   void capture(GraphCapture& cap, IssueContext& c, int64_t seq);
   void launch(CallGraph& g, int64_t seq, const std::vector<cudaStream_t>& caller, bool advance);
   void check_canary();  // after the streams synchronised: a recorded staging race fails the executor
@@ -85,7 +87,8 @@ class CudaExecutor {
   SetCache<Entry> cache_;
   std::unique_ptr<StagingCanary> canary_;  // ExecutorOptions::staging_canary
   std::unique_ptr<CallGraphs> graphs_;     // ExecutorOptions::graphs on one device
-  cudaEvent_t fork_ = nullptr, done_ = nullptr;
+  cudaEvent_t fork_ = nullptr, done_ = nullptr;  // done_: the last replay's end
+  bool after_replay_ = false;  // the next eager call's streams wait for done_ first
   std::mutex mu_;
 };
 

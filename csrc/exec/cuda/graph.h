@@ -37,6 +37,10 @@
 // thread keeps polling) on its own origin stream, which forks every internal stream with events
 // and joins them back; the host-side enqueue-order simulation ([Note: enqueue order]) runs at
 // capture as at eager issue. Copies become per-copy nodes (runtime.h: batches cannot be captured).
+// A replay is launched where its eager call would run: on the executor's stream 0, after the
+// caller's prior work and the executor's previous call, with the caller waiting for it (the entry
+// fence and the scratch that groups share rely on one rank's runs following each other; [Note:
+// replayed calls serialise], rank_executor.cc).
 // A call is captured on its second appearance with the same program set and the same buffer
 // pointers (keyed by every bound pointer and size), and replayed on every later one; a call whose
 // pointers change every time stays eager. The first call of a set is always eager.

@@ -241,14 +241,26 @@ void CudaRankExecutor::finish_run(const Entry& e, cudaStream_t joined, GraphCapt
     launch_graph_raise(fence_ptr(e, rank_), GraphValue{0, 2, true}, graph->params, joined);
 }
 
+// [Note: replayed calls serialise] A replay runs where an eager call runs: on stream 0, after the
+// caller's prior work and after this executor's previous call (eager or replayed), and the caller
+// waits for it. The entry fence tells a peer that run k finished by the value this rank's counter
+// holds, and scratch shared by groups (stage slots, RS staging) is reused on the fence's word: both
+// hold only while this rank's runs follow each other on the device. Launched on the caller's own
+// stream instead, a replay of run k + 1 (an all-gather on FSDP2's all-gather stream) overlapped
+// run k (a reduce-scatter on its reduce-scatter stream): fence_started(k + 1) overtook
+// fence_finished(k), and a pulling peer read a stage slot being rewritten.
 void CudaRankExecutor::replay(CallGraph& g, int64_t seq, cudaStream_t caller, bool advance) {
+  const cudaStream_t s0 = fs_->streams(0)[0];
+  TIDE_CHECK_CUDA(cudaEventRecord(ev_caller_, caller), "recording the caller stream");
+  TIDE_CHECK_CUDA(cudaStreamWaitEvent(s0, ev_caller_, 0), "ordering a replay after the caller");
   ++runs_;
-  graphs_->launch(g, *fabric_, seq, runs_, caller, advance);
+  graphs_->launch(g, *fabric_, seq, runs_, s0, advance);
+  fs_->join_caller(0, 1, caller, true, TIDE_STR_CAT("rank ", rank_, " replayed call seq ", seq));
   CallGraphs* graphs = graphs_.get();  // the watchdog's late work ends before it (~Watchdog)
   std::weak_ptr<fabric::NcclRail> rail = rail_;  // never owned by the watchdog (issue.cc)
   const std::string late = TIDE_STR_CAT("rank ", rank_, " call seq ", seq, " (a replayed graph) did not complete: a "
                                         "peer is behind, stalled or dead; its waits are abandoned");
-  fs_->watchdog().watched_work(caller, late, [graphs, rail, late] {
+  fs_->watchdog().watched_work(s0, late, [graphs, rail, late] {
     graphs->abort();
     if (auto r = rail.lock()) r->abort(late);
   });

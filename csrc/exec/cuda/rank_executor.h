@@ -32,8 +32,9 @@
 //     rank's topology node need be open in the fabric; SEND/RECV groups run on the rail's NCCL
 //     communicator from the rail_p2p stream, watched (a late group aborts the rail and raises).
 //   - ExecutorOptions::graphs: a call met again with the same set and buffers is captured and
-//     then replayed as one CUDA graph launch on the caller's stream ([Note: replayed calls],
-//     graph.h); the entry fence runs inside the graph with the run number as a call parameter.
+//     then replayed as one CUDA graph launch on stream 0, after the caller's prior work and the
+//     previous call, as an eager call runs ([Note: replayed calls], graph.h; [Note: replayed calls
+//     serialise]); the entry fence runs inside the graph with the run number as a call parameter.
 //   - Several ranks of one process (fabric peers given as same_process, fabric/ipc.h, before the
 //     executors are made), each with its own executor and thread: eager calls take turns on the
 //     fabric's IssueBoard, so the
@@ -107,7 +108,8 @@ class CudaRankExecutor {
   // The call's turns on the fabric's IssueBoard, or none ([Note: same-process issue gate]).
   std::unique_ptr<fabric::IssueTurns> turns(const Entry& e, int64_t seq);
   // [Note: replayed calls]: capture() enqueues the call (through `c`) into `cap`, forked from and
-  // joined back into the capture stream; replay() launches a graph on `caller`, watched.
+  // joined back into the capture stream; replay() launches a graph on stream 0, ordered after
+  // `caller` and the previous call, watched ([Note: replayed calls serialise]).
   void capture(const Entry& e, GraphCapture& cap, IssueContext& c, int64_t seq, const std::vector<Program>& progs);
   void replay(CallGraph& g, int64_t seq, cudaStream_t caller, bool advance);
 
