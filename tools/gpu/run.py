@@ -301,6 +301,18 @@ def stage_table(c: Ctx) -> dict:
                                     "--timeout=240", "--timeout-method=thread", "tests/", limit=300,
                                     show=grep_lines(r" PASSED( |$)", 40, invert=True))],
               "every GPU-marked test: pytest -m gpu tests/ (--args 'suite=-k EXPR' selects)"),
+        # The suite in two halves that together are `suite`, for calls too short for the whole one
+        # (it outlasts a 570 s call with the build): the tide_torch files, then every other file.
+        Stage("suite_torch", 300, [pytest("suite_torch", "-m", "gpu", "-v", "-p", "no:cacheprovider", "-rs",
+                                          "--durations=8", "--timeout=240", "--timeout-method=thread",
+                                          *sorted(str(f.relative_to(ROOT)) for f in (ROOT / "tests").glob("test_torch_*.py")),
+                                          limit=300, show=grep_lines(r" PASSED( |$)", 40, invert=True))],
+              "the suite's first half: GPU-marked tests of tests/test_torch_*.py"),
+        Stage("suite_rest", 300, [pytest("suite_rest", "-m", "gpu", "-v", "-p", "no:cacheprovider", "-rs",
+                                         "--durations=8", "--timeout=240", "--timeout-method=thread",
+                                         "--ignore-glob=tests/test_torch_*.py", "tests/", limit=300,
+                                         show=grep_lines(r" PASSED( |$)", 40, invert=True))],
+              "the suite's second half: GPU-marked tests of every other file (XLA, CUDA, NCCL, benches)"),
         Stage("cudaipc", 150, [
             Step("diag", [py, "-c", core + "); print(_core.cuda.capabilities(0))"], 60, kind="info"),
             pytest("cuda_ipc", "-q", "-rs", "-x", "-m", "gpu", "tests/test_cuda_ipc.py", limit=240),
