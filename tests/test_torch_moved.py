@@ -67,7 +67,7 @@ def _prefetch_two(model):
 
 def _against_stock(make, before, topo, what, *, after_enable=None, mode="in_place"):
     """Stock and TIDE models from ``make()``, stepped alike; bitwise equal after every step.
-    Returns TIDE's handle (still enabled), its per-step records and the log lines."""
+    Returns TIDE's handle (still enabled), its per-step records, the log lines and the model."""
     import tide_torch
     stock = _steps(after_enable(make()) if after_enable else make(), DATA, before)
     model = make()
@@ -84,10 +84,10 @@ def _against_stock(make, before, topo, what, *, after_enable=None, mode="in_plac
         for name, t in ref.items():
             assert torch.equal(shards[name], t), (what, step, name, (shards[name] - t).abs().max())
         assert ags == ref_ags, (what, step, ags, ref_ags)
-    return handle, got, lines.lines
+    return handle, got, lines.lines, model
 
 
-def _served_in_own_storage(handle, got, lines, what, moved):
+def _served_in_own_storage(handle, got, lines, model, what, moved):
     assert not handle.fallbacks, (what, handle.fallbacks)
     assert {g.fqn for g in handle.groups if g.moved} == moved, (what, {g.fqn: g.moved for g in handle.groups})
     for step, (_, ags, ops, delta) in enumerate(got):
@@ -103,6 +103,17 @@ def _served_in_own_storage(handle, got, lines, what, moved):
         said = [x for x in lines if f"group {fqn} moved to its own storage" in x]
         assert len(said) == 1 and "through TIDE-AG" in said[0], (what, fqn, lines)
     assert not any("hands all-gathers to stock" in x for x in lines), (what, lines)
+    # handle.landings() names where a moved group's parameters live while unsharded: FSDP2's
+    # own all-gather outputs (the planned ring address is no longer theirs).
+    _unshard_all(model)
+    landings = handle.landings()
+    for g in handle.groups:
+        if g.fqn in moved:
+            for p, fp in enumerate(g.pg.fsdp_params):
+                name = fp._param_fqn or f"{g.fqn}[{p}]"  # handle.landings()' names
+                planned, at = landings[name]
+                assert planned == at == fp.all_gather_outputs[0].data_ptr() != 0, (what, name)
+    reshard(model)
 
 
 DATA: list = []
@@ -120,24 +131,24 @@ def _moved(rank, world):
     # autograd's storage).
     for mode in ("in_place", "slot_reuse"):
         what = f"unshard all, bf16, {mode}"
-        handle, got, lines = _against_stock(lambda: build(mesh=mesh, mp_policy=bf16), _unshard_all,
-                                            two_nodes, what, mode=mode)
-        _served_in_own_storage(handle, got, lines, what, {"layers.2"})
+        handle, got, lines, model = _against_stock(lambda: build(mesh=mesh, mp_policy=bf16), _unshard_all,
+                                                   two_nodes, what, mode=mode)
+        _served_in_own_storage(handle, got, lines, model, what, {"layers.2"})
         handle.disable()
 
     # Forward prefetching two ahead, set after enable(): the ring's 2 slots no longer fit, so
     # every ring group moves at its first landing.
     what = "prefetch 2 after enable(), bf16"
-    handle, got, lines = _against_stock(lambda: build(mesh=mesh, n_layers=4, mp_policy=bf16),
-                                        lambda m: None, one_node, what, after_enable=_prefetch_two)
-    _served_in_own_storage(handle, got, lines, what, {f"layers.{i}" for i in range(4)})
+    handle, got, lines, model = _against_stock(lambda: build(mesh=mesh, n_layers=4, mp_policy=bf16),
+                                               lambda m: None, one_node, what, after_enable=_prefetch_two)
+    _served_in_own_storage(handle, got, lines, model, what, {f"layers.{i}" for i in range(4)})
     handle.disable()
 
     # fp32, no cast: the moved group's all-gathers push, so they go to stock FSDP2 (counted,
     # one log line with the reason); everything else stays TIDE's.
     what = "unshard all, fp32"
-    handle, got, lines = _against_stock(lambda: build(mesh=mesh, mp_policy=MixedPrecisionPolicy()),
-                                        _unshard_all, two_nodes, what)
+    handle, got, lines, _ = _against_stock(lambda: build(mesh=mesh, mp_policy=MixedPrecisionPolicy()),
+                                           _unshard_all, two_nodes, what)
     assert {g.fqn for g in handle.groups if g.moved} == {"layers.2"}, what
     backs = handle.hand_backs
     assert {(fqn, c) for fqn, c, _ in backs} == {("layers.2", "ag")}, backs

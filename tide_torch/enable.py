@@ -103,7 +103,9 @@ class TideHandle:
         """Parameter FQN -> (planned landing address, unsharded parameter's data_ptr or None
         before its first all-gather). An extension parameter's pre-all-gather output j is
         ``FQN#j`` -> (its planned landing, its all-gather output's data_ptr): its unsharded
-        parameter is what ``fsdp_post_all_gather`` built over them (tide_torch/extensions.py)."""
+        parameter is what ``fsdp_post_all_gather`` built over them (tide_torch/extensions.py).
+        A group that moved to its own storage lands in FSDP2's ``all_gather_outputs[0]``: that is
+        its planned address ([Note: own-storage landing], all_gather.py)."""
         out = {}
         for g in self._groups:
             if not g.eligible:
@@ -117,6 +119,10 @@ class TideHandle:
                                               outs[j].data_ptr() if j < len(outs) else None)
                     continue
                 got = fp._unsharded_param.data_ptr() if hasattr(fp, "_unsharded_param") else None
+                if g.moved is not None:  # lands in FSDP2's own all_gather_outputs (all_gather.py)
+                    outs = fp.all_gather_outputs
+                    out[name] = (outs[0].data_ptr() if outs else None, got)
+                    continue
                 out[name] = (g.landing_address(g.param_items[p][0]), got)
         return out
 
