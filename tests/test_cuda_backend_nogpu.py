@@ -215,3 +215,21 @@ def test_device_of_is_cuda_only():
     vc = tide.VirtualCluster(tide.Topology(1, 2))
     with pytest.raises(tide.PlanError, match="only the CUDA backend"):
         vc.device_of(0)
+
+
+def test_rail_counts_read_an_nccl_rails_host_polls():
+    """handle.stats' rail counts (tide_torch.comm.rail_counts): NcclRail's properties, none for the
+    CPU's gloo rail or no rail."""
+    torch = pytest.importorskip("torch")  # noqa: F841 - tide_torch needs it
+    from tide_torch import comm
+    if _core.built_with_cuda and hasattr(_core.cuda, "NcclRail"):
+        for name in ("groups", "in_progress_waits", "in_progress_wait_s"):
+            assert hasattr(_core.cuda.NcclRail, name), name
+
+    class Rail:  # the NcclRail surface rail_counts reads
+        groups, in_progress_waits, in_progress_wait_s = 12, 3, 0.0004567
+
+    assert comm.rail_counts(Rail()) == {"rail_groups": 12, "rail_host_waits": 3, "rail_host_wait_us": 456}
+    assert comm.rail_counts(None) == {}
+    from tide_torch.rails import GlooRail
+    assert comm.rail_counts(GlooRail.__new__(GlooRail)) == {}

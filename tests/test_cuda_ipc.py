@@ -246,6 +246,11 @@ def _rank_main(rank, cfg, conn):
             try:
                 calls = {"raw": _calls_raw, "torch": _calls_torch, "hsdp": _calls_hsdp}[cfg["mode"]]
                 calls(rank, cfg, fab, ex, plan, conn)
+                if rails:  # the rail counts its groups and the host's polls of their enqueue
+                    assert rail.groups > 0 and 0 <= rail.in_progress_waits <= rail.groups, (
+                        rail.groups, rail.in_progress_waits)
+                    assert rail.in_progress_wait_s >= 0 and (rail.in_progress_waits > 0 or
+                                                             rail.in_progress_wait_s == 0)
                 conn.send(("stats", (ex.cached_program_sets, ex.runs_started)))
                 conn.send(("graphs", (ex.graph_captures, ex.graph_launches)))
             except tide.TimeoutError as e:

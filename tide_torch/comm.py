@@ -210,6 +210,17 @@ def executor_counts(transport: Any) -> dict[str, int]:
     return out
 
 
+def rail_counts(rail: Any) -> dict[str, int]:
+    """An NCCL rail's host share ([Note: rail deadline] in fabric/nccl.cc): its send/recv groups
+    (``rail_groups``), those whose enqueue the host had to poll to completion (a non-blocking
+    communicator's ncclInProgress: ``rail_host_waits``) and the microseconds it polled
+    (``rail_host_wait_us``); {} for no rail or the CPU's gloo rail."""
+    if not hasattr(rail, "in_progress_waits"):
+        return {}
+    return {"rail_groups": rail.groups, "rail_host_waits": rail.in_progress_waits,
+            "rail_host_wait_us": int(rail.in_progress_wait_s * 1e6)}
+
+
 def cuda_executor_available() -> bool:
     """Whether this build can run TIDE's programs on CUDA ranks (executor + CUDA-IPC fabric)."""
     return bool(tide._core.cuda.built and tide._core.cuda.available())

@@ -82,9 +82,11 @@ class TideHandle:
         TIDE all-gathers of groups that moved to their own storage); the executor's runs
         whose entry fence waited for the peers' arrival (``arrival_fences``: none on one node,
         where TIDE-AG pulls); on CUDA with ``ExecutorOptions(graphs=True)`` also the calls
-        captured and launched as CUDA graphs."""
+        captured and launched as CUDA graphs; with an NCCL rail (two-sided rails on CUDA) its
+        groups and the host's polls of their enqueue (``comm.rail_counts``)."""
         out = dict(self._rt.stats)
         out.update(comm.executor_counts(self._rt.transport))
+        out.update(comm.rail_counts(self._rt.rail))
         return out
 
     @property

@@ -29,6 +29,7 @@
 //     deregistration is collective: every rank closes (tide_torch: after a barrier).
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <mutex>
 #include <string>
@@ -135,8 +136,15 @@ class NcclRail {
   const std::string& aborted() const { return aborted_; }
   void close();                          // ncclCommDestroy (every rail rank, after its last group)
   bool closed() const { return comm_ == nullptr; }
+  // The host's share of enqueue(): groups enqueued, those whose ncclGroupEnd returned
+  // ncclInProgress (a non-blocking rail: the caller's thread polled until NCCL had issued them),
+  // and the seconds it polled in all.
+  int64_t groups() const { return groups_.load(std::memory_order_relaxed); }
+  int64_t in_progress_waits() const { return in_progress_.load(std::memory_order_relaxed); }
+  double in_progress_wait_s() const { return 1e-9 * static_cast<double>(in_progress_ns_.load(std::memory_order_relaxed)); }
 
  private:
+  std::atomic<int64_t> groups_{0}, in_progress_{0}, in_progress_ns_{0};
   int rank_, size_, device_, max_ctas_, channels_;
   double timeout_s_ = 0;  // construction's deadline; 0: none ([Note: rail deadline])
   void* comm_ = nullptr;  // ncclComm_t

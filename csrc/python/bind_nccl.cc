@@ -124,6 +124,11 @@ void bind_nccl(nb::module_& m) {
       .def("async_error", &NcclRail::async_error, "ncclCommGetAsyncError as text ('' when none).")
       .def("abort", &NcclRail::abort, nb::arg("why"), nb::call_guard<nb::gil_scoped_release>())
       .def_prop_ro("closed", &NcclRail::closed)
+      .def_prop_ro("groups", &NcclRail::groups, "Send/recv groups enqueued.")
+      .def_prop_ro("in_progress_waits", &NcclRail::in_progress_waits,
+                   "Groups whose ncclGroupEnd returned ncclInProgress: the caller's thread polled until NCCL "
+                   "had issued them (a non-blocking rail).")
+      .def_prop_ro("in_progress_wait_s", &NcclRail::in_progress_wait_s, "Seconds the host spent in those polls.")
       .def("close", &NcclRail::close, nb::call_guard<nb::gil_scoped_release>(),
            "ncclCommDestroy: every rail rank, after its last group.");
 }
