@@ -257,6 +257,11 @@ def main_worker(rank: int, world: int, init: str, args) -> None:
                               f, indent=1)
                 print(f"wrote {args.json}")
     finally:
+        # The models are garbage by now, in reference cycles that still hold the process group:
+        # collected first, the group is really torn down here (its gloo worker threads joined),
+        # not during interpreter exit, where a worker dropping a collective's last tensor
+        # reference needs the GIL that finalization no longer gives (SIGABRT).
+        gc.collect()
         dist.destroy_process_group()
 
 

@@ -11,6 +11,7 @@ The model, its FSDP2 wrapping and the training loop are tide_apps/llama.py's.
 """
 from __future__ import annotations
 
+import gc
 import json
 import os
 import shutil
@@ -135,6 +136,9 @@ def _worker(rank: int, world: int, init_file: str, device_kind: str, topo_mn: tu
         traceback.print_exc()
         raise
     finally:
+        # The models' reference cycles hold the group: collected first, it is torn down here,
+        # not during interpreter exit (examples/fsdp2_llama.py says why that aborts).
+        gc.collect()
         dist.destroy_process_group()
 
 
