@@ -224,3 +224,15 @@ def test_the_step_ratio_check_fails_above_its_goal():
     assert check("", {"rows": [row("stock", 40.0)]})[0] == "FAIL"  # TIDE's run missing
     assert check("", {"rows": [{"framework": "torch", "note": "timed out"}]}) == ("FAIL", "timed out")
     assert run.d_ratio(0.9)("", {"rows": [row("stock", 100.0), row("tide_in_place", 95.0)]})[0] == "FAIL"
+
+
+def test_graphdiag_verdict_names_the_variants_that_differ():
+    """The graphdiag stage's verdict reads graphdiag.py's lines (its stats lines are not verdicts)."""
+    text = ("graphdiag graphs_sync  bitwise equal to stock after each of 6 steps\n"
+            "graphdiag graphs_sync  stats {'graph_launches': 54}\n"
+            "graphdiag graphs       first differs after step 0: 18 params (...), max |d| 2.7e-04\n"
+            "graphdiag graphs       stats {'graph_launches': 51}\n")
+    assert run.d_graphdiag(text) == ("FAIL", "2 variants, differ: graphs")
+    ok = "\n".join(ln for ln in text.splitlines() if "graphs " not in ln)
+    assert run.d_graphdiag(ok) == ("PASS", "1 variants, all bitwise vs stock")
+    assert run.d_graphdiag("Traceback (most recent call last):\n")[0] == "FAIL"

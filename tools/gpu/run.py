@@ -114,6 +114,17 @@ def grep_lines(pattern, n, invert=False):
     return lambda text: [ln for ln in text.splitlines() if bool(re.search(pattern, ln)) != invert][-n:]
 
 
+def d_graphdiag(text, _d=None):
+    """graphdiag.py's verdicts: PASS when every variant stayed bitwise equal to stock."""
+    rows = [ln.split(None, 2) for ln in text.splitlines() if ln.startswith("graphdiag ")]
+    got = {r[1]: r[2] for r in rows if len(r) == 3 and not r[2].startswith("stats")}
+    bad = sorted(v for v, line in got.items() if not line.startswith("bitwise"))
+    if not got:
+        return "FAIL", "no verdict line (graphdiag.py did not finish a variant)"
+    return ("PASS" if not bad else "FAIL",
+            f"{len(got)} variants" + (f", differ: {', '.join(bad)}" if bad else ", all bitwise vs stock"))
+
+
 def d_collective(_t, d):
     rows = [r for r in d["rows"] if r["path"].startswith("TIDE") and "med_ms" in r]
     bad = [r["path"] for r in rows if not (r.get("check") == "bitwise" or r.get("rel_err", 1) < 1e-2)]
@@ -313,6 +324,10 @@ def stage_table(c: Ctx) -> dict:
                                          "--ignore-glob=tests/test_torch_*.py", "tests/", limit=300,
                                          show=grep_lines(r" PASSED( |$)", 40, invert=True))],
               "the suite's second half: GPU-marked tests of every other file (XLA, CUDA, NCCL, benches)"),
+        Stage("graphdiag", 200, [Step("graphdiag", [py, "tools/gpu/graphdiag.py"], 200, detail=d_graphdiag,
+                                      show=grep_lines(r"^graphdiag", 12), key=True)],
+              "replayed calls (graphs) vs eager vs stock FSDP2, world 2 on one GPU, step by step "
+              "(tools/gpu/graphdiag.py; FAIL names the variants that differ)"),
         Stage("cudaipc", 150, [
             Step("diag", [py, "-c", core + "); print(_core.cuda.capabilities(0))"], 60, kind="info"),
             pytest("cuda_ipc", "-q", "-rs", "-x", "-m", "gpu", "tests/test_cuda_ipc.py", limit=240),
