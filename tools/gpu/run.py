@@ -288,6 +288,9 @@ def stage_table(c: Ctx) -> dict:
                                   detail=lambda t, _d: last_line(t).split(" -- full log")[0])],
               "rm -rf build/inplace; tools/build.sh with CUDA on, a clean flag environment, hidden static symbols",
               pre=build_pre, post=build_post),
+        Stage("prebuilt", 60, [Step("prebuilt", [py, "-c", PREBUILT], 60, detail=last_line)],
+              "instead of build: the core built on the CPU machine and carried (tide/_core*.so, "
+              "tide_xla/_ffi*.so) loads here with CUDA"),
         Stage("smoke", 240, [Step("plan", [py, "-X", "faulthandler", "-c", SMOKE], 120, on_fail=Step(
             "cuda-gdb", ["cuda-gdb", "-q", "-batch", "-ex", "set pagination off", "-ex", "run", "-ex", "bt", "--args",
                          py, "-c", SMOKE], 120, kind="info", drop=r"New Thread|exited\]",
@@ -450,6 +453,10 @@ def stage_table(c: Ctx) -> dict:
     ]
     return {s.name: s for s in stages}
 
+
+PREBUILT = ("import tide._core as c, tide_xla._ffi as f; assert c.built_with_cuda and c.cuda.available(), "
+            "'the carried core has no CUDA here'; print('carried core loads: CUDA', c.cuda.device_count(), "
+            "'device(s)')")
 
 GROUPS = {  # a group expands to its stages, in order; NAME:SECONDS entries set limits
     "check": "build smoke kernels bench:layout executor demo sanitize",
