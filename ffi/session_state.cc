@@ -17,6 +17,16 @@ namespace tide::xla_ffi {
 // (one- and two-sided), so the arena, the segments and the counter ranges stay as they are.
 bool pull_landing(const Plan& plan) { return plan.sig.needs_cast(); }
 
+Rails rails_in_use(const ExecutorOptions& opt) { return with_debug_env(opt).rails; }
+
+ArenaSpec group_arena(const Plan& plan, Collective op, Rails rails) {
+  return GroupSession::own_arena(plan, {op}, rails);
+}
+
+RankArena group_rank_arena(const Plan& plan, Collective op, Rails rails) {
+  return rank_arena(plan, op, rails);
+}
+
 SessionRegistry& session_states() {
   // Never destroyed at exit: its streams and arenas would otherwise be torn down in a static
   // destructor, after the CUDA runtime may already have shut down (release_table frees them).
@@ -47,9 +57,15 @@ std::shared_ptr<SessionState> group_state(const GroupCall& call, const std::vect
   if (devices) key.insert(key.end(), devices->begin(), devices->end());
   return session_states().get_or_make(key, call.table, [&] {
     auto s = std::make_shared<SessionState>();
-    s->arena = GroupSession::own_arena(*call.plan, {call.spec.op});
+    // Laid out for the rails the executor will run on (its options as it reads them), so the
+    // counters region holds the programs as the session lowers them.
+    const Rails rails = rails_in_use(executor_options_for(call));
+    s->arena = group_arena(*call.plan, call.spec.op, rails);
     s->cuda = call.spec.cuda;
-    s->session = std::make_unique<GroupSession>(call.plan, make(s->arena),
+    std::shared_ptr<CallExecutor> executor = make(s->arena);
+    TIDE_CHECK(executor->rails() == rails, "group ", call.group, " (", target_name(call.spec.op), "): its arena was "
+               "laid out for ", rails_name(rails), " rails, its executor runs ", rails_name(executor->rails()));
+    s->session = std::make_unique<GroupSession>(call.plan, std::move(executor),
                                                 xla_placement(call.spec.op, call.group, *call.plan));
     // One arena per rank: on each rank's device (CUDA), or host memory.
     if (devices)
@@ -102,8 +118,11 @@ SessionKey RankStateKey::key() const {
 }
 
 void put_rank_state(const RankStateKey& key, std::shared_ptr<const Plan> plan, std::shared_ptr<CallExecutor> executor,
-                    const RankArena& arena, const uint8_t* own_arena, bool cuda, int device) {
+                    const RankArena& arena, Rails rails, const uint8_t* own_arena, bool cuda, int device) {
   TIDE_PLAN_CHECK(!session_states().released(key.table), session_states().released_message());
+  TIDE_CHECK(executor->rails() == rails, "rank ", key.rank, " of group ", key.group, " (", target_name(key.op),
+             "): its arena was laid out for ", rails_name(rails), " rails, its executor runs ",
+             rails_name(executor->rails()));
   auto st = std::make_shared<SessionState>();
   st->rank_state = true;
   GroupPlacement p = xla_placement(key.op, key.group, *plan);

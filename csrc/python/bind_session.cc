@@ -102,7 +102,9 @@ void bind_session(nb::module_& m) {
         std::vector<Collective> k;
         for (const auto& s : kinds) k.push_back(kind_from(s));
         const ExecutorOptions o = options_from_python(options);
-        new (self) CpuClusterCallExecutor(world, GroupSession::own_arena(plan, k, o.rails), processes, o);
+        // The rails the executor runs on (TIDE_EXEC_OPTIONS applied), which its programs lower to.
+        const Rails rails = with_debug_env(o).rails;
+        new (self) CpuClusterCallExecutor(world, GroupSession::own_arena(plan, k, rails), processes, o);
         self->run_options().interrupted = python_interrupt_check();  // Ctrl-C reaches a blocked call
       }, nb::arg("world"), nb::arg("plan"), nb::arg("collectives"), nb::arg("processes") = false,
          nb::arg("options") = nb::none(),
