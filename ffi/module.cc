@@ -139,7 +139,7 @@ NB_MODULE(_ffi, m) {
         "build for this call on XLA:CPU: the shared-memory segment each rank needs for it across processes, the "
         "arena each rank's state holds in one process ({region: (offset, nbytes)} of the regions with bytes, and "
         "the counters), the rails both are laid out for, and whether TIDE-AG lands in XLA's results by pulling "
-        "(no copy-out).");
+        "(no copy-out; its arena then holds the stage and counters only).");
   m.def("has_rank", [](const std::string& op, uint64_t plan_hash, uint64_t table, int64_t group, int rank) {
     return xf::session_states().has(rank_key(op, plan_hash, table, group, rank).key());
   });

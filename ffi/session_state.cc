@@ -13,18 +13,22 @@ namespace tide::xla_ffi {
 
 // Wherever the plan has a cast, on any number of nodes: one node pulls the peers' staged shards,
 // several keep the Bruck rounds and pull the peers' round areas ([Note: pull landing across nodes]
-// in csrc/program/ag_program.cc). The pull programs use the push programs' counters and arena
-// (one- and two-sided), so the arena, the segments and the counter ranges stay as they are.
+// in csrc/program/ag_program.cc). The pull programs' arena holds their stage and counters only
+// ([Note: pulled arena] in tide/plan.h): no ring slots, no TIDE-RS regions.
 bool pull_landing(const Plan& plan) { return plan.sig.needs_cast(); }
+
+namespace {
+bool pulls(Collective op, const Plan& plan) { return op == Collective::kAllGather && pull_landing(plan); }
+}  // namespace
 
 Rails rails_in_use(const ExecutorOptions& opt) { return with_debug_env(opt).rails; }
 
 ArenaSpec group_arena(const Plan& plan, Collective op, Rails rails) {
-  return GroupSession::own_arena(plan, {op}, rails);
+  return GroupSession::own_arena(plan, {op}, rails, pulls(op, plan));
 }
 
 RankArena group_rank_arena(const Plan& plan, Collective op, Rails rails) {
-  return rank_arena(plan, op, rails);
+  return rank_arena(plan, op, rails, pulls(op, plan));
 }
 
 SessionRegistry& session_states() {
@@ -44,7 +48,7 @@ GroupPlacement xla_placement(Collective op, int64_t group, const Plan& plan) {
   p.kinds = {op};
   p.group = static_cast<int32_t>(group);
   p.resident = false;  // XLA owns the shards: read them in place (kShard)
-  p.pull_landing = op == Collective::kAllGather && pull_landing(plan);
+  p.pull_landing = pulls(op, plan);
   return p;
 }
 

@@ -145,9 +145,9 @@ bool pull_landing(const Plan& plan);
 // The rails an executor made now with `opt` runs on (TIDE_EXEC_OPTIONS may set them: the executors
 // read it themselves), which every arena below is laid out for.
 Rails rails_in_use(const ExecutorOptions& opt);
-// The arena of a group's session of `op` on `rails` (GroupSession::own_arena), and the segment
-// each rank of a job of processes needs for it (rank_arena: the same and the entry fence's
-// counter).
+// The arena of a group's session of `op` on `rails` (GroupSession::own_arena: a TIDE-AG that pulls
+// holds its stage and counters only, [Note: pulled arena] in tide/plan.h), and the segment each
+// rank of a job of processes needs for it (rank_arena: the same and the entry fence's counter).
 ArenaSpec group_arena(const Plan& plan, Collective op, Rails rails);
 RankArena group_rank_arena(const Plan& plan, Collective op, Rails rails);
 // [Note: state lifetime] A state belongs to its mesh's device table (call.table, the registry's
