@@ -85,7 +85,8 @@ def touched(ps):
 def test_pulled_session_arena_holds_what_the_pull_programs_touch(M, L, rails):
     """A pulled all-gather's own arena ([Note: pulled arena] in tide/plan.h) is the stage its pull
     programs address (the program index's region ends, every rank) and exactly their counters on
-    the rails in use: no ring slots, no TIDE-RS regions; the programs are bound to that layout."""
+    the rails in use: no ring slots, no TIDE-RS regions; the programs are bound to that layout, and
+    the memory model reports the same bytes."""
     _, plan = make_plan(M, L, shapes=SHAPES, shard_dtype="float32")
     pull = _core.build_ag_programs(plan, resident=False, pull_landing=True, with_expects=False)
     if rails == "two_sided":
@@ -102,7 +103,11 @@ def test_pulled_session_arena_holds_what_the_pull_programs_touch(M, L, rails):
     assert regions["counters"] == (align(ends["stage"]), 8 * n)
     assert total == align(ends["stage"]) + 8 * n
     assert pull.arena_layout() == regions and pull.arena_bytes() == total
-    mem = plan.memory()
+    mem = plan.memory()  # the closed form: one-sided counters
+    n1 = _core.program_counters(plan, "all_gather", "one_sided")
+    assert mem["pull_arena"] == [{"name": "stage", "offset": 0, "bytes": ends["stage"]},
+                                 {"name": "counters", "offset": align(ends["stage"]), "bytes": 8 * n1}]
+    assert mem["pull_arena_bytes"] == total - 8 * (n - n1)
     # What it no longer holds: both ring slots (2 NS) and the TIDE-RS scratch, at least.
     full = _core.session_arena(plan, ["all_gather"], rails)[1]
     assert full - total >= mem["ring_bytes"] + mem["area_rs_bytes"]

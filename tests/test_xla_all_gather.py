@@ -216,8 +216,8 @@ def test_pulled_gather_state_holds_only_what_its_programs_touch(topology, rails,
     """A pulled group's TIDE-AG state ([Note: pulled arena] in tide/plan.h): its arena holds the
     stage its pull programs address (the program index's region ends) and exactly their counters
     on the rails its executor runs (TIDE_EXEC_OPTIONS=rails=two_sided: the lowering's too), no
-    ring slot; group_plan reports that layout, and live_states counts exactly that per rank once
-    the state exists."""
+    ring slot; group_plan reports that layout, the memory model the same bytes (one-sided), and
+    live_states counts exactly that per rank once the state exists."""
     import tide
     from tide import _core
     from tide_xla.context import MODES, context_for
@@ -245,6 +245,8 @@ def test_pulled_gather_state_holds_only_what_its_programs_touch(topology, rails,
         counters = -(-stage // 4096) * 4096
         assert info["arena"] == {"stage": (0, stage), "counters": (counters, 8 * n)}
         assert info["arena_bytes"] == counters + 8 * n
+        n1 = _core.program_counters(plan, "all_gather", "one_sided")
+        assert plan.memory()["pull_arena_bytes"] == info["arena_bytes"] - 8 * (n - n1)
         before = tide_xla.live_states()
         got = gathered_copies(mesh, "fsdp", layout, sharded, use_tide=True)
         after = tide_xla.live_states()
