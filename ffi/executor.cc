@@ -127,12 +127,13 @@ void open_rank_state(const RankStateKey& key, std::shared_ptr<const Plan> plan,
   TIDE_PLAN_CHECK(plan != nullptr && plan->hash == key.plan_hash, "open_rank_state: the plan does not match the key");
   TIDE_PLAN_CHECK(timeout_ms > 0, "timeout_ms: must be > 0, got ", timeout_ms);
   if (session_states().has(key.key())) return;
-  const RankArena arena = rank_arena(*plan, key.op);
   ExecutorOptions opt;
   opt.timeout_s = static_cast<double>(timeout_ms) / 1000.0;
+  const Rails rails = rails_in_use(opt);  // group_plan's segment_bytes: the same layout
+  const RankArena arena = group_rank_arena(*plan, key.op, rails);
   auto ex = std::make_shared<RankExecutor>(key.rank, plan->topo, segments, arena.bytes, arena.regions, opt);
   auto call_ex = std::make_shared<CpuRankCallExecutor>(ex, RegionTable{});  // own arena: counters from 0
-  put_rank_state(key, std::move(plan), call_ex, arena, ex->segment(key.rank), false, /*device=*/-1);
+  put_rank_state(key, std::move(plan), call_ex, arena, rails, ex->segment(key.rank), false, /*device=*/-1);
 }
 
 void RunRankCall(const GroupCall& call, uint64_t table, const RankIo& io) {

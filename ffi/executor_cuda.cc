@@ -103,10 +103,10 @@ void CompleteRankCuda(const GroupCall& call, int rank) {
 
 // ---- Ranks across processes on CUDA ----------------------------------------------------------
 // [Note: CUDA rank states] One CudaProcessRank per (collective, plan, mesh, group, rank) of this
-// process: its own IPC arena, laid out as rank_arena() (the session's own layout plus the entry
-// fence's counter), and its own rail communicator. Between create and connect the handle and the
-// rail id travel through jax.distributed's store (tide_xla/processes.py); a rank waits there, so
-// a missing process is a TimeoutError naming it. Here only the rail's construction waits (NCCL's
+// process: its own IPC arena, laid out as group_rank_arena() (the session's own layout on its
+// rails plus the entry fence's counter), and its own rail communicator. Between create and
+// connect the handle and the rail id travel through jax.distributed's store
+// (tide_xla/processes.py); a rank waits there, so a missing process is a TimeoutError naming it. Here only the rail's construction waits (NCCL's
 // init among the rail's processes, which have all passed that exchange). The states live until
 // tide_xla.release of their mesh, which every process calls after its last step and a barrier
 // (their peers may push into the arena until the last call of every process). A process holding
@@ -127,6 +127,14 @@ struct PendingRank {
 std::mutex g_pending_mu;
 auto* g_pending = new std::map<RankStateKey, PendingRank>();
 
+// The rails a rank of `topo` runs on: two-sided across nodes (CudaProcessRank::rails_for, what
+// connect() gives its executor), as its executor reads its options.
+Rails cuda_rank_rails(const Topology& topo) {
+  ExecutorOptions o;
+  o.rails = CudaProcessRank::rails_for(topo);
+  return rails_in_use(o);
+}
+
 }  // namespace
 
 std::string create_cuda_rank_state(const RankStateKey& key, std::shared_ptr<const Plan> plan, int device,
@@ -139,7 +147,7 @@ std::string create_cuda_rank_state(const RankStateKey& key, std::shared_ptr<cons
     TIDE_CHECK(!it->second.connected, "create_cuda_rank_state: rank ", key.rank, " is connected already");
     return it->second.rank->ipc_handle();
   }
-  const RankArena arena = rank_arena(*plan, key.op, CudaProcessRank::rails_for(plan->topo));
+  const RankArena arena = group_rank_arena(*plan, key.op, cuda_rank_rails(plan->topo));
   PendingRank p;
   p.rank = std::make_shared<CudaProcessRank>(key.rank, plan->topo, device, arena.bytes);
   p.device = device;  // counted once connected (put_rank_state)
@@ -165,7 +173,8 @@ void connect_cuda_rank_state(const RankStateKey& key, const std::vector<std::str
           k.rank != key.rank)
         others.push_back(q.rank);
   }
-  const RankArena arena = rank_arena(*p.plan, key.op, CudaProcessRank::rails_for(p.plan->topo));
+  const Rails rails = cuda_rank_rails(p.plan->topo);
+  const RankArena arena = group_rank_arena(*p.plan, key.op, rails);
   ExecutorOptions opt;
   opt.timeout_s = static_cast<double>(p.timeout_ms) / 1000.0;
   std::vector<const CudaProcessRank*> local;
@@ -173,7 +182,7 @@ void connect_cuda_rank_state(const RankStateKey& key, const std::vector<std::str
   std::shared_ptr<CallExecutor> ex = p.rank->connect(handles, rail_id, arena.regions, opt, local);
   const auto* base = reinterpret_cast<const uint8_t*>(p.rank->arena());
   // The executor keeps the arena, the same-process peers' and the rail.
-  put_rank_state(key, p.plan, std::move(ex), arena, base, true, p.device);
+  put_rank_state(key, p.plan, std::move(ex), arena, rails, base, true, p.device);
   std::lock_guard<std::mutex> lock(g_pending_mu);
   auto it = g_pending->find(key);
   if (it != g_pending->end()) it->second.connected = true;

@@ -115,17 +115,31 @@ NB_MODULE(_ffi, m) {
   m.def("group_plan", [](const std::string& op, const std::vector<std::vector<int64_t>>& shapes,
                          const std::string& in, const std::string& out, int nodes, int gpus, int mode) {
     const auto plan = plan_for(op, shapes, in, out, nodes, gpus, mode);
-    const tide::RankArena arena = tide::rank_arena(*plan, collective_named(op));  // XLA:CPU: one host, one-sided
+    const tide::Collective c = collective_named(op);
+    // XLA:CPU's executors (one host) on the rails they run on (one-sided unless TIDE_EXEC_OPTIONS says).
+    const tide::Rails rails = xf::rails_in_use(tide::ExecutorOptions{});
+    const tide::RankArena segment = xf::group_rank_arena(*plan, c, rails);
+    const tide::ArenaSpec arena = xf::group_arena(*plan, c, rails);
+    nb::dict regions;
+    for (int k = static_cast<int>(tide::BufKind::kRing0); k < tide::kNumBufKinds; ++k)
+      if (arena.bytes[k] > 0)
+        regions[tide::buf_kind_name(static_cast<tide::BufKind>(k))] = nb::make_tuple(arena.offset[k], arena.bytes[k]);
+    regions["counters"] = nb::make_tuple(arena.counters_offset, arena.counters_bytes);
     nb::dict d;
     d["hash"] = plan->hash;
-    d["segment_bytes"] = arena.bytes;
-    d["pull_landing"] = collective_named(op) == tide::Collective::kAllGather && xf::pull_landing(*plan);
+    d["segment_bytes"] = segment.bytes;
+    d["arena_bytes"] = arena.total;
+    d["arena"] = regions;
+    d["rails"] = tide::rails_name(rails);
+    d["pull_landing"] = c == tide::Collective::kAllGather && xf::pull_landing(*plan);
     return d;
   }, nb::arg("op"), nb::arg("shapes"), nb::arg("in_dtype"), nb::arg("out_dtype"), nb::arg("nodes"),
         nb::arg("gpus_per_node"), nb::arg("mode"),
-        "{'hash', 'segment_bytes', 'pull_landing'} of the plan the handlers build for this call, the "
-        "shared-memory segment each rank needs for it, and whether TIDE-AG lands in XLA's results by pulling "
-        "(no copy-out).");
+        "{'hash', 'segment_bytes', 'arena_bytes', 'arena', 'rails', 'pull_landing'} of the plan the handlers "
+        "build for this call on XLA:CPU: the shared-memory segment each rank needs for it across processes, the "
+        "arena each rank's state holds in one process ({region: (offset, nbytes)} of the regions with bytes, and "
+        "the counters), the rails both are laid out for, and whether TIDE-AG lands in XLA's results by pulling "
+        "(no copy-out; its arena then holds the stage and counters only).");
   m.def("has_rank", [](const std::string& op, uint64_t plan_hash, uint64_t table, int64_t group, int rank) {
     return xf::session_states().has(rank_key(op, plan_hash, table, group, rank).key());
   });

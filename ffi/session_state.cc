@@ -13,9 +13,23 @@ namespace tide::xla_ffi {
 
 // Wherever the plan has a cast, on any number of nodes: one node pulls the peers' staged shards,
 // several keep the Bruck rounds and pull the peers' round areas ([Note: pull landing across nodes]
-// in csrc/program/ag_program.cc). The pull programs use the push programs' counters and arena
-// (one- and two-sided), so the arena, the segments and the counter ranges stay as they are.
+// in csrc/program/ag_program.cc). The pull programs' arena holds their stage and counters only
+// ([Note: pulled arena] in tide/plan.h): no ring slots, no TIDE-RS regions.
 bool pull_landing(const Plan& plan) { return plan.sig.needs_cast(); }
+
+namespace {
+bool pulls(Collective op, const Plan& plan) { return op == Collective::kAllGather && pull_landing(plan); }
+}  // namespace
+
+Rails rails_in_use(const ExecutorOptions& opt) { return with_debug_env(opt).rails; }
+
+ArenaSpec group_arena(const Plan& plan, Collective op, Rails rails) {
+  return GroupSession::own_arena(plan, {op}, rails, pulls(op, plan));
+}
+
+RankArena group_rank_arena(const Plan& plan, Collective op, Rails rails) {
+  return rank_arena(plan, op, rails, pulls(op, plan));
+}
 
 SessionRegistry& session_states() {
   // Never destroyed at exit: its streams and arenas would otherwise be torn down in a static
@@ -34,7 +48,7 @@ GroupPlacement xla_placement(Collective op, int64_t group, const Plan& plan) {
   p.kinds = {op};
   p.group = static_cast<int32_t>(group);
   p.resident = false;  // XLA owns the shards: read them in place (kShard)
-  p.pull_landing = op == Collective::kAllGather && pull_landing(plan);
+  p.pull_landing = pulls(op, plan);
   return p;
 }
 
@@ -47,9 +61,15 @@ std::shared_ptr<SessionState> group_state(const GroupCall& call, const std::vect
   if (devices) key.insert(key.end(), devices->begin(), devices->end());
   return session_states().get_or_make(key, call.table, [&] {
     auto s = std::make_shared<SessionState>();
-    s->arena = GroupSession::own_arena(*call.plan, {call.spec.op});
+    // Laid out for the rails the executor will run on (its options as it reads them), so the
+    // counters region holds the programs as the session lowers them.
+    const Rails rails = rails_in_use(executor_options_for(call));
+    s->arena = group_arena(*call.plan, call.spec.op, rails);
     s->cuda = call.spec.cuda;
-    s->session = std::make_unique<GroupSession>(call.plan, make(s->arena),
+    std::shared_ptr<CallExecutor> executor = make(s->arena);
+    TIDE_CHECK(executor->rails() == rails, "group ", call.group, " (", target_name(call.spec.op), "): its arena was "
+               "laid out for ", rails_name(rails), " rails, its executor runs ", rails_name(executor->rails()));
+    s->session = std::make_unique<GroupSession>(call.plan, std::move(executor),
                                                 xla_placement(call.spec.op, call.group, *call.plan));
     // One arena per rank: on each rank's device (CUDA), or host memory.
     if (devices)
@@ -102,8 +122,11 @@ SessionKey RankStateKey::key() const {
 }
 
 void put_rank_state(const RankStateKey& key, std::shared_ptr<const Plan> plan, std::shared_ptr<CallExecutor> executor,
-                    const RankArena& arena, const uint8_t* own_arena, bool cuda, int device) {
+                    const RankArena& arena, Rails rails, const uint8_t* own_arena, bool cuda, int device) {
   TIDE_PLAN_CHECK(!session_states().released(key.table), session_states().released_message());
+  TIDE_CHECK(executor->rails() == rails, "rank ", key.rank, " of group ", key.group, " (", target_name(key.op),
+             "): its arena was laid out for ", rails_name(rails), " rails, its executor runs ",
+             rails_name(executor->rails()));
   auto st = std::make_shared<SessionState>();
   st->rank_state = true;
   GroupPlacement p = xla_placement(key.op, key.group, *plan);

@@ -142,6 +142,14 @@ struct GroupCall {
 // (shards already in the AG dtype: no stage) it lands in the arena's ring slot and the rank
 // copies the landing out.
 bool pull_landing(const Plan& plan);
+// The rails an executor made now with `opt` runs on (TIDE_EXEC_OPTIONS may set them: the executors
+// read it themselves), which every arena below is laid out for.
+Rails rails_in_use(const ExecutorOptions& opt);
+// The arena of a group's session of `op` on `rails` (GroupSession::own_arena: a TIDE-AG that pulls
+// holds its stage and counters only, [Note: pulled arena] in tide/plan.h), and the segment each
+// rank of a job of processes needs for it (rank_arena: the same and the entry fence's counter).
+ArenaSpec group_arena(const Plan& plan, Collective op, Rails rails);
+RankArena group_rank_arena(const Plan& plan, Collective op, Rails rails);
 // [Note: state lifetime] A state belongs to its mesh's device table (call.table, the registry's
 // scope): it lives until release_table(table) (tide_xla.release, or a re-init of the mesh), which
 // frees the states of that table and marks it released until the registry's open(table)
@@ -167,7 +175,7 @@ ExecutorOptions executor_options_for(const GroupCall& call);
 // core's CudaProcessRank, its node's peers by CUDA IPC and other nodes over its NCCL rail).
 // Keyed by (collective, plan hash, device-table fingerprint, group, rank); opened at trace time,
 // kept until tide_xla.release of the mesh ([Note: state lifetime] above). The segment every rank
-// needs: rank_arena (tide/session_registry.h).
+// needs: group_rank_arena above.
 struct RankStateKey {
   Collective op = Collective::kAllGather;
   uint64_t plan_hash = 0;
@@ -177,11 +185,12 @@ struct RankStateKey {
   bool operator<(const RankStateKey& o) const;
   SessionKey key() const;  // its key in session_states()
 };
-// Builds the state's session over `executor` (a rank executor whose arena is `arena`, at
-// `own_arena` in this process: a host segment or device memory) and keeps it under `key` (an
-// existing one stays); its arena counts on `device` (-1: host); `cuda`: calls go on XLA's stream.
+// Builds the state's session over `executor` (a rank executor whose arena is `arena`, laid out
+// for `rails`, which must be the executor's; at `own_arena` in this process: a host segment or
+// device memory) and keeps it under `key` (an existing one stays); its arena counts on `device`
+// (-1: host); `cuda`: calls go on XLA's stream.
 void put_rank_state(const RankStateKey& key, std::shared_ptr<const Plan> plan, std::shared_ptr<CallExecutor> executor,
-                    const RankArena& arena, const uint8_t* own_arena, bool cuda, int device);
+                    const RankArena& arena, Rails rails, const uint8_t* own_arena, bool cuda, int device);
 // Rank `io.rank`'s XLA buffers as its session's bindings (AG: shards, and the landings when
 // pulled; RS: gradients and the fp32 output).
 RankBindingList rank_bindings(const GroupCall& call, const RankIo& io);

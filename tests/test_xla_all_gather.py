@@ -210,6 +210,56 @@ def test_pull_landing_across_nodes_on_two_sided_rails(monkeypatch):
         tide_xla.release(mesh)  # no later test runs on these two-sided states
 
 
+@pytest.mark.parametrize("rails", ["one_sided", "two_sided"])
+@pytest.mark.parametrize("topology", [(1, 8), (2, 4), (4, 2)])
+def test_pulled_gather_state_holds_only_what_its_programs_touch(topology, rails, monkeypatch):
+    """A pulled group's TIDE-AG state ([Note: pulled arena] in tide/plan.h): its arena holds the
+    stage its pull programs address (the program index's region ends) and exactly their counters
+    on the rails its executor runs (TIDE_EXEC_OPTIONS=rails=two_sided: the lowering's too), no
+    ring slot; group_plan reports that layout, the memory model the same bytes (one-sided), and
+    live_states counts exactly that per rank once the state exists."""
+    import tide
+    from tide import _core
+    from tide_xla.context import MODES, context_for
+    if rails == "two_sided":
+        monkeypatch.setenv("TIDE_EXEC_OPTIONS", "rails=two_sided")
+    mesh = Mesh(np.array(jax.devices()[:8]), ("fsdp",))
+    tide_xla.init(mesh, "fsdp", topology=topology)  # fresh states: their executors read the option
+    try:
+        sharded, layout = tide_xla.shard(int_params(12), mesh, "fsdp", group_key=lambda path: "one")
+        ctx = context_for(mesh, "fsdp")
+        shapes = [list(layout.leaves[i].shape) for i in layout.groups[0].leaves]
+        info = _ffi.group_plan("tide_all_gather", shapes, "float32", "bfloat16", ctx.nodes, ctx.gpus_per_node,
+                               MODES[ctx.mode])
+        sig = tide.GroupSignature(shapes=shapes, ag_dtype="bfloat16", grad_dtype="bfloat16", shard_dtype="float32",
+                                  names=[f"parameter {p}" for p in range(len(shapes))])
+        plan = tide.plan(sig, tide.Topology(*topology), mode=ctx.mode)
+        assert plan.hash == info["hash"] and info["pull_landing"] and info["rails"] == rails
+        pull = _core.build_ag_programs(plan, resident=False, pull_landing=True, with_expects=False)
+        if rails == "two_sided":
+            pull = pull.lowered()
+        stage = max(pull.arena_ends(r)["stage"] for r in range(8))
+        assert all(set(pull.arena_ends(r)) == {"stage"} for r in range(8))
+        n = pull.num_counters
+        assert n == _core.program_counters(plan, "all_gather", rails)  # two-sided: the lowered programs'
+        counters = -(-stage // 4096) * 4096
+        assert info["arena"] == {"stage": (0, stage), "counters": (counters, 8 * n)}
+        assert info["arena_bytes"] == counters + 8 * n
+        n1 = _core.program_counters(plan, "all_gather", "one_sided")
+        assert plan.memory()["pull_arena_bytes"] == info["arena_bytes"] - 8 * (n - n1)
+        before = tide_xla.live_states()
+        got = gathered_copies(mesh, "fsdp", layout, sharded, use_tide=True)
+        after = tide_xla.live_states()
+        assert after["group_states"] == before["group_states"] + 1
+        assert after["arena_bytes"] - before["arena_bytes"] == 8 * info["arena_bytes"]  # one arena per rank
+        want = gathered_copies(mesh, "fsdp", layout, sharded, use_tide=False)
+        for k in SHAPES:
+            np.testing.assert_array_equal(np.asarray(got[k]).view(np.uint16),
+                                          np.asarray(want[k]).view(np.uint16), err_msg=k)
+    finally:
+        tide_xla.release(mesh)  # no later test runs on these states
+
+
 def test_handler_stats_count_every_devices_call():
     """_ffi.handler_stats: one TIDE-AG call per group and device, with its host time; the reset
     starts from zero (the Flax example reports them per step)."""

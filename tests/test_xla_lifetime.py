@@ -104,13 +104,14 @@ def test_reinit_releases_the_old_states_and_the_context_manager_releases():
 
 
 def test_repeated_init_step_release_keeps_memory_flat():
-    """The same executable, N times: init -> step -> release. Each step's states hold ~26 MiB of
-    arenas (8 ranks, AG and RS); kept, the later steps would add them up."""
+    """The same executable, N times: init -> step -> release. Each step's states hold ~14 MiB of
+    arenas (8 ranks: the pulled AG's stage and counters, the RS state's plan layout); kept, the
+    later steps would add them up."""
     mesh = _mesh()
     base = tide_xla.live_states()
     run = _step(mesh)
     rss, held = [], []
-    for i in range(10):
+    for i in range(16):
         if i:
             tide_xla.init(mesh, "fsdp", topology=(2, 4))
         run()
@@ -118,9 +119,12 @@ def test_repeated_init_step_release_keeps_memory_flat():
         tide_xla.release(mesh, "fsdp")
         assert tide_xla.live_states() == base
         rss.append(_rss_bytes())
-    assert held[0] > 16 << 20 and len(set(held)) == 1, held
+    assert held[0] > 8 << 20 and len(set(held)) == 1, held
+    # Kept states would keep their arenas' touched pages (the AG stage, the RS scratch and
+    # counters: ~3.8 MB a step here; the RS state's ring slots are never touched) for each of the
+    # 13 steps after rss[2], well past 2 x held; the process's own growth is ~1 MiB a step.
     grown = rss[-1] - rss[2]
-    assert grown < held[0] // 2, ([r >> 20 for r in rss], held[0] >> 20)
+    assert grown < 2 * held[0], ([r >> 20 for r in rss], held[0] >> 20)
 
 
 def test_a_jax_process_exits_without_nanobind_leaks():

@@ -6,7 +6,8 @@ this process (ranks_as="threads") or forked processes sharing an anonymous share
 CUDA executor over an in-process fabric (tide/cluster_cuda.py: torch or DLPack arrays).
 
 Every call goes through the core's call runtime (``tide._core.GroupSession``): one session per
-(plan, collective and its placement), each with its own arena, which owns the program sets, the
+(plan, collective and its placement), each with its own arena (a pulled all-gather's holds its
+stage and counters only: [Note: pulled arena]), which owns the program sets, the
 call sequence number, the TIDE-RS bank rule and the CTA budgets. Counters are epochs and are
 never reset, exactly as on a real cluster. This module only converts arrays to and from buffers.
 """
@@ -51,10 +52,10 @@ class _CpuBackend:
         self.vc = vc
         self.keep: list = []
 
-    def executor(self, plan, kinds):
+    def executor(self, plan, kinds, pull_landing: bool = False):
         return _core.CpuClusterExecutor(self.vc.world, plan, kinds,
                                         processes=self.vc.ranks_as == "processes",
-                                        options=self.vc.options.as_dict())
+                                        options=self.vc.options.as_dict(), pull_landing=pull_landing)
 
     @staticmethod
     def _flat(x, dtype_name: str, what: str = "input") -> np.ndarray:
@@ -227,7 +228,7 @@ class VirtualCluster:
         key = (plan.hash, kind, tuple(sorted(placement.items())))
         se = self._sessions.get(key)
         if se is None:
-            ex = self._b.executor(plan, [kind])
+            ex = self._b.executor(plan, [kind], pull_landing=bool(placement.get("pull_landing", False)))
             s = _core.GroupSession(plan, ex, [kind], check=self._checking(),
                                    generate_rs=self.lean and kind == RS,
                                    sum_ctas=self.sum_ctas, land_ctas=self.land_ctas, **placement)

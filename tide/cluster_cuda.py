@@ -45,8 +45,8 @@ class CudaBackend:
     def device_of(self, rank: int) -> int:
         return self.devices[rank % len(self.devices)]
 
-    def executor(self, plan, kinds):
-        regions, total = _core.session_arena(plan, kinds)
+    def executor(self, plan, kinds, pull_landing: bool = False):
+        regions, total = _core.session_arena(plan, kinds, pull_landing=pull_landing)
         devices = [self.device_of(r) for r in range(self.vc.world)]
         name, (_, nbytes) = max(regions.items(), key=lambda kv: kv[1][1])
         for d in sorted(set(devices)):  # before any arena is allocated, naming what makes it large

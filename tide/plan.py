@@ -2,8 +2,9 @@
 
 `plan()` returns a `tide._core.Plan`: `plan.layout` (R_p, s_p, o_p, S, landing(p, r), rows(p, r),
 valid_rows(p, r), S_fp32, B_pack, NS), `plan.ag` / `plan.rs` / `plan.solver` / `plan.options`
-(dicts), `plan.memory()` (memory-model terms in bytes and NS units plus the arena table),
-`plan.region(name)` and `plan.hash`.
+(dicts), `plan.memory()` (memory-model terms in bytes and NS units plus the arena table, and
+`pull_arena` / `pull_arena_bytes`: the arena of a TIDE-AG that pulls, stage and one-sided counters
+only, [Note: pulled arena] in csrc/include/tide/plan.h), `plan.region(name)` and `plan.hash`.
 """
 from __future__ import annotations
 

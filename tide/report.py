@@ -104,6 +104,11 @@ def format_plan(p, title: str, max_params: int = 12) -> str:
             f"  {'region':<10} {'offset':>14} {'bytes':>14}"]
     for r in mem["arena"]:
         out.append(f"  {r['name']:<10} {r['offset']:>14} {r['bytes']:>14}")
+    if mem["pull_arena"] is not None:  # [Note: pulled arena]: no ring slots, no TIDE-RS regions
+        out += ["", f"Arena of a TIDE-AG that pulls ({_fmt_bytes(mem['pull_arena_bytes'])}: tide_xla's "
+                "with fp32 shards; one-sided counters)"]
+        for r in mem["pull_arena"]:
+            out.append(f"  {r['name']:<10} {r['offset']:>14} {r['bytes']:>14}")
     return "\n".join(out)
 
 

@@ -1,4 +1,4 @@
-// Memory model (Section 5.4, Eqs. 10-12) and arena layout.
+// Memory model (Section 5.4, Eqs. 10-12), the arena layout and the pulled TIDE-AG's arena.
 #include <algorithm>
 
 #include "tide/plan.h"
@@ -108,6 +108,21 @@ MemoryModel build_memory(const Plan& plan) {
   add("counters", kCounterBytes);
   mm.arena_bytes = align_up(off, kArenaAlign);
   return mm;
+}
+
+std::vector<ArenaRegion> pull_arena(const Plan& plan, int num_counters) {
+  TIDE_PLAN_CHECK(num_counters >= 0, "pull_arena: num_counters must be >= 0, got ", num_counters);
+  std::vector<ArenaRegion> out;
+  int64_t off = 0;
+  auto add = [&](const char* name, int64_t bytes) {
+    off = align_up(off, kArenaAlign);
+    out.push_back({name, off, bytes});
+    off += bytes;
+  };
+  if (!plan.sig.needs_cast()) add("resident", plan.layout.S);
+  add("stage", plan.ag.stage_bytes);
+  add("counters", 8ll * num_counters);
+  return out;
 }
 
 }  // namespace tide

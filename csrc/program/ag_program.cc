@@ -2,7 +2,8 @@
 // received stage slots into all L local landings, per-area credits, decoupled streams; the
 // expert lane (L_sub = 1: recursive doubling landing to landing, no stage); and the pull landing
 // into the rank's own user buffers, on one node ([Note: pull landing]) and across nodes, where the
-// rounds stay and the scatters become pulls ([Note: pull landing across nodes]).
+// rounds stay and the scatters become pulls ([Note: pull landing across nodes]); the pull programs
+// lay out an arena of their stage and counters only ([Note: pulled arena] in tide/plan.h).
 //
 // [Note: AG streams and counters] Rank r = (n, l), call seq e:
 //   caller      [CAST own shard -> stage slot 0]; wait READY[*] >= e; local push (own shard into
@@ -293,6 +294,7 @@ Program build_ag_pull_rounds_program(const Plan& plan, const AgCallOptions& opt,
   names[C.ev_sends()] = "ev:staged(release)";
   names[C.ev_scattered()] = "(unused)";
   Program prog = base_program(plan, opt, rank, C.count(), std::move(names));
+  prog.arena = pull_arena_spec_for(plan, prog.num_counters);  // the stage and counters ([Note: pulled arena])
   prog.streams = {"caller", "readiness", "pull", "credit"};
   prog.release_event = C.ev_sends();
   prog.done_event = C.ev_done();
@@ -416,6 +418,7 @@ Program build_ag_pull_program(const Plan& plan, const AgCallOptions& opt, int ra
     names[C.done(j)] = TIDE_STR_CAT("PULLED[", j, "]");
   }
   Program prog = base_program(plan, opt, rank, C.count(), std::move(names));
+  prog.arena = pull_arena_spec_for(plan, prog.num_counters);  // [Note: pulled arena] in tide/plan.h
   prog.streams = {"caller"};
   prog.release_event = C.ev_sends();
   prog.done_event = C.ev_done();

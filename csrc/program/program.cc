@@ -71,28 +71,33 @@ const char* op_tag_name(OpTag t) {
 namespace {
 int64_t align_up(int64_t v, int64_t a) { return (v + a - 1) / a * a; }
 constexpr int64_t kAlign = 4096;
+
+// The ArenaSpec of a memory-model region table (regions it does not list: offset 0, 0 bytes);
+// its total is the end of the last region.
+ArenaSpec spec_of(const std::vector<ArenaRegion>& regions) {
+  ArenaSpec a;
+  for (const auto& reg : regions) {
+    if (reg.name == "counters") {
+      a.counters_offset = reg.offset;
+      a.counters_bytes = reg.bytes;
+    } else {
+      for (int k = 4; k < kNumBufKinds; ++k)
+        if (reg.name == buf_kind_name(static_cast<BufKind>(k))) {
+          a.offset[k] = reg.offset;
+          a.bytes[k] = reg.bytes;
+        }
+    }
+    a.total = std::max(a.total, reg.offset + reg.bytes);
+  }
+  return a;
+}
 }  // namespace
 
 ArenaSpec arena_spec_for(const Plan& plan, int num_counters) {
   ArenaSpec a;
   const int64_t counter_need = align_up(std::max<int64_t>(8, 8ll * num_counters), kAlign);
-  auto kind_of = [](const std::string& name, int* out) {
-    for (int k = 4; k < kNumBufKinds; ++k)
-      if (name == buf_kind_name(static_cast<BufKind>(k))) { *out = k; return true; }
-    return false;
-  };
   if (!plan.memory.arena.empty()) {
-    for (const auto& reg : plan.memory.arena) {
-      int k = -1;
-      if (reg.name == "counters") {
-        a.counters_offset = reg.offset;
-        a.counters_bytes = reg.bytes;
-      } else if (kind_of(reg.name, &k)) {
-        a.offset[k] = reg.offset;
-        a.bytes[k] = reg.bytes;
-      }
-      a.total = std::max(a.total, reg.offset + reg.bytes);
-    }
+    a = spec_of(plan.memory.arena);
     TIDE_CHECK(a.counters_bytes >= 8ll * num_counters, "plan arena 'counters' region holds ",
                a.counters_bytes / 8, " counters, the program needs ", num_counters);
     // The AG stage must fit what the schedule writes.
@@ -127,6 +132,10 @@ ArenaSpec arena_spec_for(const Plan& plan, int num_counters) {
   a.counters_bytes = counter_need;
   a.total = off + counter_need;
   return a;
+}
+
+ArenaSpec pull_arena_spec_for(const Plan& plan, int num_counters) {
+  return spec_of(pull_arena(plan, num_counters));
 }
 
 AgProgramStats ag_program_stats(const Program& prog) {

@@ -1,12 +1,15 @@
 // Bindings for csrc/plan (owner: planner). tide/plan.py is the Python face; a Plan crosses into
 // Python as tide._core.Plan, and the schedule/solver/memory sections come out as plain dicts so
 // that the CLI can print them and dump them as JSON without knowing every field.
+#include <algorithm>
+
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/pair.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
 #include "tide/plan.h"
+#include "tide/session.h"  // program_counters: the pulled arena's counters
 
 namespace nb = nanobind;
 using namespace tide;
@@ -112,6 +115,26 @@ nb::dict memory_dict(const Plan& p) {
     arena.append(e);
   }
   d["arena"] = arena;
+  // [Note: pulled arena]: the arena of a session whose TIDE-AG pulls (tide_xla's, with a cast),
+  // its counters the one-sided pull programs'; None where the plan cannot pull (no cast across nodes).
+  if (p.sig.needs_cast() || p.topo.nodes == 1) {
+    nb::list pulled;
+    int64_t end = 0;
+    for (const auto& r : pull_arena(p, program_counters(p, Collective::kAllGather, Rails::kOneSided, true))) {
+      nb::dict e;
+      e["name"] = r.name;
+      e["offset"] = r.offset;
+      e["bytes"] = r.bytes;
+      pulled.append(e);
+      end = std::max(end, r.offset + r.bytes);
+    }
+    d["pull_arena"] = pulled;
+    both("pull_arena", end);
+  } else {
+    d["pull_arena"] = nb::none();
+    d["pull_arena_bytes"] = nb::none();
+    d["pull_arena_ns"] = nb::none();
+  }
   return d;
 }
 
@@ -182,7 +205,8 @@ void bind_plan(nb::module_& m) {
       .def_prop_ro("solver", [](const Plan& p) { return solver_dict(p.solver); },
                    "Sizing-solver choices (Eqs. 13-14, App. G).")
       .def("memory", &memory_dict,
-           "Memory-model terms (Eqs. 10-12) in bytes and NS units, and the arena table.")
+           "Memory-model terms (Eqs. 10-12) in bytes and NS units, the arena table, and the pulled TIDE-AG's "
+           "arena (pull_arena, pull_arena_bytes: one-sided counters; None where the plan cannot pull).")
       .def("__repr__", [](const Plan& p) {
         return TIDE_STR_CAT("<tide.Plan M=", p.topo.nodes, " L=", p.topo.gpus_per_node,
                             " P=", p.layout.P, " S=", p.layout.S, " ", mode_name(p.opt.mode),

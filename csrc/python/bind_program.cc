@@ -118,6 +118,26 @@ void bind_program(nb::module_& m) {
         return n;
       })
       .def("arena_bytes", [](const ProgramSet& s) { return s.progs.at(0).arena.total; })
+      .def("arena_layout", [](const ProgramSet& s) {
+        const ArenaSpec& a = s.progs.at(0).arena;
+        nb::dict d;
+        for (int k = 4; k < kNumBufKinds; ++k)
+          d[buf_kind_name(static_cast<BufKind>(k))] = nb::make_tuple(a.offset[k], a.bytes[k]);
+        d["counters"] = nb::make_tuple(a.counters_offset, a.counters_bytes);
+        return d;
+      }, "{region: (offset, nbytes)} of the layout the set is bound to (rank 0's; every rank's is the same).")
+      .def("arena_ends", [](const ProgramSet& s, int r) {
+        s.require_built("ProgramSet.arena_ends");
+        TIDE_PLAN_CHECK(r >= 0 && static_cast<size_t>(r) < s.progs.size(), "ProgramSet.arena_ends: rank ", r,
+                        " is outside [0, ", s.progs.size(), ")");
+        nb::dict d;
+        const ProgramUse& use = s.index()->use[static_cast<size_t>(r)];
+        for (int k = 4; k < kNumBufKinds; ++k)
+          if (use.arena_end[k] >= 0) d[buf_kind_name(static_cast<BufKind>(k))] = use.arena_end[k];
+        return d;
+      }, nb::arg("rank"),
+         "{region: end byte} of every arena region rank `rank`'s program addresses, in any rank's arena (the "
+         "program index's ProgramUse.arena_end; what admission checks a layout against).")
       .def("ag_stats", [](const ProgramSet& s, int r) {
         auto st = ag_program_stats(s.progs.at(r));
         return std::make_tuple(st.scatter_descriptors, st.put_ops, st.ops);

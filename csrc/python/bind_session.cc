@@ -60,21 +60,24 @@ void bind_session(nb::module_& m) {
   }, nb::arg("collective"), nb::arg("sets"),
      "The checker as a session with check=True runs it on a new set (TIDE-RS: both banks, three calls); raises "
      "tide.Error 'TIDE static checker rejected ...'.");
-  m.def("program_counters", [](const Plan& plan, const std::string& kind, const std::string& rails) {
-    return program_counters(plan, kind_from(kind), parse_rails(rails, "program_counters"));
-  }, nb::arg("plan"), nb::arg("collective"), nb::arg("rails") = "one_sided",
-     "Counters the collective's programs of `plan` use (rails='two_sided': lowered).");
-  m.def("session_arena", [](const Plan& plan, const std::vector<std::string>& kinds, const std::string& rails) {
+  m.def("program_counters", [](const Plan& plan, const std::string& kind, const std::string& rails, bool pull_landing) {
+    return program_counters(plan, kind_from(kind), parse_rails(rails, "program_counters"), pull_landing);
+  }, nb::arg("plan"), nb::arg("collective"), nb::arg("rails") = "one_sided", nb::arg("pull_landing") = false,
+     "Counters the collective's programs of `plan` use (rails='two_sided': lowered; pull_landing: TIDE-AG's pull "
+     "programs).");
+  m.def("session_arena", [](const Plan& plan, const std::vector<std::string>& kinds, const std::string& rails,
+                            bool pull_landing) {
     std::vector<Collective> k;
     for (const auto& s : kinds) k.push_back(kind_from(s));
-    const ArenaSpec a = GroupSession::own_arena(plan, k, parse_rails(rails, "session_arena"));
+    const ArenaSpec a = GroupSession::own_arena(plan, k, parse_rails(rails, "session_arena"), pull_landing);
     nb::dict d;
     for (int i = 4; i < kNumBufKinds; ++i)
       if (a.offset[i] >= 0) d[buf_kind_name(static_cast<BufKind>(i))] = nb::make_tuple(a.offset[i], a.bytes[i]);
     d["counters"] = nb::make_tuple(a.counters_offset, a.counters_bytes);
     return nb::make_tuple(d, a.total);
-  }, nb::arg("plan"), nb::arg("collectives"), nb::arg("rails") = "one_sided",
-     "The arena ({region: (offset, nbytes)}, total bytes) of a session with its own arena running `collectives`.");
+  }, nb::arg("plan"), nb::arg("collectives"), nb::arg("rails") = "one_sided", nb::arg("pull_landing") = false,
+     "The arena ({region: (offset, nbytes)}, total bytes) of a session with its own arena running `collectives` "
+     "(pull_landing: a TIDE-AG that pulls, [Note: pulled arena]: its stage and counters only).");
 
   nb::class_<CounterSpace>(m, "CounterSpace",
                            "Counter slots shared by the groups of one arena: every group reserves its ranges in the "
@@ -98,15 +101,18 @@ void bind_session(nb::module_& m) {
                                                     "The CPU virtual cluster: every rank's arena here (threads) or "
                                                     "in forked processes over shared memory.")
       .def("__init__", [](CpuClusterCallExecutor* self, int world, const Plan& plan, const std::vector<std::string>& kinds,
-                          bool processes, nb::object options) {
+                          bool processes, nb::object options, bool pull_landing) {
         std::vector<Collective> k;
         for (const auto& s : kinds) k.push_back(kind_from(s));
         const ExecutorOptions o = options_from_python(options);
-        new (self) CpuClusterCallExecutor(world, GroupSession::own_arena(plan, k, o.rails), processes, o);
+        // The rails the executor runs on (TIDE_EXEC_OPTIONS applied), which its programs lower to.
+        const Rails rails = with_debug_env(o).rails;
+        new (self) CpuClusterCallExecutor(world, GroupSession::own_arena(plan, k, rails, pull_landing), processes, o);
         self->run_options().interrupted = python_interrupt_check();  // Ctrl-C reaches a blocked call
       }, nb::arg("world"), nb::arg("plan"), nb::arg("collectives"), nb::arg("processes") = false,
-         nb::arg("options") = nb::none(),
-         "An arena laid out for a session of `plan` running `collectives` (GroupSession.own_arena).")
+         nb::arg("options") = nb::none(), nb::arg("pull_landing") = false,
+         "An arena laid out for a session of `plan` running `collectives` (GroupSession.own_arena; "
+         "pull_landing: a TIDE-AG that pulls).")
       .def_prop_ro("arena", [](CpuClusterCallExecutor& e) -> CpuArena& { return e.arena(); }, nb::rv_policy::reference_internal)
       .def("set_faults", [](CpuClusterCallExecutor& e, int stall_rank, int64_t stall_op, double stall_s, int dead_rank,
                             int64_t dead_op, bool verify_agreement) {

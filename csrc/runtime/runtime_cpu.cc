@@ -32,7 +32,8 @@ void CpuClusterCallExecutor::run(const std::shared_ptr<const ProgramSet>& set, i
   TIDE_PLAN_CHECK(static_cast<int>(buffers.size()) == n, "CpuClusterExecutor.run: ", buffers.size(),
                   " buffer lists for ", n, " ranks");
   TIDE_PLAN_CHECK(set->progs[0].arena.total == arena_.spec().total, "CpuClusterExecutor.run: the programs' arena "
-                  "layout (", set->progs[0].arena.total, " bytes) differs from this arena's (", arena_.spec().total, ")");
+                  "layout (", set->progs[0].arena.total, " bytes) differs from this arena's (", arena_.spec().total,
+                  "; lay it out with GroupSession::own_arena for the session's collectives, rails and pull_landing)");
   (void)streams;
   std::vector<std::vector<Call>> per_rank(static_cast<size_t>(n));
   std::vector<RankBindings> b = buffers;  // processes mode bounces their slots

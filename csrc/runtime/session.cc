@@ -21,9 +21,12 @@ std::vector<Program> build_programs(const Plan& plan, Collective kind, const AgC
 
 }  // namespace
 
-int program_counters(const Plan& plan, Collective kind, Rails rails) {
+int program_counters(const Plan& plan, Collective kind, Rails rails, bool pull_landing) {
+  TIDE_PLAN_CHECK(!pull_landing || kind == Collective::kAllGather, "program_counters: pull_landing is TIDE-AG's, "
+                  "not ", collective_name(kind), "'s");
   AgCallOptions ag;
   ag.with_expects = false;
+  ag.pull_landing = pull_landing;
   RsCallOptions rs;
   rs.expert_lane = kind == Collective::kReduceScatterExpert;
   if (rails == Rails::kTwoSided && plan.topo.nodes > 1) {  // the lowering's counters need every rank
@@ -44,8 +47,16 @@ int64_t CounterSpace::reserve(const Plan& plan, Collective kind, Rails rails) {
   return base;
 }
 
-ArenaSpec GroupSession::own_arena(const Plan& plan, const std::vector<Collective>& kinds, Rails rails) {
+ArenaSpec GroupSession::own_arena(const Plan& plan, const std::vector<Collective>& kinds, Rails rails,
+                                  bool pull_landing) {
   TIDE_PLAN_CHECK(!kinds.empty(), "GroupSession: a session runs at least one collective");
+  if (pull_landing) {  // [Note: pulled arena] in tide/plan.h: the pull programs' counters on `rails`
+    TIDE_PLAN_CHECK(kinds.size() == 1 && kinds[0] == Collective::kAllGather, "GroupSession::own_arena: "
+                    "pull_landing is TIDE-AG's and its arena is its own (no ring slots, no TIDE-RS regions); give "
+                    "the all_gather a session of its own (got ", kinds.size(), " collective(s), the first ",
+                    collective_name(kinds[0]), ")");
+    return pull_arena_spec_for(plan, program_counters(plan, Collective::kAllGather, rails, true));
+  }
   const bool expert = std::find(kinds.begin(), kinds.end(), Collective::kReduceScatterExpert) != kinds.end();
   if (expert) {
     TIDE_PLAN_CHECK(kinds.size() == 1, "GroupSession: the expert lane has its own arena layout; give it a session "

@@ -47,8 +47,8 @@ GroupSignature group_signature(Collective op, const std::vector<std::vector<int6
   return sig;
 }
 
-RankArena rank_arena(const Plan& plan, Collective op, Rails rails) {
-  const ArenaSpec a = GroupSession::own_arena(plan, {op}, rails);
+RankArena rank_arena(const Plan& plan, Collective op, Rails rails, bool pull_landing) {
+  const ArenaSpec a = GroupSession::own_arena(plan, {op}, rails, pull_landing);
   RankArena out;
   int64_t end = a.total;
   for (int k = static_cast<int>(BufKind::kRing0); k < kNumBufKinds; ++k) {

@@ -398,6 +398,7 @@ struct MemoryModel {
   // Within a region, blocks are block_bytes apart: outbox bank b block i at (b*n_out + i),
   // inbox generation g block j at (g*L + j), spare of bank b at b; staging slot t at
   // t*staging_slot_bytes.
+  // (A TIDE-AG that pulls has an arena of its own: pull_arena below.)
   std::vector<ArenaRegion> arena;     // every region's offset and size
   int64_t arena_bytes = 0;
   const ArenaRegion& region(const std::string& name) const;  // throws Error naming `name`
@@ -481,6 +482,16 @@ constexpr double kRsScratchBlocks = 21.0;  // RS scratch ceiling in output-sized
 constexpr int kMaxAutoPasses = 4;
 void validate_rs(const RsSchedule& rs, const Topology& topo, const Options& opt);  // PlanError
 MemoryModel build_memory(const Plan& plan);
+// [Note: pulled arena] The arena of a TIDE-AG session that pulls into its callers' landings
+// ([Note: pull landing] in tide/program.h; tide_xla's all-gathers with a cast): the regions its
+// programs address and nothing else, in this order, each 4 KiB aligned: resident (S; only without
+// a cast, where the peers pull the adopted shards), stage (plan.ag.stage_bytes: slot 0 holds the
+// cast shard, across nodes the Bruck rounds fill the rest), then counters, 8 bytes for each of
+// `num_counters` (its programs' counters on the rails in use: program_counters in
+// tide/session.h; the two-sided lowering adds some). The arena ends with its counters. No ring
+// slots (the landing is the caller's buffer) and no TIDE-RS regions: MemoryModel::arena without
+// its 2 NS of ring slots and Area_RS, and with a counters region of exactly its counters.
+std::vector<ArenaRegion> pull_arena(const Plan& plan, int num_counters);
 // The memory model's live bytes during a layer's backward, less the RS scratch (ring slots, AG
 // stage, In-Place's previous gradients), and FSDP2's (2 NS + B_pack): what build_memory and the
 // planner's pass count both use. Needs plan.layout, plan.ag and plan.opt.mode.

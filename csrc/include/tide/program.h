@@ -266,6 +266,9 @@ struct ArenaSpec {
 // with the same region names and order (ring slots NS each, resident S, stage per plan.ag, RS
 // regions per plan.rs).
 ArenaSpec arena_spec_for(const Plan& plan, int num_counters);
+// The arena of a pulled TIDE-AG ([Note: pulled arena] in tide/plan.h: pull_arena): its stage (or
+// resident region) and `num_counters` counters; the other regions at offset 0 with 0 bytes.
+ArenaSpec pull_arena_spec_for(const Plan& plan, int num_counters);
 
 // The collective a program (and a session's call) runs; the expert lane is TIDE-RS for an
 // L_sub = 1 subgroup (App. F), whose programs carry Collective::kReduceScatter.

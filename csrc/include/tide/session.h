@@ -74,8 +74,9 @@ class CallExecutor {
 void check_session_programs(Collective kind, const std::vector<const ProgramSet*>& sets);
 
 // The counters every collective's programs of `plan` use (their num_counters; two-sided rails
-// add the lowering's local counters).
-int program_counters(const Plan& plan, Collective kind, Rails rails = Rails::kOneSided);
+// add the lowering's local counters); pull_landing: TIDE-AG's pull programs' ([Note: pull
+// landing] in tide/program.h).
+int program_counters(const Plan& plan, Collective kind, Rails rails = Rails::kOneSided, bool pull_landing = false);
 
 // Counter slots shared by the groups of one arena (see the contract).
 class CounterSpace {
@@ -132,9 +133,13 @@ class GroupSession {
   // The CTA budgets this session's SUM and LAND ops run with.
   int sum_ctas() const { return sum_ctas_; }
   int land_ctas() const { return land_ctas_; }
-  // The arena a cluster executor needs for a session with its own arena (the plan's layout, its
-  // counters region holding every collective's range).
-  static ArenaSpec own_arena(const Plan& plan, const std::vector<Collective>& kinds, Rails rails = Rails::kOneSided);
+  // The arena a cluster executor needs for a session with its own arena running `kinds` on
+  // `rails` (the executor's: two-sided programs hold the lowering's counters too): the plan's
+  // layout, its counters region holding every collective's range; for a TIDE-AG that pulls
+  // (GroupPlacement::pull_landing; kinds = {all_gather} only) the pulled arena, its stage and
+  // exactly its programs' counters ([Note: pulled arena] in tide/plan.h).
+  static ArenaSpec own_arena(const Plan& plan, const std::vector<Collective>& kinds, Rails rails,
+                             bool pull_landing = false);
 
   // The program set call `seq` of `kind` runs, built and cached on first use.
   std::shared_ptr<const ProgramSet> programs(Collective kind, int64_t seq, float alpha = 1.0f, bool accumulate = false);

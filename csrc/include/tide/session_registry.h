@@ -18,8 +18,9 @@
 //   - Arena bytes are counted per device (-1: host memory) while a state lives. Cluster states
 //     (a cluster executor: every rank of the group in this process) and rank states (one rank of
 //     a job whose ranks are processes, over a rank executor) are counted apart (live()).
-//   - rank_arena(): the segment each rank of such a job needs for one collective of a plan: the
-//     session's own arena (GroupSession::own_arena) plus the rank executor's entry-fence counter.
+//   - rank_arena(): the segment each rank of such a job needs for one collective of a plan on the
+//     rank executor's rails: the session's own arena (GroupSession::own_arena; a pulled TIDE-AG's
+//     holds its stage and counters only) plus the rank executor's entry-fence counter.
 //   - Thread-safe. Nothing here knows a framework.
 #pragma once
 
@@ -49,12 +50,13 @@ GroupSignature group_signature(Collective op, const std::vector<std::vector<int6
 
 // The segment every rank of a job of processes needs for `op` of `plan`: regions name ->
 // (offset, bytes), the counters last with one more slot for the rank executor's entry fence.
-// rails: two-sided when the ranks' topology has several nodes on CUDA (its lowering's counters).
+// rails: the rank executor's (two-sided when the ranks' topology has several nodes on CUDA: its
+// lowering's counters); pull_landing: a TIDE-AG that pulls (GroupSession::own_arena).
 struct RankArena {
   int64_t bytes = 0;
   RegionTable regions;
 };
-RankArena rank_arena(const Plan& plan, Collective op, Rails rails = Rails::kOneSided);
+RankArena rank_arena(const Plan& plan, Collective op, Rails rails, bool pull_landing = false);
 
 // One state of a registry.
 struct SessionState {
