@@ -106,8 +106,9 @@ void CompleteRankCuda(const GroupCall& call, int rank) {
 // process: its own IPC arena, laid out as group_rank_arena() (the session's own layout on its
 // rails plus the entry fence's counter), and its own rail communicator. Between create and
 // connect the handle and the rail id travel through jax.distributed's store
-// (tide_xla/processes.py); a rank waits there, so a missing process is a TimeoutError naming it. Here only the rail's construction waits (NCCL's
-// init among the rail's processes, which have all passed that exchange). The states live until
+// (tide_xla/processes.py); a rank waits there, so a missing process is a TimeoutError naming
+// it. Here only the rail's construction waits (NCCL's init among the rail's processes, which
+// have all passed that exchange). The states live until
 // tide_xla.release of their mesh, which every process calls after its last step and a barrier
 // (their peers may push into the arena until the last call of every process). A process holding
 // several ranks of a node connects each with the others of its group ([Note: same-process peers]

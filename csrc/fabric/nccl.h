@@ -141,7 +141,9 @@ class NcclRail {
   // and the seconds it polled in all.
   int64_t groups() const { return groups_.load(std::memory_order_relaxed); }
   int64_t in_progress_waits() const { return in_progress_.load(std::memory_order_relaxed); }
-  double in_progress_wait_s() const { return 1e-9 * static_cast<double>(in_progress_ns_.load(std::memory_order_relaxed)); }
+  double in_progress_wait_s() const {
+    return 1e-9 * static_cast<double>(in_progress_ns_.load(std::memory_order_relaxed));
+  }
 
  private:
   std::atomic<int64_t> groups_{0}, in_progress_{0}, in_progress_ns_{0};
